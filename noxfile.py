@@ -1,0 +1,77 @@
+"""Every way to test, type-check, lint, demo and benchmark zeroshard.
+
+Sessions install `torch==2.13.0` first: a CPU build that satisfies every package's
+`torch>=2.6`, so nothing else pulls a multi-gigabyte CUDA build.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "typecheck", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"
+PACKAGES = ["comm", "partition", "ckpt", "engine", "compile"]
+EDITABLE = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
+
+
+def _install(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install(*EDITABLE, *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite on CPU ranks over gloo."""
+    _install(session, *TEST_DEPS)
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on every package's src/."""
+    _install(session, "mypy>=1.10")
+    session.run("mypy", *(f"-p=zeroshard.{p}" for p in PACKAGES))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff>=0.5")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """Tests marked `gpu` on NCCL (world sizes 1 and 2) in this interpreter, which must see CUDA."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        session.log("gpu: torch is not installed in this interpreter; nothing run")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        session.log("gpu: no CUDA device here; nothing run (this is not a failure)")
+        return
+    env = {"PYTHONPATH": ":".join(f"packages/{p}/src" for p in PACKAGES)}
+    session.run("python", "-m", "pytest", "-m", "gpu", "--device", "cuda", "-q", env=env)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Train the small GPT of examples/ on 2 CPU ranks (gloo) and print the loss falling."""
+    _install(session)
+    args = session.posargs or ["--stage", "2", "--steps", "300"]
+    session.run("torchrun", "--standalone", "--nproc-per-node=2", "examples/train_gpt.py", *args)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
+    _install(session, "numpy", "matplotlib")
+    for script in ("flatten", "comm"):
+        session.run("python", f"benchmarks/{script}.py", "--smoke", *session.posargs)

@@ -1,0 +1,3 @@
+"""zeroshard.ckpt (being built; see the package README)."""
+
+__all__: list[str] = []

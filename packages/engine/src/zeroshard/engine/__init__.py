@@ -1,0 +1,3 @@
+"""zeroshard.engine (being built; see the package README)."""
+
+__all__: list[str] = []
