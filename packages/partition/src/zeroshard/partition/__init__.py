@@ -1,9 +1,15 @@
 """zeroshard.partition: flat layouts, even sharding, chunks, and tiered flattening.
 
 `FlatLayout` says which parameter lives at which offset of a flat buffer and which
-part of it each rank's shard holds; checkpoints store it as JSON.
+part of it each rank's shard holds; checkpoints store it as JSON. `group_parameters`
+decides which parameters share a buffer, `flatten_params` packs them (on the device,
+distributed over ranks, or via the CPU), and `ChunkLayout` / `ChunkedBuffer` cut a
+buffer into evenly sharded fixed-size chunks.
 """
 
+from zeroshard.partition._chunks import CHUNK_FORMAT_VERSION, ChunkedBuffer, ChunkLayout
+from zeroshard.partition._flatten import FlattenTier, flatten_params, flatten_shard, unflatten
+from zeroshard.partition._groups import GroupKey, group_parameters
 from zeroshard.partition._layout import (
     FORMAT_VERSION,
     FlatLayout,
@@ -14,10 +20,19 @@ from zeroshard.partition._layout import (
 )
 
 __all__ = [
+    "CHUNK_FORMAT_VERSION",
     "FORMAT_VERSION",
+    "ChunkLayout",
+    "ChunkedBuffer",
     "FlatLayout",
+    "FlattenTier",
+    "GroupKey",
     "Piece",
     "Slot",
     "dtype_from_name",
     "dtype_name",
+    "flatten_params",
+    "flatten_shard",
+    "group_parameters",
+    "unflatten",
 ]

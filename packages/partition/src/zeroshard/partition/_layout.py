@@ -24,10 +24,15 @@ _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "int64": torch.int64,
     "int32": torch.int32,
+    "int16": torch.int16,
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+# fp8 weights appear in mixed-precision checkpoints; older torch builds may lack them.
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,7 +102,13 @@ class FlatLayout:
                 f"world_size * alignment = {self.world_size * self.alignment}"
             )
         end = 0
+        names: set[str] = set()
         for s in self.slots:
+            if s.name in names:
+                raise ValueError(f"parameter {s.name!r} appears twice in one layout")
+            names.add(s.name)
+            if any(d < 0 for d in s.shape):
+                raise ValueError(f"slot {s.name!r} has a negative dimension in {s.shape}")
             if s.offset < end or s.offset % self.alignment:
                 raise ValueError(f"slot {s.name!r} at offset {s.offset} overlaps or is unaligned")
             if s.numel != math.prod(s.shape):
@@ -127,6 +138,8 @@ class FlatLayout:
             if name in seen:
                 raise ValueError(f"parameter {name!r} appears twice in one layout")
             seen.add(name)
+            if any(int(d) < 0 for d in shape):
+                raise ValueError(f"parameter {name!r} has a negative dimension in {tuple(shape)}")
             numel = math.prod(shape)
             slots.append(Slot(name, tuple(int(d) for d in shape), offset, numel))
             offset += -(-numel // alignment) * alignment
@@ -211,6 +224,8 @@ class FlatLayout:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> FlatLayout:
         """Read `to_dict()` output; ValueError for an unknown format version or bad fields."""
+        if not isinstance(d, dict):
+            raise ValueError(f"malformed FlatLayout: expected an object, got {type(d).__name__}")
         version = d.get("format")
         if version != FORMAT_VERSION:
             raise ValueError(
