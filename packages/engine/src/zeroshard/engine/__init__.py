@@ -1,3 +1,20 @@
-"""zeroshard.engine (being built; see the package README)."""
+"""zeroshard.engine: ZeRO stages 1 and 2 with mixed precision, for any torch.optim optimizer.
 
-__all__: list[str] = []
+import zeroshard.engine as zs
+model, optimizer = zs.initialize(model, optimizer, {"stage": 2, "compute_dtype": "bf16"})
+loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+full = zs.full_state_dict(model)
+"""
+
+from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._initialize import EngineState, engine_state, full_state_dict, initialize
+from zeroshard.engine._optimizer import ZeroOptimizer
+
+__all__ = [
+    "EngineState",
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "engine_state",
+    "full_state_dict",
+    "initialize",
+]

@@ -1,0 +1,206 @@
+"""`ZeroConfig`: the typed, validated engine configuration, from our fields or DeepSpeed's."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TIERS = ("auto", "device", "distributed", "cpu")
+
+
+def parse_dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+    """A dtype from 'bf16' / 'fp16' / 'fp32' (or long names) or a torch dtype."""
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        dtype = _DTYPE_NAMES[value.lower()]
+    else:
+        raise ValueError(f"{what}: {value!r} is not a dtype; use one of 'fp32', 'bf16', 'fp16'")
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"{what}: {dtype} is not supported; use fp32, bf16 or fp16")
+    return dtype
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How the engine shards and computes. Build from a dict with `ZeroConfig.from_dict`.
+
+    Attributes:
+        stage: 1 shards optimizer state and fp32 master weights; 2 also gradients.
+        compute_dtype: dtype of parameters in forward/backward (master stays fp32).
+        reduce_dtype: dtype gradients are reduced in; None means `compute_dtype`.
+        reduce_bucket_bytes: parameters are grouped into flat groups of about this many
+            bytes (compute dtype); each group's gradients are reduced as one collective.
+        allgather_bucket_bytes: largest single all-gather of updated parameters.
+        overlap: stage 2 reduces each group as soon as its gradients are ready, during
+            backward; False reduces everything after backward (for debugging).
+        max_inflight_reductions: stage 2 waits for older reductions beyond this many, which
+            bounds the memory held by gradient buckets in flight.
+        flatten_tier: where parameters are flattened: 'auto', 'device', 'distributed', 'cpu'.
+        initial_loss_scale / loss_scale_window / min_loss_scale: fp16 dynamic loss scaling
+            (the scale halves on overflow, doubles after `loss_scale_window` good steps).
+        collective_timeout_s: a collective that takes longer raises an error naming it.
+    """
+
+    stage: int = 2
+    compute_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    reduce_bucket_bytes: int = 64 * 2**20
+    allgather_bucket_bytes: int = 256 * 2**20
+    overlap: bool = True
+    max_inflight_reductions: int = 2
+    flatten_tier: str = "auto"
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    collective_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(
+                f"stage must be 1 or 2, got {self.stage!r} (stage 3 is not available yet)"
+            )
+        object.__setattr__(self, "compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
+        if self.reduce_dtype is not None:
+            object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+        for name in ("reduce_bucket_bytes", "allgather_bucket_bytes", "max_inflight_reductions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.flatten_tier not in _TIERS:
+            raise ValueError(f"flatten_tier must be one of {_TIERS}, got {self.flatten_tier!r}")
+        if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:
+            raise ValueError("initial_loss_scale and min_loss_scale must be positive")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(
+                f"min_loss_scale {self.min_loss_scale} > initial_loss_scale "
+                f"{self.initial_loss_scale}"
+            )
+        if self.loss_scale_window < 1:
+            raise ValueError(f"loss_scale_window must be >= 1, got {self.loss_scale_window}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients travel in."""
+        return self.reduce_dtype or self.compute_dtype
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ZeroConfig:
+        """From our field names, a DeepSpeed `zero_optimization` dict, or a DeepSpeed config
+        holding one; unknown keys are a ValueError listing the valid ones."""
+        if "zero_optimization" in d:
+            return _from_deepspeed_config(d)
+        ours = {f.name for f in fields(ZeroConfig)}
+        if set(d) & set(_DEEPSPEED_ZERO_KEYS) - ours:
+            return _from_deepspeed_zero(d, {})
+        unknown = sorted(set(d) - ours)
+        if unknown:
+            raise ValueError(
+                f"unknown ZeroConfig keys {unknown}; valid keys: {sorted(ours)} "
+                f"(or DeepSpeed's zero_optimization keys: {sorted(_DEEPSPEED_ZERO_KEYS)})"
+            )
+        return ZeroConfig(**d)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# DeepSpeed's zero_optimization keys we translate, and those accepted because our
+# engine always behaves that way (they have no setting to change here).
+_DEEPSPEED_ZERO_KEYS: dict[str, str] = {
+    "stage": "stage",
+    "reduce_bucket_size": "reduce_bucket_bytes",
+    "allgather_bucket_size": "allgather_bucket_bytes",
+    "overlap_comm": "overlap",
+    "contiguous_gradients": "",
+    "reduce_scatter": "",
+    "allgather_partitions": "",
+}
+_DEEPSPEED_ALWAYS_TRUE = ("contiguous_gradients", "reduce_scatter", "allgather_partitions")
+_DEEPSPEED_TOP_KEYS = ("zero_optimization", "bf16", "fp16")
+
+
+def _from_deepspeed_zero(z: Mapping[str, Any], extra: dict[str, Any]) -> ZeroConfig:
+    unknown = sorted(set(z) - set(_DEEPSPEED_ZERO_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unsupported DeepSpeed zero_optimization keys {unknown}; "
+            f"supported: {sorted(_DEEPSPEED_ZERO_KEYS)}"
+        )
+    for key in _DEEPSPEED_ALWAYS_TRUE:
+        if key in z and not z[key]:
+            raise ValueError(
+                f"zero_optimization.{key}=false is not supported: zeroshard always does it"
+            )
+    out = dict(extra)
+    if "stage" in z:
+        out["stage"] = z["stage"]
+    if "overlap_comm" in z:
+        out["overlap"] = bool(z["overlap_comm"])
+    compute = out.get("compute_dtype", torch.float32)
+    # DeepSpeed's bucket sizes count elements; ours count bytes.
+    itemsize = parse_dtype(compute, "compute_dtype").itemsize
+    for ds_key, key in (
+        ("reduce_bucket_size", "reduce_bucket_bytes"),
+        ("allgather_bucket_size", "allgather_bucket_bytes"),
+    ):
+        if ds_key in z:
+            out[key] = int(z[ds_key]) * itemsize
+    return ZeroConfig(**out)
+
+
+def _from_deepspeed_config(d: Mapping[str, Any]) -> ZeroConfig:
+    unknown = sorted(set(d) - set(_DEEPSPEED_TOP_KEYS))
+    if unknown:
+        raise ValueError(
+            f"DeepSpeed config keys {unknown} are not zeroshard's to read: pass only "
+            f"{list(_DEEPSPEED_TOP_KEYS)} (batch sizes, optimizer and clipping stay in your script)"
+        )
+    bf16 = bool(d.get("bf16", {}).get("enabled", False))
+    fp16_cfg = d.get("fp16", {})
+    fp16 = bool(fp16_cfg.get("enabled", False))
+    if bf16 and fp16:
+        raise ValueError("DeepSpeed config enables both bf16 and fp16; choose one")
+    extra: dict[str, Any] = {}
+    if bf16:
+        extra["compute_dtype"] = torch.bfloat16
+    if fp16:
+        extra["compute_dtype"] = torch.float16
+        if fp16_cfg.get("loss_scale", 0):
+            raise ValueError(
+                "a static fp16 loss_scale is not supported; zeroshard scales dynamically"
+            )
+        if "initial_scale_power" in fp16_cfg:
+            extra["initial_loss_scale"] = 2.0 ** int(fp16_cfg["initial_scale_power"])
+        if "loss_scale_window" in fp16_cfg:
+            extra["loss_scale_window"] = int(fp16_cfg["loss_scale_window"])
+        if "min_loss_scale" in fp16_cfg:
+            extra["min_loss_scale"] = float(fp16_cfg["min_loss_scale"])
+    return _from_deepspeed_zero(d["zero_optimization"], extra)
+
+
+def as_config(config: ZeroConfig | Mapping[str, Any] | None) -> ZeroConfig:
+    """Accept a ZeroConfig, a dict (ours or DeepSpeed's) or None (defaults)."""
+    if config is None:
+        return ZeroConfig()
+    if isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, Mapping):
+        return ZeroConfig.from_dict(config)
+    raise TypeError(f"config must be a ZeroConfig or a dict, got {type(config).__name__}")

@@ -1,0 +1,176 @@
+"""`initialize()`: shard a model and its optimizer; `full_state_dict()`: gather them back."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Group
+from zeroshard.engine._config import ZeroConfig, as_config
+from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group
+from zeroshard.engine._loss_scale import LossScaler
+from zeroshard.engine._optimizer import ZeroOptimizer
+from zeroshard.engine._precision import install_precision_hooks
+from zeroshard.engine._reduce import GradReducer
+from zeroshard.partition import FlattenTier, GroupKey, group_parameters
+
+log = logging.getLogger("zeroshard.engine")
+
+_ATTR = "_zeroshard_engine"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What `initialize` attached to a model: its config, flat groups and optimizer."""
+
+    config: ZeroConfig
+    world: Group
+    groups: tuple[FlatParamGroup, ...]
+    optimizer: ZeroOptimizer
+    init_seconds: float
+
+
+def _split_by_bytes(
+    named: list[tuple[str, nn.Parameter]], limit: int, itemsize: int
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive runs of parameters of at most `limit` bytes (a big one stands alone)."""
+    out: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for item in named:
+        nbytes = item[1].numel() * itemsize
+        if not out or size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes
+    return out
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | Mapping[str, Any] | None = None,
+    *,
+    group: Group | None = None,
+) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard `model`'s training state over `group` (default: the world) per `config`.
+
+    Returns the same module (its parameters now views of flat compute-dtype buffers,
+    with hooks installed) and a `ZeroOptimizer` that wraps `optimizer`, which must be
+    freshly built on the model's parameters (no state yet).
+    """
+    cfg = as_config(config)
+    if hasattr(model, _ATTR):
+        raise ValueError("this model was already initialized by zeroshard")
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: launch with torchrun and "
+            "call torch.distributed.init_process_group() first"
+        )
+    world = (group or Group()).with_timeout(timedelta(seconds=cfg.collective_timeout_s))
+    if len(optimizer.state) != 0:
+        raise ValueError(
+            "the optimizer already has state: build it fresh on the model's "
+            "parameters and pass it to initialize() before any step"
+        )
+    start = time.perf_counter()
+
+    param_group_of: dict[int, int] = {}
+    model_params = {id(p) for p in model.parameters()}
+    for k, pg in enumerate(optimizer.param_groups):
+        for p in pg["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    f"optimizer param group {k} holds a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model"
+                )
+            param_group_of[id(p)] = k
+    grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
+
+    itemsize = cfg.compute_dtype.itemsize
+    tier = FlattenTier(cfg.flatten_tier)
+    chunks: list[tuple[int, GroupKey, list[tuple[str, nn.Parameter]]]] = []
+    registration = {id(p): i for i, p in enumerate(model.parameters())}
+    for key, named in grouped.items():
+        # Reverse registration order approximates the order gradients become ready.
+        for run in _split_by_bytes(named[::-1], cfg.reduce_bucket_bytes, itemsize):
+            chunks.append((max(registration[id(p)] for _, p in run), key, run))
+    chunks.sort(key=lambda c: -c[0])
+    groups = tuple(
+        build_flat_group(
+            i,
+            key,
+            run,
+            group=world,
+            compute_dtype=cfg.compute_dtype,
+            tier=tier,
+            keep_grad_buffer=cfg.stage == 1,
+        )
+        for i, (_, key, run) in enumerate(chunks)
+    )
+    reducer = GradReducer(
+        groups,
+        stage=cfg.stage,
+        reduce_dtype=cfg.grad_reduce_dtype,
+        overlap=cfg.overlap,
+        max_inflight=cfg.max_inflight_reductions,
+    )
+    scaler = None
+    if cfg.compute_dtype == torch.float16:
+        scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
+    install_precision_hooks(model, cfg.compute_dtype, scaler)
+    zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler)
+    seconds = time.perf_counter() - start
+    setattr(model, _ATTR, EngineState(cfg, world, groups, zopt, seconds))
+    if world.rank == 0:
+        tiers = sorted({g.tier.value for g in groups})
+        log.info(
+            "zeroshard stage %d: %d params in %d flat groups over %d ranks, compute %s, "
+            "flattened on %s in %.2fs",
+            cfg.stage,
+            sum(g.layout.numel for g in groups),
+            len(groups),
+            world.size,
+            cfg.compute_dtype,
+            "/".join(tiers),
+            seconds,
+        )
+    return model, zopt
+
+
+def engine_state(model: nn.Module) -> EngineState:
+    """The engine state `initialize` attached to `model`."""
+    state = getattr(model, _ATTR, None)
+    if not isinstance(state, EngineState):
+        raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
+    return state
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict on CPU, keyed like `model.state_dict()` before wrapping.
+
+    Collective: call it on every rank; every rank gets the whole dict. Tied parameters
+    appear under each of their names, as in `state_dict()`; buffers keep their dtype.
+    """
+    state = engine_state(model)
+    full: dict[int, torch.Tensor] = {}
+    for g in state.groups:
+        out = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=g.master.device)
+        g.group.all_gather_into(
+            out, g.master.detach(), label=f"state dict of group {g.index}"
+        ).wait()
+        for p, slot in zip(g.params, g.layout.slots, strict=True):
+            full[id(p)] = out[slot.offset : slot.end].view(slot.shape).cpu().clone()
+    result: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        gathered = full.get(id(value))
+        result[name] = gathered if gathered is not None else value.detach().cpu().clone()
+    return result

@@ -1,0 +1,39 @@
+"""Dynamic loss scaling for fp16, with the overflow decision agreed across ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LossScaler:
+    """Halve the scale on overflow (down to `min_scale`); double it after `window` good steps.
+
+    The caller decides overflow collectively (every rank must see the same answer, or
+    ranks would skip different steps and their shards would drift apart).
+    """
+
+    scale: float
+    window: int
+    min_scale: float
+    good_steps: int = 0
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome."""
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The scaler's state for checkpoints."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore `state_dict()` output."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])

@@ -1,0 +1,148 @@
+"""`ZeroOptimizer`: the user's torch optimizer, stepping this rank's fp32 master shards.
+
+It is a `torch.optim.Optimizer` (LR schedulers and optimizer hooks work) that shares
+`param_groups` and `state` with the wrapped optimizer, whose `params` lists now hold
+the master shards instead of the model's parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from zeroshard.comm import Group
+from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._loss_scale import LossScaler
+from zeroshard.engine._reduce import GradReducer
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Steps master shards, then all-gathers the updated parameters; see module doc."""
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        groups: Sequence[FlatParamGroup],
+        reducer: GradReducer,
+        world: Group,
+        scaler: LossScaler | None,
+    ) -> None:
+        self.inner = inner
+        self.flat_groups = list(groups)
+        self.reducer = reducer
+        self.world = world
+        self.scaler = scaler
+        self._unscaled = False
+        self._overflow = False
+        masters = [g.master for g in self.flat_groups if g.trainable]
+        # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
+        # replaced by the inner optimizer's own, so both see the same objects.
+        super().__init__(masters, dict(inner.defaults))
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    # -- gradients -----------------------------------------------------------------------
+    def _trainable(self) -> list[FlatParamGroup]:
+        return [g for g in self.flat_groups if g.trainable]
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [g.ensure_grad_shard() for g in self._trainable()]
+
+    def _prepare_grads(self) -> None:
+        """Reduce what is pending and, under fp16, unscale and agree on overflow (once per step)."""
+        self.reducer.reduce_pending()
+        if self.scaler is None or self._unscaled:
+            return
+        shards = self._grad_shards()
+        local_bad = torch.zeros(1, device=self.world.device)
+        for s in shards:
+            local_bad = torch.maximum(local_bad, (~torch.isfinite(s)).any().float().reshape(1))
+        # Every rank must skip the same steps: take the max of the flags over ranks.
+        self.world.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
+        self._overflow = bool(local_bad.item())
+        if not self._overflow:
+            torch._foreach_mul_(shards, 1.0 / self.scaler.scale)
+        self._unscaled = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm over all shards; return that norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+        self._prepare_grads()
+        shards = self._grad_shards()
+        if self._overflow:
+            return torch.tensor(math.inf)
+        local = torch.zeros(1, dtype=torch.float32, device=self.world.device)
+        if shards:
+            local += torch.stack(torch._foreach_norm(shards)).square().sum()
+        self.world.all_reduce(local, label="grad norm").wait()
+        total = local.sqrt()
+        # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(shards, coef)
+        return total.reshape(())
+
+    # -- step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the master shards, then all-gather the parameters (skipped on fp16 overflow)."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        self._prepare_grads()
+        overflow = self._overflow
+        self._unscaled = False
+        self._overflow = False
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            self.reducer.zero_grad()
+            return None
+        self.inner.step()
+        handles = [g.all_gather_params() for g in self.flat_groups if g.trainable]
+        for h in handles:
+            h.wait()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient shards (the shards are kept allocated either way)."""
+        self.reducer.zero_grad()
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, master shards and loss scale (same world size only)."""
+        return {
+            "inner": self.inner.state_dict(),
+            "master": [g.master.detach().clone() for g in self.flat_groups],
+            "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "world_size": self.world.size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict()` output taken at the same world size, and re-gather params."""
+        if state_dict.get("world_size") != self.world.size:
+            raise ValueError(
+                f"optimizer state was saved at world size {state_dict.get('world_size')}, "
+                f"this run has {self.world.size}; use zeroshard checkpoints to reshard"
+            )
+        masters = state_dict["master"]
+        if len(masters) != len(self.flat_groups):
+            raise ValueError(
+                f"optimizer state has {len(masters)} flat groups, this model has "
+                f"{len(self.flat_groups)}: was it saved from another model or config?"
+            )
+        for g, m in zip(self.flat_groups, masters, strict=True):
+            if m.shape != g.master.shape:
+                raise ValueError(
+                    f"flat group {g.index}: saved shard {tuple(m.shape)} != {tuple(g.master.shape)}"
+                )
+        self.inner.load_state_dict(state_dict["inner"])
+        with torch.no_grad():
+            for g, m in zip(self.flat_groups, masters, strict=True):
+                g.master.copy_(m)
+            for h in [g.all_gather_params() for g in self.flat_groups]:
+                h.wait()
+        if self.scaler is not None and state_dict.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])

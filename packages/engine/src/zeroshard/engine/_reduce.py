@@ -1,0 +1,180 @@
+"""Gradient reduction for stages 1 and 2: full gradients in, fp32 gradient shards out.
+
+Stage 1 lets autograd accumulate into each group's full `grad_buffer` (parameters'
+`.grad` are views of it) and reduce-scatters the buffers when the optimizer needs the
+gradients. Stage 2 copies each gradient into its group's bucket the moment it is ready
+(a post-accumulate-grad hook), frees the full gradient, and reduce-scatters a group as
+soon as it is complete, while backward goes on.
+
+[Note: launch order]
+Collectives must be issued in the same order on every rank. Groups are reduced strictly
+in `order` (reverse registration, roughly backward order): a group that completes early
+waits for the groups before it. At the end of each backward, groups whose gradients did
+not all arrive (unused parameters) are reduced too, missing gradients counting as zero,
+so every rank issues every group's collective exactly once per backward.
+
+[Note: bucket memory]
+A bucket is held until its reduce-scatter is waited on. At most
+`max_inflight_reductions` are in flight: launching one more first waits on the oldest
+and folds it into its fp32 shard, so bucket memory stays bounded by a few groups rather
+than growing to the whole model's gradients.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard.comm import Handle
+from zeroshard.engine._flat_group import FlatParamGroup
+
+
+class GradReducer:
+    """Reduces gradients of `groups` (trainable ones, in launch order) into fp32 shards."""
+
+    def __init__(
+        self,
+        groups: Sequence[FlatParamGroup],
+        *,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        overlap: bool,
+        max_inflight: int,
+    ) -> None:
+        self.order = [g for g in groups if g.trainable]
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.overlap = overlap
+        self.max_inflight = max_inflight
+        self._slot_of: dict[nn.Parameter, tuple[FlatParamGroup, int]] = {}
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._ready: list[int] = [0] * len(self.order)
+        self._position = {g.index: i for i, g in enumerate(self.order)}
+        self._next = 0
+        self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, Handle]] = deque()
+        self._callback_queued = False
+        # Stage 1: set when autograd has written gradients that are not reduced yet.
+        self._stage1_dirty = False
+        self._hooks: list[RemovableHandle] = []
+        for g in self.order:
+            for i, p in enumerate(g.params):
+                self._slot_of[p] = (g, i)
+                hook = p.register_post_accumulate_grad_hook  # untyped in torch
+                self._hooks.append(hook(self._on_grad_ready))  # type: ignore[no-untyped-call]
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- backward ------------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.stage == 1:
+            self._stage1_dirty = True
+            return
+        g, i = self._slot_of[p]  # type: ignore[index]
+        assert p.grad is not None
+        bucket = self._buckets.get(g.index)
+        if bucket is None:
+            # Zeros: alignment gaps, padding and not-yet-arrived gradients must add nothing.
+            bucket = torch.zeros(g.layout.padded_numel, dtype=self.reduce_dtype, device=p.device)
+            self._buckets[g.index] = bucket
+        slot = g.layout.slots[i]
+        bucket[slot.offset : slot.end].copy_(p.grad.reshape(-1))
+        # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
+        p.grad = None
+        self._ready[self._position[g.index]] += 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order):
+            g = self.order[self._next]
+            if self._ready[self._next] < len(g.params):
+                return
+            self._launch(g)
+
+    def _launch(self, g: FlatParamGroup) -> None:
+        bucket = self._buckets.pop(g.index, None)
+        if bucket is None:
+            bucket = torch.zeros(
+                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.param_buffer.device
+            )
+        out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=bucket.device)
+        handle = g.group.reduce_scatter(out, bucket, op="avg", label=f"grads of group {g.index}")
+        self._inflight.append((g, out, handle))
+        self._next += 1
+        while len(self._inflight) > self.max_inflight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        g, out, handle = self._inflight.popleft()
+        handle.wait()
+        g.ensure_grad_shard().add_(out)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.stage == 1:
+            return
+        while self._next < len(self.order):
+            self._launch(self.order[self._next])
+        while self._inflight:
+            self._finish_oldest()
+        self._next = 0
+        self._ready = [0] * len(self.order)
+
+    # -- step ----------------------------------------------------------------------------
+    def reduce_pending(self) -> None:
+        """Stage 1: reduce-scatter the accumulated full gradients into the fp32 shards."""
+        if self.stage != 1 or not self._stage1_dirty:
+            return
+        pending: list[tuple[FlatParamGroup, torch.Tensor, Handle]] = []
+        for g in self.order:
+            assert g.grad_buffer is not None
+            self._repoint_stage1_grads(g)
+            send = g.grad_buffer.to(self.reduce_dtype)
+            out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=send.device)
+            pending.append(
+                (
+                    g,
+                    out,
+                    g.group.reduce_scatter(out, send, op="avg", label=f"grads of group {g.index}"),
+                )
+            )
+        for g, out, handle in pending:
+            handle.wait()
+            g.ensure_grad_shard().add_(out)
+            assert g.grad_buffer is not None
+            g.grad_buffer.zero_()
+        self._stage1_dirty = False
+
+    @staticmethod
+    def _repoint_stage1_grads(g: FlatParamGroup) -> None:
+        # A user who set `.grad = None` (model.zero_grad()) made autograd allocate fresh
+        # gradients outside the buffer: fold them in so nothing is lost, and re-point.
+        assert g.grad_buffer is not None
+        buf = g.grad_buffer
+        for p, slot in zip(g.params, g.layout.slots, strict=True):
+            view = buf[slot.offset : slot.end]
+            grad = p.grad
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                if grad is not None:
+                    view.add_(grad.reshape(-1))
+                p.grad = view.view(p.shape)
+
+    def zero_grad(self) -> None:
+        """Forget all gradients (shards, stage-1 buffers, unreduced buckets)."""
+        for g in self.order:
+            if g.grad_shard is not None:
+                g.grad_shard.zero_()
+            if g.grad_buffer is not None:
+                g.grad_buffer.zero_()
+        self._stage1_dirty = False
