@@ -1,0 +1,329 @@
+"""Train a small GPT on the shipped corpus with zeroshard, on as many ranks as torchrun starts.
+
+    torchrun --standalone --nproc-per-node=2 examples/train_gpt.py --stage 2 --steps 300
+
+gloo on CPU, NCCL on CUDA (one GPU per rank). `--batch` is the GLOBAL batch in sequences:
+every rank draws the same random offsets into the corpus for a step and reads its own
+slice of them, so the loss curve does not depend on the number of ranks. `--stage 0` runs
+torch's DistributedDataParallel instead, for comparison. Plain `python
+examples/train_gpt.py` runs one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from gpt import GPT, GPTConfig, parameters_count
+from torch import nn
+from tqdm import tqdm
+
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger("train_gpt")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description="Train a small GPT on examples/data/corpus.txt.")
+    p.add_argument(
+        "--stage",
+        type=int,
+        default=2,
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage; 0 = torch DDP for comparison (default 2)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="compute dtype (auto: bf16 on CUDA, fp32 on CPU)",
+    )
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="global batch in sequences, split over ranks (default 16)",
+    )
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per step on each rank (gradient accumulation)",
+    )
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
+    p.add_argument("--preset", default="tiny", help="GPTConfig preset (default tiny)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len")
+    p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; 0 = off")
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=4,
+        help="held-out batches for the start/end loss (default 4)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=300,
+        help="characters to generate at the end on rank 0; 0 = none",
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.accum < 1 or args.batch < 1:
+        p.error("--steps, --batch and --accum must be positive")
+    return args
+
+
+def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
+    """Join (or, under plain python, create) the process group; return rank, world, device."""
+    if "RANK" not in os.environ:
+        # Plain `python train_gpt.py`: a world of one on a free local port.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class Corpus:
+    """The corpus as byte tokens, split 95/5 into train and held-out parts."""
+
+    def __init__(self, path: Path, seq_len: int) -> None:
+        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+        cut = int(len(data) * 0.95)
+        self.train, self.val = data[:cut], data[cut:]
+        self.seq_len = seq_len
+
+    def batch(
+        self, part: torch.Tensor, offsets_seed: int, global_batch: int, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows lo..hi of a global batch whose offsets depend only on `offsets_seed`."""
+        g = torch.Generator().manual_seed(offsets_seed)
+        starts = torch.randint(0, len(part) - self.seq_len - 1, (global_batch,), generator=g)
+        rows = torch.stack([part[s : s + self.seq_len + 1] for s in starts[lo:hi].tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+
+def learning_rate(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over the first 10% of steps (at most 50), then cosine down to peak/10."""
+    warmup = max(1, min(50, steps // 10))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(model: nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (two param groups), fused on CUDA."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+Wrapped = tuple[
+    nn.Module,
+    torch.optim.Optimizer,
+    Callable[[float], torch.Tensor],
+    Callable[[], dict[str, torch.Tensor]],
+    Callable[[], contextlib.AbstractContextManager[None]],
+]
+
+
+def wrap(
+    model: nn.Module,
+    opt: torch.optim.AdamW,
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Wrapped:
+    """zeroshard (stages 1-3) or DDP (stage 0): model, optimizer, clip, full state, autocast."""
+    if args.stage == 0:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if dtype == torch.float16:
+            raise SystemExit("--stage 0 (DDP) runs fp32 or bf16 autocast here; use a ZeRO stage")
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        def autocast() -> contextlib.AbstractContextManager[None]:
+            return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+        return (
+            ddp,
+            opt,
+            lambda c: torch.nn.utils.clip_grad_norm_(ddp.parameters(), c),
+            lambda: {k: v.float() for k, v in model.state_dict().items()},
+            autocast,
+        )
+    import zeroshard.engine as zs
+
+    config = {"stage": args.stage, "compute_dtype": args.dtype}
+    zmodel, zopt = zs.initialize(model, opt, config)
+    return (
+        zmodel,
+        zopt,
+        lambda c: zopt.clip_grad_norm_(c),
+        lambda: zs.full_state_dict(zmodel),
+        contextlib.nullcontext,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    corpus: Corpus,
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[None]],
+) -> float:
+    """Mean loss over the same held-out batches on every call, averaged over ranks."""
+    model.eval()
+    per_rank = args.batch // world
+    total = torch.zeros((), device=device)
+    for i in range(args.eval_batches):
+        x, y = corpus.batch(
+            corpus.val, 10_000 + i, args.batch, rank * per_rank, (rank + 1) * per_rank
+        )
+        with autocast():
+            total += model(x.to(device), y.to(device)).float()
+    dist.all_reduce(total)
+    model.train()
+    return total.item() / (args.eval_batches * world)
+
+
+@torch.no_grad()
+def sample(state: dict[str, torch.Tensor], cfg: GPTConfig, n: int, prompt: str) -> str:
+    """Generate `n` bytes after `prompt` from a plain GPT loaded with `state` (temperature 0.8)."""
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([list(prompt.encode())])
+    for _ in range(n):
+        logits = model(idx[:, -cfg.seq_len :])[0, -1] / 0.8
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+        idx = torch.cat([idx, nxt[None]], dim=1)
+    return bytes(idx[0].tolist()).decode("ascii", errors="replace")
+
+
+def micro_batches(
+    corpus: Corpus, args: argparse.Namespace, step: int, rank: int, world: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's `accum` micro-batches of step `step` (global batch = --batch x --accum)."""
+    per_rank = args.batch // world
+    for a in range(args.accum):
+        seed = args.seed * 1_000_003 + step * args.accum + a
+        yield corpus.batch(corpus.train, seed, args.batch, rank * per_rank, (rank + 1) * per_rank)
+
+
+def main() -> None:
+    """Train, printing the held-out loss before and after."""
+    args = parse_args()
+    rank, world, device = init_distributed(args.device)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {world} ranks")
+    if args.dtype == "auto":
+        args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    dtype = DTYPES[args.dtype]
+
+    overrides = {"seq_len": args.seq_len} if args.seq_len else {}
+    cfg = GPTConfig.preset(args.preset, **overrides)
+    if cfg.vocab_size < 256:
+        raise SystemExit("byte-level tokens need vocab_size >= 256")
+    corpus = Corpus(CORPUS, cfg.seq_len)
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = GPT(cfg).to(device)
+    opt = build_optimizer(model, args.lr, device)
+    engine = "DDP" if args.stage == 0 else f"zeroshard stage {args.stage}"
+    log.info(
+        "GPT %s: %.2fM parameters; %s, %s, %d rank(s) on %s; global batch %d x %d tokens",
+        args.preset,
+        parameters_count(cfg) / 1e6,
+        engine,
+        args.dtype,
+        world,
+        device.type,
+        args.batch * args.accum,
+        cfg.seq_len,
+    )
+    t0 = time.perf_counter()
+    model, opt, clip, full_state, autocast = wrap(model, opt, args, dtype, device)
+    log.info("wrapped in %.2f s", time.perf_counter() - t0)
+
+    start_loss = evaluate(model, corpus, args, rank, world, device, autocast)
+    log.info("step 0: held-out loss %.4f", start_loss)
+    tokens_per_step = args.batch * args.accum * cfg.seq_len
+    bar = tqdm(
+        range(args.steps),
+        disable=rank != 0,
+        desc="train",
+        unit="step",
+        mininterval=1.0,
+        file=sys.stdout,
+    )
+    train_loss = float("nan")
+    t_start = time.perf_counter()
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr)
+        loss_sum = torch.zeros((), device=device)
+        for x, y in micro_batches(corpus, args, step, rank, world):
+            with autocast():
+                loss = model(x.to(device), y.to(device)) / args.accum
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.clip > 0:
+            clip(args.clip)
+        opt.step()
+        opt.zero_grad()
+        train_loss = loss_sum.item()  # this rank's; synchronizes CUDA so the timing is real
+        bar.set_postfix(
+            loss=f"{train_loss:.3f}",
+            tok_s=f"{tokens_per_step * (step + 1) / (time.perf_counter() - t_start):,.0f}",
+        )
+    bar.close()
+
+    end_loss = evaluate(model, corpus, args, rank, world, device, autocast)
+    log.info(
+        "step %d: held-out loss %.4f (train %.4f); started at %.4f",
+        args.steps,
+        end_loss,
+        train_loss,
+        start_loss,
+    )
+    if args.sample > 0:
+        state = {k: v.cpu() for k, v in full_state().items()}  # collective: every rank calls
+        if rank == 0:
+            print("--- sample ---\n" + sample(state, cfg, args.sample, "Chapter 7. ") + "\n---")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
