@@ -1,9 +1,14 @@
 """Coalesced collectives: many tensors of mixed sizes moved as few bucketed collectives.
 
-Pack with one fused copy per bucket (`torch._foreach_copy_` into views of a preallocated
-buffer, casting on the way so only the target dtype's bytes travel), one collective per
-bucket, and hand back views of the received buffer: no per-tensor collective and no
-unpacking copy.
+Pack each bucket with one fused op into a fresh buffer (`torch._foreach_copy_` for the
+all-gather, casting on the way so only the target dtype's bytes travel; `torch._chunk_cat`
+for the reduce-scatter, which pads and interleaves every tensor's rank parts in one
+kernel), issue one collective per bucket, and hand back views of the received buffer:
+no per-tensor collective and no unpacking copy.
+
+Pipelining: buckets are packed and issued in order on the current stream; the pack of
+bucket b+1 runs while the collective of bucket b runs on the communication stream (see
+[Note: streams and memory] in `_group.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import torch
 from zeroshard.comm._group import Group, Handle, ReduceOp
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+# torch >= 2.4 has the fused pad-and-interleave op FSDP2 uses for reduce-scatter input.
+_chunk_cat = getattr(torch, "_chunk_cat", None)
 
 
 def _buckets(numels: Sequence[int], itemsize: int, bucket_bytes: int) -> list[range]:
@@ -33,6 +41,14 @@ def _buckets(numels: Sequence[int], itemsize: int, bucket_bytes: int) -> list[ra
     return out
 
 
+def _check_inputs(name: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> None:
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{name}: dtype must be a floating point type, got {dtype}")
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"{name}: all tensors must be on one device ({device} first)")
+
+
 def all_gather_coalesced(
     group: Group,
     tensors: Sequence[torch.Tensor],
@@ -45,25 +61,63 @@ def all_gather_coalesced(
 
     Returns, per input tensor, a `(group.size, numel)` view of the received buffer (row r
     is rank r's tensor), and the handles to wait on before reading them. `dtype` casts
-    each local tensor before it travels (the downcast-before-gather).
+    each local tensor before it travels (the downcast-before-gather). A bucket holding
+    one contiguous tensor already of `dtype` is sent without a copy: as for every
+    collective, do not write the inputs before the handles are waited.
     """
     if not tensors:
         return [], []
+    _check_inputs("all_gather_coalesced", tensors, dtype)
     dtype = dtype or tensors[0].dtype
+    device = tensors[0].device
+    world = group.size
     numels = [t.numel() for t in tensors]
     outs: list[torch.Tensor] = []
     handles: list[Handle] = []
     for b, idx in enumerate(_buckets(numels, dtype.itemsize, bucket_bytes)):
         sizes = [numels[i] for i in idx]
         total = sum(sizes)
-        send = torch.empty(total, dtype=dtype, device=tensors[idx[0]].device)
-        torch._foreach_copy_(
-            list(send.split_with_sizes(sizes)), [tensors[i].reshape(-1) for i in idx]
-        )
-        recv = torch.empty(group.size * total, dtype=dtype, device=send.device)
+        recv = torch.empty(world * total, dtype=dtype, device=device)
+        outs.extend(recv.view(world, total).split_with_sizes(sizes, dim=1))
+        if total == 0:
+            continue  # every rank has the same sizes, so every rank skips this bucket
+        first = tensors[idx[0]]
+        if len(idx) == 1 and first.dtype == dtype and first.is_contiguous():
+            send = first.view(-1)
+        else:
+            send = torch.empty(total, dtype=dtype, device=device)
+            torch._foreach_copy_(
+                list(send.split_with_sizes(sizes)), [tensors[i].reshape(-1) for i in idx]
+            )
         handles.append(group.all_gather_into(recv, send, label=f"{label}[bucket {b}]"))
-        outs.extend(recv.view(group.size, total).split_with_sizes(sizes, dim=1))
     return outs, handles
+
+
+def _pack_reduce_input(
+    flats: Sequence[torch.Tensor], parts: Sequence[int], world: int, send: torch.Tensor
+) -> None:
+    """Write `send` (world x sum(parts)): row r holds part r of every tensor, zero-padded."""
+    nonempty = [f for f in flats if f.numel()]
+    if _chunk_cat is not None and nonempty and all(f.dtype == nonempty[0].dtype for f in nonempty):
+        # One fused kernel on CUDA (same dtype, or bf16 -> fp32); torch pads with zeros.
+        _chunk_cat(nonempty, dim=0, num_chunks=world, out=send)
+        return
+    # Fallback (old torch, or inputs of mixed dtypes): zero the bucket so padding tails add
+    # nothing to other ranks' sums, then one fused copy of every tensor's whole rows.
+    send.zero_()
+    dests: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    cols = send.split_with_sizes(list(parts), dim=1)
+    for col, flat, part in zip(cols, flats, parts, strict=True):
+        full, rest = divmod(flat.numel(), part) if part else (0, 0)
+        if full:
+            dests.append(col[:full])
+            srcs.append(flat[: full * part].view(full, part))
+        if rest:
+            dests.append(col[full, :rest])
+            srcs.append(flat[full * part :])
+    if dests:
+        torch._foreach_copy_(dests, srcs)
 
 
 def reduce_scatter_coalesced(
@@ -79,36 +133,40 @@ def reduce_scatter_coalesced(
 
     Tensor i is zero-padded to a multiple of the group size and split into `size` equal
     parts; this rank receives part `rank` of the reduced tensor (a flat view of length
-    ceil(numel / size)). `dtype` is the dtype the reduction runs in.
+    ceil(numel / size)). `dtype` is the dtype the reduction runs in. A bucket holding one
+    contiguous tensor of `dtype` whose size divides evenly is sent without a copy.
     """
     if not tensors:
         return [], []
+    _check_inputs("reduce_scatter_coalesced", tensors, dtype)
     world = group.size
     dtype = dtype or tensors[0].dtype
-    parts = [-(-t.numel() // world) for t in tensors]
+    device = tensors[0].device
+    numels = [t.numel() for t in tensors]
+    parts = [-(-n // world) for n in numels]
     outs: list[torch.Tensor] = []
     handles: list[Handle] = []
     for b, idx in enumerate(_buckets([p * world for p in parts], dtype.itemsize, bucket_bytes)):
         sizes = [parts[i] for i in idx]
         total = sum(sizes)
-        device = tensors[idx[0]].device
-        send = torch.empty(world, total, dtype=dtype, device=device)
-        dests: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for col, i in zip(send.split_with_sizes(sizes, dim=1), idx, strict=True):
-            flat = tensors[i].reshape(-1)
-            pad = parts[i] * world - flat.numel()
-            if pad:
-                # The padding tail must be zeros: it is summed with other ranks' tails.
-                flat = torch.nn.functional.pad(flat, (0, pad))
-            dests.append(col)
-            srcs.append(flat.view(world, parts[i]))
-        torch._foreach_copy_(dests, srcs)
         recv = torch.empty(total, dtype=dtype, device=device)
+        outs.extend(recv.split_with_sizes(sizes))
+        if total == 0:
+            continue
+        first = tensors[idx[0]]
+        if (
+            len(idx) == 1
+            and first.dtype == dtype
+            and first.is_contiguous()
+            and numels[idx[0]] == total * world
+        ):
+            send = first.view(-1)
+        else:
+            send = torch.empty(world, total, dtype=dtype, device=device)
+            _pack_reduce_input([tensors[i].reshape(-1) for i in idx], sizes, world, send)
         handles.append(
             group.reduce_scatter(recv, send.view(-1), op=op, label=f"{label}[bucket {b}]")
         )
-        outs.extend(recv.split_with_sizes(sizes))
     return outs, handles
 
 

@@ -1,20 +1,43 @@
 """`Group`: one process group's collectives on flat tensors, with labelled timeouts.
 
 [Note: streams and memory]
-On CUDA every collective is issued with ``async_op=True``. NCCL runs it on the process
-group's own communication stream, which first waits on the caller's current stream, so
-inputs written before the call are complete when the collective reads them. The
-`Handle` keeps the input and output tensors alive until `wait()`; `wait()` makes the
-caller's *current* stream wait on the collective (it does not block the host), after
-which the caching allocator may reuse the input's memory as soon as the caller drops
-it. Rule: do not write an input or read an output before `wait()`, and call `wait()`
-on the stream that will use the output. On CPU (gloo) the same calls return handles
-whose `wait()` blocks the host until the data is there; nothing else differs.
+Issue. Every collective is issued with ``async_op=True``. On CUDA, NCCL runs it on the
+process group's own communication stream (the side stream), which first waits on the
+caller's *current* stream: whatever the current stream wrote before the call is complete
+when the collective reads it. An input produced on another stream must be ordered
+before the call by the caller (``current.wait_stream(producer)``).
+
+Wait. `Handle.wait()` makes the caller's *current* stream wait on the collective; it
+does not block the host (unless the group was made with ``blocking_wait=True``), so the
+host can keep queueing work. Read an output, and write an input or output, only on a
+stream that has waited. Every handle must be waited exactly once: wait() is what makes
+the memory of its tensors safe to reuse.
+
+Memory. The handle holds the input and output tensors until `wait()`. When the current
+stream at `wait()` differs from the one at issue (issued from a prefetch stream, waited
+on the compute stream), `wait()` marks them used on the waiting stream
+(``record_stream``) before letting go: the caching allocator then hands their blocks to
+new allocations of the issuing stream only after the waiting stream has passed this
+point, hence after the collective. Without that, a buffer allocated on the issuing
+stream and dropped after a wait on another stream could be reused by the issuing stream
+while NCCL still reads or writes it. Nothing is held after `wait()`: no leak.
+
+CPU. On gloo the same calls run on gloo's worker threads; `wait()` blocks the host
+until the data is there, so the API is synchronous in effect and streams do not exist.
+
+Timeouts. On gloo, `wait()` gives up after the group's `timeout` and raises
+`CollectiveTimeoutError` naming the op and label. On NCCL, passing a timeout to torch's
+wait would busy-wait the host, so by default the process group's own timeout (the one
+given to init_process_group / new_group) applies, enforced by torch's NCCL watchdog,
+which names the op but cannot know our label. ``blocking_wait=True`` trades overlap for
+the labelled error on NCCL (a debugging aid; the communicator is aborted after it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -37,7 +60,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 class Handle:
     """A pending collective; `wait()` finishes it (see [Note: streams and memory])."""
 
-    __slots__ = ("_after", "_keep", "_label", "_op", "_timeout", "_work")
+    __slots__ = ("_after", "_blocking", "_keep", "_label", "_op", "_stream", "_timeout", "_work")
 
     def __init__(
         self,
@@ -47,6 +70,8 @@ class Handle:
         timeout: datetime.timedelta,
         keep: tuple[torch.Tensor, ...] = (),
         after: Callable[[], None] | None = None,
+        *,
+        blocking: bool = True,
     ) -> None:
         self._work = work
         self._op = op
@@ -54,20 +79,50 @@ class Handle:
         self._timeout = timeout
         self._keep = keep
         self._after = after
+        self._blocking = blocking
+        # The stream current at issue: the one the collective's inputs were ordered on.
+        self._stream: torch.cuda.Stream | None = None
+        if work is not None and keep and keep[0].is_cuda:
+            self._stream = torch.cuda.current_stream(keep[0].device)
+
+    @property
+    def op(self) -> str:
+        """The collective's name ("all_gather", "reduce_scatter", ...)."""
+        return self._op
+
+    @property
+    def label(self) -> str:
+        """The caller's label for this collective."""
+        return self._label
 
     @property
     def done(self) -> bool:
         """True once `wait()` has returned."""
-        return self._work is None and self._after is None
+        return self._work is None and self._after is None and not self._keep
 
     def wait(self) -> None:
         """Finish the collective or raise `CollectiveTimeoutError` naming it."""
         if self._work is not None:
             work, self._work = self._work, None
+            start = time.monotonic()
             try:
-                work.wait(self._timeout)
+                if self._blocking:
+                    work.wait(self._timeout)
+                else:
+                    # Stream-ordered only: the current stream waits, the host does not.
+                    work.wait()
             except RuntimeError as e:
-                raise CollectiveTimeoutError(self._op, self._label, self._timeout, e) from e
+                self._keep = ()
+                self._after = None
+                raise CollectiveTimeoutError(
+                    self._op, self._label, self._timeout, e, time.monotonic() - start
+                ) from e
+            if self._stream is not None:
+                current = torch.cuda.current_stream(self._stream.device)
+                if current != self._stream:
+                    # See [Note: streams and memory]: free only after `current` passed here.
+                    for t in self._keep:
+                        t.record_stream(current)
         self._keep = ()
         if self._after is not None:
             after, self._after = self._after, None
@@ -83,12 +138,14 @@ def completed_handle() -> Handle:
 class Group:
     """A torch process group seen as flat-tensor collectives.
 
-    `pg` None means the default (world) group. `timeout` bounds every `wait()`; the
-    error names the operation and the caller's label (a module, a bucket).
+    `pg` None means the default (world) group. `timeout` bounds every `wait()` on gloo
+    (and on NCCL with `blocking_wait`); the error names the operation and the caller's
+    label (a module, a bucket). See [Note: streams and memory] in this module.
     """
 
     pg: dist.ProcessGroup | None = None
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    blocking_wait: bool = False
 
     @property
     def rank(self) -> int:
@@ -114,13 +171,15 @@ class Group:
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of a rank of this group."""
+        if not 0 <= group_rank < self.size:
+            raise ValueError(f"group rank {group_rank} is outside a group of {self.size} ranks")
         if self.pg is None:
             return group_rank
         return dist.get_global_rank(self.pg, group_rank)
 
     def with_timeout(self, timeout: datetime.timedelta) -> Group:
         """The same process group with another wait timeout."""
-        return Group(self.pg, timeout)
+        return dataclasses.replace(self, timeout=timeout)
 
     def _handle(
         self,
@@ -130,7 +189,9 @@ class Group:
         keep: tuple[torch.Tensor, ...],
         after: Callable[[], None] | None = None,
     ) -> Handle:
-        return Handle(work, op, label, self.timeout, keep, after)
+        # gloo's wait honours the timeout without busy-waiting; NCCL's would block the host.
+        blocking = self.blocking_wait or self.backend != "nccl"
+        return Handle(work, op, label, self.timeout, keep, after, blocking=blocking)
 
     def all_gather_into(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
@@ -145,6 +206,7 @@ class Group:
             raise ValueError(
                 f"all_gather_into {label!r}: output dtype {output.dtype} != input {input.dtype}"
             )
+        _check_contiguous("all_gather_into", label, output, input)
         work = _all_gather_flat(output, input, group=self.pg, async_op=True)
         return self._handle(work, "all_gather", label, (output, input))
 
@@ -162,6 +224,11 @@ class Group:
                 f"reduce_scatter {label!r}: input has {input.numel()} elements, "
                 f"expected {self.size} x {output.numel()}"
             )
+        if output.dtype != input.dtype:
+            raise ValueError(
+                f"reduce_scatter {label!r}: output dtype {output.dtype} != input {input.dtype}"
+            )
+        _check_contiguous("reduce_scatter", label, output, input)
         work = _reduce_scatter_flat(
             output, input, op=self._torch_op(op), group=self.pg, async_op=True
         )
@@ -169,11 +236,13 @@ class Group:
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", label: str = "") -> Handle:
         """Reduce `tensor` in place over ranks."""
+        _check_contiguous("all_reduce", label, tensor)
         work = dist.all_reduce(tensor, op=self._torch_op(op), group=self.pg, async_op=True)
         return self._handle(work, "all_reduce", label, (tensor,), self._avg(op, tensor))
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, label: str = "") -> Handle:
         """Copy `tensor` from group rank `src` to every rank, in place."""
+        _check_contiguous("broadcast", label, tensor)
         work = dist.broadcast(tensor, self.global_rank(src), group=self.pg, async_op=True)
         return self._handle(work, "broadcast", label, (tensor,))
 
@@ -181,12 +250,17 @@ class Group:
         """Block until every rank of the group gets here (bounded by the timeout)."""
         flag = torch.zeros(1, device=self.device)
         self.all_reduce(flag, label=label or "barrier").wait()
+        if flag.is_cuda:
+            # A barrier is a host-side promise: the stream-ordered wait is not enough.
+            torch.cuda.current_stream(flag.device).synchronize()
 
     def _torch_op(self, op: ReduceOp) -> dist.ReduceOp.RedOpType:
         if op == "max":
             return dist.ReduceOp.MAX
         if op == "avg" and self.backend == "nccl":
             return dist.ReduceOp.AVG
+        if op not in ("sum", "avg"):
+            raise ValueError(f"unknown reduce op {op!r}; expected 'sum', 'avg' or 'max'")
         return dist.ReduceOp.SUM
 
     def _avg(self, op: ReduceOp, out: torch.Tensor) -> Callable[[], None] | None:
@@ -199,3 +273,10 @@ class Group:
             out.div_(size)
 
         return divide
+
+
+def _check_contiguous(op: str, label: str, *tensors: torch.Tensor) -> None:
+    # NCCL and gloo read flat memory: a strided view would be a silent copy or an error.
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"{op} {label!r}: tensors must be contiguous (flat buffers)")

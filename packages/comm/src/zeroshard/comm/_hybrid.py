@@ -20,13 +20,18 @@ class HybridGroups:
 
 
 def make_hybrid_groups(
-    replicate: int, shard: int, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    replicate: int,
+    shard: int,
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    blocking_wait: bool = False,
 ) -> HybridGroups:
     """Split the world into `replicate` groups of `shard` consecutive ranks.
 
     World ranks r*shard .. r*shard+shard-1 form shard group r; ranks with the same
     position in their shard group form a replicate group. Every rank must call this
-    with the same shape (subgroup creation is itself collective).
+    with the same shape (subgroup creation is itself collective). `timeout` is both the
+    subgroups' own (torch) timeout and their `Group.timeout`.
     """
     world = dist.get_world_size()
     if replicate < 1 or shard < 1 or replicate * shard != world:
@@ -49,4 +54,6 @@ def make_hybrid_groups(
         if rank in ranks:
             mine_repl = pg
     assert mine_shard is not None and mine_repl is not None
-    return HybridGroups(Group(mine_shard, timeout), Group(mine_repl, timeout))
+    return HybridGroups(
+        Group(mine_shard, timeout, blocking_wait), Group(mine_repl, timeout, blocking_wait)
+    )
