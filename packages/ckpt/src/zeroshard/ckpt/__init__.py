@@ -1,3 +1,77 @@
-"""zeroshard.ckpt (being built; see the package README)."""
+"""zeroshard.ckpt: atomic sharded checkpoints, resharding, and streamed safetensors export.
 
-__all__: list[str] = []
+`save` (on every rank) writes each rank's flat shards and commits the checkpoint
+atomically; `load` returns one rank's shards for any world size; `consolidate` (and
+the `zeroshard-ckpt` command) writes the full state dict as safetensors, from a
+zeroshard or a DeepSpeed ZeRO checkpoint. The on-disk format is described in
+docs/checkpoint-format.md.
+"""
+
+from zeroshard.ckpt._consolidate import consolidate, is_zeroshard_checkpoint
+from zeroshard.ckpt._errors import (
+    CheckpointError,
+    ChecksumError,
+    FormatVersionError,
+    MissingShardError,
+    ModelMismatchError,
+    OutputExistsError,
+)
+from zeroshard.ckpt._inspect import Summary, describe, format_summary
+from zeroshard.ckpt._load import LoadedShards, load
+from zeroshard.ckpt._meta import (
+    FORMAT_VERSION,
+    MASTER,
+    PARAM,
+    CheckpointMeta,
+    FileMeta,
+    GroupMeta,
+    buffer_key,
+    rank_file,
+    shard_key,
+)
+from zeroshard.ckpt._paths import LATEST, METADATA, list_checkpoints, read_latest, resolve
+from zeroshard.ckpt._plan import parse_size
+from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.ckpt._save import SaveHandle, save
+from zeroshard.ckpt._source import checkpoint_specs
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec, WriteResult, write_safetensors
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LATEST",
+    "MASTER",
+    "METADATA",
+    "PARAM",
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointReader",
+    "ChecksumError",
+    "FileMeta",
+    "FormatVersionError",
+    "GroupMeta",
+    "LoadedShards",
+    "MissingShardError",
+    "ModelMismatchError",
+    "OutputExistsError",
+    "RangeSpec",
+    "SaveHandle",
+    "Summary",
+    "TensorSpec",
+    "WriteResult",
+    "buffer_key",
+    "checkpoint_specs",
+    "consolidate",
+    "describe",
+    "format_summary",
+    "is_zeroshard_checkpoint",
+    "list_checkpoints",
+    "load",
+    "parse_size",
+    "rank_file",
+    "read_latest",
+    "resolve",
+    "save",
+    "shard_key",
+    "write_safetensors",
+]

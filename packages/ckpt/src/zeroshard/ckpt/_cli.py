@@ -1,0 +1,107 @@
+"""The `zeroshard-ckpt` command: `consolidate SRC OUT` and `inspect SRC`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from zeroshard.ckpt._consolidate import DTYPES, consolidate
+from zeroshard.ckpt._errors import CheckpointError
+from zeroshard.ckpt._inspect import describe, format_summary
+from zeroshard.ckpt._plan import parse_size
+from zeroshard.ckpt._writer import default_workers
+
+DEFAULT_MAX_SHARD = "5GB"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zeroshard-ckpt",
+        description="Inspect and consolidate zeroshard and DeepSpeed ZeRO checkpoints.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser(
+        "consolidate",
+        help="write the full state dict as safetensors",
+        description="Write a checkpoint's full state dict (original names, tied parameters "
+        "once, buffers included) as safetensors: OUT ending in .safetensors is one file, "
+        "otherwise a directory with model.safetensors or Hugging Face shards and an index.",
+    )
+    c.add_argument("src", help="checkpoint directory or root (zeroshard or DeepSpeed)")
+    c.add_argument("out", help="output directory, or a .safetensors file")
+    c.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: keep)")
+    c.add_argument(
+        "--max-shard-size",
+        help="largest output file, e.g. 5GB, 500MB, 2GiB "
+        f"(directory output; default {DEFAULT_MAX_SHARD})",
+    )
+    c.add_argument("--workers", type=int, help=f"threads (default: all cores, {default_workers()})")
+    c.add_argument(
+        "--low-memory", action="store_true", help="bound memory to about one tensor at a time"
+    )
+    c.add_argument("--exclude-frozen", action="store_true", help="leave frozen parameters out")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    c.add_argument(
+        "--verify", action="store_true", help="re-read the output and compare it with the source"
+    )
+    _add_selector(c)
+    c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    i = sub.add_parser("inspect", help="print what a checkpoint holds")
+    i.add_argument("src", help="checkpoint directory or root (zeroshard or DeepSpeed)")
+    _add_selector(i)
+    return p
+
+
+def _add_selector(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--tag", help="checkpoint tag under SRC (default: the 'latest' pointer)")
+    g.add_argument("--step", type=int, help="checkpoint step under SRC")
+
+
+def _consolidate(a: argparse.Namespace) -> int:
+    single = a.out.endswith(".safetensors")
+    if single and a.max_shard_size is not None:
+        raise CheckpointError("--max-shard-size needs a directory OUT, not a .safetensors file")
+    size = None if single else parse_size(a.max_shard_size or DEFAULT_MAX_SHARD)
+    if a.workers is not None and a.workers < 1:
+        raise CheckpointError(f"--workers must be >= 1, got {a.workers}")
+    r = consolidate(
+        a.src,
+        a.out,
+        dtype=DTYPES[a.dtype] if a.dtype else None,
+        max_shard_size=size,
+        workers=a.workers,
+        low_memory=a.low_memory,
+        exclude_frozen=a.exclude_frozen,
+        tag=a.tag,
+        step=a.step,
+        overwrite=a.overwrite,
+        verify=a.verify,
+        progress=not a.quiet and sys.stderr.isatty(),
+    )
+    if not a.quiet:
+        rate = r.bytes / max(r.seconds, 1e-9) / 1e9
+        checked = ", verified" if r.verified else ""
+        print(
+            f"wrote {r.tensors} tensors, {r.bytes / 1e9:.3f} GB in {len(r.files)} file(s) to "
+            f"{r.path} in {r.seconds:.2f} s ({rate:.2f} GB/s{checked})"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (errors print one line, status 1)."""
+    a = _parser().parse_args(argv)
+    try:
+        if a.command == "consolidate":
+            return _consolidate(a)
+        print(format_summary(describe(a.src, tag=a.tag, step=a.step)))
+        return 0
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"zeroshard-ckpt: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""`consolidate`: a zeroshard or DeepSpeed ZeRO checkpoint -> one full safetensors state dict.
+
+Tied parameters are written once, under the canonical name (the one the model's
+`named_parameters()` yields first; Hugging Face loaders expect the shared tensor once
+and re-tie it); the aliases are listed in every file's `__metadata__` under
+`zeroshard.tied` as JSON {alias: canonical}.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
+from zeroshard.ckpt._paths import METADATA, checkpoint_name, old_dir, read_latest
+from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.ckpt._source import checkpoint_specs
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import WriteResult, write_safetensors
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def is_zeroshard_checkpoint(path: Path, tag: str | None = None, step: int | None = None) -> bool:
+    """True if `path` (with `tag` / `step` / its `latest`) names a zeroshard checkpoint."""
+    if tag is None and step is None and (path / METADATA).is_file():
+        return True
+    name = checkpoint_name(step or 0, tag) if (tag or step is not None) else read_latest(path)
+    if name is None:
+        return False
+    return any((d / METADATA).is_file() for d in (path / name, old_dir(path, name)))
+
+
+def deepspeed_module() -> ModuleType:
+    """`zeroshard.ckpt._deepspeed`, or a clear error if this build does not have it."""
+    try:
+        return importlib.import_module("zeroshard.ckpt._deepspeed")
+    except ModuleNotFoundError as e:
+        if e.name != "zeroshard.ckpt._deepspeed":
+            raise
+        raise CheckpointError(
+            "this build of zeroshard-ckpt cannot read DeepSpeed checkpoints "
+            "(zeroshard.ckpt._deepspeed is missing)"
+        ) from None
+
+
+def source_specs(
+    src: Path, *, tag: str | None, step: int | None, exclude_frozen: bool, verify_input: bool
+) -> tuple[list[TensorSpec], dict[str, str], CheckpointReader | None]:
+    """Specs and tied aliases of a zeroshard or DeepSpeed checkpoint (and our reader to close)."""
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist")
+    if is_zeroshard_checkpoint(src, tag, step):
+        reader = CheckpointReader(src, tag=tag, step=step)
+        try:
+            reader.check_present()
+            if verify_input:
+                reader.verify()
+            specs, aliases = checkpoint_specs(reader, exclude_frozen=exclude_frozen)
+        except BaseException:
+            reader.close()
+            raise
+        return specs, aliases, reader
+    ds = deepspeed_module() if src.is_dir() and not (src / METADATA).exists() else None
+    if ds is None or not ds.is_deepspeed_checkpoint(src):
+        raise CheckpointError(
+            f"{src} is neither a zeroshard checkpoint (no {METADATA}, no 'latest' naming one) "
+            "nor a DeepSpeed ZeRO checkpoint"
+        )
+    if exclude_frozen:
+        raise CheckpointError("--exclude-frozen is not supported for DeepSpeed checkpoints yet")
+    ds_tag = tag if step is None else f"global_step{step}"
+    specs, aliases = ds.deepspeed_specs(src, ds_tag)
+    return list(specs), dict(aliases), None
+
+
+def consolidate(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | None = None,
+    workers: int | None = None,
+    low_memory: bool = False,
+    exclude_frozen: bool = False,
+    tag: str | None = None,
+    step: int | None = None,
+    overwrite: bool = False,
+    verify: bool = False,
+    progress: bool = False,
+) -> WriteResult:
+    """Write the full state dict of checkpoint `src` as safetensors at `out`.
+
+    `out` ending in `.safetensors` is one file; otherwise a directory holding
+    `model.safetensors`, or shards of at most `max_shard_size` bytes with
+    `model.safetensors.index.json`. See `write_safetensors` for the other options.
+    """
+    src, out = Path(src), Path(out)
+    if out.exists() and not overwrite:  # before reading a byte of the input
+        raise OutputExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it")
+    specs, aliases, reader = source_specs(
+        src, tag=tag, step=step, exclude_frozen=exclude_frozen, verify_input=True
+    )
+    metadata = {"zeroshard.tied": json.dumps(aliases, sort_keys=True)} if aliases else {}
+    try:
+        return write_safetensors(
+            specs,
+            out,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            workers=workers,
+            low_memory=low_memory,
+            overwrite=overwrite,
+            verify=verify,
+            progress=progress,
+            metadata=metadata,
+        )
+    finally:
+        if reader is not None:
+            reader.close()

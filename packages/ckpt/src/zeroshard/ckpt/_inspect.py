@@ -1,0 +1,144 @@
+"""`inspect`: what a checkpoint holds, as a small table (zeroshard or DeepSpeed)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from zeroshard.ckpt._consolidate import is_zeroshard_checkpoint, source_specs
+from zeroshard.ckpt._meta import FORMAT_NAME, FORMAT_VERSION
+from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.partition import dtype_name
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One flat group of a zeroshard checkpoint."""
+
+    name: str
+    tensors: int
+    params: int
+    dtype: str
+    kinds: tuple[str, ...]
+    frozen: bool
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What `zeroshard-ckpt inspect` prints; None where the format does not say."""
+
+    path: Path
+    format: str
+    world_size: int | None
+    stage: int | None
+    step: int | None
+    params: int
+    tensors: int
+    bytes: int
+    files: int
+    frozen: int
+    tied: int
+    buffers: int
+    groups: tuple[GroupSummary, ...] = ()
+
+
+def describe(
+    src: str | os.PathLike[str], *, tag: str | None = None, step: int | None = None
+) -> Summary:
+    """Summarize a checkpoint without reading its tensor data (headers and metadata only)."""
+    src = Path(src)
+    if is_zeroshard_checkpoint(src, tag, step):
+        with CheckpointReader(src, tag=tag, step=step) as r:
+            m = r.meta
+            groups = tuple(
+                GroupSummary(
+                    g.name,
+                    len(g.layout.slots),
+                    sum(s.numel for s in g.layout.slots),
+                    dtype_name(g.shards[g.value_kind]),
+                    tuple(g.shards),
+                    not g.requires_grad,
+                )
+                for g in m.groups
+            )
+            return Summary(
+                r.path,
+                f"{FORMAT_NAME} v{FORMAT_VERSION}",
+                m.world_size,
+                m.stage,
+                m.step,
+                m.num_params,
+                len(m.param_names),
+                sum(f.size for f in m.files.values()),
+                len(m.files),
+                len(m.frozen),
+                len(m.tied),
+                len(m.buffers),
+                groups,
+            )
+    specs, aliases, _ = source_specs(
+        src, tag=tag, step=step, exclude_frozen=False, verify_input=False
+    )
+    files = [p for p in src.rglob("*.pt") if p.is_file()]
+    return Summary(
+        src,
+        "deepspeed",
+        None,
+        None,
+        step,
+        sum(s.numel for s in specs),
+        len(specs),
+        sum(p.stat().st_size for p in files),
+        len(files),
+        0,
+        len(aliases),
+        0,
+    )
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{n} B"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_summary(s: Summary) -> str:
+    """The table `inspect` prints."""
+
+    def opt(v: object) -> str:
+        return "?" if v is None else str(v)
+
+    rows = [
+        ("path", str(s.path)),
+        ("format", s.format),
+        ("world size", opt(s.world_size)),
+        ("stage", opt(s.stage)),
+        ("step", opt(s.step)),
+        ("parameters", f"{s.params:,} in {s.tensors} tensors"),
+        ("frozen / tied / buffers", f"{s.frozen} / {s.tied} / {s.buffers}"),
+        ("bytes", f"{_human(s.bytes)} in {s.files} files"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if s.groups:
+        head = ("group", "tensors", "params", "dtype", "frozen", "shards")
+        body = [
+            (
+                g.name,
+                str(g.tensors),
+                f"{g.params:,}",
+                g.dtype,
+                "yes" if g.frozen else "no",
+                ", ".join(g.kinds),
+            )
+            for g in s.groups
+        ]
+        widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
+        lines.append("")
+        for r in (head, *body):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""`load`: this rank's shards for any world size, read by byte range, checksums verified.
+
+Resharding needs no data movement between ranks: a target rank's shard is a range of
+the padded flat buffer (offsets do not depend on the world size), so it reads exactly
+that range from the one or two source rank files that hold it. With target layouts
+whose offsets differ (another alignment), each slot is copied on its own instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroshard.ckpt._errors import CheckpointError, ModelMismatchError
+from zeroshard.ckpt._meta import (
+    BUFFER_PREFIX,
+    CheckpointMeta,
+    GroupMeta,
+    buffer_key,
+    check_names_shapes,
+    shard_key,
+)
+from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.partition import FlatLayout
+
+
+@dataclass(frozen=True)
+class LoadedShards:
+    """One rank's shards of a checkpoint, for the world size it was loaded at.
+
+    `tensors` holds `shard_key(group, kind)` -> 1-D shard of `layouts[group].shard_numel`
+    elements (the saved dtype), and `buffer_key(name)` -> each buffer, whole.
+    """
+
+    meta: CheckpointMeta
+    path: Path
+    rank: int
+    world_size: int
+    layouts: Mapping[str, FlatLayout]
+    tensors: Mapping[str, torch.Tensor]
+
+    def shard(self, group: str, kind: str) -> torch.Tensor:
+        """This rank's shard of `group` of one kind ('master', 'param', 'optim.exp_avg')."""
+        try:
+            return self.tensors[shard_key(group, kind)]
+        except KeyError:
+            raise KeyError(f"no {kind!r} shard of group {group!r} was loaded") from None
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Module buffers by name."""
+        n = len(BUFFER_PREFIX)
+        return {k[n:]: t for k, t in self.tensors.items() if k.startswith(BUFFER_PREFIX)}
+
+
+def checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+    """Every name a model's state_dict() would hold (params, tied aliases, buffers) -> shape."""
+    meta = reader.meta
+    shapes = {s.name: s.shape for g in meta.groups for s in g.layout.slots}
+    shapes.update({alias: shapes[c] for alias, c in meta.tied.items() if c in shapes})
+    shapes.update({b: reader.buffer_entry(b).shape for b in meta.buffers})
+    return shapes
+
+
+def _target_layouts(
+    meta: CheckpointMeta, world_size: int, layouts: Mapping[str, FlatLayout] | None
+) -> dict[str, FlatLayout]:
+    if layouts is None:
+        return {g.name: g.layout.resharded(world_size) for g in meta.groups}
+    have, want = {g.name for g in meta.groups}, set(layouts)
+    if have != want:
+        raise ModelMismatchError(
+            f"checkpoint groups {sorted(have)} differ from the given layouts' {sorted(want)}"
+        )
+    for g in meta.groups:
+        dst = layouts[g.name]
+        if dst.world_size != world_size:
+            raise CheckpointError(
+                f"layout of group {g.name!r} is for world size {dst.world_size}, not {world_size}"
+            )
+        check_names_shapes(
+            {s.name: s.shape for s in g.layout.slots},
+            {s.name: s.shape for s in dst.slots},
+            f"group {g.name!r} of the checkpoint",
+        )
+    return dict(layouts)
+
+
+def _copies(src: FlatLayout, dst: FlatLayout, rank: int) -> list[tuple[int, int, int]]:
+    """(src_lo, src_hi, dst_start) element ranges that make up `dst`'s shard of `rank`."""
+    a, b = dst.shard_range(rank)
+    if [(s.name, s.offset) for s in src.slots] == [(s.name, s.offset) for s in dst.slots]:
+        # Same offsets: the shard is one range of the flat buffer, alignment gaps included.
+        hi = min(b, src.padded_numel)
+        return [(a, hi, 0)] if a < hi else []
+    out = []
+    for slot, piece in dst.slots_in_shard(rank):
+        lo = src.slot(slot.name).offset + piece.slot_start
+        out.append((lo, lo + piece.numel, piece.shard_start))
+    return out
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int,
+    tag: str | None = None,
+    step: int | None = None,
+    expected: Mapping[str, Sequence[int]] | None = None,
+    layouts: Mapping[str, FlatLayout] | None = None,
+    kinds: Collection[str] | None = None,
+    device: torch.device | str = "cpu",
+    verify: bool = True,
+    workers: int = 4,
+) -> LoadedShards:
+    """Read rank `rank`'s shards for `world_size` ranks (any world size) and the buffers.
+
+    `path` is a checkpoint directory or a root (then `tag`, `step` or `latest`).
+    `expected` (name -> shape, as the model's state_dict() has them) raises
+    ModelMismatchError listing every difference. `layouts` gives target layouts per
+    group (default: the saved ones resharded). `kinds` limits which shard kinds are
+    read. `verify` checks the size and checksum of every file read. No collectives.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world size {world_size}")
+    with CheckpointReader(path, tag=tag, step=step) as reader:
+        meta = reader.meta
+        reader.check_present()
+        if expected is not None:
+            check_names_shapes(checkpoint_shapes(reader), expected, f"checkpoint {reader.path}")
+        targets = _target_layouts(meta, world_size, layouts)
+        if kinds is not None:
+            unknown = set(kinds) - {k for g in meta.groups for k in g.shards}
+            if unknown:
+                raise CheckpointError(f"no group stores shard kind(s) {sorted(unknown)}")
+        plan: list[tuple[GroupMeta, str, list[tuple[int, int, int]]]] = []
+        needed = {0}
+        for g in meta.groups:
+            copies = _copies(g.layout, targets[g.name], rank)
+            n = g.layout.shard_numel
+            for lo, hi, _ in copies:
+                needed.update(range(lo // n, (hi - 1) // n + 1))
+            plan += [(g, k, copies) for k in g.shards if kinds is None or k in kinds]
+        if verify:
+            reader.verify(needed, workers)
+
+        def read(item: tuple[GroupMeta, str, list[tuple[int, int, int]]]) -> torch.Tensor:
+            g, kind, copies = item
+            dst = targets[g.name]
+            out = torch.zeros(dst.shard_numel, dtype=g.shards[kind])
+            for lo, hi, at in copies:
+                reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo])
+            return out
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            shards = list(pool.map(read, plan))
+        tensors = {shard_key(g.name, k): t for (g, k, _), t in zip(plan, shards, strict=True)}
+        tensors.update({buffer_key(b): reader.read_buffer(b) for b in meta.buffers})
+    if torch.device(device).type != "cpu":
+        tensors = {k: t.to(device) for k, t in tensors.items()}
+    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors)

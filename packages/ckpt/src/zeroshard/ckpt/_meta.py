@@ -1,0 +1,357 @@
+"""`CheckpointMeta` and `GroupMeta`: everything `metadata.json` says, as frozen dataclasses.
+
+A checkpoint's rank files hold flat shards under keys `"{group}.{kind}"` (`kind` is
+`master`, `param` or `optim.{state}`) and, in rank 0's file only, buffers under
+`"buffer.{name}"`. The metadata holds what is needed to interpret them without model
+code: the layouts, dtypes, optimizer hyperparameters, tied aliases and per-file checksums.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from zeroshard.ckpt._errors import CheckpointError, FormatVersionError, ModelMismatchError
+from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
+
+FORMAT_NAME = "zeroshard-ckpt"
+FORMAT_VERSION = 1
+MASTER = "master"
+PARAM = "param"
+OPTIM_PREFIX = "optim."
+BUFFER_PREFIX = "buffer."
+CHECKSUM_ALGORITHM = "crc32"
+
+
+def shard_key(group: str, kind: str) -> str:
+    """The key of a group's shard of one kind in a rank file ('g0.master', 'g0.optim.exp_avg')."""
+    return f"{group}.{kind}"
+
+
+def buffer_key(name: str) -> str:
+    """The key of a module buffer in rank 0's file."""
+    return BUFFER_PREFIX + name
+
+
+def rank_file(rank: int) -> str:
+    """The file name of a rank's shards."""
+    return f"rank{rank:05d}.safetensors"
+
+
+def _check_json(what: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} must hold only JSON values: {e}") from None
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    """Size and checksum of one file of a checkpoint."""
+
+    size: int
+    digest: str
+    algorithm: str = CHECKSUM_ALGORITHM
+
+
+@dataclass(frozen=True)
+class GroupMeta:
+    """One flat parameter group: its layout and what each rank stores of it.
+
+    `shards` maps each stored kind (`master`, `param`, `optim.{state}`) to its dtype;
+    every rank file holds one `(layout.shard_numel,)` tensor per kind. The parameter
+    values are read from `master` when present, else from `param`. A group with
+    `requires_grad=False` holds frozen parameters (`param_group` is then usually None).
+    `scalars` are per-group optimizer state scalars such as Adam's `step`.
+    """
+
+    name: str
+    layout: FlatLayout
+    shards: Mapping[str, torch.dtype]
+    param_group: int | None = 0
+    requires_grad: bool = True
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise CheckpointError("a group needs a non-empty name")
+        if not self.shards:
+            raise CheckpointError(f"group {self.name!r} stores no shards")
+        for kind, dtype in self.shards.items():
+            if kind not in (MASTER, PARAM) and not (
+                kind.startswith(OPTIM_PREFIX) and len(kind) > len(OPTIM_PREFIX)
+            ):
+                raise CheckpointError(
+                    f"group {self.name!r}: shard kind {kind!r} is not 'master', 'param' "
+                    "or 'optim.<state>'"
+                )
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"group {self.name!r}: dtype of {kind!r} is {dtype!r}")
+        if MASTER not in self.shards and PARAM not in self.shards:
+            raise CheckpointError(f"group {self.name!r} stores neither 'master' nor 'param'")
+        _check_json(f"group {self.name!r} scalars", dict(self.scalars))
+        object.__setattr__(self, "shards", dict(self.shards))
+        object.__setattr__(self, "scalars", dict(self.scalars))
+
+    @property
+    def value_kind(self) -> str:
+        """The kind the parameter values are read from: 'master' if stored, else 'param'."""
+        return MASTER if MASTER in self.shards else PARAM
+
+    @property
+    def optim_states(self) -> tuple[str, ...]:
+        """Names of the optimizer state tensors stored (e.g. 'exp_avg', 'exp_avg_sq')."""
+        return tuple(k[len(OPTIM_PREFIX) :] for k in self.shards if k.startswith(OPTIM_PREFIX))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "name": self.name,
+            "layout": self.layout.to_dict(),
+            "param_group": self.param_group,
+            "requires_grad": self.requires_grad,
+            "shards": {k: dtype_name(d) for k, d in self.shards.items()},
+            "scalars": dict(self.scalars),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> GroupMeta:
+        """Read `to_dict()` output."""
+        pg = d["param_group"]
+        return GroupMeta(
+            name=str(d["name"]),
+            layout=FlatLayout.from_dict(dict(d["layout"])),
+            shards={str(k): dtype_from_name(str(v)) for k, v in d["shards"].items()},
+            param_group=None if pg is None else int(pg),
+            requires_grad=bool(d["requires_grad"]),
+            scalars=dict(d.get("scalars", {})),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What `metadata.json` holds. `save` fills `step` and `files`; the rest is the caller's.
+
+    `param_groups` are the optimizer's hyperparameters per param group (JSON values,
+    e.g. `{"lr": 1e-3, "betas": [0.9, 0.999]}`); `tied` maps each alias of a shared
+    parameter to its canonical name (the one in a layout); `buffers` names the module
+    buffers stored in rank 0's file; `extra` is free JSON for the caller (scheduler
+    state, engine config).
+    """
+
+    world_size: int
+    groups: tuple[GroupMeta, ...]
+    stage: int = 3
+    step: int = 0
+    compute_dtype: torch.dtype = torch.float32
+    param_groups: tuple[Mapping[str, Any], ...] = ()
+    tied: Mapping[str, str] = field(default_factory=dict)
+    buffers: tuple[str, ...] = ()
+    files: Mapping[str, FileMeta] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "groups", tuple(self.groups))
+        set_(self, "param_groups", tuple(dict(p) for p in self.param_groups))
+        set_(self, "tied", dict(self.tied))
+        set_(self, "buffers", tuple(self.buffers))
+        set_(self, "files", dict(self.files))
+        set_(self, "extra", dict(self.extra))
+        if self.version != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"checkpoint format version {self.version!r} is not supported "
+                f"(this build reads version {FORMAT_VERSION})"
+            )
+        if self.world_size < 1:
+            raise CheckpointError(f"world_size must be >= 1, got {self.world_size}")
+        if self.stage not in (0, 1, 2, 3):
+            raise CheckpointError(f"stage must be 0, 1, 2 or 3, got {self.stage}")
+        if not self.groups:
+            raise CheckpointError("a checkpoint needs at least one group")
+        _check_json("param_groups", list(self.param_groups))
+        _check_json("extra", self.extra)
+        self._check_names()
+
+    def _check_names(self) -> None:
+        seen_groups: set[str] = set()
+        keys: set[str] = set()
+        names: set[str] = set()
+        for g in self.groups:
+            if g.name in seen_groups:
+                raise CheckpointError(f"group name {g.name!r} appears twice")
+            seen_groups.add(g.name)
+            if g.layout.world_size != self.world_size:
+                raise CheckpointError(
+                    f"group {g.name!r}: layout is for world size {g.layout.world_size}, "
+                    f"the checkpoint for {self.world_size}"
+                )
+            pg = g.param_group
+            if pg is not None and self.param_groups and not 0 <= pg < len(self.param_groups):
+                raise CheckpointError(
+                    f"group {g.name!r}: param_group {pg} out of range "
+                    f"({len(self.param_groups)} optimizer param groups)"
+                )
+            for kind in g.shards:
+                key = shard_key(g.name, kind)
+                if key in keys:
+                    raise CheckpointError(f"shard key {key!r} is ambiguous")
+                keys.add(key)
+            for s in g.layout.slots:
+                if s.name in names:
+                    raise CheckpointError(f"parameter {s.name!r} appears in two groups")
+                names.add(s.name)
+        for b in self.buffers:
+            if b in names or buffer_key(b) in keys:
+                raise CheckpointError(f"buffer {b!r} clashes with a parameter or shard key")
+            names.add(b)
+        for alias, canonical in self.tied.items():
+            if alias in names:
+                raise CheckpointError(f"tied alias {alias!r} is also a stored name")
+            if canonical not in names:
+                raise CheckpointError(f"tied alias {alias!r} points at unknown {canonical!r}")
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        """Names of the frozen parameters (those of groups with `requires_grad=False`)."""
+        return tuple(s.name for g in self.groups if not g.requires_grad for s in g.layout.slots)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """Every stored parameter name in layout order (aliases excluded)."""
+        return tuple(s.name for g in self.groups for s in g.layout.slots)
+
+    @property
+    def num_params(self) -> int:
+        """Number of parameter elements (aliases counted once, padding not counted)."""
+        return sum(s.numel for g in self.groups for s in g.layout.slots)
+
+    def group(self, name: str) -> GroupMeta:
+        """A group by name."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no group {name!r} in this checkpoint")
+
+    def shard_keys(self) -> Iterator[tuple[GroupMeta, str, str]]:
+        """Every (group, kind, key) that each rank file holds."""
+        for g in self.groups:
+            for kind in g.shards:
+                yield g, kind, shard_key(g.name, kind)
+
+    def with_files(self, step: int, files: Mapping[str, FileMeta]) -> CheckpointMeta:
+        """A copy with the step and the file checksums set (what `save` writes)."""
+        return replace(self, step=step, files=dict(files))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "step": self.step,
+            "compute_dtype": dtype_name(self.compute_dtype),
+            "groups": [g.to_dict() for g in self.groups],
+            "param_groups": [dict(p) for p in self.param_groups],
+            "tied": dict(self.tied),
+            "frozen": list(self.frozen),
+            "buffers": list(self.buffers),
+            "files": {
+                n: {"bytes": f.size, "algorithm": f.algorithm, "digest": f.digest}
+                for n, f in sorted(self.files.items())
+            },
+            "extra": dict(self.extra),
+        }
+
+    def to_json(self) -> str:
+        """The metadata as indented JSON text."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> CheckpointMeta:
+        """Read `to_dict()` output; FormatVersionError for another version, CheckpointError else."""
+        if d.get("format") != FORMAT_NAME:
+            raise CheckpointError(
+                f"not a {FORMAT_NAME} metadata file (format field is {d.get('format')!r})"
+            )
+        version = d.get("version")
+        if version != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"checkpoint format version {version!r} is not supported "
+                f"(this build of zeroshard-ckpt reads version {FORMAT_VERSION}); "
+                "upgrade zeroshard-ckpt to read it"
+            )
+        try:
+            meta = CheckpointMeta(
+                world_size=int(d["world_size"]),
+                groups=tuple(GroupMeta.from_dict(g) for g in d["groups"]),
+                stage=int(d["stage"]),
+                step=int(d["step"]),
+                compute_dtype=dtype_from_name(str(d["compute_dtype"])),
+                param_groups=tuple(dict(p) for p in d["param_groups"]),
+                tied={str(a): str(c) for a, c in d["tied"].items()},
+                buffers=tuple(str(b) for b in d["buffers"]),
+                files={
+                    str(n): FileMeta(int(f["bytes"]), str(f["digest"]), str(f["algorithm"]))
+                    for n, f in d["files"].items()
+                },
+                extra=dict(d.get("extra", {})),
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"malformed checkpoint metadata: missing or bad {e}") from e
+        except ValueError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"malformed checkpoint metadata: {e}") from e
+        if sorted(meta.frozen) != sorted(str(n) for n in d.get("frozen", meta.frozen)):
+            raise CheckpointError("metadata 'frozen' list disagrees with the groups")
+        return meta
+
+    @staticmethod
+    def from_json(text: str) -> CheckpointMeta:
+        """Parse `to_json()` output."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"metadata is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise CheckpointError("metadata is not a JSON object")
+        return CheckpointMeta.from_dict(d)
+
+
+def expected_shard_keys(meta: CheckpointMeta) -> dict[str, tuple[torch.dtype, int]]:
+    """Key -> (dtype, numel) of the shard tensors every rank file stores (buffers excluded)."""
+    return {key: (g.shards[kind], g.layout.shard_numel) for g, kind, key in meta.shard_keys()}
+
+
+def check_names_shapes(
+    have: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], what: str
+) -> None:
+    """Raise ModelMismatchError listing missing, unexpected and reshaped names."""
+    missing = sorted(set(expected) - set(have))
+    unexpected = sorted(set(have) - set(expected))
+    shapes = sorted(
+        f"{n}: checkpoint {tuple(have[n])} vs model {tuple(expected[n])}"
+        for n in set(have) & set(expected)
+        if tuple(have[n]) != tuple(expected[n])
+    )
+    if not (missing or unexpected or shapes):
+        return
+
+    def cut(xs: list[str]) -> str:
+        return ", ".join(xs[:10]) + (f", ... ({len(xs)} in all)" if len(xs) > 10 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {cut(missing)}")
+    if unexpected:
+        parts.append(f"not in the model: {cut(unexpected)}")
+    if shapes:
+        parts.append(f"shape mismatch: {cut(shapes)}")
+    raise ModelMismatchError(f"{what} is of another model; " + "; ".join(parts))

@@ -1,0 +1,108 @@
+"""Names inside a checkpoint root: step directories, the `latest` pointer, temp names.
+
+A root holds committed checkpoints (`step-{N}` or a tag), each with `metadata.json`,
+and a `latest` file naming the newest one. Names starting with '.' are work in
+progress (`.{name}.tmp`) or a checkpoint being replaced (`.{name}.old`); they never
+count as checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from zeroshard.ckpt._errors import CheckpointError, MissingShardError
+from zeroshard.ckpt._stfile import fsync_dir
+
+LATEST = "latest"
+METADATA = "metadata.json"
+
+
+def checkpoint_name(step: int, tag: str | None = None) -> str:
+    """The directory name of a checkpoint: the tag if given, else 'step-{step}'."""
+    if tag is None:
+        if step < 0:
+            raise CheckpointError(f"step must be >= 0, got {step}")
+        return f"step-{step}"
+    if not tag or tag.startswith(".") or "/" in tag or "\\" in tag or tag == LATEST:
+        raise CheckpointError(f"bad checkpoint tag {tag!r}: no '/', no leading '.', not 'latest'")
+    return tag
+
+
+def temp_dir(root: Path, name: str) -> Path:
+    """Where a checkpoint is written before its commit renames it into place."""
+    return root / f".{name}.tmp"
+
+
+def old_dir(root: Path, name: str) -> Path:
+    """Where a checkpoint being overwritten waits until its replacement is in place."""
+    return root / f".{name}.old"
+
+
+def read_latest(root: Path) -> str | None:
+    """The checkpoint name the `latest` pointer holds, or None if there is none."""
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return name or None
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point `latest` at `name` atomically: write a temp file, fsync, rename, fsync the dir."""
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def list_checkpoints(root: Path) -> list[str]:
+    """Committed checkpoint names under `root`, steps in numeric order, then tags."""
+
+    def order(name: str) -> tuple[int, int, str]:
+        num = name.removeprefix("step-")
+        return (0, int(num), "") if name.startswith("step-") and num.isdigit() else (1, 0, name)
+
+    if not root.is_dir():
+        return []
+    names = [
+        p.name
+        for p in root.iterdir()
+        if not p.name.startswith(".") and p.is_dir() and (p / METADATA).is_file()
+    ]
+    return sorted(names, key=order)
+
+
+def resolve(path: Path, tag: str | None = None, step: int | None = None) -> Path:
+    """The checkpoint directory meant by `path` (a checkpoint, or a root) and a tag or step.
+
+    With neither tag nor step, a root resolves through `latest`. If `latest` names a
+    checkpoint that an interrupted overwrite had moved aside, the moved copy is used.
+    """
+    path = Path(path)
+    if tag is not None or step is not None:
+        if tag is not None and step is not None:
+            raise CheckpointError("give a tag or a step, not both")
+        name = checkpoint_name(step if step is not None else 0, tag)
+        target = path / name
+        if not (target / METADATA).is_file():
+            known = ", ".join(list_checkpoints(path)) or "none"
+            raise MissingShardError(f"no checkpoint {name!r} under {path} (found: {known})")
+        return target
+    if (path / METADATA).is_file():
+        return path
+    latest = read_latest(path)
+    if latest is None:
+        if not path.exists():
+            raise MissingShardError(f"{path} does not exist")
+        raise CheckpointError(
+            f"{path} is not a zeroshard checkpoint: it has neither {METADATA} nor a "
+            f"'{LATEST}' pointer"
+        )
+    for candidate in (path / latest, old_dir(path, latest)):
+        if (candidate / METADATA).is_file():
+            return candidate
+    raise MissingShardError(f"{path}/{LATEST} names {latest!r}, which has no {METADATA}")

@@ -1,0 +1,286 @@
+"""`save`: every rank writes its shards; rank 0 commits the checkpoint atomically.
+
+[Note: commit protocol]
+1. Every rank checks its tensors against the metadata; rank 0 clears and creates
+   `root/.{name}.tmp`. An all-gather of failure flags (also a barrier) stops every
+   rank if any one failed, before a byte is written.
+2. Every rank writes `rank{r:05d}.safetensors` into the temp directory, computing its
+   crc32 while writing, and fsyncs the file and the directory.
+3. Commit: an all-gather of (failed, size, crc32) from every rank. Rank 0 writes
+   `metadata.json` with the checksums, fsyncs it, renames the temp directory to
+   `root/{name}`, fsyncs the root, then replaces the `latest` pointer (temp file,
+   fsync, rename). A last all-gather tells every rank the commit is done.
+A SIGKILL before the directory rename leaves only a '.'-prefixed temp directory
+(never a checkpoint); after it, a complete one. `latest` moves last, so it always
+names a complete checkpoint.
+
+[Note: async save and collectives]
+With `async_save=True` the shards are copied to host memory (pinned for CUDA, on the
+current stream, so later in-place updates cannot race the copy) and a background
+thread writes the file (step 2). The thread does no collective: on one process group
+collectives must be issued in the same order on every rank, and a thread racing the
+training loop's collectives would break that. The commit (step 3) therefore runs on
+the main thread, in `SaveHandle.wait()` or at the start of the next `save`; call
+either on every rank at the same point of the program.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from zeroshard.ckpt._agree import Agreement
+from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
+from zeroshard.ckpt._meta import (
+    CheckpointMeta,
+    FileMeta,
+    buffer_key,
+    expected_shard_keys,
+    rank_file,
+)
+from zeroshard.ckpt._paths import (
+    METADATA,
+    checkpoint_name,
+    old_dir,
+    temp_dir,
+    write_latest,
+)
+from zeroshard.ckpt._stfile import fsync_dir, write_file
+from zeroshard.comm import Group
+
+_pending: SaveHandle | None = None
+
+
+class SaveHandle:
+    """A save in progress or done; `wait()` (on every rank) finishes and commits it."""
+
+    def __init__(
+        self,
+        agreement: Agreement,
+        root: Path,
+        name: str,
+        meta: CheckpointMeta,
+    ) -> None:
+        self._agreement = agreement
+        self._root = root
+        self._name = name
+        self._meta = meta
+        self._thread: threading.Thread | None = None
+        self._file: FileMeta | None = None
+        self._error: BaseException | None = None
+        self._committed = False
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint directory once committed."""
+        return self._root / self._name
+
+    @property
+    def done(self) -> bool:
+        """True once the checkpoint is committed (and `latest` names it)."""
+        return self._committed
+
+    def _write(self, tensors: Mapping[str, torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            tmp = temp_dir(self._root, self._name)
+            self._file = write_file(tmp / rank_file(self._agreement.rank), tensors)
+            fsync_dir(tmp)
+        except BaseException as e:  # re-raised on the main thread by wait()
+            self._error = e
+
+    def _start(self, tensors: Mapping[str, torch.Tensor], async_save: bool) -> None:
+        if not async_save:
+            self._write(tensors, None)
+            return
+        snapshot, ready = _snapshot(tensors)
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, ready), name=f"zeroshard-save-{self._name}"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def wait(self) -> Path:
+        """Finish writing and commit (collective: call on every rank); return the directory."""
+        global _pending
+        if self._committed:
+            return self.path
+        if _pending is self:
+            _pending = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        ag = self._agreement
+        f = self._file
+        failed = self._error is not None or f is None
+        size, crc = (0, 0) if f is None else (f.size, int(f.digest, 16))
+        rows = ag.gather([int(failed), size, crc], f"save {self._name}: files written")
+        bad = [r for r, row in enumerate(rows) if row[0]]
+        tmp = temp_dir(self._root, self._name)
+        if bad:
+            if ag.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if self._error is not None:
+                raise self._error
+            raise CheckpointError(f"save of {self._name!r} aborted: rank(s) {bad} failed to write")
+        problem: BaseException | None = None
+        if ag.rank == 0:
+            files = {rank_file(r): FileMeta(row[1], f"{row[2]:08x}") for r, row in enumerate(rows)}
+            try:
+                _publish(self._root, self._name, self._meta.with_files(self._meta.step, files))
+            except BaseException as e:
+                problem = e
+        failed_commit = ag.failed_ranks(problem is not None, f"save {self._name}: commit")
+        if problem is not None:
+            raise problem
+        if failed_commit:
+            raise CheckpointError(f"rank 0 failed to commit checkpoint {self._name!r}")
+        self._committed = True
+        return self.path
+
+
+def _snapshot(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+    """Host copies that later in-place updates cannot touch; an event when CUDA copies run."""
+    out: dict[str, torch.Tensor] = {}
+    cuda = False
+    for key, t in tensors.items():
+        t = t.detach()
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            # Issued on the current stream, after the kernels that produced `t` and
+            # before any later update of it, so the snapshot is of this step.
+            host.copy_(t, non_blocking=True)
+            cuda = True
+        elif t.device.type == "cpu":
+            host = t.clone(memory_format=torch.contiguous_format)
+        else:
+            host = t.to("cpu", copy=True)
+        out[key] = host
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+    return out, ready
+
+
+def _check_tensors(
+    meta: CheckpointMeta, tensors: Mapping[str, torch.Tensor], rank: int, size: int
+) -> dict[str, torch.Tensor]:
+    """This rank's file contents in a fixed order; CheckpointError naming what is wrong."""
+    if meta.world_size != size:
+        raise CheckpointError(
+            f"metadata is for world size {meta.world_size} but the group has {size} ranks"
+        )
+    out: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for key, (dtype, numel) in expected_shard_keys(meta).items():
+        t = tensors.get(key)
+        if t is None:
+            problems.append(f"missing shard {key!r}")
+        elif t.dtype != dtype or t.dim() != 1 or t.numel() != numel:
+            problems.append(
+                f"shard {key!r} is {t.dtype} {tuple(t.shape)}, metadata says {dtype} ({numel},)"
+            )
+        else:
+            out[key] = t
+    buffer_keys = {buffer_key(b) for b in meta.buffers}
+    if rank == 0:
+        for b in meta.buffers:
+            t = tensors.get(buffer_key(b))
+            if t is None:
+                problems.append(f"missing buffer {b!r} (key {buffer_key(b)!r})")
+            else:
+                out[buffer_key(b)] = t
+    extra = sorted(set(tensors) - set(out) - buffer_keys)
+    if extra:
+        problems.append(f"tensors not described by the metadata: {extra[:10]}")
+    if problems:
+        raise CheckpointError(f"rank {rank}: cannot save: " + "; ".join(problems))
+    return out
+
+
+def _prepare(root: Path, name: str, overwrite: bool) -> None:
+    """Rank 0: refuse an existing checkpoint (unless overwrite); make an empty temp dir."""
+    if not overwrite and ((root / name).exists() or old_dir(root, name).exists()):
+        raise OutputExistsError(f"checkpoint {root / name} exists; pass overwrite=True")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(root, name)
+    # A temp dir left by a killed save is garbage by construction: it was never renamed.
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    fsync_dir(root)
+
+
+def _publish(root: Path, name: str, meta: CheckpointMeta) -> None:
+    """Rank 0: metadata, rename into place, `latest` last (see [Note: commit protocol])."""
+    tmp = temp_dir(root, name)
+    with open(tmp / METADATA, "w") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    final, old = root / name, old_dir(root, name)
+    if final.exists():
+        # Overwrite: move the old one aside first (a directory cannot be renamed onto a
+        # non-empty one); `resolve` falls back to the moved copy if we die in between.
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    write_latest(root, name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    meta: CheckpointMeta,
+    tensors: Mapping[str, torch.Tensor],
+    group: Group | None = None,
+    tag: str | None = None,
+    async_save: bool = False,
+    overwrite: bool = False,
+) -> SaveHandle:
+    """Save this rank's shards (call on every rank) as `root/step-{step}` (or `root/{tag}`).
+
+    `tensors` maps `shard_key(group, kind)` to this rank's 1-D shard for every group and
+    kind in `meta`, plus `buffer_key(name)` for each buffer on rank 0. `group` None means
+    the default process group if one is initialized, else a single process. Returns a
+    handle; with `async_save` the write runs in the background and `wait()` commits.
+    """
+    global _pending
+    if _pending is not None:
+        _pending.wait()  # the next save waits for (and commits) the previous one
+    ag = Agreement(group)
+    root = Path(root)
+    name = checkpoint_name(step, tag)
+    meta = meta.with_files(step, {})
+    problem: BaseException | None = None
+    ordered: dict[str, torch.Tensor] = {}
+    try:
+        ordered = _check_tensors(meta, tensors, ag.rank, ag.size)
+        if ag.rank == 0:
+            _prepare(root, name, overwrite)
+    except (CheckpointError, OSError) as e:
+        problem = e
+    bad = ag.failed_ranks(problem is not None, f"save {name}: prepare")
+    if problem is not None:
+        raise problem
+    if bad:
+        raise CheckpointError(f"save of {name!r} aborted before writing: rank(s) {bad} failed")
+    handle = SaveHandle(ag, root, name, meta)
+    handle._start(ordered, async_save)
+    if async_save:
+        _pending = handle
+    else:
+        handle.wait()
+    return handle

@@ -1,0 +1,58 @@
+"""Consolidation specs from a zeroshard checkpoint: one `RangeSpec` per parameter and buffer.
+
+A parameter's values come from its group's `master` shards when saved, else `param`;
+each spec reads its slot's pieces straight from the rank files that hold them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.ckpt._meta import GroupMeta, buffer_key
+from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.partition import Slot
+
+
+def _param_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot) -> RangeSpec:
+    kind = group.value_kind
+
+    def read_range(start: int, out: torch.Tensor) -> None:
+        lo = slot.offset + start
+        reader.read_flat(group, kind, lo, lo + out.numel(), out)
+
+    def read(out: torch.Tensor) -> None:
+        read_range(0, out)
+
+    return RangeSpec(slot.name, slot.shape, group.shards[kind], read, read_range)
+
+
+def _buffer_spec(reader: CheckpointReader, name: str) -> RangeSpec:
+    entry = reader.buffer_entry(name)
+    key = buffer_key(name)
+
+    def read_range(start: int, out: torch.Tensor) -> None:
+        reader.read_entry(0, key, start, out)
+
+    def read(out: torch.Tensor) -> None:
+        read_range(0, out)
+
+    return RangeSpec(name, entry.shape, entry.dtype, read, read_range)
+
+
+def checkpoint_specs(
+    reader: CheckpointReader, *, exclude_frozen: bool = False
+) -> tuple[list[TensorSpec], dict[str, str]]:
+    """Specs of the full state dict (parameters in layout order, then buffers) and the
+    tied aliases {alias: canonical}; aliases are not specs (their tensor is written once)."""
+    meta = reader.meta
+    specs: list[TensorSpec] = []
+    for g in meta.groups:
+        if exclude_frozen and not g.requires_grad:
+            continue
+        specs += [_param_spec(reader, g, s) for s in g.layout.slots]
+    specs += [_buffer_spec(reader, b) for b in meta.buffers]
+    kept = {s.name for s in specs}
+    aliases = {a: c for a, c in meta.tied.items() if c in kept}
+    return specs, aliases

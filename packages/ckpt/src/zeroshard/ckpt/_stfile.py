@@ -1,0 +1,217 @@
+"""Safetensors files at the byte level: plan a header, write tensors, pread ranges, checksum.
+
+We write the format ourselves (an 8-byte little-endian header length, a JSON header
+padded with spaces to a multiple of 8, then the raw little-endian data) so that a
+file's checksum is computed while it is written, and so that readers can `pread`
+exactly the bytes they need straight into a destination tensor. Files are read back
+by the `safetensors` library in the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroshard.ckpt._errors import CheckpointError
+from zeroshard.ckpt._meta import CHECKSUM_ALGORITHM, FileMeta
+
+_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _attr, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _attr):
+        _CODES[getattr(torch, _attr)] = _code
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+_IO_CHUNK = 16 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def st_code(dtype: torch.dtype) -> str:
+    """The safetensors dtype code of a torch dtype ('F32', 'BF16', ...)."""
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a safetensors file: dtype, shape and absolute byte offset in the file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed (or planned) safetensors header."""
+
+    entries: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int
+    size: int
+
+
+def plan_header(
+    items: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, Header]:
+    """Header bytes (length prefix included) and the entries, tensors laid out in order."""
+    fields: dict[str, object] = {}
+    if metadata:
+        fields["__metadata__"] = dict(metadata)
+    layout: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
+    pos = 0
+    for name, dtype, shape in items:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * dtype.itemsize
+        fields[name] = {
+            "dtype": st_code(dtype),
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nbytes],
+        }
+        layout.append((name, dtype, shape, pos, nbytes))
+        pos += nbytes
+    text = json.dumps(fields, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    data_start = 8 + len(text)
+    entries = {n: Entry(d, s, data_start + p, b) for n, d, s, p, b in layout}
+    header = Header(entries, dict(metadata or {}), data_start, data_start + pos)
+    return struct.pack("<Q", len(text)) + text, header
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory; the caller keeps `t` alive."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` (os.pwrite may write less than asked)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def pread_into(fd: int, out: torch.Tensor, offset: int, path: Path | str) -> None:
+    """Fill contiguous CPU tensor `out` with the bytes at `offset`; error on a short file."""
+    view = tensor_bytes(out)
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointError(
+                f"{path}: ends at byte {offset + done}, expected data up to byte "
+                f"{offset + len(view)} (truncated file?)"
+            )
+        done += n
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> FileMeta:
+    """Write tensors (in the mapping's order) as one safetensors file; fsync; size + checksum."""
+    head, plan = plan_header(
+        ((k, t.dtype, tuple(t.shape)) for k, t in tensors.items()), metadata or {"format": "pt"}
+    )
+    crc = zlib.crc32(head)
+    with open(path, "wb") as f:
+        f.write(head)
+        for t in tensors.values():
+            # One tensor at a time on the host: a CUDA shard is copied down just before
+            # its bytes are written, so host memory holds at most one shard extra.
+            host = t.detach().to("cpu").contiguous()
+            view = tensor_bytes(host)
+            for i in range(0, len(view), _IO_CHUNK):
+                part = view[i : i + _IO_CHUNK]
+                crc = zlib.crc32(part, crc)
+                f.write(part)
+            del view, host
+        f.flush()
+        os.fsync(f.fileno())
+    return FileMeta(plan.size, f"{crc:08x}")
+
+
+def read_header(fd: int, path: Path | str) -> Header:
+    """Parse a safetensors header; CheckpointError naming the file when it is not one."""
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{path}: bad safetensors header length {n} (file has {size} bytes)")
+    try:
+        fields = json.loads(os.pread(fd, n, 8))
+        metadata = {str(k): str(v) for k, v in fields.pop("__metadata__", {}).items()}
+        entries: dict[str, Entry] = {}
+        end = 8 + n
+        for name, f in fields.items():
+            lo, hi = (int(x) for x in f["data_offsets"])
+            dtype = _DTYPES[f["dtype"]]
+            shape = tuple(int(d) for d in f["shape"])
+            entries[name] = Entry(dtype, shape, 8 + n + lo, hi - lo)
+            if entries[name].numel * dtype.itemsize != hi - lo:
+                raise ValueError(f"tensor {name!r}: offsets disagree with its shape")
+            end = max(end, 8 + n + hi)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: malformed safetensors header: {e!r}") from e
+    return Header(entries, metadata, 8 + n, end)
+
+
+def file_digest(path: Path, algorithm: str = CHECKSUM_ALGORITHM) -> FileMeta:
+    """Size and checksum of a whole file (crc32 here: fast, and catches flips and cuts)."""
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise CheckpointError(f"{path}: unknown checksum algorithm {algorithm!r}")
+    crc = 0
+    size = 0
+    buf = bytearray(_IO_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return FileMeta(size, f"{crc:08x}", algorithm)
