@@ -26,13 +26,16 @@ _chunk_cat = getattr(torch, "_chunk_cat", None)
 
 
 def _buckets(numels: Sequence[int], itemsize: int, bucket_bytes: int) -> list[range]:
-    """Consecutive index ranges packing to at most `bucket_bytes` (a lone tensor may exceed it)."""
+    """Consecutive index ranges packing to at most `bucket_bytes` (a lone tensor may exceed it).
+
+    Empty tensors join the open bucket rather than start one.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     out: list[range] = []
     start, size = 0, 0
     for i, n in enumerate(numels):
-        if i > start and (size + n) * itemsize > bucket_bytes:
+        if n and i > start and (size + n) * itemsize > bucket_bytes:
             out.append(range(start, i))
             start, size = i, 0
         size += n
