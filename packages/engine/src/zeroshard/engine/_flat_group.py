@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, Handle
-from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, unflatten
+from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -69,6 +69,12 @@ class FlatParamGroup:
         )
 
 
+def slot_views(buffer: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
+    """Views of `buffer` shaped like each slot; the buffer may be of any dtype (offsets
+    count elements, so a compute-dtype or gradient buffer shares the layout)."""
+    return [buffer[s.offset : s.end].view(s.shape) for s in layout.slots]
+
+
 def build_flat_group(
     index: int,
     key: GroupKey,
@@ -105,7 +111,7 @@ def build_flat_group(
     master = nn.Parameter(master, requires_grad=key.requires_grad)
     param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
     del flat  # the full-precision copy is no longer needed once master and params exist
-    views = list(unflatten(param_buffer, layout).values())
+    views = slot_views(param_buffer, layout)
     for p, v in zip(params, views, strict=True):
         p.data = v
     log.debug(
@@ -130,6 +136,6 @@ def build_flat_group(
     )
     if keep_grad_buffer and key.requires_grad:
         fg.grad_buffer = torch.zeros_like(param_buffer)
-        for p, g in zip(params, unflatten(fg.grad_buffer, layout).values(), strict=True):
+        for p, g in zip(params, slot_views(fg.grad_buffer, layout), strict=True):
             p.grad = g
     return fg

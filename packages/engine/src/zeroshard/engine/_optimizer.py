@@ -38,6 +38,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._overflow = False
         masters = [g.master for g in self.flat_groups if g.trainable]
+        # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
+        # master shards of the flat groups built from each group's parameters.
+        for k, pg in enumerate(inner.param_groups):
+            pg["params"] = [
+                g.master for g in self.flat_groups if g.trainable and g.key.param_group == k
+            ]
         # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
         # replaced by the inner optimizer's own, so both see the same objects.
         super().__init__(masters, dict(inner.defaults))
@@ -79,11 +85,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if shards:
             local += torch.stack(torch._foreach_norm(shards)).square().sum()
         self.world.all_reduce(local, label="grad norm").wait()
-        total = local.sqrt()
+        total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(shards, coef)
-        return total.reshape(())
+        return total
 
     # -- step ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,87 @@
+"""Small models and a plain single-process reference trainer for parity tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 37
+
+
+class OddModel(nn.Module):
+    """Odd sizes (none divisible by 2, 3 or 4), a tied embedding/head, a frozen layer,
+    a bare nn.Parameter and a buffer."""
+
+    def __init__(self, d: int = 13, hidden: int = 29) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.l1 = nn.Linear(d, hidden)
+        self.frozen = nn.Linear(hidden, hidden)
+        self.frozen.requires_grad_(False)
+        self.l2 = nn.Linear(hidden, d)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("offset", torch.arange(d, dtype=torch.float32) / d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.offset.to(self.emb.weight.dtype)
+        h = F.gelu(self.l1(x))
+        h = torch.tanh(self.frozen(h))
+        x = x + self.l2(h) * self.scale
+        return self.head(x)
+
+
+def make_model(seed: int = 0) -> OddModel:
+    """The same model on every rank for a given seed."""
+    torch.manual_seed(seed)
+    return OddModel()
+
+
+def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    """Two param groups (no decay on biases/vectors), as real training scripts do."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), foreach=True)
+
+
+def global_batches(steps: int, accum: int, world: int, micro: int, seq: int = 7) -> torch.Tensor:
+    """[steps, accum, world, micro, seq+1] token ids, identical on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, VOCAB, (steps, accum, world, micro, seq + 1), generator=g)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, computed in fp32."""
+    logits = model(tokens[..., :-1])
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[..., 1:].reshape(-1))
+
+
+def reference_run(
+    model: nn.Module,
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+    batches: torch.Tensor,
+    clip: float | None,
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Train a copy of `model` in one process on the global batch: losses, norms, state dict."""
+    ref = copy.deepcopy(model)
+    opt = make_opt(ref)
+    losses, norms = [], []
+    for step in batches:
+        flat = step.reshape(-1, step.shape[-1])  # the whole global batch at once
+        loss = loss_fn(ref, flat)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}
