@@ -81,7 +81,8 @@ class CausalSelfAttention(nn.Module):
         # (b, t, 3, heads, head_dim) -> three (b, heads, t, head_dim)
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class MLP(nn.Module):
@@ -94,7 +95,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> (..., d_model)."""
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return out
 
 
 class Block(nn.Module):
@@ -110,7 +112,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model)."""
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):

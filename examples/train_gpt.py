@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpt import GPT, GPTConfig, parameters_count
+from gpt import GPT, GPTConfig, parameters_count  # type: ignore[import-not-found]
 from torch import nn
 from tqdm import tqdm
 
@@ -209,10 +209,12 @@ def evaluate(
             corpus.val, 10_000 + i, args.batch, rank * per_rank, (rank + 1) * per_rank
         )
         with autocast():
-            total += model(x.to(device), y.to(device)).float()
+            loss: torch.Tensor = model(x.to(device), y.to(device))
+        total += loss.float()
     dist.all_reduce(total)
     model.train()
-    return total.item() / (args.eval_batches * world)
+    count: int = args.eval_batches * world
+    return float(total.item()) / count
 
 
 @torch.no_grad()
@@ -259,8 +261,7 @@ def main() -> None:
         raise SystemExit("byte-level tokens need vocab_size >= 256")
     corpus = Corpus(CORPUS, cfg.seq_len)
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = GPT(cfg).to(device)
-    opt = build_optimizer(model, args.lr, device)
+    plain = GPT(cfg).to(device)
     engine = "DDP" if args.stage == 0 else f"zeroshard stage {args.stage}"
     log.info(
         "GPT %s: %.2fM parameters; %s, %s, %d rank(s) on %s; global batch %d x %d tokens",
@@ -274,7 +275,9 @@ def main() -> None:
         cfg.seq_len,
     )
     t0 = time.perf_counter()
-    model, opt, clip, full_state, autocast = wrap(model, opt, args, dtype, device)
+    model, opt, clip, full_state, autocast = wrap(
+        plain, build_optimizer(plain, args.lr, device), args, dtype, device
+    )
     log.info("wrapped in %.2f s", time.perf_counter() - t0)
 
     start_loss = evaluate(model, corpus, args, rank, world, device, autocast)

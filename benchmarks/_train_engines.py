@@ -1,0 +1,222 @@
+"""The engines that benchmarks/train_step.py times, each behind one `setup(...)` function.
+
+Every setup takes a freshly built fp32 model on the benchmark device and returns a
+`Stepper`: one call is one full training step (forward, backward, optimizer step, zero
+grad) on a micro-batch. All engines use torch.optim.AdamW (fused on CUDA) with the same
+hyperparameters; what differs is only how parameters, gradients and optimizer state are
+distributed and cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Stepper = Callable[[torch.Tensor, torch.Tensor], None]
+LR = 1e-4
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every engine shares: device, compute dtype, clipping, micro-batch, extras."""
+
+    device: torch.device
+    dtype: torch.dtype
+    clip: float
+    micro_batch: int
+    zs_config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A name, a one-line description, a setup function and whether it can be imported."""
+
+    name: str
+    what: str
+    setup: Callable[[nn.Module, Settings], Stepper]
+    available: Callable[[], bool]
+    rank0_only: bool = False
+
+
+def _adamw(params: Any, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32)
+
+
+def _plain_step(
+    model: nn.Module, opt: torch.optim.Optimizer, s: Settings, autocast: bool
+) -> Stepper:
+    """forward (under autocast if asked), backward, optional clip, step, zero_grad."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with _autocast(s) if autocast else contextlib.nullcontext():
+            loss = model(x, y)
+        loss.backward()
+        if s.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def setup_floor(model: nn.Module, s: Settings) -> Stepper:
+    """One device, no communication: fp32 params, autocast to the compute dtype, AdamW."""
+    return _plain_step(model, _adamw(model.parameters(), s.device), s, autocast=True)
+
+
+def setup_ddp(model: nn.Module, s: Settings) -> Stepper:
+    """torch DistributedDataParallel (default buckets) with autocast."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [s.device.index] if s.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids)
+    return _plain_step(ddp, _adamw(ddp.parameters(), s.device), s, autocast=True)
+
+
+def _fully_shard() -> tuple[Any, Any]:
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6 kept FSDP2 under _composable
+        from torch.distributed._composable.fsdp import (  # type: ignore[attr-defined]
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _setup_fsdp2(model: nn.Module, s: Settings, reshard_after_forward: bool) -> Stepper:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard, policy_cls = _fully_shard()
+    mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
+    low = None if s.dtype == torch.float32 else s.dtype
+    policy = policy_cls(param_dtype=low, reduce_dtype=torch.float32)
+    blocks: Any = model.blocks
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root's parameters (embeddings, final norm) are needed last in backward anyway.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return _plain_step(model, _adamw(model.parameters(), s.device), s, autocast=False)
+
+
+def setup_fsdp2(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 fully_shard per block and root, bf16 params, fp32 reduce (ZeRO-3)."""
+    return _setup_fsdp2(model, s, reshard_after_forward=True)
+
+
+def setup_fsdp2_zero2(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 with reshard_after_forward=False: parameters stay gathered (ZeRO-2 analogue)."""
+    return _setup_fsdp2(model, s, reshard_after_forward=False)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _setup_zs(model: nn.Module, s: Settings, stage: int) -> Stepper:
+    import zeroshard.engine as zs
+
+    config = {"stage": stage, "compute_dtype": _dtype_name(s.dtype), **s.zs_config}
+    zmodel, opt = zs.initialize(model, _adamw(model.parameters(), s.device), config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = zmodel(x, y)
+        loss.backward()
+        if s.clip > 0:
+            opt.clip_grad_norm_(s.clip)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _setup_ds(model: nn.Module, s: Settings, stage: int) -> Stepper:
+    import deepspeed  # type: ignore[import-not-found, unused-ignore]
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = {
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": s.dtype == torch.bfloat16},
+        "fp16": {"enabled": s.dtype == torch.float16},
+        # overlap_comm on for every stage: DeepSpeed's fastest setting, so the fair peer.
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": s.clip,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=_adamw(model.parameters(), s.device),
+        config=config,
+        dist_init_required=False,
+    )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    return step
+
+
+def _has(module: str, attr: str | None = None) -> Callable[[], bool]:
+    """Whether `module` can be found (and, if `attr`, imported and has it)."""
+
+    def check() -> bool:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return False
+            return attr is None or hasattr(importlib.import_module(module), attr)
+        except Exception:  # a broken install is "not available"
+            return False
+
+    return check
+
+
+def _always() -> bool:
+    return True
+
+
+def _zs(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: _setup_zs(m, s, stage)
+
+
+def _ds(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: _setup_ds(m, s, stage)
+
+
+# DeepSpeed last: importing and initializing it sets process-wide state (its accelerator,
+# logging, hooks), which must not touch the engines timed before it.
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in [
+        Engine("floor", "1 device, no communication, autocast", setup_floor, _always, True),
+        Engine("ddp", "torch DDP + autocast", setup_ddp, _always),
+        Engine("fsdp2", "FSDP2 fully_shard per block (ZeRO-3)", setup_fsdp2, _always),
+        Engine("fsdp2-zero2", "FSDP2, reshard_after_forward=False", setup_fsdp2_zero2, _always),
+        *(
+            Engine(f"zs{k}", f"zeroshard stage {k}", _zs(k), _has("zeroshard.engine", "initialize"))
+            for k in (1, 2, 3)
+        ),
+        *(
+            Engine(
+                f"ds{k}", f"DeepSpeed ZeRO stage {k}", _ds(k), _has("deepspeed")
+            )  # found, not imported
+            for k in (1, 2, 3)
+        ),
+    ]
+}

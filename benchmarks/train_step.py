@@ -1,0 +1,437 @@
+"""Time one GPT training step under several engines in one torchrun launch.
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/train_step.py
+    torchrun --standalone --nproc-per-node=2 benchmarks/train_step.py --smoke   # CPU, gloo
+
+Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
+device with no communication, on rank 0 while the others wait), `ddp`, `fsdp2`,
+`fsdp2-zero2`, `zs1`-`zs3` (zeroshard) and `ds1`-`ds3` (DeepSpeed). Each gets the same
+freshly built model (1.3B preset: d 2048, 24 layers, seq 2048), the same random tokens
+and torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded),
+median step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
+tokens/s/GPU, MFU and peak memory. An engine that fails gets a row saying why and the
+run goes on. Full runs write the "train_step" section of docs/benchmarks.md and
+docs/train_step.png; `--smoke` writes only under bench-out/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from _report import markdown_table, write_section  # noqa: E402
+from _trace import TraceSummary, summarize_chrome_trace  # noqa: E402
+from _train_engines import ENGINES, Settings  # noqa: E402
+from gpt import GPT, GPTConfig, flops_per_token, parameters_count  # noqa: E402
+
+OUT = ROOT / "bench-out"
+PNG = ROOT / "docs" / "train_step.png"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Result:
+    """One engine's row; `error` is set (and the figures None) when it failed."""
+
+    engine: str
+    what: str
+    init_s: float | None = None
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    error: str | None = None
+    trace: TraceSummary | None = None
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default=None, help="comma-separated; default: all importable")
+    p.add_argument("--preset", default="1.3b", help="GPTConfig preset (default 1.3b)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per engine")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="bf16 (fp32 in --smoke)")
+    p.add_argument("--clip", type=float, default=0.0, help="grad-norm clip in every engine")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="per-GPU peak for MFU (default: H100/H200 SXM bf16 dense, 989)",
+    )
+    p.add_argument("--zs-config", default="{}", help="JSON merged into the zeroshard config")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile 2 extra steps per engine: exposed communication, idle time",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU/gloo, bench-out only")
+    p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
+    args = p.parse_args()
+    unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
+    if unknown:
+        p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The benchmarked shape: the preset, or a tiny model under --smoke."""
+    if args.smoke:
+        return GPTConfig(vocab_size=512, d_model=128, n_layer=2, n_head=4, seq_len=64)
+    overrides = {"seq_len": args.seq_len} if args.seq_len else {}
+    return GPTConfig.preset(args.preset, **overrides)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    # Drop every reference cycle (engines and hooks form them) before the cache is emptied,
+    # so the next engine starts from the same empty device.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _agree(values: list[float], ok: bool, error: str | None) -> tuple[list[float], str | None]:
+    """Max of `values` over ranks (the slowest rank), and the first rank's error if any."""
+    t = torch.tensor([*values, 0.0 if ok else 1.0], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    failed = t[-1].item() > 0
+    return t[:-1].tolist(), (first or "failed on another rank") if failed else None
+
+
+def _measure(
+    name: str,
+    cfg: GPTConfig,
+    settings: Settings,
+    args: argparse.Namespace,
+    data: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[float, list[float], float, Any]:
+    """Init seconds, timed step seconds, peak GiB and profile of one engine on this rank.
+
+    Everything the engine allocates is local to this frame, so it is all released when
+    the function returns or raises (see `_free`).
+    """
+    device = settings.device
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    step = ENGINES[name].setup(model, settings)
+    _sync(device)
+    init_s = time.perf_counter() - t0
+    del model  # the engine holds what it needs
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        step(*data)
+        _sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    trace = profile(name, step, data, device) if args.profile else None
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    return init_s, times, peak, trace
+
+
+def run_engine(
+    name: str,
+    cfg: GPTConfig,
+    settings: Settings,
+    args: argparse.Namespace,
+    data: tuple[torch.Tensor, torch.Tensor],
+) -> Result:
+    """Build, wrap, warm up and time one engine; every rank calls this."""
+    engine = ENGINES[name]
+    rank = dist.get_rank()
+    init_s, peak = 0.0, 0.0
+    times: list[float] = []
+    trace: TraceSummary | None = None
+    error: str | None = None
+    dist.barrier()
+    if rank == 0 or not engine.rank0_only:
+        try:
+            init_s, times, peak, trace = _measure(name, cfg, settings, args, data)
+        except Exception as e:  # OOM, import error, engine bug: a row, not the end
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+            if rank == 0:
+                traceback.print_exc()
+    _free(settings.device)  # after the except block, so the traceback's frames are gone
+    if engine.rank0_only:
+        dist.barrier()  # the others waited here while rank 0 ran alone
+    median = statistics.median(times) if times else 0.0
+    (init_s, median, peak), error = _agree([init_s, median, peak], error is None, error)
+    if error:
+        return Result(name, engine.what, error=error)
+    return Result(name, engine.what, init_s, median * 1000, peak or None, None, trace)
+
+
+def profile(
+    name: str, step: Any, data: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> TraceSummary | None:
+    """Profile two steps; write the Chrome trace to bench-out/ and summarize it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        for _ in range(2):
+            step(*data)
+        _sync(device)
+    OUT.mkdir(exist_ok=True)
+    path = OUT / f"train_step_{name}_rank{dist.get_rank()}.json"
+    prof.export_chrome_trace(str(path))
+    return summarize_chrome_trace(path, steps=2)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(
+    results: list[Result], cfg: GPTConfig, args: argparse.Namespace, settings: Settings, world: int
+) -> str:
+    """The markdown body: settings, the table, ratios, goals, and the profile summary."""
+    tokens = args.micro_batch * cfg.seq_len
+    on_gpu = settings.device.type == "cuda"
+    by = {r.engine: r for r in results if r.error is None}
+    floor = by.get("floor")
+    rows: list[list[object]] = []
+    for r in results:
+        if r.error is not None:
+            rows.append(
+                [f"`{r.engine}`", r.what, "-", "-", "-", "-", "-", "-", f"FAILED: {r.error}"]
+            )
+            continue
+        assert r.step_ms is not None
+        tps = tokens / (r.step_ms / 1000)
+        mfu = 100 * flops_per_token(cfg) * tps / (args.peak_tflops * 1e12) if on_gpu else None
+        vs = _fmt(r.step_ms / floor.step_ms, ".3f") if floor and floor.step_ms else "-"
+        rows.append(
+            [
+                f"`{r.engine}`",
+                r.what,
+                _fmt(r.init_s, ".2f"),
+                _fmt(r.step_ms, ".1f"),
+                _fmt(tps, ",.0f"),
+                _fmt(mfu, ".1f"),
+                _fmt(r.peak_gib, ".1f"),
+                vs,
+                "ok",
+            ]
+        )
+    head = (
+        f"GPT `{'smoke' if args.smoke else args.preset}`: {parameters_count(cfg) / 1e9:.3f} B "
+        f"parameters (d {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, seq "
+        f"{cfg.seq_len}, vocab {cfg.vocab_size}); micro-batch {args.micro_batch} per GPU, "
+        f"{world} GPU(s), compute {str(settings.dtype).removeprefix('torch.')}, AdamW "
+        f"(fused on CUDA), clip {args.clip or 'off'}, {args.warmup} warm-up + {args.steps} "
+        f"timed steps, random tokens. MFU = {flops_per_token(cfg) / 1e9:.2f} GFLOP/token "
+        f"(6N + 12 L d T, PaLM's convention, see examples/gpt.py) x tokens/s / "
+        f"{args.peak_tflops:g} TFLOP/s. Step time: median, slowest rank. Peak: "
+        "torch.cuda.max_memory_allocated from wrapping to the last step, largest rank. "
+        f"zeroshard config extras: `{args.zs_config}`."
+    )
+    header = [
+        "engine",
+        "what",
+        "init s",
+        "step ms",
+        "tokens/s/GPU",
+        "MFU %",
+        "peak GiB",
+        "step / floor",
+        "status",
+    ]
+    body = [head, "", markdown_table(header, rows), "", ratios(by)]
+    traced = [r for r in results if r.trace is not None]
+    if traced:
+        prow: list[list[object]] = []
+        for r in traced:
+            t = r.trace
+            assert t is not None
+            prow.append(
+                [
+                    f"`{r.engine}`",
+                    f"{t.window_ms:.1f}",
+                    f"{t.compute_ms:.1f}",
+                    f"{t.comm_ms:.1f}",
+                    f"{t.exposed_comm_ms:.1f}",
+                    f"{t.idle_ms:.1f}",
+                ]
+            )
+        body += [
+            "",
+            "Profile (rank 0, ms per step; exposed = NCCL kernel time with no compute "
+            "kernel running, idle = no kernel at all):",
+            "",
+            markdown_table(
+                ["engine", "GPU window", "compute", "NCCL", "exposed NCCL", "idle"], prow
+            ),
+        ]
+    return "\n".join(body)
+
+
+def ratios(by: dict[str, Result]) -> str:
+    """zeroshard against its peers measured in this run, and the issue's goals for stage 2."""
+    lines = []
+    peers = {1: ("ddp", "ds1"), 2: ("fsdp2-zero2", "ds2"), 3: ("fsdp2", "ds3")}
+    for k, (fsdp, ds) in peers.items():
+        zs = by.get(f"zs{k}")
+        if zs is None or zs.step_ms is None:
+            continue
+        parts = []
+        for peer in ("floor", fsdp, ds):
+            p = by.get(peer)
+            if p is not None and p.step_ms:
+                parts.append(f"{p.step_ms / zs.step_ms:.3f}x the speed of `{peer}`")
+        d = by.get(ds)
+        if d is not None and d.peak_gib and zs.peak_gib:
+            parts.append(f"{zs.peak_gib / d.peak_gib:.2f}x `{ds}`'s peak memory")
+        if d is not None and d.init_s and zs.init_s:
+            parts.append(f"init {d.init_s / zs.init_s:.1f}x faster than `{ds}`")
+        lines.append(f"- `zs{k}`: " + ", ".join(parts) + ".")
+    goals = _goals(by)
+    return "\n".join(["Ratios (> 1x: zeroshard is faster):", "", *lines, *goals]) if lines else ""
+
+
+def _goals(by: dict[str, Result]) -> list[str]:
+    zs, floor, ds = by.get("zs2"), by.get("floor"), by.get("ds2")
+    if zs is None or zs.step_ms is None:
+        return []
+    out = ["", "Goals for stage 2 (issue 3):", ""]
+    if floor and floor.step_ms:
+        over = zs.step_ms / floor.step_ms - 1
+        out.append(
+            f"- within 4% of the no-communication step: {over:+.1%} "
+            f"({'met' if over <= 0.04 else 'NOT met'})"
+        )
+    if ds and ds.step_ms:
+        sp = ds.step_ms / zs.step_ms
+        out.append(
+            f"- >= 1.11x DeepSpeed stage 2: {sp:.3f}x ({'met' if sp >= 1.11 else 'NOT met'})"
+        )
+    if ds and ds.peak_gib and zs.peak_gib:
+        ok = zs.peak_gib <= ds.peak_gib
+        out.append(
+            f"- peak <= DeepSpeed stage 2's: {zs.peak_gib:.1f} vs {ds.peak_gib:.1f} GiB "
+            f"({'met' if ok else 'NOT met'})"
+        )
+    if ds and ds.init_s and zs.init_s:
+        sp = ds.init_s / zs.init_s
+        out.append(
+            f"- init >= 3x faster than DeepSpeed stage 2: {sp:.1f}x "
+            f"({'met' if sp >= 3 else 'NOT met'})"
+        )
+    return out
+
+
+def plot(results: list[Result], path: Path) -> bool:
+    """Bar charts of step time and peak memory per engine; False if matplotlib is missing."""
+    try:
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return False
+    ok = [r for r in results if r.error is None and r.step_ms is not None]
+    names = [r.engine for r in ok]
+    colors = [
+        "tab:green" if n.startswith("zs") else "tab:gray" if n == "floor" else "tab:blue"
+        for n in names
+    ]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.45 * len(ok) + 1.6))
+    a.barh(names, [r.step_ms or 0 for r in ok], color=colors)
+    a.set_xlabel("median step time (ms, lower is better)")
+    b.barh(names, [r.peak_gib or 0 for r in ok], color=colors)
+    b.set_xlabel("peak memory (GiB, lower is better)")
+    for ax in (a, b):
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("GPT training step per engine (benchmarks/train_step.py)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    """Run every chosen engine in turn and write the report on rank 0."""
+    args = parse_args()
+    use_cuda = torch.cuda.is_available() and not args.smoke
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
+    if args.smoke:
+        args.micro_batch, args.warmup, args.steps = 2, 1, 2
+    cfg = model_config(args)
+    settings = Settings(device, dtype, args.clip, args.micro_batch, json.loads(args.zs_config))
+    names = (
+        args.engines.split(",")
+        if args.engines
+        else [n for n, e in ENGINES.items() if e.available()]
+    )
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=g)
+    data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
+
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        r = run_engine(name, cfg, settings, args, data)
+        results.append(r)
+        if rank == 0:
+            state = r.error or f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s"
+            print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    if rank == 0:
+        body = report(results, cfg, args, settings, world)
+        print(body)
+        OUT.mkdir(exist_ok=True)
+        (OUT / "train_step.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+        if args.smoke or args.no_write:
+            plot(results, OUT / "train_step.png")
+        else:
+            if plot(results, PNG):
+                body += f"\n\n![step time and peak memory per engine]({PNG.name})"
+            write_section("train_step", "Training step: zeroshard vs DDP, FSDP2, DeepSpeed", body)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
