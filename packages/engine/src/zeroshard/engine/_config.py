@@ -106,7 +106,7 @@ class ZeroConfig:
         if "zero_optimization" in d:
             return _from_deepspeed_config(d)
         ours = {f.name for f in fields(ZeroConfig)}
-        if set(d) & set(_DEEPSPEED_ZERO_KEYS) - ours:
+        if set(d) & (set(_DEEPSPEED_ZERO_KEYS) | set(_DEEPSPEED_UNSUPPORTED)) - ours:
             return _from_deepspeed_zero(d, {})
         unknown = sorted(set(d) - ours)
         if unknown:
@@ -133,6 +133,26 @@ _DEEPSPEED_ZERO_KEYS: dict[str, str] = {
     "allgather_partitions": "",
 }
 _DEEPSPEED_ALWAYS_TRUE = ("contiguous_gradients", "reduce_scatter", "allgather_partitions")
+# DeepSpeed zero_optimization keys zeroshard does not offer (yet): named so the error says
+# "unsupported" rather than "unknown".
+_DEEPSPEED_UNSUPPORTED = (
+    "offload_optimizer",
+    "offload_param",
+    "cpu_offload",
+    "sub_group_size",
+    "round_robin_gradients",
+    "elastic_checkpoint",
+    "ignore_unused_parameters",
+    "load_from_fp32_weights",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+)
 _DEEPSPEED_TOP_KEYS = ("zero_optimization", "bf16", "fp16")
 
 

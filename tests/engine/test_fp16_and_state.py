@@ -1,0 +1,109 @@
+"""fp16 loss scaling agreed across ranks, and optimizer state_dict round trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard.engine as zs
+from tests._dist import run_ranks, world_fits
+from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return zs.full_state_dict(model)
+
+
+def _fp16_overflow(device: str, stage: int) -> None:
+    rank = dist.get_rank()
+    model = make_model(3).to(device)
+    cfg = {"stage": stage, "compute_dtype": "fp16", "initial_loss_scale": 1024.0}
+    model, opt = zs.initialize(model, make_optimizer(model), cfg)
+    batches = global_batches(3, 1, dist.get_world_size(), 2)
+    tokens = batches[0, 0, rank].to(device)
+
+    before = _params(model)
+    hook = None
+    if rank == 1:
+        # An overflow on one rank only: its gradients for l1 become inf.
+        hook = model.l1.weight.register_hook(lambda g: g * float("inf"))
+    loss_fn(model, tokens).backward()
+    norm = opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    assert not torch.isfinite(norm), "every rank must see the overflow"
+    assert opt.scaler is not None and opt.scaler.scale == 512.0, "scale halves on every rank"
+    after = _params(model)
+    for k in before:
+        assert torch.equal(before[k], after[k]), f"{k} changed in a skipped step"
+
+    if hook is not None:
+        hook.remove()
+    loss_fn(model, batches[1, 0, rank].to(device)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.scaler.scale == 512.0
+    moved = _params(model)
+    assert not torch.equal(moved["l1.weight"], after["l1.weight"]), "a good step must update"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int, device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_fp16_overflow, 2, device, stage)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state_round_trip(device: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = global_batches(4, 1, world, 2)
+    for stage in (1, 2):
+        model = make_model(5).to(device)
+        model, opt = zs.initialize(model, make_optimizer(model), {"stage": stage})
+        for s in range(2):
+            _train(model, opt, batches[s, 0, rank].to(device))
+        # Like torch's, the state dict references live tensors: copy it as a save would.
+        saved = copy.deepcopy(opt.state_dict())
+        _train(model, opt, batches[2, 0, rank].to(device))
+        expected = _params(model)
+        _train(model, opt, batches[3, 0, rank].to(device))  # move away from it
+        opt.load_state_dict(saved)
+        _train(model, opt, batches[2, 0, rank].to(device))
+        got = _params(model)
+        for k in expected:
+            assert torch.equal(expected[k], got[k]), f"stage {stage}: {k} differs after reload"
+        wrong = dict(saved, world_size=world + 1)
+        with pytest.raises(ValueError, match="world size"):
+            opt.load_state_dict(wrong)
+
+
+@pytest.mark.gpu
+def test_optimizer_state_dict_round_trip(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_state_round_trip, 2, device)
+
+
+def _not_in_optimizer() -> None:
+    model = make_model(0)
+    opt = torch.optim.SGD([model.l1.weight], lr=0.1)
+    with pytest.raises(ValueError, match=r"l1\.bias"):
+        zs.initialize(model, opt, {"stage": 2})
+    stale = make_model(0)
+    opt2 = make_optimizer(stale)
+    loss_fn(stale, torch.zeros(1, 4, dtype=torch.long)).backward()
+    opt2.step()
+    with pytest.raises(ValueError, match="already has state"):
+        zs.initialize(stale, opt2, {"stage": 2})
+
+
+def test_bad_initialize_inputs() -> None:
+    run_ranks(_not_in_optimizer, 1)
