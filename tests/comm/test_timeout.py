@@ -1,0 +1,88 @@
+"""A collective that a peer skips, or a peer that leaves, fails with a labelled error."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_ranks, world_fits
+from tests.comm._data import rank_device
+from zeroshard.comm import CollectiveTimeoutError, Group, all_gather_coalesced, wait_all
+
+TIMEOUT_S = 1.5
+# The error must come at the timeout, not at torch's own (much longer) group timeout.
+SLACK_S = 5.0
+
+
+def _fresh_group(blocking_wait: bool) -> Group:
+    # A subgroup of its own: the abandoned collective leaves it unusable, not the world.
+    if dist.get_backend() == "nccl":
+        # Let our wait, not torch's watchdog, report the timeout and abort the communicator.
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    pg = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=120))
+    group = Group(pg, timeout=datetime.timedelta(seconds=TIMEOUT_S), blocking_wait=blocking_wait)
+    # Both ranks meet once, so connections (NCCL: the communicator) exist before the test.
+    group.barrier(label="warm-up")
+    return group
+
+
+def _skipped_collective() -> None:
+    group, dev = _fresh_group(blocking_wait=True), rank_device()
+    if group.rank == 0:
+        tensors = [torch.ones(5, device=dev), torch.ones(3, device=dev)]
+        start = time.monotonic()
+        _, handles = all_gather_coalesced(group, tensors, label="layers.7")
+        with pytest.raises(CollectiveTimeoutError) as info:
+            wait_all(handles)
+        elapsed = time.monotonic() - start
+        err = info.value
+        assert err.op == "all_gather" and err.label == "layers.7[bucket 0]", str(err)
+        assert err.timed_out, str(err)
+        msg = str(err)
+        assert "all_gather for 'layers.7[bucket 0]'" in msg and "within 1.5s" in msg, msg
+        assert 0.9 * TIMEOUT_S <= elapsed <= TIMEOUT_S + SLACK_S, elapsed
+    # Rank 1 skipped it and is alive meanwhile, waiting here on the world group.
+    Group().barrier(label="after timeout")
+
+
+def _peer_leaves() -> None:
+    group = _fresh_group(blocking_wait=True)
+    if group.rank == 1:
+        # Leaving the group closes this rank's connections to it, as an exiting peer would.
+        pg = group.pg
+        dist.destroy_process_group(pg)
+        del group, pg
+        gc.collect()
+        Group().barrier(label="left")
+        return
+    Group().barrier(label="left")
+    start = time.monotonic()
+    h = group.all_reduce(torch.ones(3), label="grad norm")
+    with pytest.raises(CollectiveTimeoutError) as info:
+        h.wait()
+    err = info.value
+    assert not err.timed_out and time.monotonic() - start < TIMEOUT_S, str(err)
+    msg = str(err)
+    assert "all_reduce for 'grad norm' failed" in msg and "peer" in msg, msg
+
+
+def _body(device: str) -> None:
+    _skipped_collective()
+    if device == "cpu":
+        # NCCL has no equivalent of a gloo peer closing its sockets mid-job.
+        _peer_leaves()
+    Group().barrier(label="end")
+
+
+@pytest.mark.gpu
+def test_skipped_collective_times_out_with_label(device: str) -> None:
+    """Rank 1 skips a coalesced all-gather: rank 0 fails at ~1.5 s naming op and bucket;
+    on gloo, a peer that left the group makes the next collective fail at once."""
+    world_fits(device, 2)
+    run_ranks(_body, 2, device, device=device)
