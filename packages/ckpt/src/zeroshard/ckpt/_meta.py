@@ -270,8 +270,16 @@ class CheckpointMeta:
         }
 
     def to_json(self) -> str:
-        """The metadata as indented JSON text."""
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        """The metadata as JSON text: one top-level field per line, one group per line."""
+        lines = []
+        for k, v in self.to_dict().items():
+            if k == "groups":
+                inner = ",\n  ".join(json.dumps(g, separators=(",", ":")) for g in v)
+                text = f"[\n  {inner}\n ]"
+            else:
+                text = json.dumps(v, separators=(",", ":"))
+            lines.append(f" {json.dumps(k)}: {text}")
+        return "{\n" + ",\n".join(lines) + "\n}\n"
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CheckpointMeta:
