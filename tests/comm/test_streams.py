@@ -1,0 +1,114 @@
+"""The CUDA side of [Note: streams and memory] (zeroshard/comm/_group.py), on NCCL.
+
+A peer that joins late keeps a collective pending for a known time, which makes the
+stream and allocator behaviour observable: the host must not block in `wait()`, memory
+issued on a side stream and waited on another must not be handed out again while the
+collective may still touch it, and nothing may stay allocated after the handles are done.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests._dist import run_ranks, world_fits
+from tests.comm._data import rank_device
+from zeroshard.comm import (
+    Group,
+    all_gather_coalesced,
+    reduce_scatter_coalesced,
+    wait_all,
+)
+
+DELAY_S = 1.0
+N = 1 << 20
+
+
+def _late_peer(group: Group) -> None:
+    """Line the ranks up, then hold rank 1 back for DELAY_S on the host."""
+    group.barrier()
+    if group.rank == 1:
+        time.sleep(DELAY_S)
+
+
+def _wait_does_not_block_host(group: Group, dev: torch.device) -> None:
+    x = torch.full((N,), float(group.rank), device=dev)
+    out = torch.empty(group.size * N, device=dev)
+    _late_peer(group)
+    start = time.monotonic()
+    group.all_gather_into(out, x, label="late peer").wait()
+    waited = time.monotonic() - start
+    if group.rank == 0:
+        assert waited < DELAY_S / 2, f"wait() blocked the host for {waited:.2f}s"
+        # The current stream, not the host, is what waits on rank 1.
+        assert not torch.cuda.current_stream(dev).query()
+    torch.cuda.synchronize(dev)
+    expected = torch.arange(group.size, dtype=torch.float32).repeat_interleave(N)
+    assert torch.equal(out.cpu(), expected)
+
+
+def _side_stream_memory_not_reused_early(group: Group, dev: torch.device) -> None:
+    side = torch.cuda.Stream(dev)
+    tensors = [torch.full((N,), group.rank + 1.0, device=dev), torch.ones(N // 2, device=dev)]
+    _late_peer(group)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        # Prefetch-style: packed and issued on the side stream, buffers allocated there.
+        outs, handles = all_gather_coalesced(group, tensors, label="prefetch")
+    wait_all(handles)  # on the default stream
+    first = outs[0].clone()  # read on the default stream, after its wait
+    storage = outs[0].untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    del outs, handles, storage
+    with torch.cuda.stream(side):
+        probe = torch.empty(nbytes // 4, device=dev)
+        if group.rank == 0:
+            # Rank 1 has not joined yet: the freed receive buffer is still NCCL's.
+            assert probe.data_ptr() != ptr, "side stream got a buffer NCCL may still write"
+        probe.fill_(-1.0)
+    torch.cuda.synchronize(dev)
+    expected = torch.arange(1, group.size + 1, dtype=torch.float32).repeat_interleave(N)
+    assert torch.equal(first.cpu().reshape(-1), expected)
+
+
+def _no_memory_left_behind(group: Group, dev: torch.device) -> None:
+    side = torch.cuda.Stream(dev)
+    tensors = [torch.randn(n, device=dev) for n in (N, 3, N // 3, 4096)]
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    for _ in range(10):
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            outs, h1 = all_gather_coalesced(
+                group, tensors, dtype=torch.bfloat16, bucket_bytes=1 << 20
+            )
+            parts, h2 = reduce_scatter_coalesced(group, tensors, bucket_bytes=1 << 20)
+        wait_all(h1 + h2)
+        del outs, parts, h1, h2
+    torch.cuda.synchronize(dev)
+    # torch's watchdog drops its copy of a finished work within ~0.1 s: allow it 2 s.
+    deadline = time.monotonic() + 2.0
+    while torch.cuda.memory_allocated(dev) != base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert torch.cuda.memory_allocated(dev) == base, torch.cuda.memory_allocated(dev) - base
+
+
+def _body() -> None:
+    group, dev = Group(), rank_device()
+    # Warm-up: the communicator is created on first use, which blocks the host.
+    group.barrier()
+    _wait_does_not_block_host(group, dev)
+    _side_stream_memory_not_reused_early(group, dev)
+    _no_memory_left_behind(group, dev)
+    group.barrier()
+
+
+@pytest.mark.gpu
+def test_stream_order_and_memory(device: str) -> None:
+    """Non-blocking wait, no early reuse of side-stream buffers, no leak (CUDA only)."""
+    if device != "cuda":
+        pytest.skip("streams and the caching allocator exist only on CUDA")
+    world_fits(device, 2)
+    run_ranks(_body, 2, device=device)
