@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.comm._data import assert_matches, rank_data, rank_device, reduce_reference
-from zeroshard.comm import Group, all_gather_coalesced, reduce_scatter_coalesced, wait_all
+from zeroshard.comm import (
+    Group,
+    ReduceOp,
+    all_gather_coalesced,
+    reduce_scatter_coalesced,
+    wait_all,
+)
 
 # Mixed sizes: a matrix, odd vectors, a scalar-like 1, a big one, an empty one. Numels
 # 15, 7, 1, 20, 192, 0, 26; the (3, 5) one is stored transposed (not contiguous).
@@ -79,9 +87,10 @@ def _reduce_case(op: str, src_dtypes: str, dtype: str | None, bucket_bytes: int,
     dts = [getattr(torch, d) for d in src_dtypes.split("+")]
     target = getattr(torch, dtype) if dtype else dts[0]
     tensors = [t.to(dev) for t in _inputs(me, seed, dts)]
+    reduce_op = cast(ReduceOp, op)
     outs, handles = reduce_scatter_coalesced(
-        group, tensors, op=op, dtype=target, bucket_bytes=bucket_bytes, label="grads"
-    )  # type: ignore[arg-type]
+        group, tensors, op=reduce_op, dtype=target, bucket_bytes=bucket_bytes, label="grads"
+    )
     if bucket_bytes == 1:
         assert len(handles) == 6  # every non-empty tensor alone
     elif bucket_bytes == BIG:

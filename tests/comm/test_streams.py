@@ -50,7 +50,7 @@ def _wait_does_not_block_host(group: Group, dev: torch.device) -> None:
 
 
 def _side_stream_memory_not_reused_early(group: Group, dev: torch.device) -> None:
-    side = torch.cuda.Stream(dev)
+    side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
     tensors = [torch.full((N,), group.rank + 1.0, device=dev), torch.ones(N // 2, device=dev)]
     _late_peer(group)
     side.wait_stream(torch.cuda.current_stream(dev))
@@ -74,7 +74,7 @@ def _side_stream_memory_not_reused_early(group: Group, dev: torch.device) -> Non
 
 
 def _no_memory_left_behind(group: Group, dev: torch.device) -> None:
-    side = torch.cuda.Stream(dev)
+    side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
     tensors = [torch.randn(n, device=dev) for n in (N, 3, N // 3, 4096)]
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
