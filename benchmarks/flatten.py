@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import math
 import os
 import statistics
 import subprocess
@@ -95,14 +96,19 @@ class Meter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.host_ok = True
 
     def reset(self) -> None:
         """Start a new peak from the current level."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        # Writing 5 resets the kernel's peak-RSS mark (VmHWM) to the current RSS.
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        # Writing 5 resets the kernel's peak-RSS mark (VmHWM) to the current RSS; where
+        # that is not allowed, host peaks are reported as n/a rather than guessed.
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.host_ok = False
 
     def device_now(self) -> int:
         """Bytes in use on the device (the host RSS on a CPU device)."""
@@ -110,21 +116,20 @@ class Meter:
             return torch.cuda.memory_allocated(self.device)
         return _status_bytes("VmRSS")
 
-    def device_peak(self) -> int:
+    def device_peak(self) -> float:
         """Peak bytes on the device since `reset()`."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return _status_bytes("VmHWM")
+        return self.host_peak()
 
     @staticmethod
     def host_now() -> int:
         """Resident host memory now."""
         return _status_bytes("VmRSS")
 
-    @staticmethod
-    def host_peak() -> int:
-        """Peak resident host memory since `reset()`."""
-        return _status_bytes("VmHWM")
+    def host_peak(self) -> float:
+        """Peak resident host memory since `reset()` (NaN where it cannot be reset)."""
+        return _status_bytes("VmHWM") if self.host_ok else math.nan
 
 
 def _return_freed_host_memory() -> None:
@@ -206,6 +211,10 @@ def measure(
     return dict(zip(("time_s", "device_peak", "host_peak", "fingerprint"), t.tolist(), strict=True))
 
 
+def _num(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
 def report(
     results: dict[str, dict[str, float]], layout: FlatLayout, device: torch.device, world: int
 ) -> str:
@@ -224,12 +233,12 @@ def report(
             name,
             f"{r['time_s'] * 1e3:,.1f}",
             f"{r['time_s'] / base['time_s']:.2f}",
-            f"{r['device_peak'] / GIB:.2f}",
-            f"{r['device_peak'] / model_bytes:.2f}",
-            f"{r['device_peak'] / base['device_peak']:.2f}",
+            _num(r["device_peak"] / GIB),
+            _num(r["device_peak"] / model_bytes),
+            _num(r["device_peak"] / base["device_peak"]),
         ]
         if on_gpu:
-            row.append(f"{r['host_peak'] / GIB:.2f}")
+            row.append(_num(r["host_peak"] / GIB))
         rows.append(row)
     where = "GPU memory (torch.cuda.max_memory_allocated)" if on_gpu else "peak RSS"
     intro = (
@@ -243,10 +252,11 @@ def report(
     if not on_gpu:
         intro += (
             " On gloo, all_gather_into_tensor itself stages the output through a temporary "
-            "of the output's size (measured with torch 2.13), which adds 1.0 to the "
+            "of the output's size (we measured it), which adds 1.0 to the "
             "DISTRIBUTED peak here; NCCL gathers in place."
         )
-    return intro + "\n\n" + markdown_table(header, rows)
+    table: str = markdown_table(header, rows)
+    return intro + "\n\n" + table
 
 
 def main() -> None:
