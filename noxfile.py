@@ -75,3 +75,15 @@ def bench(session: nox.Session) -> None:
     _install(session, "numpy", "matplotlib")
     for script in ("flatten", "comm"):
         session.run("python", f"benchmarks/{script}.py", "--smoke", *session.posargs)
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """Install DeepSpeed 0.19.8 (CPU, no prebuilt ops), remake its fixtures, smoke its bench.
+
+    Writes tests/ckpt/fixtures/deepspeed/ (commit the result) and bench-out/consolidate.md.
+    """
+    _install(session, "huggingface_hub", "numpy")
+    session.install("deepspeed==0.19.8", env={"DS_BUILD_OPS": "0"})
+    session.run("python", "tests/ckpt/fixtures/deepspeed/make_fixtures.py", *session.posargs)
+    session.run("python", "benchmarks/consolidate.py", "--smoke")

@@ -30,6 +30,7 @@ import torch
 
 from zeroshard.ckpt._deepspeed_files import (
     DeepSpeedCheckpointError,
+    MissingRankFileError,
     find_files,
     first_model_states,
     is_deepspeed_checkpoint,
@@ -39,10 +40,14 @@ from zeroshard.ckpt._deepspeed_files import (
 )
 from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
 from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
 
 __all__ = [
+    "CorruptFileError",
     "DeepSpeedCheckpoint",
     "DeepSpeedCheckpointError",
+    "MissingRankFileError",
+    "UnsafePickleError",
     "deepspeed_specs",
     "is_deepspeed_checkpoint",
     "read_deepspeed_checkpoint",

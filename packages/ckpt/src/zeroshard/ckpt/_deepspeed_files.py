@@ -19,14 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeroshard.ckpt._errors import CheckpointError, MissingShardError
 from zeroshard.ckpt._unpickle import load_torch_file
 
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 
 
-class DeepSpeedCheckpointError(ValueError):
+class DeepSpeedCheckpointError(CheckpointError):
     """A DeepSpeed checkpoint is incomplete, inconsistent or of a kind we cannot read."""
+
+
+class MissingRankFileError(DeepSpeedCheckpointError, MissingShardError):
+    """A rank's optimizer or model states file of a DeepSpeed checkpoint is not there."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ def _missing(directory: Path, world_size: int, have: dict[int, Path], example: s
     extra = sorted(r for r in have if r >= world_size)
     if missing:
         names = ", ".join(example.format(rank=r) for r in missing)
-        raise DeepSpeedCheckpointError(
+        raise MissingRankFileError(
             f"{directory}: missing rank file(s) for a world size of {world_size}: {names}"
         )
     if extra:
@@ -135,7 +140,7 @@ def find_files(directory: Path, tag: str, world_size: int, stage: int) -> DeepSp
     else:
         single = directory / "mp_rank_00_model_states.pt"
         if not single.is_file():
-            raise DeepSpeedCheckpointError(f"{directory}: missing {single.name}")
+            raise MissingRankFileError(f"{directory}: missing {single.name}")
         model_paths = (single,)
     return DeepSpeedFiles(
         directory=directory,
@@ -151,7 +156,7 @@ def first_model_states(directory: Path) -> Path:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if (directory / name).is_file():
             return directory / name
-    raise DeepSpeedCheckpointError(
+    raise MissingRankFileError(
         f"{directory}: missing the model states file (mp_rank_00_model_states.pt for ZeRO 1/2, "
         "zero_pp_rank_0_mp_rank_00_model_states.pt for ZeRO 3)"
     )

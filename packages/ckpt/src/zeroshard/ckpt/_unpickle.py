@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from zeroshard.ckpt._errors import CheckpointError
 
-class UnsafePickleError(ValueError):
+
+class UnsafePickleError(CheckpointError):
     """A pickle asked for something outside the allowlist; nothing in it was executed.
 
     `global_name` is the refused global (`"posix.system"`), or None when the unpickler
@@ -43,7 +45,7 @@ class UnsafePickleError(ValueError):
         self.global_name = global_name
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(CheckpointError):
     """A checkpoint file is truncated, not a torch zip file, or otherwise unreadable."""
 
 

@@ -1,0 +1,461 @@
+"""Consolidating a DeepSpeed ZeRO-3 checkpoint: zeroshard vs DeepSpeed's zero_to_fp32.
+
+    PYTHONPATH=.site python benchmarks/consolidate.py       # 1.31 B GPT, 2 GPUs (NCCL)
+    python benchmarks/consolidate.py --smoke                # small GPT, 2 CPU ranks (gloo)
+
+Needs DeepSpeed (`DS_BUILD_OPS=0 pip install deepspeed==0.19.8`, plus huggingface_hub,
+which zero_to_fp32 needs for its default sharding). In one run:
+
+1. DeepSpeed itself makes the checkpoint: a GPT-2-style model (d 2048, 24 layers,
+   vocab 50304, embedding tied to the head: 1.31 B parameters) built under
+   `deepspeed.zero.Init`, one AdamW step with ZeRO-3 in bf16 on 2 ranks (GPUs over NCCL
+   where there are two, else CPU ranks over gloo), `save_checkpoint`. `--smoke`: d 256,
+   4 layers, vocab 4096.
+2. `dd` measures the disk: sequential write (conv=fdatasync) and read (after dropping
+   the file from the page cache) of as many bytes as the output; the floor is the time
+   to write the output at that rate (the input is in the page cache, as it is right after
+   training wrote it; `--cold` evicts it before every run and reports a cold floor).
+3. Each tool runs as a subprocess, `--repeats` times, alternating: zero_to_fp32
+   (`--safe_serialization`; if that fails, as it does on tied weights, its default
+   pickle .bin output) and `zeroshard-ckpt consolidate`. Time = the subprocess's wall
+   time plus fsync of what it wrote (zero_to_fp32 does not sync, we do; both pay the
+   same), GB/s = output bytes / time, peak RSS = the subprocess's ru_maxrss (os.wait4).
+4. Both outputs are compared tensor by tensor (bit for bit, tied names included).
+
+Full runs write the "consolidate" section of docs/benchmarks.md (on CPU-only machines
+"consolidate-cpu"); `--smoke` writes bench-out/consolidate.md only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _report import markdown_table, write_section  # noqa: E402
+
+OUT = ROOT / "bench-out"
+GIB = 1024**3
+SRC_PATHS = [str(ROOT / "packages" / p / "src") for p in ("comm", "partition", "ckpt")]
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="small GPT on CPU ranks, bench-out only")
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--untied", action="store_true", help="do not tie the head to the embedding")
+    p.add_argument("--world", type=int, default=2, help="ranks that make the checkpoint")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per tool (best is kept)")
+    p.add_argument("--workers", type=int, default=None, help="zeroshard --workers (default: all)")
+    p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--cold", action="store_true", help="evict the input from the page cache")
+    p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    args = p.parse_args()
+    if args.smoke:
+        args.d_model, args.layers, args.vocab = 256, 4, 4096
+    return args
+
+
+# --- the model and the checkpoint DeepSpeed makes -------------------------------------
+
+
+class Block(nn.Module):
+    """A pre-norm GPT-2 block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = max(1, d // 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2 style: token and position embeddings, blocks, final norm, (tied) head."""
+
+    def __init__(self, vocab: int, d: int, layers: int, tied: bool, ctx: int = 1024) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _make_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import deepspeed
+
+    cuda = torch.cuda.device_count() >= world and not args.smoke
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = GPT(args.vocab, args.d_model, args.layers, tied=not args.untied)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    tokens = torch.randint(0, args.vocab, (1, 16), device=engine.device)
+    logits = engine(tokens)
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(out, tag="global_step1")
+    torch.distributed.barrier()
+
+
+def make_checkpoint(args: argparse.Namespace, out: Path) -> float:
+    """Have DeepSpeed train one step and save a ZeRO-3 checkpoint; return seconds taken."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    start = time.perf_counter()
+    mp.start_processes(
+        _make_rank, args=(args.world, port, args, str(out)), nprocs=args.world, start_method="spawn"
+    )
+    return time.perf_counter() - start
+
+
+# --- measuring -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One subprocess run: exit status, wall seconds (with fsync), peak RSS, output."""
+
+    rc: int
+    seconds: float
+    sync_seconds: float
+    peak_rss: int
+    out_bytes: int
+    log: str
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
+
+
+def _sync(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _evict(paths: list[Path]) -> None:
+    # Clean pages only: sync first so nothing dirty stays behind.
+    _sync(paths)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_tool(cmd: list[str], out: Path, env: dict[str, str]) -> Run:
+    """Run `cmd`, fsync what it wrote under `out`; time, peak RSS (KiB -> bytes), size."""
+    log = out.parent / f"{out.name}.log"
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    ran = time.perf_counter() - start
+    files = _files(out)
+    sync_start = time.perf_counter()
+    _sync(files)
+    synced = time.perf_counter() - sync_start
+    return Run(
+        rc=proc.returncode,
+        seconds=ran + synced,
+        sync_seconds=synced,
+        peak_rss=usage.ru_maxrss * 1024,
+        out_bytes=sum(p.stat().st_size for p in files),
+        log=log.read_text(errors="replace"),
+    )
+
+
+def disk_bandwidth(work: Path, nbytes: int) -> tuple[float, float]:
+    """Sequential write (dd conv=fdatasync) and cold read bandwidth in bytes/s."""
+    path = work / "dd.bin"
+    count = max(1, math.ceil(nbytes / (4 << 20)))
+    cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={count}", "conv=fdatasync"]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True)
+    write = count * (4 << 20) / (time.perf_counter() - start)
+    _evict([path])
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
+    read = count * (4 << 20) / (time.perf_counter() - start)
+    path.unlink()
+    return write, read
+
+
+def compare_outputs(ours: Path, theirs: Path) -> tuple[int, str]:
+    """Compare our safetensors output with zero_to_fp32's, tensor by tensor; (count, problem)."""
+    from safetensors import safe_open
+
+    mine: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    handles = []
+    for f in sorted(ours.glob("*.safetensors")):
+        h = safe_open(str(f), framework="pt")
+        handles.append(h)
+        tied.update(json.loads((h.metadata() or {}).get("zeroshard.tied", "{}")))
+        for k in h.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            mine[k] = h.get_tensor(k)
+    checked = 0
+    for f in sorted(theirs.iterdir()):
+        if f.suffix == ".bin":
+            part = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        elif f.suffix == ".safetensors":
+            h = safe_open(str(f), framework="pt")
+            part = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+        else:
+            continue
+        for name, want in part.items():
+            got = mine.get(tied.get(name, name))
+            if got is None:
+                return checked, f"{name} missing from zeroshard's output"
+            if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+                return checked, f"{name} differs"
+            checked += 1
+    expected = len(mine) + len(tied)
+    if checked != expected:
+        return checked, f"zero_to_fp32 wrote {checked} tensors, zeroshard {expected} (with tied)"
+    return checked, ""
+
+
+# --- the run ---------------------------------------------------------------------------
+
+
+def main() -> None:
+    """Make the checkpoint, measure the disk and both tools, report."""
+    args = parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zs-consolidate-", dir=args.dir))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*SRC_PATHS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    try:
+        body = measure(args, work, env)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(body, flush=True)
+    if args.no_write:
+        return
+    if args.smoke:
+        OUT.mkdir(exist_ok=True)
+        (OUT / "consolidate.md").write_text(body + "\n")
+    else:
+        name = "consolidate" if torch.cuda.device_count() >= args.world else "consolidate-cpu"
+        where = "" if name == "consolidate" else " (CPU-only machine)"
+        write_section(name, f"Consolidating a DeepSpeed ZeRO-3 checkpoint{where}", body)
+
+
+def measure(args: argparse.Namespace, work: Path, env: dict[str, str]) -> str:
+    """Everything but the writing of the report; returns the report's markdown."""
+    ckpt = work / "ckpt"
+    made = make_checkpoint(args, ckpt)
+    inputs = _files(ckpt)
+    optim = [p for p in inputs if p.name.endswith("_optim_states.pt")]
+    print(f"DeepSpeed made the checkpoint in {made:.1f} s: {len(inputs)} files", flush=True)
+
+    sys.path[:0] = SRC_PATHS
+    from zeroshard.ckpt._deepspeed import read_deepspeed_checkpoint
+
+    layout = read_deepspeed_checkpoint(ckpt)
+    params = sum(s.numel for s in layout.specs)
+    expected_out = sum(s.numel * s.dtype.itemsize for s in layout.specs)
+    write_bw, read_bw = disk_bandwidth(work, max(expected_out, 64 << 20))
+    print(f"dd: write {write_bw / 1e9:.2f} GB/s, read {read_bw / 1e9:.2f} GB/s", flush=True)
+
+    py = sys.executable
+
+    def zs_cmd(out: Path) -> list[str]:
+        workers = ["--workers", str(args.workers)] if args.workers else []
+        cli = [py, "-m", "zeroshard.ckpt._cli", "consolidate"]
+        return [*cli, str(ckpt), str(out), "--quiet", *workers]
+
+    def ds_cmd(out: Path, safe: bool) -> list[str]:
+        safe_flag = ["--safe_serialization"] if safe else []
+        return [py, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(out), *safe_flag]
+
+    ds_safe = True
+    ds_failure = ""
+    runs: dict[str, list[Run]] = {"zero_to_fp32": [], "zeroshard": []}
+    last: dict[str, Path] = {}
+    for i in range(args.repeats):
+        for tool in ("zero_to_fp32", "zeroshard"):
+            out = work / f"{tool}-{i}"
+            if args.cold:
+                _evict(inputs)
+            run = run_tool(zs_cmd(out) if tool == "zeroshard" else ds_cmd(out, ds_safe), out, env)
+            if tool == "zero_to_fp32" and ds_safe and run.rc != 0:
+                # zero_to_fp32 --safe_serialization refuses tied weights: time its .bin.
+                ds_safe = False
+                lines = [ln for ln in run.log.splitlines() if ln.strip()]
+                ds_failure = lines[-1][:160] if lines else f"exit {run.rc}"
+                print(f"zero_to_fp32 --safe_serialization failed: {ds_failure}", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+                if args.cold:
+                    _evict(inputs)
+                run = run_tool(ds_cmd(out, False), out, env)
+            if run.rc != 0:
+                raise RuntimeError(f"{tool} failed ({run.rc}):\n{run.log[-3000:]}")
+            runs[tool].append(run)
+            print(
+                f"{tool} run {i}: {run.seconds:.2f} s (fsync {run.sync_seconds:.2f} s), "
+                f"peak RSS {run.peak_rss / GIB:.2f} GiB, {run.out_bytes / 1e9:.2f} GB",
+                flush=True,
+            )
+            if tool in last:
+                shutil.rmtree(last[tool], ignore_errors=True)
+            last[tool] = out
+    checked, problem = compare_outputs(last["zeroshard"], last["zero_to_fp32"])
+    if problem:
+        raise RuntimeError(f"outputs differ after {checked} tensors: {problem}")
+    return report(
+        args, layout, params, optim, made, write_bw, read_bw, runs, ds_safe, ds_failure, checked
+    )
+
+
+def report(
+    args: argparse.Namespace,
+    layout: Any,
+    params: int,
+    optim: list[Path],
+    made: float,
+    write_bw: float,
+    read_bw: float,
+    runs: dict[str, list[Run]],
+    ds_safe: bool,
+    ds_failure: str,
+    checked: int,
+) -> str:
+    """The markdown section: setup, disk, the table, the targets."""
+    best = {tool: min(rs, key=lambda r: r.seconds) for tool, rs in runs.items()}
+    peak = {tool: max(r.peak_rss for r in rs) for tool, rs in runs.items()}
+    out_bytes = best["zeroshard"].out_bytes
+    floor = out_bytes / write_bw
+    needed_input = sum(s.numel * s.dtype.itemsize for s in layout.specs)
+    cold_floor = needed_input / read_bw + floor
+    ds = best["zero_to_fp32"]
+    ds_label = "zero_to_fp32 --safe_serialization" if ds_safe else "zero_to_fp32 (.bin)"
+    rows = []
+    for tool, label in (("zero_to_fp32", ds_label), ("zeroshard", "zeroshard-ckpt consolidate")):
+        r = best[tool]
+        rows.append(
+            [
+                label,
+                f"{r.out_bytes / 1e9:.2f}",
+                f"{r.seconds:.2f}",
+                f"{r.sync_seconds:.2f}",
+                f"{r.out_bytes / r.seconds / 1e9:.2f}",
+                f"{peak[tool] / GIB:.2f}",
+                f"{ds.seconds / r.seconds:.2f}x",
+                f"{r.seconds / floor:.2f}x",
+            ]
+        )
+    optim_gb = ", ".join(f"{p.stat().st_size / 1e9:.1f}" for p in sorted(optim))
+    cores = os.cpu_count()
+    lines = [
+        f"DeepSpeed ZeRO-3 checkpoint of a GPT (d {args.d_model}, {args.layers} layers, vocab "
+        f"{args.vocab}, head {'untied' if args.untied else 'tied to the embedding'}): "
+        f"{params / 1e9:.3f} B parameters, made by DeepSpeed on {layout.world_size} ranks in "
+        f"{made:.0f} s (optimizer files of {optim_gb} GB). {cores} cores; zeroshard workers: "
+        f"{args.workers or 'all'}; input {'evicted from' if args.cold else 'in'} the page cache.",
+        "",
+        f"Disk (dd, 4 MiB blocks): write {write_bw / 1e9:.2f} GB/s with fdatasync, read "
+        f"{read_bw / 1e9:.2f} GB/s cold. Floor = output / write bandwidth = {floor:.2f} s "
+        f"(cold input: + fp32 master / read bandwidth = {cold_floor:.2f} s).",
+        "",
+        markdown_table(
+            [
+                "tool",
+                "output GB",
+                f"time s (best of {args.repeats})",
+                "of which fsync s",
+                "GB/s",
+                "peak RSS GiB",
+                "speed-up vs zero_to_fp32",
+                "x floor",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    if ds_failure:
+        lines.append(f"`zero_to_fp32 --safe_serialization` failed: `{ds_failure}`; timed its .bin.")
+    lines.append(
+        f"Outputs compared tensor by tensor: {checked} tensors bit-identical (tied names included)."
+    )
+    z = best["zeroshard"]
+    speedup, vs_floor, rss = ds.seconds / z.seconds, z.seconds / floor, peak["zeroshard"] / GIB
+    if torch.cuda.device_count() >= args.world and not args.smoke:
+        targets = (
+            f"Targets: >= 3x zero_to_fp32 ({speedup:.2f}x), within 1.4x of the floor "
+            f"({vs_floor:.2f}x), peak RSS <= 2 GiB ({rss:.2f} GiB)."
+        )
+    else:
+        targets = f"Target here: >= 1.5x zero_to_fp32 ({speedup:.2f}x)."
+    lines.append(targets)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
