@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,17 +148,19 @@ class Group:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     blocking_wait: bool = False
 
-    @property
+    # A process group's rank, size and backend never change: look them up once (they sit
+    # on the per-collective path, and each lookup walks torch's group registry).
+    @functools.cached_property
     def rank(self) -> int:
         """This process's rank within the group."""
         return dist.get_rank(self.pg)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Number of ranks in the group."""
         return dist.get_world_size(self.pg)
 
-    @property
+    @functools.cached_property
     def backend(self) -> str:
         """The backend name, 'gloo' or 'nccl'."""
         return str(dist.get_backend(self.pg))
