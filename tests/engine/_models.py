@@ -7,23 +7,40 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB = 37
 
 
+class Block(nn.Module):
+    """A residual MLP block with odd sizes."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
 class OddModel(nn.Module):
     """Odd sizes (none divisible by 2, 3 or 4), a tied embedding/head, a frozen layer,
-    a bare nn.Parameter and a buffer."""
+    a bare nn.Parameter, a buffer, and two blocks in a ModuleList (stage 3 units),
+    optionally under activation checkpointing."""
 
-    def __init__(self, d: int = 13, hidden: int = 29) -> None:
+    def __init__(self, d: int = 13, hidden: int = 29, checkpoint: bool = False) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         self.emb = nn.Embedding(VOCAB, d)
         self.l1 = nn.Linear(d, hidden)
         self.frozen = nn.Linear(hidden, hidden)
         self.frozen.requires_grad_(False)
         self.l2 = nn.Linear(hidden, d)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.blocks = nn.ModuleList([Block(d, hidden + 2 * i) for i in range(2)])
         self.head = nn.Linear(d, VOCAB, bias=False)
         self.head.weight = self.emb.weight
         self.register_buffer("offset", torch.arange(d, dtype=torch.float32) / d)
@@ -33,13 +50,18 @@ class OddModel(nn.Module):
         h = F.gelu(self.l1(x))
         h = torch.tanh(self.frozen(h))
         x = x + self.l2(h) * self.scale
+        for block in self.blocks:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(x)
 
 
-def make_model(seed: int = 0) -> OddModel:
+def make_model(seed: int = 0, checkpoint: bool = False) -> OddModel:
     """The same model on every rank for a given seed."""
     torch.manual_seed(seed)
-    return OddModel()
+    return OddModel(checkpoint=checkpoint)
 
 
 def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:

@@ -28,9 +28,17 @@ TOL = {
 }
 
 
-def _parity_case(device: str, stage: int, dtype: str, accum: int, clip: bool) -> None:
+def _parity_case(
+    device: str,
+    stage: int,
+    dtype: str,
+    accum: int,
+    clip: bool,
+    checkpoint: bool = False,
+    leaf: tuple[str, ...] = (),
+) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = make_model(seed=stage * 10 + accum).to(device)
+    model = make_model(seed=stage * 10 + accum, checkpoint=checkpoint).to(device)
     batches = global_batches(STEPS, accum, world, MICRO)
     max_norm = 0.5 if clip else None
     ref_losses, ref_norms, ref_state = reference_run(model.cpu(), make_optimizer, batches, max_norm)
@@ -48,6 +56,9 @@ def _parity_case(device: str, stage: int, dtype: str, accum: int, clip: bool) ->
         "reduce_bucket_bytes": 1500,
         "max_inflight_reductions": 1,
     }
+    if stage == 3:
+        # Every block a unit (the test model is tiny), prefetch one ahead.
+        config.update(min_unit_params=1, persistence_threshold=0, leaf_modules=leaf)
     model, opt = zs.initialize(model, make_optimizer(model), config)
     tol = TOL[dtype]
     for step in range(STEPS):
@@ -83,9 +94,17 @@ def _parity_case(device: str, stage: int, dtype: str, accum: int, clip: bool) ->
 
 
 def _parity(device: str) -> None:
-    cases = subtests(
-        {"stage": [1, 2], "dtype": ["fp32", "bf16"], "accum": [1, 2], "clip": [False, True]}
-    )
+    cases = subtests({"stage": [1, 2], "dtype": ["fp32", "bf16"], "accum": [1, 2], "clip": [0, 1]})
+    run_each(cases, lambda **c: _parity_case(device, **c))
+
+
+def _parity3(device: str) -> None:
+    # Activation checkpointing and a leaf block each pair with every dtype/accum/clip
+    # value without running the whole product (the suite runs on 2 cores).
+    cases = [
+        dict(c, stage=3, checkpoint=bool(c["clip"]), leaf=("blocks.1",) if c["accum"] == 2 else ())
+        for c in subtests({"dtype": ["fp32", "bf16"], "accum": [1, 2], "clip": [0, 1]})
+    ]
     run_each(cases, lambda **c: _parity_case(device, **c))
 
 
@@ -94,3 +113,10 @@ def _parity(device: str) -> None:
 def test_stage12_parity(world_size: int, device: str) -> None:
     world_fits(device, world_size)
     run_ranks(_parity, world_size, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_stage3_parity(world_size: int, device: str) -> None:
+    world_fits(device, world_size)
+    run_ranks(_parity3, world_size, device)

@@ -39,7 +39,8 @@ class ZeroConfig:
     """How the engine shards and computes. Build from a dict with `ZeroConfig.from_dict`.
 
     Attributes:
-        stage: 1 shards optimizer state and fp32 master weights; 2 also gradients.
+        stage: 1 shards optimizer state and fp32 master weights; 2 also gradients; 3 also
+            parameters, gathered unit by unit around their forward and backward.
         compute_dtype: dtype of parameters in forward/backward (master stays fp32).
         reduce_dtype: dtype gradients are reduced in; None means `compute_dtype`.
         reduce_bucket_bytes: parameters are grouped into flat groups of about this many
@@ -53,6 +54,18 @@ class ZeroConfig:
         initial_loss_scale / loss_scale_window / min_loss_scale: fp16 dynamic loss scaling
             (the scale halves on overflow, doubles after `loss_scale_window` good steps).
         collective_timeout_s: a collective that takes longer raises an error naming it.
+        unit_modules: stage 3: module names or class names gathered as units (may nest);
+            empty means each block of a ModuleList/ModuleDict/Sequential with at least
+            `min_unit_params` parameters, and the root for the rest.
+        leaf_modules: stage 3: module names or class names fetched and released as one unit
+            with nothing beneath them (an MoE layer whose experts run on some ranks only).
+        leaf_params_per_module: stage 3: also make a module a leaf when its parameters per
+            descendant module fall under this (0: never).
+        prefetch_depth: stage 3: units gathered ahead of use, in forward and backward order.
+        prefetch_bytes: stage 3: bytes of gathered units in flight ahead of use at most.
+        max_live_bytes: stage 3: no prefetch would push gathered bytes past this.
+        persistence_threshold: stage 3: units with fewer parameters stay gathered for the
+            whole step (like DeepSpeed's stage3_param_persistence_threshold).
     """
 
     stage: int = 2
@@ -67,16 +80,42 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     collective_timeout_s: float = 600.0
+    unit_modules: tuple[str, ...] = ()
+    leaf_modules: tuple[str, ...] = ()
+    min_unit_params: int = 100_000
+    leaf_params_per_module: int = 0
+    prefetch_depth: int = 1
+    prefetch_bytes: int = 2**30
+    max_live_bytes: int = 2**40
+    persistence_threshold: int = 100_000
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
-            raise ValueError(
-                f"stage must be 1 or 2, got {self.stage!r} (stage 3 is not available yet)"
-            )
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        for name in ("unit_modules", "leaf_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of module or class names, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        for name in (
+            "min_unit_params",
+            "leaf_params_per_module",
+            "prefetch_depth",
+            "persistence_threshold",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         object.__setattr__(self, "compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
         if self.reduce_dtype is not None:
             object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
-        for name in ("reduce_bucket_bytes", "allgather_bucket_bytes", "max_inflight_reductions"):
+        for name in (
+            "reduce_bucket_bytes",
+            "allgather_bucket_bytes",
+            "max_inflight_reductions",
+            "prefetch_bytes",
+            "max_live_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -131,6 +170,9 @@ _DEEPSPEED_ZERO_KEYS: dict[str, str] = {
     "contiguous_gradients": "",
     "reduce_scatter": "",
     "allgather_partitions": "",
+    "stage3_prefetch_bucket_size": "prefetch_bytes",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+    "stage3_max_live_parameters": "max_live_bytes",
 }
 _DEEPSPEED_ALWAYS_TRUE = ("contiguous_gradients", "reduce_scatter", "allgather_partitions")
 # DeepSpeed zero_optimization keys zeroshard does not offer (yet): named so the error says
@@ -147,9 +189,6 @@ _DEEPSPEED_UNSUPPORTED = (
     "zero_hpz_partition_size",
     "zero_quantized_weights",
     "zero_quantized_gradients",
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save",
 )
@@ -179,9 +218,13 @@ def _from_deepspeed_zero(z: Mapping[str, Any], extra: dict[str, Any]) -> ZeroCon
     for ds_key, key in (
         ("reduce_bucket_size", "reduce_bucket_bytes"),
         ("allgather_bucket_size", "allgather_bucket_bytes"),
+        ("stage3_prefetch_bucket_size", "prefetch_bytes"),
+        ("stage3_max_live_parameters", "max_live_bytes"),
     ):
         if ds_key in z:
             out[key] = int(z[ds_key]) * itemsize
+    if "stage3_param_persistence_threshold" in z:
+        out["persistence_threshold"] = int(z["stage3_param_persistence_threshold"])
     return ZeroConfig(**out)
 
 

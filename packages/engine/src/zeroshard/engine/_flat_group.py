@@ -4,6 +4,10 @@ Stages 1 and 2 keep every parameter whole on every rank, as views of `param_buff
 (compute dtype); each rank owns one even shard of the fp32 master weights and of the
 fp32 gradient. The optimizer steps the master shards; the updated shards are cast to the
 compute dtype and all-gathered back into `param_buffer`.
+
+Stage 3 keeps only `compute_shard`, this rank's shard already cast to the compute dtype
+(so the downcast happens once per step, before any gather, and only compute-dtype bytes
+travel); `param_buffer` exists only while the group's unit is gathered.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zeroshard.comm import Group, Handle
-from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params
+from zeroshard.comm import Group, Handle, completed_handle
+from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -32,9 +36,10 @@ class FlatParamGroup:
     params: tuple[nn.Parameter, ...]
     layout: FlatLayout
     group: Group
-    param_buffer: torch.Tensor
     master: torch.Tensor
     tier: FlattenTier
+    param_buffer: torch.Tensor | None = None
+    compute_shard: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
     # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
     grad_buffer: torch.Tensor | None = None
@@ -57,12 +62,48 @@ class FlatParamGroup:
             self.master.grad = self.grad_shard
         return self.grad_shard
 
-    def all_gather_params(self) -> Handle:
-        """Start the all-gather of the updated master shard into `param_buffer`.
+    def start_gather(self) -> Handle:
+        """Stage 3: all-gather the compute shard into a fresh `param_buffer`."""
+        assert self.compute_shard is not None
+        self.param_buffer = torch.empty(
+            self.layout.padded_numel,
+            dtype=self.compute_shard.dtype,
+            device=self.compute_shard.device,
+        )
+        return self.group.all_gather_into(
+            self.param_buffer, self.compute_shard, label=f"gather of group {self.index}"
+        )
 
-        The cast to the compute dtype happens before the gather, so only compute-dtype
-        bytes travel; `send` is kept alive by the handle until `wait()`.
+    def expose(self) -> None:
+        """Stage 3: point the parameters at the gathered buffer (after its gather's wait)."""
+        assert self.param_buffer is not None
+        for p, v in zip(self.params, slot_views(self.param_buffer, self.layout), strict=True):
+            p.data = v
+
+    def release(self) -> None:
+        """Stage 3: drop the gathered buffer; parameters become empty placeholders.
+
+        The buffer's memory is reusable as soon as nothing else references it: autograd
+        keeps the *parameter* (not the buffer) for backward, and backward re-gathers
+        before it reads the parameter, so holding the buffer past this point is never needed.
         """
+        assert self.compute_shard is not None
+        empty = self.compute_shard.new_empty(0)
+        for p in self.params:
+            p.data = empty
+        self.param_buffer = None
+
+    def publish(self) -> Handle:
+        """After a step, make the updated master shard what forward computes with.
+
+        Stage 3 casts it into `compute_shard` (gathers happen later, in forward). Stages 1
+        and 2 start the all-gather into `param_buffer`; the cast happens before the gather,
+        so only compute-dtype bytes travel, and `send` lives in the handle until `wait()`.
+        """
+        if self.compute_shard is not None:
+            self.compute_shard.copy_(self.master.detach())
+            return completed_handle()
+        assert self.param_buffer is not None
         send = self.master.detach().to(self.param_buffer.dtype)
         return self.group.all_gather_into(
             self.param_buffer, send, label=f"params of group {self.index}"
@@ -75,6 +116,29 @@ def slot_views(buffer: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
     return [buffer[s.offset : s.end].view(s.shape) for s in layout.slots]
 
 
+def _check_params(named: Sequence[tuple[str, nn.Parameter]], group: Group) -> None:
+    for name, p in named:
+        if not p.is_floating_point():
+            raise ValueError(
+                f"parameter {name!r} has dtype {p.dtype}; only floating point is sharded"
+            )
+        if p.device != group.device and p.device.type != "meta":
+            raise ValueError(
+                f"parameter {name!r} is on {p.device} but the process group works on "
+                f"{group.device}; move the model there before initialize()"
+            )
+
+
+def _layout(
+    named: Sequence[tuple[str, nn.Parameter]], key: GroupKey, group: Group, compute: torch.dtype
+) -> FlatLayout:
+    # 16-byte aligned slots in the compute dtype keep vectorized kernels on their fast path.
+    alignment = max(1, 16 // compute.itemsize)
+    return FlatLayout.build(
+        [(n, tuple(p.shape)) for n, p in named], key.dtype, group.size, alignment
+    )
+
+
 def build_flat_group(
     index: int,
     key: GroupKey,
@@ -85,34 +149,20 @@ def build_flat_group(
     tier: FlattenTier,
     keep_grad_buffer: bool,
 ) -> FlatParamGroup:
-    """Flatten `named` (one GroupKey) and carve this rank's fp32 master shard out of it."""
-    for name, p in named:
-        if not p.is_floating_point():
-            raise ValueError(
-                f"parameter {name!r} has dtype {p.dtype}; only floating point is sharded"
-            )
-        if p.device != group.device:
-            raise ValueError(
-                f"parameter {name!r} is on {p.device} but the process group works on "
-                f"{group.device}; move the model there before initialize()"
-            )
-    alignment = max(1, 16 // compute_dtype.itemsize)
-    layout = FlatLayout.build(
-        [(n, tuple(p.shape)) for n, p in named], key.dtype, group.size, alignment
-    )
+    """Stages 1/2: flatten `named` (one GroupKey) whole, carve out the fp32 master shard."""
+    _check_params(named, group)
+    layout = _layout(named, key, group, compute_dtype)
     params = tuple(p for _, p in named)
     start = time.perf_counter()
     flat, used = flatten_params(
         params, layout, device=group.device, tier=tier, group=group if group.size > 1 else None
     )
     lo, hi = layout.shard_range(group.rank)
-    master = flat[lo:hi].detach().to(torch.float32, copy=True)
     # The master is an optimizer "parameter": a leaf whose .grad is the gradient shard.
-    master = nn.Parameter(master, requires_grad=key.requires_grad)
+    master = nn.Parameter(flat[lo:hi].detach().to(torch.float32, copy=True), key.requires_grad)
     param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
     del flat  # the full-precision copy is no longer needed once master and params exist
-    views = slot_views(param_buffer, layout)
-    for p, v in zip(params, views, strict=True):
+    for p, v in zip(params, slot_views(param_buffer, layout), strict=True):
         p.data = v
     log.debug(
         "group %d: %d params, %d elements, flattened on tier %s in %.3fs",
@@ -129,13 +179,43 @@ def build_flat_group(
         params,
         layout,
         group,
-        param_buffer,
         master,
         used,
-        slot_views=views,
+        param_buffer=param_buffer,
     )
     if keep_grad_buffer and key.requires_grad:
         fg.grad_buffer = torch.zeros_like(param_buffer)
         for p, g in zip(params, slot_views(fg.grad_buffer, layout), strict=True):
             p.grad = g
+    return fg
+
+
+def build_sharded_group(
+    index: int,
+    key: GroupKey,
+    named: Sequence[tuple[str, nn.Parameter]],
+    *,
+    group: Group,
+    compute_dtype: torch.dtype,
+) -> FlatParamGroup:
+    """Stage 3: keep only this rank's shard (fp32 master + compute-dtype copy); free the rest."""
+    _check_params(named, group)
+    layout = _layout(named, key, group, compute_dtype)
+    params = tuple(p for _, p in named)
+    shard = flatten_shard(params, layout, group.rank, device=group.device)
+    master = nn.Parameter(shard.to(torch.float32, copy=True), key.requires_grad)
+    compute_shard = shard.to(compute_dtype, copy=True)
+    del shard
+    fg = FlatParamGroup(
+        index,
+        key,
+        tuple(n for n, _ in named),
+        params,
+        layout,
+        group,
+        master,
+        FlattenTier.DEVICE,
+        compute_shard=compute_shard,
+    )
+    fg.release()
     return fg

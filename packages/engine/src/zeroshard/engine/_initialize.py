@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -14,11 +14,13 @@ from torch import nn
 
 from zeroshard.comm import Group
 from zeroshard.engine._config import ZeroConfig, as_config
-from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group
+from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
 from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._precision import install_precision_hooks
 from zeroshard.engine._reduce import GradReducer
+from zeroshard.engine._stage3 import Stage3Runtime, Unit
+from zeroshard.engine._units import plan_units
 from zeroshard.partition import FlattenTier, GroupKey, group_parameters
 
 log = logging.getLogger("zeroshard.engine")
@@ -35,6 +37,7 @@ class EngineState:
     groups: tuple[FlatParamGroup, ...]
     optimizer: ZeroOptimizer
     init_seconds: float
+    stage3: Stage3Runtime | None
 
 
 def _split_by_bytes(
@@ -51,6 +54,96 @@ def _split_by_bytes(
         out[-1].append(item)
         size += nbytes
     return out
+
+
+def _flatten_stage12(
+    model: nn.Module, cfg: ZeroConfig, world: Group, param_group_of: dict[int, int]
+) -> tuple[tuple[FlatParamGroup, ...], GradReducer]:
+    """Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order."""
+    grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
+    itemsize = cfg.compute_dtype.itemsize
+    tier = FlattenTier(cfg.flatten_tier)
+    chunks: list[tuple[int, GroupKey, list[tuple[str, nn.Parameter]]]] = []
+    registration = {id(p): i for i, p in enumerate(model.parameters())}
+    for key, named in grouped.items():
+        # Reverse registration order approximates the order gradients become ready.
+        for run in _split_by_bytes(named[::-1], cfg.reduce_bucket_bytes, itemsize):
+            chunks.append((max(registration[id(p)] for _, p in run), key, run))
+    chunks.sort(key=lambda c: -c[0])
+    groups = tuple(
+        build_flat_group(
+            i,
+            key,
+            run,
+            group=world,
+            compute_dtype=cfg.compute_dtype,
+            tier=tier,
+            keep_grad_buffer=cfg.stage == 1,
+        )
+        for i, (_, key, run) in enumerate(chunks)
+    )
+    reducer = GradReducer(
+        groups,
+        stage=cfg.stage,
+        reduce_dtype=cfg.grad_reduce_dtype,
+        overlap=cfg.overlap,
+        max_inflight=cfg.max_inflight_reductions,
+    )
+    return groups, reducer
+
+
+def _shard_stage3(
+    model: nn.Module, cfg: ZeroConfig, world: Group, param_group_of: dict[int, int]
+) -> tuple[tuple[FlatParamGroup, ...], GradReducer, Stage3Runtime]:
+    """Stage 3: one sharded flat group per unit and GroupKey; hooks gather and release."""
+    plans = plan_units(
+        model,
+        unit_modules=cfg.unit_modules,
+        leaf_modules=cfg.leaf_modules,
+        min_unit_params=cfg.min_unit_params,
+        leaf_params_per_module=cfg.leaf_params_per_module,
+    )
+    groups: list[FlatParamGroup] = []
+    units: list[Unit] = []
+    for ui, plan in enumerate(plans):
+        grouped = group_parameters(plan.params, param_group_of=param_group_of)
+        ugroups = tuple(
+            build_sharded_group(
+                len(groups) + j, key, named, group=world, compute_dtype=cfg.compute_dtype
+            )
+            for j, (key, named) in enumerate(grouped.items())
+        )
+        groups.extend(ugroups)
+        numel = sum(g.layout.numel for g in ugroups)
+        # The root stays gathered: its forward wraps every other unit's, and its output
+        # layer is the first thing backward needs.
+        persistent = ui == 0 or numel < cfg.persistence_threshold
+        units.append(Unit(ui, plan.name, plan.module, ugroups, persistent))
+
+    def reorder(order: Sequence[Unit]) -> None:
+        seen: dict[int, FlatParamGroup] = {}
+        for u in [*reversed(order), *reversed(units)]:
+            for g in u.groups:
+                seen.setdefault(g.index, g)
+        reducer.set_order(list(seen.values()))
+
+    runtime = Stage3Runtime(
+        units,
+        prefetch_depth=cfg.prefetch_depth,
+        prefetch_bytes=cfg.prefetch_bytes,
+        max_live_bytes=cfg.max_live_bytes,
+        on_new_order=reorder,
+    )
+    reducer = GradReducer(
+        [g for u in reversed(units) for g in u.groups],
+        stage=3,
+        reduce_dtype=cfg.grad_reduce_dtype,
+        overlap=cfg.overlap,
+        max_inflight=cfg.max_inflight_reductions,
+        on_complete=runtime.on_group_complete,
+        on_backward_end=runtime.on_backward_end,
+    )
+    return tuple(groups), reducer, runtime
 
 
 def initialize(
@@ -92,43 +185,19 @@ def initialize(
                     f"{tuple(p.shape)} that is not a parameter of the model"
                 )
             param_group_of[id(p)] = k
-    grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
-
-    itemsize = cfg.compute_dtype.itemsize
-    tier = FlattenTier(cfg.flatten_tier)
-    chunks: list[tuple[int, GroupKey, list[tuple[str, nn.Parameter]]]] = []
-    registration = {id(p): i for i, p in enumerate(model.parameters())}
-    for key, named in grouped.items():
-        # Reverse registration order approximates the order gradients become ready.
-        for run in _split_by_bytes(named[::-1], cfg.reduce_bucket_bytes, itemsize):
-            chunks.append((max(registration[id(p)] for _, p in run), key, run))
-    chunks.sort(key=lambda c: -c[0])
-    groups = tuple(
-        build_flat_group(
-            i,
-            key,
-            run,
-            group=world,
-            compute_dtype=cfg.compute_dtype,
-            tier=tier,
-            keep_grad_buffer=cfg.stage == 1,
-        )
-        for i, (_, key, run) in enumerate(chunks)
-    )
-    reducer = GradReducer(
-        groups,
-        stage=cfg.stage,
-        reduce_dtype=cfg.grad_reduce_dtype,
-        overlap=cfg.overlap,
-        max_inflight=cfg.max_inflight_reductions,
-    )
     scaler = None
     if cfg.compute_dtype == torch.float16:
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
+    if cfg.stage == 3:
+        groups, reducer, runtime = _shard_stage3(model, cfg, world, param_group_of)
+        after_publish = runtime.release_all
+    else:
+        groups, reducer = _flatten_stage12(model, cfg, world, param_group_of)
+        runtime, after_publish = None, None
     install_precision_hooks(model, cfg.compute_dtype, scaler)
-    zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler)
+    zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler, after_publish)
     seconds = time.perf_counter() - start
-    setattr(model, _ATTR, EngineState(cfg, world, groups, zopt, seconds))
+    setattr(model, _ATTR, EngineState(cfg, world, groups, zopt, seconds, runtime))
     if world.rank == 0:
         tiers = sorted({g.tier.value for g in groups})
         log.info(

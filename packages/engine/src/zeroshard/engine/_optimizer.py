@@ -8,7 +8,7 @@ the master shards instead of the model's parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,8 +29,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reducer: GradReducer,
         world: Group,
         scaler: LossScaler | None,
+        after_publish: Callable[[], None] | None = None,
     ) -> None:
         self.inner = inner
+        # Stage 3 drops gathered parameters once new shards are published.
+        self.after_publish = after_publish
         self.flat_groups = list(groups)
         self.reducer = reducer
         self.world = world
@@ -107,10 +110,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.zero_grad()
             return None
         self.inner.step()
-        handles = [g.all_gather_params() for g in self.flat_groups if g.trainable]
+        self._publish(g for g in self.flat_groups if g.trainable)
+        return None
+
+    def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
+        handles = [g.publish() for g in groups]
         for h in handles:
             h.wait()
-        return None
+        if self.after_publish is not None:
+            self.after_publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (the shards are kept allocated either way)."""
@@ -148,7 +156,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for g, m in zip(self.flat_groups, masters, strict=True):
                 g.master.copy_(m)
-            for h in [g.all_gather_params() for g in self.flat_groups]:
-                h.wait()
+            self._publish(self.flat_groups)
         if self.scaler is not None and state_dict.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state_dict["loss_scaler"])

@@ -23,7 +23,7 @@ than growing to the whole model's gradients.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -44,8 +44,13 @@ class GradReducer:
         reduce_dtype: torch.dtype,
         overlap: bool,
         max_inflight: int,
+        on_complete: Callable[[FlatParamGroup], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
     ) -> None:
         self.order = [g for g in groups if g.trainable]
+        # Stage 3 releases a unit once its gradients are all in, and the rest at the end.
+        self.on_complete = on_complete
+        self.on_backward_end = on_backward_end
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.overlap = overlap
@@ -92,6 +97,8 @@ class GradReducer:
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
         self._ready[self._position[g.index]] += 1
+        if self.on_complete is not None and self._ready[self._position[g.index]] == len(g.params):
+            self.on_complete(g)
         if self.overlap:
             self._launch_ready()
 
@@ -106,7 +113,7 @@ class GradReducer:
         bucket = self._buckets.pop(g.index, None)
         if bucket is None:
             bucket = torch.zeros(
-                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.param_buffer.device
+                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.master.device
             )
         out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=bucket.device)
         handle = g.group.reduce_scatter(out, bucket, op="avg", label=f"grads of group {g.index}")
@@ -120,16 +127,24 @@ class GradReducer:
         handle.wait()
         g.ensure_grad_shard().add_(out)
 
+    def set_order(self, groups: Sequence[FlatParamGroup]) -> None:
+        """Reduce in this order from the next backward on (same on every rank)."""
+        assert not self._inflight and self._next == 0
+        self.order = [g for g in groups if g.trainable]
+        self._position = {g.index: i for i, g in enumerate(self.order)}
+        self._ready = [0] * len(self.order)
+
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        if self.stage == 1:
-            return
-        while self._next < len(self.order):
-            self._launch(self.order[self._next])
-        while self._inflight:
-            self._finish_oldest()
-        self._next = 0
-        self._ready = [0] * len(self.order)
+        if self.stage != 1:
+            while self._next < len(self.order):
+                self._launch(self.order[self._next])
+            while self._inflight:
+                self._finish_oldest()
+            self._next = 0
+            self._ready = [0] * len(self.order)
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     # -- step ----------------------------------------------------------------------------
     def reduce_pending(self) -> None:
