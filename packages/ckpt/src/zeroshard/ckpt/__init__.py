@@ -29,7 +29,14 @@ from zeroshard.ckpt._meta import (
     rank_file,
     shard_key,
 )
-from zeroshard.ckpt._paths import LATEST, METADATA, list_checkpoints, read_latest, resolve
+from zeroshard.ckpt._paths import (
+    LATEST,
+    METADATA,
+    list_checkpoints,
+    read_latest,
+    remove_checkpoint,
+    resolve,
+)
 from zeroshard.ckpt._plan import parse_size
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._save import SaveHandle, save
@@ -70,6 +77,7 @@ __all__ = [
     "parse_size",
     "rank_file",
     "read_latest",
+    "remove_checkpoint",
     "resolve",
     "save",
     "shard_key",

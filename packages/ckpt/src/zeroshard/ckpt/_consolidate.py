@@ -78,10 +78,11 @@ def source_specs(
             f"{src} is neither a zeroshard checkpoint (no {METADATA}, no 'latest' naming one) "
             "nor a DeepSpeed ZeRO checkpoint"
         )
-    if exclude_frozen:
-        raise CheckpointError("--exclude-frozen is not supported for DeepSpeed checkpoints yet")
     ds_tag = tag if step is None else f"global_step{step}"
-    specs, aliases = ds.deepspeed_specs(src, ds_tag)
+    if exclude_frozen:
+        specs, aliases = ds.deepspeed_specs(src, ds_tag, exclude_frozen=True)
+    else:
+        specs, aliases = ds.deepspeed_specs(src, ds_tag)
     return list(specs), dict(aliases), None
 
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from zeroshard.ckpt._consolidate import is_zeroshard_checkpoint, source_specs
+from zeroshard.ckpt._consolidate import deepspeed_module, is_zeroshard_checkpoint, source_specs
 from zeroshard.ckpt._meta import FORMAT_NAME, FORMAT_VERSION
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.partition import dtype_name
@@ -81,19 +81,22 @@ def describe(
         src, tag=tag, step=step, exclude_frozen=False, verify_input=False
     )
     files = [p for p in src.rglob("*.pt") if p.is_file()]
+    # The DeepSpeed reader may say more (stage, world size...); use it where it does.
+    info = getattr(deepspeed_module(), "read_deepspeed_checkpoint", None)
+    ds = info(src, tag if step is None else f"global_step{step}") if info else None
     return Summary(
         src,
-        "deepspeed",
-        None,
-        None,
-        step,
+        "deepspeed" + (f" {ds.ds_version}" if ds is not None and ds.ds_version else ""),
+        ds.world_size if ds is not None else None,
+        ds.stage if ds is not None else None,
+        ds.step if ds is not None else step,
         sum(s.numel for s in specs),
         len(specs),
         sum(p.stat().st_size for p in files),
         len(files),
-        0,
+        len(ds.frozen) if ds is not None else 0,
         len(aliases),
-        0,
+        len(ds.buffers) if ds is not None else 0,
     )
 
 

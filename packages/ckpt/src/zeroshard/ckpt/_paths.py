@@ -9,6 +9,7 @@ count as checkpoints.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from zeroshard.ckpt._errors import CheckpointError, MissingShardError
@@ -106,3 +107,21 @@ def resolve(path: Path, tag: str | None = None, step: int | None = None) -> Path
         if (candidate / METADATA).is_file():
             return candidate
     raise MissingShardError(f"{path}/{LATEST} names {latest!r}, which has no {METADATA}")
+
+
+def remove_checkpoint(root: str | os.PathLike[str], name: str) -> None:
+    """Delete a committed checkpoint (not the one `latest` names), atomically to readers.
+
+    It is first renamed to a '.'-prefixed name, so a crash part way through deleting
+    never leaves a visible checkpoint with some of its files gone.
+    """
+    root = Path(root)
+    if name == read_latest(root):
+        raise CheckpointError(f"{root / name} is the latest checkpoint; refusing to remove it")
+    target = root / checkpoint_name(0, name)
+    if not (target / METADATA).is_file():
+        raise MissingShardError(f"no checkpoint {name!r} under {root}")
+    doomed = root / f".{name}.del-{os.getpid()}"
+    os.rename(target, doomed)
+    fsync_dir(root)
+    shutil.rmtree(doomed)

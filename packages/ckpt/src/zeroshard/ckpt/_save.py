@@ -213,8 +213,12 @@ def _prepare(root: Path, name: str, overwrite: bool) -> None:
         raise OutputExistsError(f"checkpoint {root / name} exists; pass overwrite=True")
     root.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(root, name)
-    # A temp dir left by a killed save is garbage by construction: it was never renamed.
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Temp dirs left by killed saves are garbage by construction (never renamed), and so
+    # are checkpoints a killed `remove_checkpoint` had moved aside. The previous save of
+    # this process is committed by now, so no temp dir here is in use: one job writes
+    # to a root at a time.
+    for doomed in [*root.glob(".*.tmp"), *root.glob(".*.del-*")]:
+        shutil.rmtree(doomed, ignore_errors=True)
     tmp.mkdir()
     fsync_dir(root)
 
@@ -273,6 +277,8 @@ def save(
     except (CheckpointError, OSError) as e:
         problem = e
     bad = ag.failed_ranks(problem is not None, f"save {name}: prepare")
+    if bad and ag.rank == 0:
+        shutil.rmtree(temp_dir(root, name), ignore_errors=True)
     if problem is not None:
         raise problem
     if bad:
