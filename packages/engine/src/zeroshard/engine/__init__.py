@@ -1,4 +1,4 @@
-"""zeroshard.engine: ZeRO stages 1 and 2 with mixed precision, for any torch.optim optimizer.
+"""zeroshard.engine: ZeRO stages 1, 2 and 3 with mixed precision, for any torch.optim optimizer.
 
 import zeroshard.engine as zs
 model, optimizer = zs.initialize(model, optimizer, {"stage": 2, "compute_dtype": "bf16"})
@@ -7,14 +7,24 @@ full = zs.full_state_dict(model)
 """
 
 from zeroshard.engine._config import ZeroConfig
-from zeroshard.engine._initialize import EngineState, engine_state, full_state_dict, initialize
+from zeroshard.engine._initialize import (
+    EngineState,
+    engine_state,
+    engine_stats,
+    full_state_dict,
+    initialize,
+)
 from zeroshard.engine._optimizer import ZeroOptimizer
+from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
 
 __all__ = [
+    "DivergentRanksError",
     "EngineState",
+    "EngineStats",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",
+    "engine_stats",
     "full_state_dict",
     "initialize",
 ]

@@ -19,7 +19,7 @@ from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._precision import install_precision_hooks
 from zeroshard.engine._reduce import GradReducer
-from zeroshard.engine._stage3 import Stage3Runtime, Unit
+from zeroshard.engine._stage3 import EngineStats, Stage3Runtime, Unit
 from zeroshard.engine._units import plan_units
 from zeroshard.partition import FlattenTier, GroupKey, group_parameters
 
@@ -190,12 +190,12 @@ def initialize(
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
     if cfg.stage == 3:
         groups, reducer, runtime = _shard_stage3(model, cfg, world, param_group_of)
-        after_publish = runtime.release_all
+        after_publish, before_step = runtime.release_all, runtime.verify_order
     else:
         groups, reducer = _flatten_stage12(model, cfg, world, param_group_of)
-        runtime, after_publish = None, None
+        runtime, after_publish, before_step = None, None, None
     install_precision_hooks(model, cfg.compute_dtype, scaler)
-    zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler, after_publish)
+    zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler, after_publish, before_step)
     seconds = time.perf_counter() - start
     setattr(model, _ATTR, EngineState(cfg, world, groups, zopt, seconds, runtime))
     if world.rank == 0:
@@ -220,6 +220,14 @@ def engine_state(model: nn.Module) -> EngineState:
     if not isinstance(state, EngineState):
         raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
     return state
+
+
+def engine_stats(model: nn.Module) -> EngineStats:
+    """Stage 3 counters (gathers, bytes gathered, live and peak gathered bytes, ...)."""
+    runtime = engine_state(model).stage3
+    if runtime is None:
+        raise ValueError("engine statistics are kept for stage 3 only (stages 1/2 gather nothing)")
+    return runtime.stats
 
 
 @torch.no_grad()

@@ -30,10 +30,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         world: Group,
         scaler: LossScaler | None,
         after_publish: Callable[[], None] | None = None,
+        before_step: Callable[[], None] | None = None,
     ) -> None:
         self.inner = inner
         # Stage 3 drops gathered parameters once new shards are published.
         self.after_publish = after_publish
+        # Stage 3 checks that every rank gathered the same units before stepping.
+        self.before_step = before_step
         self.flat_groups = list(groups)
         self.reducer = reducer
         self.world = world
@@ -100,6 +103,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Step the master shards, then all-gather the parameters (skipped on fp16 overflow)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
+        if self.before_step is not None:
+            self.before_step()
         self._prepare_grads()
         overflow = self._overflow
         self._unscaled = False

@@ -90,6 +90,10 @@ class Unit:
         return f"unit {self.index} ({self.name or '<root>'})"
 
 
+class DivergentRanksError(RuntimeError):
+    """Ranks disagree on which unit to gather: a rank skipped or reordered a module."""
+
+
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
@@ -119,12 +123,52 @@ class Stage3Runtime:
         self._recording: list[Unit] = []
         self._order_valid = False
         self._complete: dict[int, int] = {}
+        # [Note: divergent ranks] Ranks must gather the same units in the same order. On
+        # gloo (CPU) every gather is preceded by a tiny check collective, so a rank that
+        # diverged gets an error naming both units before a mismatched gather can abort
+        # the process. On NCCL a per-gather check would cost a host sync each time, so the
+        # ids are hashed locally and compared once per step, before the optimizer step:
+        # a mismatch never reaches the weights.
+        self._world = units[0].groups[0].group if units and units[0].groups else None
+        self._check_each = self._world is not None and self._world.backend != "nccl"
+        self._sequence: list[str] = []
+        self._hash = 0
         for u in self.units:
             u.module.register_forward_pre_hook(self._make_pre_forward(u))
             u.module.register_forward_hook(self._make_post_forward(u))
 
     # -- gather and release --------------------------------------------------------------
+    def _check_same_unit(self, u: Unit) -> None:
+        self._sequence.append(u.label)
+        self._hash = (self._hash * 1_000_003 + u.index + 1) % (2**31 - 1)
+        if not self._check_each or self._world is None or self._world.size == 1:
+            return
+        ids = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self._world.device)
+        self._world.all_reduce(ids, op="max", label=f"unit check before {u.label}").wait()
+        if int(ids[0]) != u.index or int(-ids[1]) != u.index:
+            others = sorted({int(ids[0]), int(-ids[1])} - {u.index})
+            names = ", ".join(self.units[i].label for i in others)
+            raise DivergentRanksError(
+                f"rank {self._world.rank} is gathering {u.label} while another rank is "
+                f"gathering {names}: the ranks ran different modules (a skipped or extra module?)"
+            )
+
+    def verify_order(self) -> None:
+        """Compare this step's gather order across ranks (one collective); reset it."""
+        sequence, digest = self._sequence, self._hash
+        self._sequence, self._hash = [], 0
+        if self._check_each or self._world is None or self._world.size == 1:
+            return
+        t = torch.tensor([digest, -digest], dtype=torch.int64, device=self._world.device)
+        self._world.all_reduce(t, op="max", label="unit order check").wait()
+        if int(t[0]) != digest or int(-t[1]) != digest:
+            raise DivergentRanksError(
+                f"ranks gathered different units this step; rank {self._world.rank} gathered: "
+                + ", ".join(sequence)
+            )
+
     def _start(self, u: Unit, prefetch: bool) -> None:
+        self._check_same_unit(u)
         u.handles = [g.start_gather() for g in u.groups]
         u.state = UnitState.GATHERING
         nbytes = u.nbytes
