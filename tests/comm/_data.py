@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm import Group
+
 # Integer values in [-8, 8]: sums over <= 4 ranks are exact in bf16, so only averages round.
 LOW, HIGH = -8, 9
 
@@ -42,3 +44,28 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
         torch.testing.assert_close(actual.cpu(), exp, rtol=8e-3, atol=1e-2)
     else:
         torch.testing.assert_close(actual.cpu(), exp, rtol=1e-6, atol=1e-6)
+
+
+def ranks_for(device: str) -> int:
+    """World size of a test: 4 CPU ranks, or up to 4 GPUs (one rank per GPU)."""
+    if device == "cpu":
+        return 4
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        import pytest
+
+        pytest.skip("no CUDA device")
+    return min(4, gpus)
+
+
+def groups_by_size() -> dict[int, Group | None]:
+    """A Group of every size 1..world (ranks 0..k-1; the world group for k = world).
+
+    Collective on every rank; a rank outside the size-k group gets None for k.
+    """
+    world, me = dist.get_world_size(), dist.get_rank()
+    out: dict[int, Group | None] = {world: Group()}
+    for k in range(1, world):
+        pg = dist.new_group(list(range(k)))
+        out[k] = Group(pg) if me < k else None
+    return out

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import cast
 
 import pytest
 import torch
 
 from tests._dist import run_each, run_ranks, subtests, world_fits
-from tests.comm._data import assert_matches, rank_data, rank_device, reduce_reference
+from tests.comm._data import (
+    assert_matches,
+    groups_by_size,
+    rank_data,
+    rank_device,
+    ranks_for,
+    reduce_reference,
+)
 from zeroshard.comm import (
     Group,
     ReduceOp,
@@ -59,8 +67,10 @@ def _bucket_storages(outs: list[torch.Tensor]) -> list[int]:
 AG_BUCKETS = {(torch.float32, 100): 4, (torch.bfloat16, 100): 3}
 
 
-def _gather_case(src_dtypes: str, dtype: str | None, bucket_bytes: int, seed: int) -> None:
-    group, dev = Group(), rank_device()
+def _gather_case(
+    group: Group, src_dtypes: str, dtype: str | None, bucket_bytes: int, seed: int
+) -> None:
+    dev = rank_device()
     world, me = group.size, group.rank
     dts = [getattr(torch, d) for d in src_dtypes.split("+")]
     target = getattr(torch, dtype) if dtype else dts[0]
@@ -81,8 +91,10 @@ def _gather_case(src_dtypes: str, dtype: str | None, bucket_bytes: int, seed: in
             assert torch.equal(out[r].cpu(), _flat(refs[r][i]).to(target)), (i, r)
 
 
-def _reduce_case(op: str, src_dtypes: str, dtype: str | None, bucket_bytes: int, seed: int) -> None:
-    group, dev = Group(), rank_device()
+def _reduce_case(
+    group: Group, op: str, src_dtypes: str, dtype: str | None, bucket_bytes: int, seed: int
+) -> None:
+    dev = rank_device()
     world, me = group.size, group.rank
     dts = [getattr(torch, d) for d in src_dtypes.split("+")]
     target = getattr(torch, dtype) if dtype else dts[0]
@@ -117,9 +129,9 @@ def _reduce_case(op: str, src_dtypes: str, dtype: str | None, bucket_bytes: int,
         assert torch.equal(t.cpu(), ref), "an input was modified"
 
 
-def _lone_tensor_case(seed: int) -> None:
+def _lone_tensor_case(group: Group, seed: int) -> None:
     # A bucket of one tensor of the right dtype travels without a pack copy.
-    group, dev = Group(), rank_device()
+    dev = rank_device()
     world, me = group.size, group.rank
     t = rank_data(me, seed, 8 * world, torch.float32).to(dev)
     (out,), handles = all_gather_coalesced(group, [t])
@@ -132,8 +144,8 @@ def _lone_tensor_case(seed: int) -> None:
     assert_matches(part, reduce_reference(inputs, "sum")[me * 8 : (me + 1) * 8], torch.float32)
 
 
-def _bad_inputs() -> None:
-    group, dev = Group(), rank_device()
+def _bad_inputs(group: Group) -> None:
+    dev = rank_device()
     x = [torch.zeros(3, device=dev)]
     assert all_gather_coalesced(group, []) == ([], [])
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
@@ -145,7 +157,6 @@ def _bad_inputs() -> None:
 
 
 def _body() -> None:
-    _bad_inputs()
     buckets = [1, 100, BIG]
     gather = subtests(
         {
@@ -156,7 +167,6 @@ def _body() -> None:
     )
     # fp32 -> fp32 and bf16 -> bf16 only from single-dtype lists (the target is the first's).
     gather = [c for c in gather if not (c["dtype"] is None and "+" in c["src_dtypes"])]
-    run_each([dict(c, seed=i) for i, c in enumerate(gather)], _gather_case)
     reduce = subtests(
         {
             "op": ["sum", "avg", "max"],
@@ -166,13 +176,23 @@ def _body() -> None:
         }
     )
     reduce = [c for c in reduce if not (c["dtype"] is None and "+" in c["src_dtypes"])]
-    run_each([dict(c, seed=100 + i) for i, c in enumerate(reduce)], _reduce_case)
-    run_each([{"seed": 7}], _lone_tensor_case)
+    # Sizes in turn; ranks outside a smaller group wait for it at the final barrier.
+    for _, group in sorted(groups_by_size().items()):
+        if group is None:
+            continue
+        _bad_inputs(group)
+        run_each([dict(c, seed=i) for i, c in enumerate(gather)], partial(_gather_case, group))
+        run_each(
+            [dict(c, seed=100 + i) for i, c in enumerate(reduce)], partial(_reduce_case, group)
+        )
+        run_each([{"seed": 7}], partial(_lone_tensor_case, group))
+    Group().barrier(label="end")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_coalesced_collectives(device: str, world_size: int) -> None:
-    """Mixed sizes and dtypes, downcast before gather, 1 / several / per-tensor buckets."""
-    world_fits(device, world_size)
-    run_ranks(_body, world_size, device=device)
+def test_coalesced_collectives(device: str) -> None:
+    """Mixed sizes and dtypes, downcast before gather, 1 / several / per-tensor buckets,
+    on groups of 1-4 ranks (subgroups of one 4-rank spawn; on GPUs, up to 4)."""
+    world = ranks_for(device)
+    world_fits(device, world)
+    run_ranks(_body, world, device=device)

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import datetime
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests._dist import run_each, run_ranks, subtests, world_fits
-from tests.comm._data import assert_matches, rank_data, rank_device, reduce_reference
+from tests.comm._data import (
+    assert_matches,
+    groups_by_size,
+    rank_data,
+    rank_device,
+    ranks_for,
+    reduce_reference,
+)
 from zeroshard.comm import CollectiveTimeoutError, Group, completed_handle
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -58,8 +66,7 @@ def _broadcast(group: Group, dtype: torch.dtype, numel: int, seed: int) -> None:
         assert torch.equal(t.cpu(), rank_data(src, seed + src, numel, dtype)), f"src {src}"
 
 
-def _case(collective: str, dtype: torch.dtype, numel: int, seed: int) -> None:
-    group = Group()
+def _case(group: Group, collective: str, dtype: torch.dtype, numel: int, seed: int) -> None:
     name, _, op = collective.partition(":")
     if name == "all_gather":
         _all_gather(group, dtype, numel, seed)
@@ -71,20 +78,21 @@ def _case(collective: str, dtype: torch.dtype, numel: int, seed: int) -> None:
         _broadcast(group, dtype, numel, seed)
 
 
-def _group_properties(world_size: int) -> None:
-    group = Group(timeout=datetime.timedelta(seconds=30))
-    assert group.rank == dist.get_rank() and group.size == world_size
+def _group_properties(group: Group, size: int) -> None:
+    # Groups of every size are ranks 0..size-1: group rank == world rank.
+    assert group.rank == dist.get_rank() and group.size == size
     assert group.device == rank_device()
     assert group.backend == dist.get_backend()
-    assert [group.global_rank(r) for r in range(world_size)] == list(range(world_size))
-    assert group.with_timeout(datetime.timedelta(seconds=5)).timeout.total_seconds() == 5
+    assert [group.global_rank(r) for r in range(size)] == list(range(size))
+    timed = group.with_timeout(datetime.timedelta(seconds=5))
+    assert timed.timeout.total_seconds() == 5 and timed.pg is group.pg
     assert completed_handle().done
     group.barrier(label="start")
 
 
-def _bad_inputs() -> None:
+def _bad_inputs(group: Group) -> None:
     # Each error is raised before a collective is issued, on every rank alike.
-    group, dev = Group(), rank_device()
+    dev = rank_device()
     x = torch.zeros(4, device=dev)
     with pytest.raises(ValueError, match=r"all_gather_into 'w'.*expected"):
         group.all_gather_into(torch.zeros(4 * group.size + 1, device=dev), x, label="w")
@@ -102,22 +110,31 @@ def _bad_inputs() -> None:
         group.broadcast(x, group.size)
 
 
-def _body(world_size: int) -> None:
-    _group_properties(world_size)
-    _bad_inputs()
+def _body() -> None:
     collectives = ["all_gather", "broadcast"]
     collectives += [f"{c}:{op}" for c in ("reduce_scatter", "all_reduce") for op in OPS]
     cases = subtests({"collective": collectives, "dtype": DTYPES, "numel": NUMELS})
-    run_each([dict(c, seed=i) for i, c in enumerate(cases)], _case)
+    cases = [dict(c, seed=i) for i, c in enumerate(cases)]
+    # Sizes in turn; ranks outside a smaller group wait for it at the final barrier.
+    for size, group in sorted(groups_by_size().items()):
+        if group is None:
+            continue
+        _group_properties(group, size)
+        _bad_inputs(group)
+        run_each(cases, functools.partial(_case, group))
     Group().barrier(label="end")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_collectives_match_reference(device: str, world_size: int) -> None:
-    """Every collective x op x fp32/bf16 x sizes 1, 7, 1025 per rank, on 1-4 ranks."""
-    world_fits(device, world_size)
-    run_ranks(_body, world_size, world_size, device=device)
+def test_collectives_match_reference(device: str) -> None:
+    """Every collective x op x fp32/bf16 x sizes 1, 7, 1025, on groups of 1-4 ranks.
+
+    One spawn of 4 ranks (CPU) or one rank per GPU (up to 4); the smaller groups are
+    subgroups of ranks 0..k-1 and the largest is the world group.
+    """
+    world = ranks_for(device)
+    world_fits(device, world)
+    run_ranks(_body, world, device=device)
 
 
 def test_error_names_op_and_label() -> None:
