@@ -74,7 +74,7 @@ def _case(device: str, stage: int, dtype: str) -> None:
     named = dict(model.named_parameters())
 
     # The reference: the same steps and the same edit on the whole global batch.
-    ref_losses = []
+    ref_losses, ref_probe = [], torch.empty(0)
     for s in range(3):
         loss = loss_fn(ref, batches[s, 0].reshape(-1, batches.shape[-1]))
         loss.backward()
@@ -82,6 +82,7 @@ def _case(device: str, stage: int, dtype: str) -> None:
             with torch.no_grad():
                 for n, v in edits.items():
                     ref.get_parameter(n).copy_(v)
+                ref_probe = ref(batches[1, 0, rank, :, :-1])
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(float(loss))
@@ -127,7 +128,13 @@ def _case(device: str, stage: int, dtype: str) -> None:
         for n in EDITED:
             assert torch.equal(named[n].detach().cpu(), edits[n].to(compute)), n
 
-    # 4. Training goes on from the edited weights, as the reference's does.
+    # 4. Forward computes with the edit at once (stage 3: the compute shard was refreshed).
+    with torch.no_grad():
+        probe = model(batches[1, 0, rank, :, :-1].to(device)).float().cpu()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "fp32" else {"rtol": 5e-2, "atol": 5e-2}
+    torch.testing.assert_close(probe, ref_probe, **tol)
+
+    # 5. Training goes on from the edited weights, as the reference's does.
     opt.step()
     opt.zero_grad()
     loss3 = _step(model, opt, batches[2, 0, rank].to(device))
