@@ -44,6 +44,7 @@ from zeroshard.ckpt._meta import (
     rank_file,
 )
 from zeroshard.ckpt._paths import (
+    LATEST,
     METADATA,
     checkpoint_name,
     old_dir,
@@ -219,6 +220,8 @@ def _prepare(root: Path, name: str, overwrite: bool) -> None:
     # to a root at a time.
     for doomed in [*root.glob(".*.tmp"), *root.glob(".*.del-*")]:
         shutil.rmtree(doomed, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):  # a pointer update that was killed
+        stale.unlink(missing_ok=True)
     tmp.mkdir()
     fsync_dir(root)
 
