@@ -54,7 +54,7 @@ def _fp16_overflow(device: str, stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int, device: str) -> None:
     world_fits(device, 2)
-    run_ranks(_fp16_overflow, 2, device, stage)
+    run_ranks(_fp16_overflow, 2, device, stage, device=device)
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
@@ -89,7 +89,7 @@ def _state_round_trip(device: str) -> None:
 @pytest.mark.gpu
 def test_optimizer_state_dict_round_trip(device: str) -> None:
     world_fits(device, 2)
-    run_ranks(_state_round_trip, 2, device)
+    run_ranks(_state_round_trip, 2, device, device=device)
 
 
 def _not_in_optimizer() -> None:

@@ -112,11 +112,11 @@ def _parity3(device: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_stage12_parity(world_size: int, device: str) -> None:
     world_fits(device, world_size)
-    run_ranks(_parity, world_size, device)
+    run_ranks(_parity, world_size, device, device=device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_stage3_parity(world_size: int, device: str) -> None:
     world_fits(device, world_size)
-    run_ranks(_parity3, world_size, device)
+    run_ranks(_parity3, world_size, device, device=device)

@@ -91,7 +91,7 @@ def _moe(device: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_moe_rank_dependent_routing_matches_reference(world_size: int, device: str) -> None:
     world_fits(device, world_size)
-    run_ranks(_moe, world_size, device)
+    run_ranks(_moe, world_size, device, device=device)
 
 
 class Deep(nn.Module):
@@ -142,7 +142,7 @@ def _live(device: str) -> None:
 @pytest.mark.gpu
 def test_live_gathered_bytes_bounded_by_prefetch_depth(device: str) -> None:
     world_fits(device, 2)
-    run_ranks(_live, 2, device)
+    run_ranks(_live, 2, device, device=device)
 
 
 class Skipper(nn.Module):
