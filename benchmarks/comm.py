@@ -114,9 +114,10 @@ def _cycles_per_ms() -> float:
     """Clock rate of torch.cuda._sleep, measured once."""
     global _CYCLES_PER_MS
     if not _CYCLES_PER_MS:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
-        torch.cuda._sleep(10_000_000)
+        torch.cuda._sleep(10_000_000)  # type: ignore[no-untyped-call]
         end.record()
         torch.cuda.synchronize()
         _CYCLES_PER_MS = 10_000_000 / start.elapsed_time(end)
@@ -144,10 +145,12 @@ def measure(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> Timi
     dist.barrier()
     times: list[float] = []
     if cuda:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        new_event = torch.cuda.Event
+        starts = [new_event(enable_timing=True) for _ in range(iters)]  # type: ignore[no-untyped-call]
+        ends = [new_event(enable_timing=True) for _ in range(iters)]  # type: ignore[no-untyped-call]
         # Enough sleep to cover queueing all iterations, with a 2x margin, plus 1 ms.
-        torch.cuda._sleep(int(_cycles_per_ms() * (2 * iters * host_us / 1e3 + 1)))
+        cycles = int(_cycles_per_ms() * (2 * iters * host_us / 1e3 + 1))
+        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
         for s, e in zip(starts, ends, strict=True):
             s.record()
             fn()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -52,8 +53,6 @@ def ranks_for(device: str) -> int:
         return 4
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        import pytest
-
         pytest.skip("no CUDA device")
     return min(4, gpus)
 
