@@ -209,13 +209,22 @@ ENGINES: dict[str, Engine] = {
         Engine("fsdp2", "FSDP2 fully_shard per block (ZeRO-3)", setup_fsdp2, _always),
         Engine("fsdp2-zero2", "FSDP2, reshard_after_forward=False", setup_fsdp2_zero2, _always),
         *(
-            Engine(f"zs{k}", f"zeroshard stage {k}", _zs(k), _has("zeroshard.engine", "initialize"))
+            Engine(
+                f"zs{k}",
+                f"zeroshard stage {k}",
+                _zs(k),
+                _has("zeroshard.engine", "initialize"),
+            )
             for k in (1, 2, 3)
         ),
         *(
+            # `available` finds deepspeed without importing it (see the note above).
             Engine(
-                f"ds{k}", f"DeepSpeed ZeRO stage {k}", _ds(k), _has("deepspeed")
-            )  # found, not imported
+                f"ds{k}",
+                f"DeepSpeed ZeRO stage {k}",
+                _ds(k),
+                _has("deepspeed"),
+            )
             for k in (1, 2, 3)
         ),
     ]
