@@ -11,6 +11,7 @@ we do not know) is refused with `UnsafePickleError` naming it, before anything i
 
 from __future__ import annotations
 
+import _compat_pickle
 import enum
 import pickle
 import re
@@ -90,6 +91,17 @@ DEEPSPEED_GLOBALS: tuple[tuple[Callable[..., Any], str], ...] = (
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
+def _canonical(name: str) -> str:
+    """The global as Python 3 names it: torch drops `builtins.`, and protocol-2 pickles
+    (torch.save's) spell some modules the Python 2 way (`commands` for `subprocess`)."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        return f"builtins.{attr}"
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        module, attr = _compat_pickle.NAME_MAPPING[(module, attr)]
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{attr}"
+
+
 def _refusal(message: str) -> str:
     """The specific line of torch's weights_only refusal, without its generic advice."""
     lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
@@ -125,7 +137,9 @@ def load_torch_file(path: Path, *, mmap: bool = True) -> Any:
         # never the advice to retry with weights_only=False.
         detail = _refusal(str(e))
         match = _GLOBAL_RE.search(detail)
-        raise UnsafePickleError(path, match.group(1) if match else None, detail) from None
+        raise UnsafePickleError(
+            path, _canonical(match.group(1)) if match else None, detail
+        ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CorruptFileError(f"{path}: unreadable torch file (truncated?): {first}") from e
