@@ -143,7 +143,7 @@ def _setup_zs(model: nn.Module, s: Settings, stage: int) -> Stepper:
 
 
 def _setup_ds(model: nn.Module, s: Settings, stage: int) -> Stepper:
-    import deepspeed  # type: ignore[import-not-found, unused-ignore]
+    import deepspeed  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     config = {

@@ -57,6 +57,7 @@ class Result:
     peak_gib: float | None = None
     error: str | None = None
     trace: TraceSummary | None = None
+    left_gib: float = 0.0  # still allocated after the engine was freed: a leak into the next
 
 
 def parse_args() -> argparse.Namespace:
@@ -195,10 +196,13 @@ def run_engine(
     if engine.rank0_only:
         dist.barrier()  # the others waited here while rank 0 ran alone
     median = statistics.median(times) if times else 0.0
-    (init_s, median, peak), error = _agree([init_s, median, peak], error is None, error)
+    cuda = settings.device.type == "cuda"
+    left = torch.cuda.memory_allocated(settings.device) / GIB if cuda else 0.0
+    values, error = _agree([init_s, median, peak, left], error is None, error)
+    init_s, median, peak, left = values
     if error:
-        return Result(name, engine.what, error=error)
-    return Result(name, engine.what, init_s, median * 1000, peak or None, None, trace)
+        return Result(name, engine.what, error=error, left_gib=left)
+    return Result(name, engine.what, init_s, median * 1000, peak or None, None, trace, left)
 
 
 def profile(
@@ -229,7 +233,8 @@ def warm_up_process(device: torch.device) -> None:
     p = torch.nn.Parameter(torch.ones(64, 64, device=device))
     opt = torch.optim.AdamW([p], fused=device.type == "cuda")
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        (p @ p).float().sum().backward()
+        loss: torch.Tensor = torch.mm(p, p).float().sum()
+    torch.autograd.backward(loss)
     opt.step()
     t = torch.ones(1024, device=device)
     dist.all_reduce(t)
@@ -298,6 +303,14 @@ def report(
         "status",
     ]
     body = [head, "", markdown_table(header, rows), "", ratios(by)]
+    leaks = [f"`{r.engine}` {r.left_gib:.2f} GiB" for r in results if r.left_gib > 0.25]
+    if leaks:
+        body += [
+            "",
+            "Still allocated after an engine was freed (inflates the peaks after it): "
+            + ", ".join(leaks)
+            + ".",
+        ]
     traced = [r for r in results if r.trace is not None]
     if traced:
         prow: list[list[object]] = []
@@ -455,6 +468,7 @@ def main() -> None:
         results.append(r)
         if rank == 0:
             state = r.error or f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s"
+            state += f", {r.left_gib:.2f} GiB left allocated" if r.left_gib else ""
             print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if rank == 0:
