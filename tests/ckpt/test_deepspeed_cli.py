@@ -1,0 +1,109 @@
+"""`zeroshard-ckpt consolidate` on DeepSpeed checkpoints, end to end, against zero_to_fp32.
+
+The references are DeepSpeed's own consolidations of the fixtures (see make_fixtures.py).
+Our output holds each tied tensor once, under the name that owns the data, and lists the
+alias in the safetensors metadata (`zeroshard.tied`), as Hugging Face loaders expect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from zeroshard.ckpt import consolidate
+from zeroshard.ckpt._cli import main
+from zeroshard.ckpt._unpickle import load_torch_file
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _load_with_tied(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as h:
+        tied = json.loads((h.metadata() or {}).get("zeroshard.tied", "{}"))
+    return load_file(path), tied
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_consolidate_equals_zero_to_fp32(case: str, tmp_path: Path) -> None:
+    root = FIXTURES / case
+    out = tmp_path / "out"
+    assert main(["consolidate", str(root), str(out), "--quiet", "--workers", "2"]) == 0
+    got, tied = _load_with_tied(out / "model.safetensors")
+    want = load_file(root / "reference.safetensors")
+    shared = json.loads((root / "reference.json").read_text())["shared"]
+
+    assert tied == shared
+    assert set(got) == set(want) - set(shared)  # each tied tensor once
+    for name, expected in want.items():
+        actual = got[shared.get(name, name)]
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        assert torch.equal(_bits(actual), _bits(expected)), name
+
+
+def test_consolidate_cast_matches_zero_to_fp32_cast(tmp_path: Path) -> None:
+    # zero_to_fp32 --dtype casts floating tensors with `.to(dtype)` and keeps the rest.
+    root = FIXTURES / "stage3"
+    out = tmp_path / "model.safetensors"
+    assert main(["consolidate", str(root), str(out), "--dtype", "bf16", "--quiet"]) == 0
+    got = load_file(out)
+    for name, expected in load_file(root / "reference.safetensors").items():
+        if name == "head.weight":
+            continue
+        cast = expected.to(torch.bfloat16) if expected.is_floating_point() else expected
+        assert got[name].dtype == cast.dtype, name
+        assert torch.equal(_bits(got[name]), _bits(cast)), name
+
+
+def test_consolidate_refuses_a_malicious_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "stage2", root)
+    target = root / "global_step2" / "mp_rank_00_model_states.pt"
+    state = load_torch_file(target, mmap=False)
+    marker = tmp_path / "pwned"
+    state["client_state"] = _Touch(str(marker))
+    torch.save(state, target)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeroshard.ckpt._cli", "consolidate", str(root), str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "refused to unpickle" in proc.stderr and "posix.system" in proc.stderr
+    assert not marker.exists()
+    assert not out.exists()
+
+
+class _Touch:
+    """Unpickling this runs `touch PATH` through os.system."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.path}",)
+
+
+def test_consolidate_names_a_missing_rank_file(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "stage3", root)
+    (root / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ValueError, match=r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt"):
+        consolidate(root, tmp_path / "out")
+    assert main(["consolidate", str(root), str(tmp_path / "out2"), "--quiet"]) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
