@@ -201,3 +201,21 @@ def test_console_script(world3: Path, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert "wrote 12 tensors" in p.stdout
     assert set(load_file(str(out))) == set(_state_dict(world3, 3)) - {"head.weight"}
+
+
+def test_inspect_and_consolidate_deepspeed_fixture(tmp_path: Path) -> None:
+    """SRC may be a DeepSpeed checkpoint: the CLI dispatches to the DeepSpeed reader."""
+    src = Path(__file__).parent / "fixtures" / "deepspeed" / "stage3"
+    if not (src / "reference.safetensors").is_file():
+        pytest.skip("DeepSpeed fixtures not present")
+    ref = load_file(str(src / "reference.safetensors"))
+    s = describe(src)
+    assert s.format.startswith("deepspeed") and (s.world_size, s.stage, s.step) == (2, 3, 2)
+    assert (s.tied, s.buffers) == (1, 2)
+    buffers = ("scale", "seen", "head.weight")  # the two buffers, and the tied alias
+    assert s.params == sum(v.numel() for k, v in ref.items() if k not in buffers)
+    out = tmp_path / "ds.safetensors"
+    consolidate(src, out, verify=True)
+    got = load_file(str(out))
+    assert set(got) == set(ref) - {"head.weight"}
+    assert all(same_bits(got[k], ref[k]) for k in got)

@@ -84,14 +84,16 @@ def describe(
     # The DeepSpeed reader may say more (stage, world size...); use it where it does.
     info = getattr(deepspeed_module(), "read_deepspeed_checkpoint", None)
     ds = info(src, tag if step is None else f"global_step{step}") if info else None
+    buffers = ds.buffers if ds is not None else frozenset()
+    params = [s for s in specs if s.name not in buffers]
     return Summary(
         src,
         "deepspeed" + (f" {ds.ds_version}" if ds is not None and ds.ds_version else ""),
         ds.world_size if ds is not None else None,
         ds.stage if ds is not None else None,
         ds.step if ds is not None else step,
-        sum(s.numel for s in specs),
-        len(specs),
+        sum(s.numel for s in params),
+        len(params),
         sum(p.stat().st_size for p in files),
         len(files),
         len(ds.frozen) if ds is not None else 0,
