@@ -44,7 +44,7 @@ def read_latest(root: Path) -> str | None:
     """The checkpoint name the `latest` pointer holds, or None if there is none."""
     try:
         name = (root / LATEST).read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return name or None
 

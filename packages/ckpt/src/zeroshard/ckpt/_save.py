@@ -75,6 +75,7 @@ class SaveHandle:
         self._file: FileMeta | None = None
         self._error: BaseException | None = None
         self._committed = False
+        self._failure: BaseException | None = None
 
     @property
     def path(self) -> Path:
@@ -91,8 +92,15 @@ class SaveHandle:
             if ready is not None:
                 ready.synchronize()
             tmp = temp_dir(self._root, self._name)
-            self._file = write_file(tmp / rank_file(self._agreement.rank), tensors)
-            fsync_dir(tmp)
+            path = tmp / rank_file(self._agreement.rank)
+            try:
+                self._file = write_file(path, tensors)
+                fsync_dir(tmp)
+            except OSError as e:  # disk full, file too large, I/O error
+                raise CheckpointError(
+                    f"save of {self._name!r}: writing {path} failed ({e.strerror or e}); "
+                    "the previous checkpoints are untouched"
+                ) from e
         except BaseException as e:  # re-raised on the main thread by wait()
             self._error = e
 
@@ -112,8 +120,17 @@ class SaveHandle:
         global _pending
         if self._committed:
             return self.path
+        if self._failure is not None:  # the ranks already agreed it failed: no collective
+            raise self._failure
         if _pending is self:
             _pending = None
+        try:
+            return self._finish()
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def _finish(self) -> Path:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
