@@ -61,6 +61,16 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) ->
     return loss.detach()
 
 
+def _assert_forward_close(ours: torch.Tensor, ref: torch.Tensor, dtype: str) -> None:
+    """fp32: elementwise. bf16: in norm (kernels round differently per device); stale
+    weights would be off by about 100%, bf16 rounding by about 1%."""
+    if dtype == "fp32":
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    else:
+        err = float((ours - ref).norm() / ref.norm())
+        assert err < 0.05, f"forward differs from the reference by {err:.1%}"
+
+
 def _case(device: str, stage: int, dtype: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(seed=7 + stage).to(device)
@@ -85,7 +95,7 @@ def _case(device: str, stage: int, dtype: str) -> None:
                 ref_probe = ref(batches[1, 0, rank, :, :-1])
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
 
     _step(model, opt, batches[0, 0, rank].to(device))
     loss_fn(model, batches[1, 0, rank].to(device)).backward()
@@ -131,8 +141,7 @@ def _case(device: str, stage: int, dtype: str) -> None:
     # 4. Forward computes with the edit at once (stage 3: the compute shard was refreshed).
     with torch.no_grad():
         probe = model(batches[1, 0, rank, :, :-1].to(device)).float().cpu()
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "fp32" else {"rtol": 5e-2, "atol": 5e-2}
-    torch.testing.assert_close(probe, ref_probe, **tol)
+    _assert_forward_close(probe, ref_probe, dtype)
 
     # 5. Training goes on from the edited weights, as the reference's does.
     opt.step()

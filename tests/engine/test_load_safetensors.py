@@ -93,6 +93,16 @@ def _shard_bytes(model: torch.nn.Module, itemsize: dict[str, int]) -> int:
     return total
 
 
+def _assert_forward_close(ours: torch.Tensor, ref: torch.Tensor, dtype: str) -> None:
+    """fp32: elementwise. bf16: in norm (kernels round differently per device); stale
+    weights would be off by about 100%, bf16 rounding by about 1%."""
+    if dtype == "fp32":
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    else:
+        err = float((ours - ref).norm() / ref.norm())
+        assert err < 0.05, f"forward differs from the reference by {err:.1%}"
+
+
 def _case(device: str, root: str, stage: int, dtype: str, source: str) -> None:
     world = dist.get_world_size()
     model = make_model(seed=stage).to(device)
@@ -124,7 +134,7 @@ def _case(device: str, root: str, stage: int, dtype: str, source: str) -> None:
     assert report.buffer_bytes == expected["offset"].numel() * itemsize["offset"]
     mine = _shard_bytes(model, itemsize)
     assert report.param_bytes == mine, f"read {report.param_bytes} bytes, shard has {mine}"
-    total = torch.tensor([report.param_bytes])
+    total = torch.tensor([report.param_bytes], device=device)
     dist.all_reduce(total)
     params = {k for k in expected if k not in ("offset", "head.weight")}
     file_bytes = sum(expected[k].numel() * itemsize[k] for k in params)
@@ -132,16 +142,13 @@ def _case(device: str, root: str, stage: int, dtype: str, source: str) -> None:
     if world > 1:
         assert report.param_bytes < file_bytes
 
-    # Forward computes with the loaded weights (stage 3: the refreshed compute shards),
-    # against the reference in the same compute dtype.
+    # Forward computes with the loaded weights (stage 3: the refreshed compute shards).
     ref = make_model(seed=0)
     ref.load_state_dict(expected)
-    compute = zs.engine_state(model).config.compute_dtype
     with torch.no_grad():
         ours = model(tokens.to(device)).float().cpu()
-        theirs = ref.to(compute)(tokens).float()
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "fp32" else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(ours, theirs, **tol)
+        theirs = ref(tokens)
+    _assert_forward_close(ours, theirs, dtype)
 
 
 def _errors(device: str, root: str) -> None:
