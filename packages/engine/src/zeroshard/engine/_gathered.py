@@ -13,6 +13,9 @@ into the compute-dtype `param_buffer`; stage 3: a refresh of `compute_shard`). W
 `modifier_rank` the buffer is simply dropped, so edits are discarded. The parameters are
 then put back: stages 1/2 as views of `param_buffer`, stage 3 released (empty), the next
 forward gathers them again.
+
+Memory: one full fp32 copy of every touched group lives for the context's duration; it
+is freed on exit, once `_restore` has pointed the parameters away from it.
 """
 
 from __future__ import annotations

@@ -304,6 +304,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> LoadRepo
             for slot, piece in g.layout.slots_in_shard(g.group.rank):
                 for lo, chunk in reader.chunks(plan[slot.name], piece.slot_start, piece.numel):
                     at = piece.shard_start + lo
+                    # From pageable host memory copy_ returns once the bytes are staged,
+                    # so the chunk's buffer may be dropped right after, even on CUDA.
                     master[at : at + chunk.numel()].copy_(chunk)
                 pieces += 1
         param_bytes = reader.bytes_read
