@@ -41,6 +41,7 @@ from zeroshard.ckpt._deepspeed_files import (
 from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
+from zeroshard.ckpt._writer import RangeSpec
 
 __all__ = [
     "CorruptFileError",
@@ -85,6 +86,22 @@ def _reader(pieces: Sequence[_Piece]) -> Callable[[torch.Tensor], None]:
             piece.source.read_into(out, piece.dst, piece.src, piece.length)
 
     return read
+
+
+def _range_reader(pieces: Sequence[_Piece]) -> Callable[[int, torch.Tensor], None]:
+    def read_range(start: int, out: torch.Tensor) -> None:
+        end = start + out.numel()
+        for piece in pieces:
+            lo, hi = max(start, piece.dst), min(end, piece.dst + piece.length)
+            if lo < hi:
+                piece.source.read_into(out, lo - start, piece.src + lo - piece.dst, hi - lo)
+
+    return read_range
+
+
+def _spec(name: str, shape: Any, dtype: torch.dtype, pieces: Sequence[_Piece]) -> RangeSpec:
+    """A spec whose big tensors the writer may read in chunks (`RangeSpec.read_range`)."""
+    return RangeSpec(name, tuple(shape), dtype, _reader(pieces), _range_reader(pieces))
 
 
 def _slices(
@@ -149,7 +166,7 @@ def _zero12_trainable(
                     f"ranks' partitions hold {total}"
                 )
             pieces = _slices(parts, starts, offset, n, 0)
-            specs[name] = TensorSpec(name, tuple(shape), torch.float32, _reader(pieces))
+            specs[name] = _spec(name, shape, torch.float32, pieces)
             offset += n + (pads[i] if pads is not None else 0)
         # The flat vector is padded to a multiple of 2 * world size (as DeepSpeed checks).
         if align * math.ceil(offset / align) != align * math.ceil(total / align):
@@ -187,7 +204,7 @@ def _zero3_trainable(
             count = min(part, n - r * part)
             if count > 0:
                 pieces += _slices(groups[r], starts, offset, count, r * part)
-        specs[name] = TensorSpec(name, tuple(shape), torch.float32, _reader(pieces))
+        specs[name] = _spec(name, shape, torch.float32, pieces)
         offset += part
     if offset != total:
         raise DeepSpeedCheckpointError(
@@ -227,7 +244,7 @@ def _frozen(
         if len(dtypes) != 1:
             raise DeepSpeedCheckpointError(f"frozen parameter {name!r}: fragments of {dtypes}")
         pieces = _slices(frags, _cumulative(frags), 0, n, 0)
-        specs[name] = TensorSpec(name, tuple(shape), frags[0].dtype, _reader(pieces))
+        specs[name] = _spec(name, shape, frags[0].dtype, pieces)
     return set(shapes)
 
 
@@ -242,7 +259,7 @@ def _buffers(model: dict[str, Any], file: OpenFile, specs: dict[str, TensorSpec]
         dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
         source = FlatSource(tensor, file, f"buffer {name!r}")
         pieces = [_Piece(source, 0, 0, source.numel)]
-        specs[name] = TensorSpec(name, tuple(tensor.shape), dtype, _reader(pieces))
+        specs[name] = _spec(name, tensor.shape, dtype, pieces)
         found.add(name)
     return found
 
