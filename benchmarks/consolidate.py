@@ -230,6 +230,16 @@ def run_tool(cmd: list[str], out: Path, env: dict[str, str]) -> Run:
     )
 
 
+def _failure(run: Run) -> str:
+    """The telling line of a failed run's log (the error, not the traceback's last hint)."""
+    lines = [ln.strip() for ln in run.log.splitlines() if ln.strip()]
+    for key in ("share memory", "Error:"):
+        hits = [ln for ln in lines if key in ln]
+        if hits:
+            return hits[-1][:200]
+    return lines[-1][:200] if lines else f"exit status {run.rc}"
+
+
 def disk_bandwidth(work: Path, nbytes: int) -> tuple[float, float]:
     """Sequential write (dd conv=fdatasync) and cold read bandwidth in bytes/s."""
     path = work / "dd.bin"
@@ -348,8 +358,7 @@ def measure(args: argparse.Namespace, work: Path, env: dict[str, str]) -> str:
             if tool == "zero_to_fp32" and ds_safe and run.rc != 0:
                 # zero_to_fp32 --safe_serialization refuses tied weights: time its .bin.
                 ds_safe = False
-                lines = [ln for ln in run.log.splitlines() if ln.strip()]
-                ds_failure = lines[-1][:160] if lines else f"exit {run.rc}"
+                ds_failure = _failure(run)
                 print(f"zero_to_fp32 --safe_serialization failed: {ds_failure}", flush=True)
                 shutil.rmtree(out, ignore_errors=True)
                 if args.cold:
