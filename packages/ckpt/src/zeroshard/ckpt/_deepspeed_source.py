@@ -60,8 +60,10 @@ def _file_mappings(fd: int) -> list[tuple[int, int, int]]:
                 parts = line.split(None, 5)
                 if len(parts) < 6:
                     continue
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                if int(parts[4]) != st.st_ino or os.makedev(major, minor) != st.st_dev:
+                # Match the inode only: on overlay file systems the device in the maps
+                # differs from stat's. A tensor's address lies in exactly one mapping, and
+                # the first bytes are compared below, so a stray match cannot slip through.
+                if int(parts[4]) != st.st_ino:
                     continue
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 maps.append((start, end, int(parts[2], 16)))
