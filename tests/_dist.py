@@ -46,9 +46,13 @@ def _worker(
     pg_timeout_s: float,
     results: Any,
 ) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A rank that crashes in native code prints its Python stack to the captured stderr.
+    faulthandler.enable()
     # Two cores on CI: one intra-op thread per rank keeps ranks from fighting.
     torch.set_num_threads(1)
     os.environ.update(

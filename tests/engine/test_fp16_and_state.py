@@ -95,7 +95,7 @@ def test_optimizer_state_dict_round_trip(device: str) -> None:
 def _not_in_optimizer() -> None:
     model = make_model(0)
     opt = torch.optim.SGD([model.l1.weight], lr=0.1)
-    with pytest.raises(ValueError, match=r"l1\.bias"):
+    with pytest.raises(ValueError, match="requires grad but is in no optimizer param group"):
         zs.initialize(model, opt, {"stage": 2})
     stale = make_model(0)
     opt2 = make_optimizer(stale)

@@ -7,6 +7,7 @@ full = zs.full_state_dict(model)
 """
 
 from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import (
     EngineState,
     engine_state,
@@ -14,6 +15,7 @@ from zeroshard.engine._initialize import (
     full_state_dict,
     initialize,
 )
+from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
 
@@ -21,10 +23,14 @@ __all__ = [
     "DivergentRanksError",
     "EngineState",
     "EngineStats",
+    "LoadReport",
+    "SafetensorsLoadError",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",
     "engine_stats",
     "full_state_dict",
+    "gathered_parameters",
     "initialize",
+    "load_safetensors",
 ]

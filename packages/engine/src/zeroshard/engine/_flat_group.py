@@ -5,9 +5,9 @@ Stages 1 and 2 keep every parameter whole on every rank, as views of `param_buff
 fp32 gradient. The optimizer steps the master shards; the updated shards are cast to the
 compute dtype and all-gathered back into `param_buffer`.
 
-Stage 3 keeps only `compute_shard`, this rank's shard already cast to the compute dtype
-(so the downcast happens once per step, before any gather, and only compute-dtype bytes
-travel); `param_buffer` exists only while the group's unit is gathered.
+Stage 3 keeps `compute_shard`, this rank's shard already cast to the compute dtype (so
+the downcast happens once per step, before any gather, and only compute-dtype bytes
+travel); `param_buffer` has storage only while the group's unit is gathered.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class FlatParamGroup:
     grad_shard: torch.Tensor | None = None
     # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
     grad_buffer: torch.Tensor | None = None
-    slot_views: list[torch.Tensor] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def trainable(self) -> bool:
@@ -63,35 +63,40 @@ class FlatParamGroup:
         return self.grad_shard
 
     def start_gather(self) -> Handle:
-        """Stage 3: all-gather the compute shard into a fresh `param_buffer`."""
-        assert self.compute_shard is not None
-        self.param_buffer = torch.empty(
-            self.layout.padded_numel,
-            dtype=self.compute_shard.dtype,
-            device=self.compute_shard.device,
-        )
+        """Stage 3: give `param_buffer` its storage back and all-gather the compute shard into it.
+
+        [Note: released storage] A released group keeps its `param_buffer` tensor; its
+        storage is resized to zero bytes. Autograd may hold views of the buffer for
+        backward (`F.linear` saves `weight.t()`): they share the storage, so releasing frees
+        the memory all the same, and after this re-gather those views read the gathered
+        values again. The parameters themselves point at an empty tensor while released,
+        so reading one outside forward gives an empty tensor, never freed memory.
+        """
+        assert self.param_buffer is not None
+        storage = self.param_buffer.untyped_storage()
+        storage.resize_(self.layout.padded_numel * self.param_buffer.element_size())
         return self.group.all_gather_into(
-            self.param_buffer, self.compute_shard, label=f"gather of group {self.index}"
+            self.param_buffer, self.compute_shard_or_raise(), label=f"gather of group {self.index}"
         )
 
+    def compute_shard_or_raise(self) -> torch.Tensor:
+        """This rank's compute-dtype shard (stage 3 only)."""
+        if self.compute_shard is None:
+            raise RuntimeError(f"flat group {self.index} keeps no compute shard (not stage 3)")
+        return self.compute_shard
+
     def expose(self) -> None:
-        """Stage 3: point the parameters at the gathered buffer (after its gather's wait)."""
-        assert self.param_buffer is not None
-        for p, v in zip(self.params, slot_views(self.param_buffer, self.layout), strict=True):
+        """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
+        for p, v in zip(self.params, self.views, strict=True):
             p.data = v
 
     def release(self) -> None:
-        """Stage 3: drop the gathered buffer; parameters become empty placeholders.
-
-        The buffer's memory is reusable as soon as nothing else references it: autograd
-        keeps the *parameter* (not the buffer) for backward, and backward re-gathers
-        before it reads the parameter, so holding the buffer past this point is never needed.
-        """
-        assert self.compute_shard is not None
-        empty = self.compute_shard.new_empty(0)
+        """Stage 3: free the gathered buffer's memory (see [Note: released storage])."""
+        assert self.param_buffer is not None
+        self.param_buffer.untyped_storage().resize_(0)
+        empty = self.param_buffer.new_empty(0)
         for p in self.params:
             p.data = empty
-        self.param_buffer = None
 
     def publish(self) -> Handle:
         """After a step, make the updated master shard what forward computes with.
@@ -162,7 +167,8 @@ def build_flat_group(
     master = nn.Parameter(flat[lo:hi].detach().to(torch.float32, copy=True), key.requires_grad)
     param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
     del flat  # the full-precision copy is no longer needed once master and params exist
-    for p, v in zip(params, slot_views(param_buffer, layout), strict=True):
+    views = slot_views(param_buffer, layout)
+    for p, v in zip(params, views, strict=True):
         p.data = v
     log.debug(
         "group %d: %d params, %d elements, flattened on tier %s in %.3fs",
@@ -182,6 +188,7 @@ def build_flat_group(
         master,
         used,
         param_buffer=param_buffer,
+        views=views,
     )
     if keep_grad_buffer and key.requires_grad:
         fg.grad_buffer = torch.zeros_like(param_buffer)
@@ -206,6 +213,9 @@ def build_sharded_group(
     master = nn.Parameter(shard.to(torch.float32, copy=True), key.requires_grad)
     compute_shard = shard.to(compute_dtype, copy=True)
     del shard
+    # The parameters become views of one buffer for good; its storage is only ever
+    # resized (see [Note: released storage]), so the views never need re-pointing.
+    param_buffer = torch.empty(layout.padded_numel, dtype=compute_dtype, device=group.device)
     fg = FlatParamGroup(
         index,
         key,
@@ -215,7 +225,10 @@ def build_sharded_group(
         group,
         master,
         FlattenTier.DEVICE,
+        param_buffer=param_buffer,
         compute_shard=compute_shard,
+        # Views stay valid across storage resizes: they are made once, here.
+        views=slot_views(param_buffer, layout),
     )
     fg.release()
     return fg

@@ -146,9 +146,7 @@ def _restore(sel: _Selection) -> None:
         if g.compute_shard is not None:
             g.release()  # stage 3: the unit is RELEASED in the runtime already
         else:
-            assert g.param_buffer is not None
-            for p, v in zip(g.params, slot_views(g.param_buffer, g.layout), strict=True):
-                p.data = v
+            g.expose()
 
 
 def _write_back(sel: _Selection, fulls: list[torch.Tensor], modifier_rank: int) -> None:

@@ -126,8 +126,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.after_publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient shards (the shards are kept allocated either way)."""
-        self.reducer.zero_grad()
+        """Forget the gradient shards (freed by default, as torch's optimizers do)."""
+        self.reducer.zero_grad(set_to_none)
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ than growing to the whole model's gradients.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -65,11 +66,21 @@ class GradReducer:
         # Stage 1: set when autograd has written gradients that are not reduced yet.
         self._stage1_dirty = False
         self._hooks: list[RemovableHandle] = []
+        # The hooks live on the parameters, in C++, where the garbage collector cannot see
+        # the cycle parameter -> hook -> reducer -> groups -> parameter: hold the reducer
+        # weakly, or a deleted model would never be freed.
+        this = weakref.ref(self)
+
+        def on_grad_ready(p: torch.Tensor) -> None:
+            reducer = this()
+            if reducer is not None:
+                reducer._on_grad_ready(p)
+
         for g in self.order:
             for i, p in enumerate(g.params):
                 self._slot_of[p] = (g, i)
                 hook = p.register_post_accumulate_grad_hook  # untyped in torch
-                self._hooks.append(hook(self._on_grad_ready))  # type: ignore[no-untyped-call]
+                self._hooks.append(hook(on_grad_ready))  # type: ignore[no-untyped-call]
 
     def remove_hooks(self) -> None:
         """Detach from the parameters."""
@@ -185,11 +196,14 @@ class GradReducer:
                     view.add_(grad.reshape(-1))
                 p.grad = view.view(p.shape)
 
-    def zero_grad(self) -> None:
-        """Forget all gradients (shards, stage-1 buffers, unreduced buckets)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget all gradients; `set_to_none` frees the shards until the next backward."""
         for g in self.order:
             if g.grad_shard is not None:
-                g.grad_shard.zero_()
+                if set_to_none:
+                    g.grad_shard = g.master.grad = None
+                else:
+                    g.grad_shard.zero_()
             if g.grad_buffer is not None:
                 g.grad_buffer.zero_()
         self._stage1_dirty = False

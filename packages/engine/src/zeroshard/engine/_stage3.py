@@ -11,9 +11,10 @@ reducer's `on_complete`), its reduction is queued and the unit is released; what
 still gathered at the end of backward is released there. After the optimizer step,
 every gathered unit is dropped: its parameters changed.
 
-Autograd saved the *parameters* for backward, not the gathered buffer, so releasing a
-unit between forward and backward is safe as long as backward re-gathers before the
-parameter is read, which the pre-backward hook guarantees. Activation checkpointing
+Autograd may save parameters or views of them for backward; releasing only resizes the
+gathered buffer's storage to zero (see [Note: released storage] in _flat_group.py), so
+the memory is freed all the same, and backward re-gathers into the same storage before
+anything reads it, which the pre-backward hook guarantees. Activation checkpointing
 recomputes forward inside backward: there the forward hooks neither release nor
 re-record (the unit stays gathered until its gradients are in).
 """
