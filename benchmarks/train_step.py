@@ -278,18 +278,26 @@ def report(
                 "ok",
             ]
         )
+    zs_extra = (
+        "" if args.zs_config.strip() in ("", "{}") else f" zeroshard extras: `{args.zs_config}`."
+    )
     head = (
         f"GPT `{'smoke' if args.smoke else args.preset}`: {parameters_count(cfg) / 1e6:,.1f} M "
         f"parameters (d {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, seq "
-        f"{cfg.seq_len}, vocab {cfg.vocab_size}); micro-batch {args.micro_batch} per GPU, "
-        f"{world} ranks on {settings.device.type}, compute "
-        f"{str(settings.dtype).removeprefix('torch.')}, AdamW "
-        f"(fused on CUDA), clip {args.clip or 'off'}, {args.warmup} warm-up + {args.steps} "
-        f"timed steps, random tokens. MFU = {flops_per_token(cfg) / 1e9:.2f} GFLOP/token "
-        f"(6N + 12 L d T, PaLM's convention, see examples/gpt.py) x tokens/s / "
-        f"{args.peak_tflops:g} TFLOP/s. Step time: median, slowest rank. Peak: "
-        "torch.cuda.max_memory_allocated from wrapping to the last step, largest rank. "
-        f"zeroshard config extras: `{args.zs_config}`."
+        f"{cfg.seq_len}, vocab {cfg.vocab_size}, tied head); micro-batch {args.micro_batch} "
+        f"per rank, {world} ranks on {settings.device.type}, compute "
+        f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
+        f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
+        f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
+        "synchronized, on the slowest rank; `floor` runs alone on rank 0.\n"
+        f"- MFU: {flops_per_token(cfg) / 1e9:.2f} GFLOP/token (6N + 12 L d T, PaLM's "
+        f"convention, see examples/gpt.py) x tokens/s/GPU / {args.peak_tflops:g} TFLOP/s.\n"
+        "- init: the wrapping call alone (DDP(), fully_shard, zs.initialize, "
+        "deepspeed.initialize) on a model already built on the device, after an untimed "
+        "first set-up of the same engine on a tiny model, so one-time costs (imports, "
+        "DeepSpeed's communication set-up) are not charged to whichever engine runs first.\n"
+        "- peak: torch.cuda.max_memory_allocated from wrapping to the last step, largest "
+        "rank; every engine starts from an emptied cache." + zs_extra
     )
     header = [
         "engine",
@@ -439,6 +447,9 @@ def main() -> None:
     args = parse_args()
     # DeepSpeed still calls the flat collectives by their pre-2.13 names: one warning each.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
+    if "RANK" not in os.environ:  # plain `python train_step.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
     use_cuda = torch.cuda.is_available() and not args.smoke
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
