@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +35,16 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-from _report import markdown_table, write_section  # noqa: E402
+from _report import write_section  # noqa: E402
 from _trace import TraceSummary, summarize_chrome_trace  # noqa: E402
 from _train_engines import ENGINES, Settings  # noqa: E402
-from gpt import GPT, GPTConfig, flops_per_token, parameters_count  # noqa: E402
+from _train_report import Result, plot, report  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
 
 OUT = ROOT / "bench-out"
 PNG = ROOT / "docs" / "train_step.png"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class Result:
-    """One engine's row; `error` is set (and the figures None) when it failed."""
-
-    engine: str
-    what: str
-    init_s: float | None = None
-    step_ms: float | None = None
-    peak_gib: float | None = None
-    error: str | None = None
-    trace: TraceSummary | None = None
-    left_gib: float = 0.0  # still allocated after the engine was freed: a leak into the next
 
 
 def parse_args() -> argparse.Namespace:
@@ -240,206 +227,6 @@ def warm_up_process(device: torch.device) -> None:
     dist.all_reduce(t)
     dist.barrier()
     _sync(device)
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def report(
-    results: list[Result], cfg: GPTConfig, args: argparse.Namespace, settings: Settings, world: int
-) -> str:
-    """The markdown body: settings, the table, ratios, goals, and the profile summary."""
-    tokens = args.micro_batch * cfg.seq_len
-    on_gpu = settings.device.type == "cuda"
-    by = {r.engine: r for r in results if r.error is None}
-    floor = by.get("floor")
-    rows: list[list[object]] = []
-    for r in results:
-        if r.error is not None:
-            rows.append(
-                [f"`{r.engine}`", r.what, "-", "-", "-", "-", "-", "-", f"FAILED: {r.error}"]
-            )
-            continue
-        assert r.step_ms is not None
-        tps = tokens / (r.step_ms / 1000)
-        mfu = 100 * flops_per_token(cfg) * tps / (args.peak_tflops * 1e12) if on_gpu else None
-        vs = _fmt(r.step_ms / floor.step_ms, ".3f") if floor and floor.step_ms else "-"
-        rows.append(
-            [
-                f"`{r.engine}`",
-                r.what,
-                _fmt(r.init_s, ".2f"),
-                _fmt(r.step_ms, ".1f"),
-                _fmt(tps, ",.0f"),
-                _fmt(mfu, ".1f"),
-                _fmt(r.peak_gib, ".1f"),
-                vs,
-                "ok",
-            ]
-        )
-    zs_extra = (
-        "" if args.zs_config.strip() in ("", "{}") else f" zeroshard extras: `{args.zs_config}`."
-    )
-    head = (
-        f"GPT `{'smoke' if args.smoke else args.preset}`: {parameters_count(cfg) / 1e6:,.1f} M "
-        f"parameters (d {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, seq "
-        f"{cfg.seq_len}, vocab {cfg.vocab_size}, tied head); micro-batch {args.micro_batch} "
-        f"per rank, {world} ranks on {settings.device.type}, compute "
-        f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
-        f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
-        f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
-        "synchronized, on the slowest rank; `floor` runs alone on rank 0.\n"
-        f"- MFU: {flops_per_token(cfg) / 1e9:.2f} GFLOP/token (6N + 12 L d T, PaLM's "
-        f"convention, see examples/gpt.py) x tokens/s/GPU / {args.peak_tflops:g} TFLOP/s.\n"
-        "- init: the wrapping call alone (DDP(), fully_shard, zs.initialize, "
-        "deepspeed.initialize) on a model already built on the device, after an untimed "
-        "first set-up of the same engine on a tiny model, so one-time costs (imports, "
-        "DeepSpeed's communication set-up) are not charged to whichever engine runs first.\n"
-        "- peak: torch.cuda.max_memory_allocated from wrapping to the last step, largest "
-        "rank; every engine starts from an emptied cache." + zs_extra
-    )
-    header = [
-        "engine",
-        "what",
-        "init s",
-        "step ms",
-        "tokens/s/GPU",
-        "MFU %",
-        "peak GiB",
-        "step / floor",
-        "status",
-    ]
-    body = [head, "", markdown_table(header, rows), "", ratios(by)]
-    leaks = [f"`{r.engine}` {r.left_gib:.2f} GiB" for r in results if r.left_gib > 0.25]
-    if leaks:
-        body += [
-            "",
-            "Still allocated after an engine was freed (inflates the peaks after it): "
-            + ", ".join(leaks)
-            + ".",
-        ]
-    traced = [r for r in results if r.trace is not None]
-    if traced:
-        prow: list[list[object]] = []
-        for r in traced:
-            t = r.trace
-            assert t is not None
-            prow.append(
-                [
-                    f"`{r.engine}`",
-                    f"{t.window_ms:.1f}",
-                    f"{t.compute_ms:.1f}",
-                    f"{t.comm_ms:.1f}",
-                    f"{t.exposed_comm_ms:.1f}",
-                    f"{t.idle_ms:.1f}",
-                ]
-            )
-        body += [
-            "",
-            "Profile (rank 0, ms per step; exposed = NCCL kernel time with no compute "
-            "kernel running, idle = no kernel at all):",
-            "",
-            markdown_table(
-                ["engine", "GPU window", "compute", "NCCL", "exposed NCCL", "idle"], prow
-            ),
-        ]
-    return "\n".join(body)
-
-
-def ratios(by: dict[str, Result]) -> str:
-    """zeroshard against its peers measured in this run, and the issue's goals for stage 2."""
-    lines = []
-    peers = {1: ("ddp", "ds1"), 2: ("fsdp2-zero2", "ds2"), 3: ("fsdp2", "ds3")}
-    for k, (fsdp, ds) in peers.items():
-        zs = by.get(f"zs{k}")
-        if zs is None or zs.step_ms is None:
-            continue
-        parts = []
-        for peer in ("floor", fsdp, ds):
-            p = by.get(peer)
-            if p is not None and p.step_ms:
-                parts.append(f"{p.step_ms / zs.step_ms:.3f}x the speed of `{peer}`")
-        d = by.get(ds)
-        if d is not None and d.peak_gib and zs.peak_gib:
-            parts.append(f"{zs.peak_gib / d.peak_gib:.2f}x `{ds}`'s peak memory")
-        if d is not None and d.init_s and zs.init_s:
-            parts.append(f"init {d.init_s / zs.init_s:.1f}x faster than `{ds}`")
-        lines.append(f"- `zs{k}`: " + ", ".join(parts) + ".")
-    goals = _goals(by)
-    return "\n".join(["Ratios (> 1x: zeroshard is faster):", "", *lines, *goals]) if lines else ""
-
-
-def _goals(by: dict[str, Result]) -> list[str]:
-    zs, floor, ds = by.get("zs2"), by.get("floor"), by.get("ds2")
-    if zs is None or zs.step_ms is None:
-        return []
-    out = ["", "Goals for stage 2 (issue 3):", ""]
-    if floor and floor.step_ms:
-        over = zs.step_ms / floor.step_ms - 1
-        out.append(
-            f"- within 4% of the no-communication step: {over:+.1%} "
-            f"({'met' if over <= 0.04 else 'NOT met'})"
-        )
-    if ds and ds.step_ms:
-        sp = ds.step_ms / zs.step_ms
-        out.append(
-            f"- >= 1.11x DeepSpeed stage 2: {sp:.3f}x ({'met' if sp >= 1.11 else 'NOT met'})"
-        )
-    if ds and ds.peak_gib and zs.peak_gib:
-        ok = zs.peak_gib <= ds.peak_gib
-        out.append(
-            f"- peak <= DeepSpeed stage 2's: {zs.peak_gib:.1f} vs {ds.peak_gib:.1f} GiB "
-            f"({'met' if ok else 'NOT met'})"
-        )
-    if ds and ds.init_s and zs.init_s:
-        sp = ds.init_s / zs.init_s
-        out.append(
-            f"- init >= 3x faster than DeepSpeed stage 2: {sp:.1f}x "
-            f"({'met' if sp >= 3 else 'NOT met'})"
-        )
-    return out
-
-
-def plot(results: list[Result], path: Path) -> bool:
-    """Bar charts of step time and peak memory per engine; False if matplotlib is missing."""
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return False
-    ok = [r for r in results if r.error is None and r.step_ms is not None]
-    if not ok:
-        return False
-    names = [r.engine for r in ok]
-    family = {"zs": "tab:green", "ds": "tab:orange", "fl": "tab:gray"}
-    colors = [family.get(n[:2], "tab:blue") for n in names]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.45 * len(ok) + 1.6))
-    bars = a.barh(names, [r.step_ms or 0 for r in ok], color=colors)
-    a.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
-    floor = next((r.step_ms for r in ok if r.engine == "floor"), None)
-    if floor:
-        a.axvline(floor, color="tab:gray", linestyle="--", linewidth=1)
-    a.set_xlabel("median step time (ms, lower is better; dashed: no-communication floor)")
-    peaks = [r.peak_gib or 0 for r in ok]
-    bars = b.barh(names, peaks, color=colors)
-    if any(peaks):
-        b.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
-    else:
-        b.text(0.5, 0.5, "not measured on CPU", ha="center", transform=b.transAxes)
-    b.set_xlabel("peak memory (GiB, lower is better)")
-    for ax in (a, b):
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
-        ax.margins(x=0.15)
-    fig.suptitle("GPT training step per engine (benchmarks/train_step.py)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def main() -> None:
