@@ -157,3 +157,35 @@ def test_reads_bypass_the_memory_map(tmp_path: Path) -> None:
     assert torch.equal(as_double, flat.double())
     with pytest.raises(CorruptFileError, match="outside"):
         source.read_into(out, 0, n - 1, 2)
+
+
+def _resave_optim(path: Path, **changes: Any) -> None:
+    """Rewrite a rank's optimizer file with `changes`, DeepSpeed's own objects replaced by
+    plain values (our stand-ins would pickle under our module name, which is refused)."""
+    state = load_torch_file(path, mmap=False)
+    inner = state["optimizer_state_dict"]
+    inner["loss_scaler"] = None
+    inner["zero_stage"] = int(inner["zero_stage"])
+    inner.pop("param_slice_mappings", None)
+    inner.update(changes)
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"zero_stage": 0}, r"ZeRO stage 0; only stages 1, 2 and 3"),
+        ({"zero_stage": 2}, r"ZeRO stage 2 does not match the model states"),
+        ({"partition_count": 4}, r"partitioned over 4 ranks, but the checkpoint's world size is 2"),
+    ],
+)
+def test_inconsistent_optimizer_states_are_refused(
+    changes: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "stage3", root)
+    _resave_optim(root / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert len(deepspeed_specs(root, None)[0]) == 11  # the plain rewrite alone still reads
+    _resave_optim(root / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", **changes)
+    with pytest.raises(DeepSpeedCheckpointError, match=message):
+        deepspeed_specs(root, None)

@@ -278,7 +278,12 @@ def read_deepspeed_checkpoint(
     files = find_files(directory, tag, world_size, 3 if partitioned else 2)
     optim = [load_optim_states(p) for p in files.optim_states]
     stage = int(optim[0]["zero_stage"])
-    if stage not in (1, 2, 3) or (stage == 3) != partitioned:
+    if stage not in (1, 2, 3):
+        raise DeepSpeedCheckpointError(
+            f"{files.optim_states[0]}: ZeRO stage {stage}; only stages 1, 2 and 3 partition "
+            "the fp32 weights the way zero_to_fp32 (and this reader) expect"
+        )
+    if (stage == 3) != partitioned:
         raise DeepSpeedCheckpointError(
             f"{files.optim_states[0]}: ZeRO stage {stage} does not match the model states "
             f"file {model0_path.name}"
