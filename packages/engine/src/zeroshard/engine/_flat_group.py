@@ -5,9 +5,10 @@ Stages 1 and 2 keep every parameter whole on every rank, as views of `param_buff
 fp32 gradient. The optimizer steps the master shards; the updated shards are cast to the
 compute dtype and all-gathered back into `param_buffer`.
 
-Stage 3 keeps `compute_shard`, this rank's shard already cast to the compute dtype (so
-the downcast happens once per step, before any gather, and only compute-dtype bytes
-travel); `param_buffer` has storage only while the group's unit is gathered.
+Stage 3 keeps only the fp32 master shard: each gather casts it to the compute dtype
+first, so only compute-dtype bytes travel (keeping a compute-dtype copy of the shard
+would save that small cast at the price of memory); `param_buffer` has storage only
+while the group's unit is gathered.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class FlatParamGroup:
     master: torch.Tensor
     tier: FlattenTier
     param_buffer: torch.Tensor | None = None
-    compute_shard: torch.Tensor | None = None
+    # Stage 3: parameters are sharded; `param_buffer` has storage only while gathered.
+    sharded: bool = False
     grad_shard: torch.Tensor | None = None
     # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
     grad_buffer: torch.Tensor | None = None
@@ -72,18 +74,14 @@ class FlatParamGroup:
         values again. The parameters themselves point at an empty tensor while released,
         so reading one outside forward gives an empty tensor, never freed memory.
         """
-        assert self.param_buffer is not None
+        assert self.sharded and self.param_buffer is not None
         storage = self.param_buffer.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.param_buffer.element_size())
+        # The downcast before the gather: `send` lives in the handle until wait().
+        send = self.master.detach().to(self.param_buffer.dtype)
         return self.group.all_gather_into(
-            self.param_buffer, self.compute_shard_or_raise(), label=f"gather of group {self.index}"
+            self.param_buffer, send, label=f"gather of group {self.index}"
         )
-
-    def compute_shard_or_raise(self) -> torch.Tensor:
-        """This rank's compute-dtype shard (stage 3 only)."""
-        if self.compute_shard is None:
-            raise RuntimeError(f"flat group {self.index} keeps no compute shard (not stage 3)")
-        return self.compute_shard
 
     def expose(self) -> None:
         """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
@@ -101,12 +99,11 @@ class FlatParamGroup:
     def publish(self) -> Handle:
         """After a step, make the updated master shard what forward computes with.
 
-        Stage 3 casts it into `compute_shard` (gathers happen later, in forward). Stages 1
+        Stage 3 has nothing to do (gathers read the master, in forward). Stages 1
         and 2 start the all-gather into `param_buffer`; the cast happens before the gather,
         so only compute-dtype bytes travel, and `send` lives in the handle until `wait()`.
         """
-        if self.compute_shard is not None:
-            self.compute_shard.copy_(self.master.detach())
+        if self.sharded:
             return completed_handle()
         assert self.param_buffer is not None
         send = self.master.detach().to(self.param_buffer.dtype)
@@ -205,16 +202,15 @@ def build_sharded_group(
     group: Group,
     compute_dtype: torch.dtype,
 ) -> FlatParamGroup:
-    """Stage 3: keep only this rank's shard (fp32 master + compute-dtype copy); free the rest."""
+    """Stage 3: keep only this rank's fp32 master shard; free the parameters' memory."""
     _check_params(named, group)
     layout = _layout(named, key, group, compute_dtype)
     params = tuple(p for _, p in named)
     shard = flatten_shard(params, layout, group.rank, device=group.device)
     master = nn.Parameter(shard.to(torch.float32, copy=True), key.requires_grad)
-    compute_shard = shard.to(compute_dtype, copy=True)
     del shard
-    # The parameters become views of one buffer for good; its storage is only ever
-    # resized (see [Note: released storage]), so the views never need re-pointing.
+    # One buffer for the group's whole life: only its storage is resized (see [Note:
+    # released storage]); the parameters point at its views while the unit is gathered.
     param_buffer = torch.empty(layout.padded_numel, dtype=compute_dtype, device=group.device)
     fg = FlatParamGroup(
         index,
@@ -226,7 +222,7 @@ def build_sharded_group(
         master,
         FlattenTier.DEVICE,
         param_buffer=param_buffer,
-        compute_shard=compute_shard,
+        sharded=True,
         # Views stay valid across storage resizes: they are made once, here.
         views=slot_views(param_buffer, layout),
     )

@@ -9,7 +9,7 @@ parameters than were asked for (they are exposed too, read-only in spirit).
 
 On exit with `modifier_rank`, that rank's buffer is broadcast, every rank copies its own
 shard range back into the master, and the group publishes it (stages 1/2: an all-gather
-into the compute-dtype `param_buffer`; stage 3: a refresh of `compute_shard`). Without
+into the compute-dtype `param_buffer`; stage 3: nothing, gathers read the master). Without
 `modifier_rank` the buffer is simply dropped, so edits are discarded. The parameters are
 then put back: stages 1/2 as views of `param_buffer`, stage 3 released (empty), the next
 forward gathers them again.
@@ -143,7 +143,7 @@ def _expose(g: FlatParamGroup, full: torch.Tensor) -> None:
 def _restore(sel: _Selection) -> None:
     """Put the parameters back as the engine keeps them between steps (no collective)."""
     for g in sel.groups:
-        if g.compute_shard is not None:
+        if g.sharded:
             g.release()  # stage 3: the unit is RELEASED in the runtime already
         else:
             g.expose()

@@ -80,9 +80,9 @@ class Unit:
     def nbytes(self) -> int:
         """Bytes of the gathered buffers."""
         return sum(
-            g.layout.padded_numel * g.compute_shard.element_size()
+            g.layout.padded_numel * g.param_buffer.element_size()
             for g in self.groups
-            if g.compute_shard is not None
+            if g.param_buffer is not None
         )
 
     @property
