@@ -65,7 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2, help="ranks that make the checkpoint")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per tool (best is kept)")
     p.add_argument("--workers", type=int, default=None, help="zeroshard --workers (default: all)")
-    p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    p.add_argument(
+        "--dir", type=Path, default=OUT, help="where the work directory goes (default: bench-out/)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--cold", action="store_true", help="evict the input from the page cache")
     p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
@@ -297,6 +299,8 @@ def compare_outputs(ours: Path, theirs: Path) -> tuple[int, str]:
 def main() -> None:
     """Make the checkpoint, measure the disk and both tools, report."""
     args = parse_args()
+    # On the disk being measured (not /tmp, which may be memory), removed afterwards.
+    args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zs-consolidate-", dir=args.dir))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*SRC_PATHS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
