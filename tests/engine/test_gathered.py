@@ -202,4 +202,4 @@ def _all(device: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gathered_parameters(world_size: int, device: str) -> None:
     world_fits(device, world_size)
-    run_ranks(_all, world_size, device)
+    run_ranks(_all, world_size, device, device=device)

@@ -187,4 +187,4 @@ def test_load_safetensors(world_size: int, device: str, tmp_path: Path) -> None:
     world_fits(device, world_size)
     _write(tmp_path)
     _write_bad(tmp_path)
-    run_ranks(_all, world_size, device, str(tmp_path))
+    run_ranks(_all, world_size, device, str(tmp_path), device=device)

@@ -62,10 +62,21 @@ def _check(params: Sequence[torch.Tensor], layout: FlatLayout) -> None:
         owner[key] = s.name
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    # CUDA's fused copy of 16-bit floats goes through float32 and quiets NaN payloads;
+    # copying the same bits as integers keeps every parameter bitwise unchanged.
+    return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
+
+
 def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy srcs into dsts: one fused kernel for same-device pairs, plain copies otherwise."""
+    """Copy srcs into dsts bit for bit: one fused kernel for same-device pairs."""
     if not dsts:
         return
+    if all(d.dtype == s.dtype for d, s in zip(dsts, srcs, strict=True)):
+        dsts, srcs = [_as_bits(d) for d in dsts], [_as_bits(s) for s in srcs]
     same = [i for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)) if d.device == s.device]
     if len(same) == len(dsts):
         torch._foreach_copy_(dsts, srcs)
