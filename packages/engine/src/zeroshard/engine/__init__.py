@@ -6,6 +6,7 @@ loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zer
 full = zs.full_state_dict(model)
 """
 
+from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import (
@@ -32,5 +33,7 @@ __all__ = [
     "full_state_dict",
     "gathered_parameters",
     "initialize",
+    "load_checkpoint",
     "load_safetensors",
+    "save_checkpoint",
 ]

@@ -118,6 +118,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish(g for g in self.flat_groups if g.trainable)
         return None
 
+    def republish(self) -> None:
+        """Make every master shard what forward computes with, after it changed in place."""
+        self._publish(self.flat_groups)
+
     def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
         handles = [g.publish() for g in groups]
         for h in handles:

@@ -1,0 +1,215 @@
+"""`save_checkpoint` / `load_checkpoint`: the engine's state in zeroshard.ckpt's format.
+
+Each flat group is stored under `group{index}` with its layout: the fp32 master shard
+and every optimizer state tensor shaped like it (`optim.exp_avg`, ...); per-group
+optimizer scalars (Adam's `step`) go into the metadata. Loading works at any world size:
+`zeroshard.ckpt.load` reads each rank's new shard ranges straight from the files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.ckpt import (
+    MASTER,
+    CheckpointMeta,
+    GroupMeta,
+    SaveHandle,
+    buffer_key,
+    load,
+    save,
+    shard_key,
+)
+from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._initialize import EngineState, engine_state
+
+_OPTIM = "optim."
+
+
+def _group_name(g: FlatParamGroup) -> str:
+    return f"group{g.index}"
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def _split_state(
+    g: FlatParamGroup, opt_state: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer state of a master shard: shard-shaped tensors, and scalars."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for key, value in opt_state.items():
+        if isinstance(value, torch.Tensor) and value.shape == g.master.shape:
+            tensors[key] = value.detach()
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            scalars[key] = value.item()
+        elif isinstance(value, (int, float, bool)):
+            scalars[key] = value
+        else:
+            raise ValueError(
+                f"optimizer state {key!r} of group {g.index} is a {type(value).__name__} "
+                "that is neither shaped like the shard nor a scalar: cannot checkpoint it"
+            )
+    return tensors, scalars
+
+
+def _aliases(model: nn.Module, state: EngineState) -> dict[str, str]:
+    canonical = {id(p): n for g in state.groups for n, p in zip(g.names, g.params, strict=True)}
+    return {
+        name: canonical[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if canonical.get(id(p), name) != name
+    }
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    params = {id(p) for p in model.parameters()}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in params}
+
+
+def save_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    tag: str | None = None,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Save model and optimizer as `directory/step-{step}` (or `/{tag}`); call on every rank.
+
+    Atomic: a crash leaves the previous checkpoint intact. With `async_save` the files
+    are written in the background and the returned handle's `wait()` (or the next save)
+    commits them.
+    """
+    state = engine_state(model)
+    if optimizer is not state.optimizer:
+        raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    inner = state.optimizer.inner
+    groups: list[GroupMeta] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for g in state.groups:
+        name = _group_name(g)
+        shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
+        kinds = {MASTER: torch.float32}
+        tensors[shard_key(name, MASTER)] = g.master.detach()
+        for key, t in shard_tensors.items():
+            kinds[_OPTIM + key] = t.dtype
+            tensors[shard_key(name, _OPTIM + key)] = t
+        groups.append(
+            GroupMeta(
+                name,
+                g.layout,
+                kinds,
+                param_group=g.key.param_group if g.trainable else None,
+                requires_grad=g.trainable,
+                scalars=scalars,
+            )
+        )
+    buffers = _buffers(model)
+    if state.world.rank == 0:
+        tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
+    scaler = state.optimizer.scaler
+    meta = CheckpointMeta(
+        world_size=state.world.size,
+        groups=tuple(groups),
+        stage=state.config.stage,
+        compute_dtype=state.config.compute_dtype,
+        param_groups=tuple(
+            {k: _json_value(v) for k, v in pg.items() if k != "params"} for pg in inner.param_groups
+        ),
+        tied=_aliases(model, state),
+        buffers=tuple(buffers),
+        extra={"loss_scaler": None if scaler is None else scaler.state_dict()},
+    )
+    return save(
+        Path(directory),
+        step,
+        meta=meta,
+        tensors=tensors,
+        group=state.world,
+        tag=tag,
+        async_save=async_save,
+    )
+
+
+@torch.no_grad()
+def load_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    step: int | None = None,
+) -> int:
+    """Restore model and optimizer from a checkpoint saved at any world size; return its step.
+
+    `directory` is a checkpoint or the root holding `latest`. A checkpoint of another
+    model (names or shapes) raises `zeroshard.ckpt.ModelMismatchError` listing the
+    differences. Call on every rank.
+    """
+    state = engine_state(model)
+    if optimizer is not state.optimizer:
+        raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    world = state.world
+    expected = {
+        n: tuple(int(d) for d in slot.shape)
+        for g in state.groups
+        for n, slot in zip(g.names, g.layout.slots, strict=True)
+    }
+    expected.update({alias: expected[name] for alias, name in _aliases(model, state).items()})
+    buffers = _buffers(model)
+    expected.update({k: tuple(v.shape) for k, v in buffers.items()})
+    loaded = load(
+        Path(directory),
+        rank=world.rank,
+        world_size=world.size,
+        tag=tag,
+        step=step,
+        expected=expected,
+        layouts={_group_name(g): g.layout for g in state.groups},
+        device=world.device,
+    )
+    meta = loaded.meta
+    inner = state.optimizer.inner
+    for g in state.groups:
+        gm = meta.group(_group_name(g))
+        g.master.copy_(loaded.shard(gm.name, MASTER))
+        if not g.trainable:
+            continue
+        opt_state: dict[str, Any] = {
+            k[len(_OPTIM) :]: loaded.shard(gm.name, k).clone()
+            for k in gm.shards
+            if k.startswith(_OPTIM)
+        }
+        pg = inner.param_groups[g.key.param_group]
+        on_device = bool(pg.get("fused") or pg.get("capturable"))
+        for key, value in gm.scalars.items():
+            # torch keeps Adam's step as a float32 tensor, on the device when fused.
+            opt_state[key] = torch.tensor(
+                float(value), dtype=torch.float32, device=g.master.device if on_device else "cpu"
+            )
+        inner.state[g.master] = opt_state
+    if len(meta.param_groups) == len(inner.param_groups):
+        for pg, saved in zip(inner.param_groups, meta.param_groups, strict=True):
+            for key, value in saved.items():
+                pg[key] = tuple(value) if isinstance(pg.get(key), tuple) else value
+    for name, value in loaded.buffers.items():
+        buffers[name].copy_(value)
+    scaler_state = meta.extra.get("loss_scaler")
+    if state.optimizer.scaler is not None and scaler_state is not None:
+        state.optimizer.scaler.load_state_dict(scaler_state)
+    state.optimizer.republish()
+    return meta.step
