@@ -177,7 +177,9 @@ def test_disk_full_mid_write(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
-    assert lines[0].startswith("save FAILED CheckpointError") and "File too large" in lines[0], lines
+    assert lines[0].startswith("save FAILED CheckpointError") and "File too large" in lines[0], (
+        lines
+    )
     assert lines[1].startswith("consolidate FAILED CheckpointError"), lines
     assert "File too large" in lines[1] and "nothing was left" in lines[1], lines
     assert read_latest(root) == "step-1"

@@ -19,15 +19,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zeroshard.ckpt._deepspeed import (
+from zeroshard.ckpt import (
+    CheckpointError,
+    DeepSpeedCheckpoint,
     DeepSpeedCheckpointError,
     MissingRankFileError,
+    MissingShardError,
+    RangeSpec,
+    TensorSpec,
     deepspeed_specs,
     is_deepspeed_checkpoint,
     read_deepspeed_checkpoint,
 )
-from zeroshard.ckpt._spec import TensorSpec
-from zeroshard.ckpt._writer import RangeSpec
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3"]
@@ -95,6 +98,7 @@ def test_range_reads_assemble_the_whole_tensor(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_layout_facts(case: str) -> None:
     ckpt = read_deepspeed_checkpoint(FIXTURES / case)
+    assert isinstance(ckpt, DeepSpeedCheckpoint)
     stage = int(case[5])
     assert (ckpt.stage, ckpt.tag, ckpt.step) == (stage, TAG, 2)
     assert ckpt.world_size == (3 if case.endswith("_w3") else 2)
@@ -166,8 +170,10 @@ def test_tag_selection(tmp_path: Path) -> None:
 def test_missing_rank_file_is_named(case: str, victim: str, tmp_path: Path) -> None:
     root = _copy(case, tmp_path)
     (root / TAG / victim).unlink()
-    with pytest.raises(MissingRankFileError, match=re.escape(victim)):
+    with pytest.raises(MissingRankFileError, match=re.escape(victim)) as err:
         deepspeed_specs(root, None)
+    # Callers that handle zeroshard's own missing shards catch DeepSpeed's too.
+    assert isinstance(err.value, MissingShardError) and isinstance(err.value, CheckpointError)
 
 
 def test_missing_model_states_is_named(tmp_path: Path) -> None:

@@ -19,12 +19,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from zeroshard.ckpt import consolidate
+from zeroshard.ckpt import consolidate, describe
 from zeroshard.ckpt._cli import main
 from zeroshard.ckpt._unpickle import load_torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3"]
+FROZEN = {"frozen.weight", "frozen.bias", "spare.empty"}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -52,6 +53,24 @@ def test_consolidate_equals_zero_to_fp32(case: str, tmp_path: Path) -> None:
         actual = got[shared.get(name, name)]
         assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
         assert torch.equal(_bits(actual), _bits(expected)), name
+
+
+@pytest.mark.parametrize("case", ["stage2", "stage3_w3"])
+def test_consolidate_exclude_frozen(case: str, tmp_path: Path) -> None:
+    # The frozen layer and the zero-element frozen parameter go; everything else is
+    # zero_to_fp32's output, bit for bit; inspect still counts the frozen parameters.
+    root = FIXTURES / case
+    out = tmp_path / "lean.safetensors"
+    argv = ["consolidate", str(root), str(out), "--exclude-frozen", "--quiet"]
+    assert main(argv) == 0
+    got, tied = _load_with_tied(out)
+    want = load_file(root / "reference.safetensors")
+    shared = json.loads((root / "reference.json").read_text())["shared"]
+    assert set(want) - set(shared) - set(got) == FROZEN
+    assert set(got) < set(want) and tied == shared
+    for name, actual in got.items():
+        assert torch.equal(_bits(actual), _bits(want[name])), name
+    assert describe(root).frozen == len(FROZEN)
 
 
 def test_consolidate_cast_matches_zero_to_fp32_cast(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.ckpt._deepspeed import read_deepspeed_checkpoint
+from zeroshard.ckpt import read_deepspeed_checkpoint
 
 MIB = 1 << 20
 

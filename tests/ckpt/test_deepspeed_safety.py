@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard.ckpt._deepspeed import (
+from zeroshard.ckpt import (
+    CheckpointError,
     CorruptFileError,
     DeepSpeedCheckpointError,
     UnsafePickleError,
     deepspeed_specs,
 )
 from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
-from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._unpickle import FragmentAddress, LossScaler, ZeroStage, load_torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"

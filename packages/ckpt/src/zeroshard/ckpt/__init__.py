@@ -3,11 +3,20 @@
 `save` (on every rank) writes each rank's flat shards and commits the checkpoint
 atomically; `load` returns one rank's shards for any world size; `consolidate` (and
 the `zeroshard-ckpt` command) writes the full state dict as safetensors, from a
-zeroshard or a DeepSpeed ZeRO checkpoint. The on-disk format is described in
-docs/checkpoint-format.md.
+zeroshard or a DeepSpeed ZeRO checkpoint (`read_deepspeed_checkpoint` and
+`deepspeed_specs` read DeepSpeed's files without DeepSpeed, refusing unsafe pickles).
+The on-disk format is described in docs/checkpoint-format.md.
 """
 
 from zeroshard.ckpt._consolidate import consolidate, is_zeroshard_checkpoint
+from zeroshard.ckpt._deepspeed import (
+    DeepSpeedCheckpoint,
+    DeepSpeedCheckpointError,
+    MissingRankFileError,
+    deepspeed_specs,
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+)
 from zeroshard.ckpt._errors import (
     CheckpointError,
     ChecksumError,
@@ -42,6 +51,7 @@ from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._save import SaveHandle, save
 from zeroshard.ckpt._source import checkpoint_specs
 from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
 from zeroshard.ckpt._writer import RangeSpec, WriteResult, write_safetensors
 
 __all__ = [
@@ -54,10 +64,14 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointReader",
     "ChecksumError",
+    "CorruptFileError",
+    "DeepSpeedCheckpoint",
+    "DeepSpeedCheckpointError",
     "FileMeta",
     "FormatVersionError",
     "GroupMeta",
     "LoadedShards",
+    "MissingRankFileError",
     "MissingShardError",
     "ModelMismatchError",
     "OutputExistsError",
@@ -65,17 +79,21 @@ __all__ = [
     "SaveHandle",
     "Summary",
     "TensorSpec",
+    "UnsafePickleError",
     "WriteResult",
     "buffer_key",
     "checkpoint_specs",
     "consolidate",
+    "deepspeed_specs",
     "describe",
     "format_summary",
+    "is_deepspeed_checkpoint",
     "is_zeroshard_checkpoint",
     "list_checkpoints",
     "load",
     "parse_size",
     "rank_file",
+    "read_deepspeed_checkpoint",
     "read_latest",
     "remove_checkpoint",
     "resolve",

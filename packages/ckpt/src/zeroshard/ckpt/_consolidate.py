@@ -8,14 +8,17 @@ and re-tie it); the aliases are listed in every file's `__metadata__` under
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
+from zeroshard.ckpt._deepspeed import (
+    DeepSpeedCheckpoint,
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+)
 from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
 from zeroshard.ckpt._paths import (
     METADATA,
@@ -42,17 +45,18 @@ def is_zeroshard_checkpoint(path: Path, tag: str | None = None, step: int | None
     return any((d / METADATA).is_file() for d in (path / name, old_dir(path, name)))
 
 
-def deepspeed_module() -> ModuleType:
-    """`zeroshard.ckpt._deepspeed`, or a clear error if this build does not have it."""
-    try:
-        return importlib.import_module("zeroshard.ckpt._deepspeed")
-    except ModuleNotFoundError as e:
-        if e.name != "zeroshard.ckpt._deepspeed":
-            raise
-        raise CheckpointError(
-            "this build of zeroshard-ckpt cannot read DeepSpeed checkpoints "
-            "(zeroshard.ckpt._deepspeed is missing)"
-        ) from None
+def deepspeed_checkpoint(
+    src: Path, *, tag: str | None, step: int | None, exclude_frozen: bool
+) -> DeepSpeedCheckpoint:
+    """`src` read as a DeepSpeed ZeRO checkpoint (`step` selects `global_step{step}`), or a
+    clear error saying it is neither format."""
+    if src.is_dir() and not (src / METADATA).exists() and is_deepspeed_checkpoint(src):
+        ds_tag = tag if step is None else f"global_step{step}"
+        return read_deepspeed_checkpoint(src, ds_tag, exclude_frozen=exclude_frozen)
+    raise CheckpointError(
+        f"{src} is neither a zeroshard checkpoint (no {METADATA}, no 'latest' naming one) "
+        "nor a DeepSpeed ZeRO checkpoint"
+    )
 
 
 def source_specs(
@@ -72,18 +76,8 @@ def source_specs(
             reader.close()
             raise
         return specs, aliases, reader
-    ds = deepspeed_module() if src.is_dir() and not (src / METADATA).exists() else None
-    if ds is None or not ds.is_deepspeed_checkpoint(src):
-        raise CheckpointError(
-            f"{src} is neither a zeroshard checkpoint (no {METADATA}, no 'latest' naming one) "
-            "nor a DeepSpeed ZeRO checkpoint"
-        )
-    ds_tag = tag if step is None else f"global_step{step}"
-    if exclude_frozen:
-        specs, aliases = ds.deepspeed_specs(src, ds_tag, exclude_frozen=True)
-    else:
-        specs, aliases = ds.deepspeed_specs(src, ds_tag)
-    return list(specs), dict(aliases), None
+    ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=exclude_frozen)
+    return list(ds.specs), dict(ds.aliases), None
 
 
 def consolidate(

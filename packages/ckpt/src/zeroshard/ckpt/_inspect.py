@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from zeroshard.ckpt._consolidate import deepspeed_module, is_zeroshard_checkpoint, source_specs
+from zeroshard.ckpt._consolidate import deepspeed_checkpoint, is_zeroshard_checkpoint
+from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import FORMAT_NAME, FORMAT_VERSION
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.partition import dtype_name
@@ -48,6 +49,8 @@ def describe(
 ) -> Summary:
     """Summarize a checkpoint without reading its tensor data (headers and metadata only)."""
     src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist")
     if is_zeroshard_checkpoint(src, tag, step):
         with CheckpointReader(src, tag=tag, step=step) as r:
             m = r.meta
@@ -77,28 +80,22 @@ def describe(
                 len(m.buffers),
                 groups,
             )
-    specs, aliases, _ = source_specs(
-        src, tag=tag, step=step, exclude_frozen=False, verify_input=False
-    )
+    ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=False)
     files = [p for p in src.rglob("*.pt") if p.is_file()]
-    # The DeepSpeed reader may say more (stage, world size...); use it where it does.
-    info = getattr(deepspeed_module(), "read_deepspeed_checkpoint", None)
-    ds = info(src, tag if step is None else f"global_step{step}") if info else None
-    buffers = ds.buffers if ds is not None else frozenset()
-    params = [s for s in specs if s.name not in buffers]
+    params = [s for s in ds.specs if s.name not in ds.buffers]
     return Summary(
         src,
-        "deepspeed" + (f" {ds.ds_version}" if ds is not None and ds.ds_version else ""),
-        ds.world_size if ds is not None else None,
-        ds.stage if ds is not None else None,
-        ds.step if ds is not None else step,
+        "deepspeed" + (f" {ds.ds_version}" if ds.ds_version else ""),
+        ds.world_size,
+        ds.stage,
+        ds.step if ds.step is not None else step,
         sum(s.numel for s in params),
         len(params),
         sum(p.stat().st_size for p in files),
         len(files),
-        len(ds.frozen) if ds is not None else 0,
-        len(aliases),
-        len(ds.buffers) if ds is not None else 0,
+        len(ds.frozen),
+        len(ds.aliases),
+        len(ds.buffers),
     )
 
 
