@@ -36,6 +36,7 @@ def _parity_case(
     clip: bool,
     checkpoint: bool = False,
     leaf: tuple[str, ...] = (),
+    shard_group_size: int | None = None,
 ) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(seed=stage * 10 + accum, checkpoint=checkpoint).to(device)
@@ -55,6 +56,7 @@ def _parity_case(
         # Small groups: several flat groups and reductions in flight, as on a big model.
         "reduce_bucket_bytes": 1500,
         "max_inflight_reductions": 1,
+        "shard_group_size": shard_group_size,
     }
     if stage == 3:
         # Every block a unit (the test model is tiny), prefetch one ahead.
@@ -120,3 +122,15 @@ def test_stage12_parity(world_size: int, device: str) -> None:
 def test_stage3_parity(world_size: int, device: str) -> None:
     world_fits(device, world_size)
     run_ranks(_parity3, world_size, device, device=device)
+
+
+def _hybrid(device: str) -> None:
+    # 4 ranks as 2 replicas of shard groups of 2: still the single-process reference.
+    cases = [dict(c, dtype="fp32", accum=1, clip=1) for c in subtests({"stage": [1, 2, 3]})]
+    run_each(cases, lambda **c: _parity_case(device, shard_group_size=2, **c))
+
+
+@pytest.mark.gpu
+def test_hybrid_sharding_parity(device: str) -> None:
+    world_fits(device, 4)
+    run_ranks(_hybrid, 4, device, device=device)

@@ -87,16 +87,33 @@ def save_checkpoint(
     step: int,
     tag: str | None = None,
     async_save: bool = False,
-) -> SaveHandle:
+) -> SaveHandle | None:
     """Save model and optimizer as `directory/step-{step}` (or `/{tag}`); call on every rank.
 
     Atomic: a crash leaves the previous checkpoint intact. With `async_save` the files
     are written in the background and the returned handle's `wait()` (or the next save)
-    commits them.
+    commits them. Under hybrid sharding only the first shard group writes (the others
+    hold the same shards) and the others get None; a synchronous save returns on every
+    rank only once the checkpoint is committed.
     """
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    writes = state.replicate is None or state.replicate.rank == 0
+    handle = _save(model, state, directory, step, tag, async_save) if writes else None
+    if state.replicate is not None and not async_save:
+        torch.distributed.barrier()
+    return handle
+
+
+def _save(
+    model: nn.Module,
+    state: EngineState,
+    directory: str | os.PathLike[str],
+    step: int,
+    tag: str | None,
+    async_save: bool,
+) -> SaveHandle:
     inner = state.optimizer.inner
     groups: list[GroupMeta] = []
     tensors: dict[str, torch.Tensor] = {}

@@ -66,6 +66,9 @@ class ZeroConfig:
         max_live_bytes: stage 3: no prefetch would push gathered bytes past this.
         persistence_threshold: stage 3: units with fewer parameters stay gathered for the
             whole step (like DeepSpeed's stage3_param_persistence_threshold).
+        shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
+            and replicate across the groups (gradients are reduce-scattered within a group,
+            then all-reduced across groups); None shards over all ranks.
     """
 
     stage: int = 2
@@ -88,6 +91,7 @@ class ZeroConfig:
     prefetch_bytes: int = 2**30
     max_live_bytes: int = 2**40
     persistence_threshold: int = 100_000
+    shard_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -119,6 +123,13 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.shard_group_size is not None and (
+            not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
+        ):
+            raise ValueError(
+                f"shard_group_size must be a positive integer or None, "
+                f"got {self.shard_group_size!r}"
+            )
         if self.flatten_tier not in _TIERS:
             raise ValueError(f"flatten_tier must be one of {_TIERS}, got {self.flatten_tier!r}")
         if not self.initial_loss_scale > 0 or not self.min_loss_scale > 0:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import Group
+from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
 from zeroshard.engine._loss_scale import LossScaler
@@ -34,6 +34,7 @@ class EngineState:
 
     config: ZeroConfig
     world: Group
+    replicate: Group | None
     groups: tuple[FlatParamGroup, ...]
     optimizer: ZeroOptimizer
     init_seconds: float
@@ -129,6 +130,7 @@ def _shard_stage3(
 
     runtime = Stage3Runtime(
         units,
+        world=world,
         prefetch_depth=cfg.prefetch_depth,
         prefetch_bytes=cfg.prefetch_bytes,
         max_live_bytes=cfg.max_live_bytes,
@@ -167,7 +169,20 @@ def initialize(
             "torch.distributed is not initialized: launch with torchrun and "
             "call torch.distributed.init_process_group() first"
         )
-    world = (group or Group()).with_timeout(timedelta(seconds=cfg.collective_timeout_s))
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    everyone = (group or Group()).with_timeout(timeout)
+    world, replicate = everyone, None
+    if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
+        if group is not None:
+            raise ValueError("shard_group_size works on the world group; pass no group with it")
+        size = cfg.shard_group_size
+        if everyone.size % size:
+            raise ValueError(
+                f"shard_group_size {size} does not divide the world of {everyone.size} ranks"
+            )
+        hybrid = make_hybrid_groups(everyone.size // size, size, timeout=timeout)
+        # Everything below shards over `world`, the shard group; `replicate` only averages.
+        world, replicate = hybrid.shard, hybrid.replicate
     if len(optimizer.state) != 0:
         raise ValueError(
             "the optimizer already has state: build it fresh on the model's "
@@ -195,10 +210,11 @@ def initialize(
         groups, reducer = _flatten_stage12(model, cfg, world, param_group_of)
         runtime, after_publish, before_step = None, None, None
     install_precision_hooks(model, cfg.compute_dtype, scaler)
+    reducer.replicate = replicate
     zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler, after_publish, before_step)
     seconds = time.perf_counter() - start
-    setattr(model, _ATTR, EngineState(cfg, world, groups, zopt, seconds, runtime))
-    if world.rank == 0:
+    setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, seconds, runtime))
+    if everyone.rank == 0:
         tiers = sorted({g.tier.value for g in groups})
         log.info(
             "zeroshard stage %d: %d params in %d flat groups over %d ranks, compute %s, "

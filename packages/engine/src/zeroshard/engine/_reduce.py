@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Handle
+from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
 
 
@@ -52,6 +52,9 @@ class GradReducer:
         # Stage 3 releases a unit once its gradients are all in, and the rest at the end.
         self.on_complete = on_complete
         self.on_backward_end = on_backward_end
+        # Hybrid sharding: the group of ranks holding the same shards, averaged over after
+        # each reduce-scatter (None: no replicas).
+        self.replicate: Group | None = None
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.overlap = overlap
@@ -136,6 +139,14 @@ class GradReducer:
     def _finish_oldest(self) -> None:
         g, out, handle = self._inflight.popleft()
         handle.wait()
+        self._fold(g, out)
+
+    def _fold(self, g: FlatParamGroup, out: torch.Tensor) -> None:
+        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard."""
+        if self.replicate is not None:
+            self.replicate.all_reduce(
+                out, op="avg", label=f"grads of group {g.index} (replicas)"
+            ).wait()
         g.ensure_grad_shard().add_(out)
 
     def set_order(self, groups: Sequence[FlatParamGroup]) -> None:
@@ -177,7 +188,7 @@ class GradReducer:
             )
         for g, out, handle in pending:
             handle.wait()
-            g.ensure_grad_shard().add_(out)
+            self._fold(g, out)
             assert g.grad_buffer is not None
             g.grad_buffer.zero_()
         self._stage1_dirty = False

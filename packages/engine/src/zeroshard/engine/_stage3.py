@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zeroshard.comm import Handle
+from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
 
 log = logging.getLogger("zeroshard.engine")
@@ -106,6 +106,7 @@ class Stage3Runtime:
         self,
         units: Sequence[Unit],
         *,
+        world: Group,
         prefetch_depth: int,
         prefetch_bytes: int,
         max_live_bytes: int,
@@ -130,8 +131,8 @@ class Stage3Runtime:
         # the process. On NCCL a per-gather check would cost a host sync each time, so the
         # ids are hashed locally and compared once per step, before the optimizer step:
         # a mismatch never reaches the weights.
-        self._world = units[0].groups[0].group if units and units[0].groups else None
-        self._check_each = self._world is not None and self._world.backend != "nccl"
+        self._world = world
+        self._check_each = world.backend != "nccl"
         self._sequence: list[str] = []
         self._hash = 0
         for u in self.units:
@@ -142,7 +143,7 @@ class Stage3Runtime:
     def _check_same_unit(self, u: Unit) -> None:
         self._sequence.append(u.label)
         self._hash = (self._hash * 1_000_003 + u.index + 1) % (2**31 - 1)
-        if not self._check_each or self._world is None or self._world.size == 1:
+        if not self._check_each or self._world.size == 1:
             return
         ids = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self._world.device)
         self._world.all_reduce(ids, op="max", label=f"unit check before {u.label}").wait()
@@ -158,7 +159,7 @@ class Stage3Runtime:
         """Compare this step's gather order across ranks (one collective); reset it."""
         sequence, digest = self._sequence, self._hash
         self._sequence, self._hash = [], 0
-        if self._check_each or self._world is None or self._world.size == 1:
+        if self._check_each or self._world.size == 1:
             return
         t = torch.tensor([digest, -digest], dtype=torch.int64, device=self._world.device)
         self._world.all_reduce(t, op="max", label="unit order check").wait()
