@@ -169,12 +169,13 @@ def _divergent(device: str) -> None:
         "stage": 3,
         "min_unit_params": 1,
         "persistence_threshold": 0,
-        "collective_timeout_s": 5.0,
+        "collective_timeout_s": 60.0,
         "prefetch_depth": 0,
     }
     model, opt = zs.initialize(model, make_optimizer(model), cfg)
     tokens = global_batches(1, 1, 2, 2)[0, 0, dist.get_rank()].to(device)
     # Rank 1 skips blocks.0: each rank is told which unit it was gathering and which
+    # (a check collective, not the timeout, detects it: the timeout is only a backstop)
     # unit the other rank was, before any mismatched gather runs.
     mine, theirs = ("blocks.0", "blocks.1") if dist.get_rank() == 0 else ("blocks.1", "blocks.0")
     with pytest.raises(
