@@ -16,6 +16,7 @@ from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
 from zeroshard.engine._loss_scale import LossScaler
+from zeroshard.engine._materialize import ParamInit, is_meta, materialize_unit, reset_parameters
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._precision import install_precision_hooks
 from zeroshard.engine._reduce import GradReducer
@@ -94,9 +95,18 @@ def _flatten_stage12(
 
 
 def _shard_stage3(
-    model: nn.Module, cfg: ZeroConfig, world: Group, param_group_of: dict[int, int]
+    model: nn.Module,
+    cfg: ZeroConfig,
+    world: Group,
+    param_group_of: dict[int, int],
+    param_init: ParamInit,
+    init_seed: int,
 ) -> tuple[tuple[FlatParamGroup, ...], GradReducer, Stage3Runtime]:
-    """Stage 3: one sharded flat group per unit and GroupKey; hooks gather and release."""
+    """Stage 3: one sharded flat group per unit and GroupKey; hooks gather and release.
+
+    Units still on the meta device are materialized one at a time just before they are
+    sharded (partitioned init).
+    """
     plans = plan_units(
         model,
         unit_modules=cfg.unit_modules,
@@ -107,6 +117,8 @@ def _shard_stage3(
     groups: list[FlatParamGroup] = []
     units: list[Unit] = []
     for ui, plan in enumerate(plans):
+        if is_meta(plan):
+            materialize_unit(plan, ui, device=world.device, param_init=param_init, seed=init_seed)
         grouped = group_parameters(plan.params, param_group_of=param_group_of)
         ugroups = tuple(
             build_sharded_group(
@@ -154,12 +166,17 @@ def initialize(
     config: ZeroConfig | Mapping[str, Any] | None = None,
     *,
     group: Group | None = None,
+    param_init: ParamInit = reset_parameters,
+    init_seed: int = 0,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state over `group` (default: the world) per `config`.
 
     Returns the same module (its parameters now views of flat compute-dtype buffers,
     with hooks installed) and a `ZeroOptimizer` that wraps `optimizer`, which must be
-    freshly built on the model's parameters (no state yet).
+    freshly built on the model's parameters (no state yet). At stage 3 the model may be
+    built on the meta device: each unit is then materialized and initialized by
+    `param_init(module)` (default: `reset_parameters()`) with the generator seeded from
+    `init_seed`, sharded and freed before the next, so no rank holds the whole model.
     """
     cfg = as_config(config)
     if hasattr(model, _ATTR):
@@ -183,6 +200,18 @@ def initialize(
         hybrid = make_hybrid_groups(everyone.size // size, size, timeout=timeout)
         # Everything below shards over `world`, the shard group; `replicate` only averages.
         world, replicate = hybrid.shard, hybrid.replicate
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta and cfg.stage != 3:
+        raise ValueError(
+            f"parameters {meta[:3]}... are on the meta device: partitioned init "
+            "needs stage 3 (or materialize the model before initialize())"
+        )
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(
+            f"buffers {meta_buffers} are on the meta device: materialize them "
+            "before initialize() (only parameters are materialized unit by unit)"
+        )
     if len(optimizer.state) != 0:
         raise ValueError(
             "the optimizer already has state: build it fresh on the model's "
@@ -204,7 +233,9 @@ def initialize(
     if cfg.compute_dtype == torch.float16:
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
     if cfg.stage == 3:
-        groups, reducer, runtime = _shard_stage3(model, cfg, world, param_group_of)
+        groups, reducer, runtime = _shard_stage3(
+            model, cfg, world, param_group_of, param_init, init_seed
+        )
         after_publish, before_step = runtime.release_all, runtime.verify_order
     else:
         groups, reducer = _flatten_stage12(model, cfg, world, param_group_of)
