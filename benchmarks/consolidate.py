@@ -69,6 +69,12 @@ def parse_args() -> argparse.Namespace:
         "--dir", type=Path, default=OUT, help="where the work directory goes (default: bench-out/)"
     )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument(
+        "--ckpt",
+        type=Path,
+        help="DeepSpeed checkpoint to consolidate: made there (and kept) if it does not exist, "
+        "reused if it does (the model options must match the run that made it)",
+    )
     p.add_argument("--cold", action="store_true", help="evict the input from the page cache")
     p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
     args = p.parse_args()
@@ -323,11 +329,12 @@ def main() -> None:
 
 def measure(args: argparse.Namespace, work: Path, env: dict[str, str]) -> str:
     """Everything but the writing of the report; returns the report's markdown."""
-    ckpt = work / "ckpt"
-    made = make_checkpoint(args, ckpt)
+    ckpt = args.ckpt or work / "ckpt"
+    made = math.nan if ckpt.exists() else make_checkpoint(args, ckpt)
     inputs = _files(ckpt)
     optim = [p for p in inputs if p.name.endswith("_optim_states.pt")]
-    print(f"DeepSpeed made the checkpoint in {made:.1f} s: {len(inputs)} files", flush=True)
+    how = "reused" if math.isnan(made) else f"made in {made:.1f} s"
+    print(f"DeepSpeed checkpoint {how}: {len(inputs)} files", flush=True)
 
     sys.path[:0] = SRC_PATHS
     from zeroshard.ckpt._deepspeed import read_deepspeed_checkpoint
@@ -426,11 +433,12 @@ def report(
         )
     optim_gb = ", ".join(f"{p.stat().st_size / 1e9:.1f}" for p in sorted(optim))
     cores = os.cpu_count()
+    took = "" if math.isnan(made) else f" in {made:.0f} s"
     lines = [
         f"DeepSpeed ZeRO-3 checkpoint of a GPT (d {args.d_model}, {args.layers} layers, vocab "
         f"{args.vocab}, head {'untied' if args.untied else 'tied to the embedding'}): "
-        f"{params / 1e9:.3f} B parameters, made by DeepSpeed on {layout.world_size} ranks in "
-        f"{made:.0f} s (optimizer files of {optim_gb} GB). {cores} cores; zeroshard workers: "
+        f"{params / 1e9:.3f} B parameters, made by DeepSpeed on {layout.world_size} ranks"
+        f"{took} (optimizer files of {optim_gb} GB). {cores} cores; zeroshard workers: "
         f"{args.workers or 'all'}; input {'evicted from' if args.cold else 'in'} the page cache.",
         "",
         f"Disk (dd, 4 MiB blocks): write {write_bw / 1e9:.2f} GB/s with fdatasync, read "

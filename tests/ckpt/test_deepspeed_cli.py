@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,3 +127,26 @@ def test_consolidate_names_a_missing_rank_file(tmp_path: Path) -> None:
         consolidate(root, tmp_path / "out")
     assert main(["consolidate", str(root), str(tmp_path / "out2"), "--quiet"]) == 1
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_consolidate_summary_and_buffer_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = FIXTURES / "stage3_w3"
+    out = tmp_path / "m.safetensors"
+    argv = ["consolidate", str(root), str(out), "--workers", "4", "--max-buffer-memory", "4KiB"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    m = re.fullmatch(
+        r"wrote (\d+) tensors, ([\d.]+) GB in 1 file\(s\) to (\S+) in [\d.]+ s "
+        r"\([\d.]+ GB/s; buffers peaked at ([\d.]+) MiB\)",
+        line,
+    )
+    assert m, line
+    want = load_file(root / "reference.safetensors")
+    data = sum(t.numel() * t.element_size() for k, t in want.items() if k != "head.weight")
+    assert int(m[1]) == len(want) - 1 and m[3] == str(out)
+    assert abs(float(m[2]) * 1e9 - data) < 1e6  # printed in GB with 3 decimals
+    assert float(m[4]) * 2**20 <= 4096 + 0.05 * 2**20  # the largest tensor is < 4 KiB
+    assert main([*argv[:2], str(tmp_path / "x"), "--max-buffer-memory", "0"]) == 1
+    assert "size must be positive" in capsys.readouterr().err

@@ -38,8 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--workers", type=int, help=f"threads (default: all cores, {default_workers()})")
     c.add_argument(
-        "--low-memory", action="store_true", help="bound memory to about one tensor at a time"
+        "--max-buffer-memory",
+        help="host memory for tensor data, all workers together, e.g. 512MiB (default 1GiB)",
     )
+    c.add_argument("--low-memory", action="store_true", help="32 MiB of buffers in 8 MiB chunks")
     c.add_argument("--exclude-frozen", action="store_true", help="leave frozen parameters out")
     c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     c.add_argument(
@@ -73,6 +75,7 @@ def _consolidate(a: argparse.Namespace) -> int:
         max_shard_size=size,
         workers=a.workers,
         low_memory=a.low_memory,
+        max_buffer_bytes=parse_size(a.max_buffer_memory) if a.max_buffer_memory else None,
         exclude_frozen=a.exclude_frozen,
         tag=a.tag,
         step=a.step,
@@ -85,7 +88,8 @@ def _consolidate(a: argparse.Namespace) -> int:
         checked = ", verified" if r.verified else ""
         print(
             f"wrote {r.tensors} tensors, {r.bytes / 1e9:.3f} GB in {len(r.files)} file(s) to "
-            f"{r.path} in {r.seconds:.2f} s ({rate:.2f} GB/s{checked})"
+            f"{r.path} in {r.seconds:.2f} s ({rate:.2f} GB/s{checked}; "
+            f"buffers peaked at {r.peak_buffer_bytes / 2**20:.1f} MiB)"
         )
     return 0
 

@@ -13,10 +13,12 @@ import ctypes
 import json
 import os
 import struct
+import sys
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -215,3 +217,33 @@ def file_digest(path: Path, algorithm: str = CHECKSUM_ALGORITHM) -> FileMeta:
             crc = zlib.crc32(view[:n], crc)
             size += n
     return FileMeta(size, f"{crc:08x}", algorithm)
+
+
+SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start write-out of dirty pages, do not wait
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):  # a libc without it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int, int, int, int], int]", fn)
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Ask the kernel to start writing bytes [offset, offset + nbytes) of `fd` to disk now,
+    without waiting (Linux `sync_file_range`); False where that is not available.
+
+    Only a head start for the final fsync, which still gives durability and reports any
+    I/O error, so a failure here is ignored (ctypes drops the GIL for the call).
+    """
+    if _sync_file_range is None or nbytes <= 0:
+        return False
+    return _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0

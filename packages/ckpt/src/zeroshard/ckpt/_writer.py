@@ -1,12 +1,18 @@
 """The streamed safetensors writer: headers first, then workers fill tensors at offsets.
 
 [Note: bounded memory]
-Each worker task allocates one buffer, has the spec fill it (`read`, or `read_range`
-for a `RangeSpec` chunk), casts it if asked, `os.pwrite`s it at its planned offset
-and drops it. Tasks are created lazily by the thread pool, so at most `workers`
-buffers exist at once: peak memory is about workers x the largest tensor (x the
-chunk size for `RangeSpec`s, which big tensors are split into). Reads and writes
+Each worker task takes one buffer from a shared `BufferPool`, has the spec fill it
+(`read`, or `read_range` for a `RangeSpec` chunk), casts it if asked, `os.pwrite`s it
+at its planned offset and gives the buffer back. The pool bounds the bytes of all
+buffers together (`max_buffer_bytes`, 1 GiB by default; see [Note: bytes in flight]),
+whatever the number of workers, and big tensors are split into chunks of a fair share
+of that bound per worker (at most 64 MiB), so every worker has work. Reads and writes
 release the GIL, so threads give real parallelism.
+
+[Note: write-back overlaps the copy]
+After each big task's `pwrite` the kernel is asked to start writing those pages
+(`sync_file_range`, Linux), so the disk works while the workers copy; the one fsync
+per file at the end remains, for durability, but finds little left to write.
 
 [Note: nothing claims to be complete early]
 Files are written under a temporary name next to the output (`.NAME.tmp-PID`) and
@@ -32,6 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from zeroshard.ckpt._buffers import BufferPool
 from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
 from zeroshard.ckpt._plan import (
     INDEX_FILE,
@@ -42,11 +49,17 @@ from zeroshard.ckpt._plan import (
     plan_output,
 )
 from zeroshard.ckpt._spec import TensorSpec
-from zeroshard.ckpt._stfile import fsync_dir, pwrite_all, tensor_bytes
+from zeroshard.ckpt._stfile import fsync_dir, pwrite_all, start_writeback, tensor_bytes
 from zeroshard.ckpt._verify import verify_output
 
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
-LOW_MEMORY_CHUNK_BYTES = 8 * 1024 * 1024
+MIB = 1024 * 1024
+DEFAULT_BUFFER_BYTES = 1024 * MIB  # all workers' buffers together
+LOW_MEMORY_BUFFER_BYTES = 32 * MIB
+DEFAULT_CHUNK_BYTES = 64 * MIB  # the most one chunk task holds (source + cast)
+LOW_MEMORY_CHUNK_BYTES = 8 * MIB
+MIN_CHUNK_BYTES = 1 * MIB  # below this, more workers wait for buffers instead
+WRITEBACK_MIN_BYTES = 1 * MIB  # smaller tasks are left to the final fsync
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class WriteResult:
     bytes: int
     seconds: float
     verified: bool
+    peak_buffer_bytes: int = 0  # most host buffer bytes held at once (see BufferPool)
 
 
 def default_workers() -> int:
@@ -104,7 +118,24 @@ class _Task:
 
     @property
     def nbytes(self) -> int:
+        """Bytes written to the output."""
         return self.numel * self.out_dtype.itemsize
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes the task holds: the source elements, plus their cast if casting."""
+        return self.numel * _bytes_per_element(self.spec.dtype, self.out_dtype)
+
+
+def _bytes_per_element(src: torch.dtype, out: torch.dtype) -> int:
+    return src.itemsize + (out.itemsize if out != src else 0)
+
+
+def chunk_bytes(limit: int, workers: int, low_memory: bool) -> int:
+    """Host bytes one chunk task may hold: a fair share of `limit` per worker, between
+    MIN_CHUNK_BYTES and 64 MiB (8 MiB with `low_memory`), never above `limit`."""
+    cap = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+    return max(1, min(limit, cap, max(MIN_CHUNK_BYTES, limit // max(1, workers))))
 
 
 def _tasks(
@@ -115,7 +146,7 @@ def _tasks(
         for s in f.specs:
             out = output_dtype(s, dtype)
             offset = f.header.entries[s.name].offset
-            step = max(1, chunk // max(s.dtype.itemsize, out.itemsize))
+            step = max(1, chunk // _bytes_per_element(s.dtype, out))
             if not isinstance(s, RangeSpec) or s.numel <= step:
                 tasks.append(_Task(fd, offset, s, 0, s.numel, out))
                 continue
@@ -127,47 +158,42 @@ def _tasks(
     return tasks
 
 
-class _Scratch(threading.local):
-    """Per-thread reusable bytes for chunk tasks: a fresh 64 MiB buffer per chunk would
-    be page-faulted (and zeroed by the kernel) every time, a cost comparable to the copy."""
-
-    def __init__(self) -> None:
-        self.bufs: dict[int, torch.Tensor] = {}
-
-    def get(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        buf = self.bufs.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            buf = self.bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes].view(dtype)
-
-
-def _run(task: _Task, whole_gate: threading.Semaphore | None, scratch: _Scratch) -> int:
-    if whole_gate is not None and not isinstance(task.spec, RangeSpec):
-        with whole_gate:
-            return _fill(task, None)
-    return _fill(task, scratch)
-
-
-def _fill(task: _Task, scratch: _Scratch | None) -> int:
-    ranged = isinstance(task.spec, RangeSpec)
-    # Whole-tensor tasks allocate and free their buffer (memory bound: workers x the
-    # largest tensor); chunk tasks reuse this thread's scratch.
-    if ranged and scratch is not None:
-        buf = scratch.get(0, task.numel, task.spec.dtype)
-    else:
-        buf = torch.empty(task.numel, dtype=task.spec.dtype)
-    if isinstance(task.spec, RangeSpec):
-        task.spec.read_range(task.start, buf)
-    else:
-        task.spec.read(buf)
-    if buf.dtype != task.out_dtype:
-        if ranged and scratch is not None:
-            buf = scratch.get(1, task.numel, task.out_dtype).copy_(buf)
-        else:
-            buf = buf.to(task.out_dtype)
-    pwrite_all(task.fd, tensor_bytes(buf), task.offset)
+def _fill(task: _Task, pool: BufferPool) -> int:
+    raw = pool.take(task.buffer_bytes)
+    try:
+        _copy(task, raw)
+    finally:
+        pool.give(raw)  # after _copy returned: no view of `raw` is left
+    # The bytes are in the page cache now; have the kernel start writing them to disk
+    # while the workers go on copying, so the final fsync finds little left to do. Only
+    # whole pages of big tasks: a page shared with a neighbouring tensor would be written
+    # twice (and a write to a page under write-back may wait for it).
+    if task.nbytes >= WRITEBACK_MIN_BYTES:
+        lo = -(-task.offset // PAGE) * PAGE
+        hi = (task.offset + task.nbytes) // PAGE * PAGE
+        start_writeback(task.fd, lo, hi - lo)
     return task.nbytes
+
+
+def _copy(task: _Task, raw: torch.Tensor) -> None:
+    src_dtype, out_dtype = task.spec.dtype, task.out_dtype
+    src_n, out_n = task.numel * src_dtype.itemsize, task.numel * out_dtype.itemsize
+    # Source and cast share one buffer; the wider dtype goes first so that both views
+    # start at a multiple of their item size (item sizes are powers of two).
+    if out_dtype == src_dtype:
+        src, out = raw[:src_n], raw[:src_n]
+    elif src_dtype.itemsize >= out_dtype.itemsize:
+        src, out = raw[:src_n], raw[src_n : src_n + out_n]
+    else:
+        out, src = raw[:out_n], raw[out_n : out_n + src_n]
+    src_t, out_t = src.view(src_dtype), out.view(out_dtype)
+    if isinstance(task.spec, RangeSpec):
+        task.spec.read_range(task.start, src_t)
+    else:
+        task.spec.read(src_t)
+    if out_dtype != src_dtype:
+        out_t.copy_(src_t)
+    pwrite_all(task.fd, tensor_bytes(out_t), task.offset)
 
 
 def _write_files(
@@ -175,7 +201,7 @@ def _write_files(
     where: Path,
     dtype: torch.dtype | None,
     workers: int,
-    low_memory: bool,
+    buffers: BufferPool,
     progress: bool,
 ) -> list[Path]:
     paths = [where / f.name for f in plan.files]
@@ -186,11 +212,8 @@ def _write_files(
             fds.append(fd)
             _reserve(fd, f.header.size)
             pwrite_all(fd, memoryview(f.head), 0)
-        chunk = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
-        tasks = _tasks(plan.files, fds, dtype, chunk)
-        gate = threading.Semaphore(1) if low_memory else None
+        tasks = _tasks(plan.files, fds, dtype, buffers.keep)
         lock = threading.Lock()
-        scratch = _Scratch()
         with tqdm(
             total=plan.total_bytes,
             unit="B",
@@ -201,7 +224,7 @@ def _write_files(
         ) as bar:
 
             def work(task: _Task) -> None:
-                n = _run(task, gate, scratch)
+                n = _fill(task, buffers)
                 with lock:
                     bar.update(n)
 
@@ -214,6 +237,7 @@ def _write_files(
                     for fut in futures:
                         fut.cancel()
                     raise
+        buffers.clear()  # the data is written: give the memory back before the fsync
         for fd in fds:
             os.fsync(fd)
     finally:
@@ -243,6 +267,7 @@ def write_safetensors(
     max_shard_size: int | None = None,
     workers: int | None = None,
     low_memory: bool = False,
+    max_buffer_bytes: int | None = None,
     overwrite: bool = False,
     verify: bool = False,
     progress: bool = False,
@@ -251,9 +276,11 @@ def write_safetensors(
     """Write the specs' tensors as safetensors: a single file if `out` ends in .safetensors,
     else a directory with `model.safetensors` or Hugging Face shards plus an index.
 
-    `dtype` casts floating tensors. Streamed and bounded (see [Note: bounded memory]);
-    `low_memory` lowers the bound to about one tensor. `verify` re-reads the output with
-    the safetensors library and compares every tensor with its source, bit for bit.
+    `dtype` casts floating tensors. Streamed: at most `max_buffer_bytes` (default 1 GiB)
+    of tensor data in host memory at once, for any `workers` (see [Note: bounded
+    memory]); `low_memory` lowers that to 32 MiB in 8 MiB chunks. A tensor whose spec is
+    no `RangeSpec` is read whole, alone if it is bigger than the bound. `verify` re-reads
+    the output with the safetensors library and compares every tensor with its source.
     """
     began = time.perf_counter()
     out = Path(out)
@@ -264,6 +291,8 @@ def write_safetensors(
         )
     if not specs:
         raise CheckpointError("nothing to write: no tensors selected")
+    if max_buffer_bytes is not None and max_buffer_bytes < 1:
+        raise CheckpointError(f"max_buffer_bytes must be >= 1, got {max_buffer_bytes}")
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it")
     meta = {"format": "pt", **(metadata or {})}
@@ -279,9 +308,13 @@ def write_safetensors(
     tmp = parent / f".{out.name}.tmp-{os.getpid()}"
     _remove(tmp)
     workers = workers or default_workers()
+    limit = max_buffer_bytes or DEFAULT_BUFFER_BYTES
+    if low_memory:
+        limit = min(limit, LOW_MEMORY_BUFFER_BYTES)
+    buffers = BufferPool(limit, keep=chunk_bytes(limit, workers, low_memory))
     try:
         tmp.mkdir()
-        files = _write_files(plan, tmp, dtype, workers, low_memory, progress)
+        files = _write_files(plan, tmp, dtype, workers, buffers, progress)
         fsync_dir(tmp)
         if verify:
             verify_output(plan, tmp, dtype, workers)
@@ -296,9 +329,8 @@ def write_safetensors(
         raise
     names = [f.name for f in files]
     paths = (out,) if single else tuple(out / n for n in names)
-    return WriteResult(
-        final, paths, len(specs), plan.total_bytes, time.perf_counter() - began, verify
-    )
+    seconds = time.perf_counter() - began
+    return WriteResult(final, paths, len(specs), plan.total_bytes, seconds, verify, buffers.peak)
 
 
 def _commit(tmp: Path, out: Path, single: bool, overwrite: bool) -> Path:
