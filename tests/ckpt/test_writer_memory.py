@@ -139,8 +139,11 @@ def test_pool_reuses_frees_and_refuses_a_bad_bound() -> None:
     pool = BufferPool(limit=8 * MIB, keep=4 * MIB)
     a = pool.take(3 * MIB)
     pool.give(a)
-    b = pool.take(2 * MIB)  # reuses a (at most twice the size asked for)
+    b = pool.take(2 * MIB)  # reuses a: the smallest idle buffer that fits
     assert b.data_ptr() == a.data_ptr() and pool.held == 3 * MIB
+    s = pool.take(1000)  # small: no idle buffer fits, a new one (freed when given back)
+    assert pool.held == 3 * MIB + 1000
+    pool.give(s)
     pool.give(b)
     c = pool.take(7 * MIB)  # frees the idle buffer to make room (storage gone at once)
     assert a.untyped_storage().nbytes() == 0 and pool.held == 7 * MIB

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-# Requests below this size are not worth pooling (malloc serves them from its free lists).
+# Buffers below this size are not kept idle (malloc serves them from its free lists).
 SMALL_BYTES = 1 << 20
 
 
@@ -75,10 +75,10 @@ class BufferPool:
         self._held -= buf.numel()
 
     def _reuse(self, nbytes: int) -> torch.Tensor | None:
-        # An idle buffer at most twice the size asked for (no small request pins a big one).
-        if nbytes < SMALL_BYTES:
-            return None
-        fits = [i for i, b in enumerate(self._idle) if nbytes <= b.numel() <= 2 * nbytes]
+        # The smallest idle buffer that fits. Tasks come biggest first, so after the first
+        # round every request fits an idle buffer: the pool settles at about workers x
+        # the biggest task, and allocates nothing more.
+        fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
         if not fits:
             return None
         best = min(fits, key=lambda i: self._idle[i].numel())
