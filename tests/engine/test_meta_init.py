@@ -13,10 +13,14 @@ from tests.engine._models import global_batches, loss_fn, make_model, make_optim
 
 
 def _fill(name: str, p: torch.Tensor) -> None:
-    """A value for every element that depends only on the parameter's name and index."""
+    """A value for every element that depends only on the parameter's name and index.
+
+    Computed on the CPU whatever the parameter's device: CUDA's sin may differ from the
+    CPU's in the last bit, and the reference is built on the CPU.
+    """
     salt = sum(ord(c) for c in name) % 97
-    values = torch.arange(p.numel(), dtype=torch.float32, device=p.device)
-    p.copy_(torch.sin(values * 0.37 + salt).reshape(p.shape) * 0.1)
+    values = torch.arange(p.numel(), dtype=torch.float32)
+    p.copy_((torch.sin(values * 0.37 + salt).reshape(p.shape) * 0.1).to(p.device))
 
 
 def _meta_init(device: str) -> None:
