@@ -12,7 +12,11 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+# Smoke runs write here (ignored by git), never over the real figures in DOC.
+SMOKE_OUT = Path(__file__).resolve().parent.parent / "bench-out"
 HEADER = (
     "# Benchmarks\n\n"
     "Every figure here is written by a script in `benchmarks/`; each section names the\n"
@@ -22,8 +26,6 @@ HEADER = (
 
 def environment() -> str:
     """One line: date, device, torch / CUDA / Python versions, and the command line."""
-    import torch
-
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         device = f"{n} x {torch.cuda.get_device_name(0)}"
@@ -58,3 +60,33 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def publish(name: str, title: str, body: str, *, smoke: bool) -> None:
+    """A full run replaces section `name` of docs/benchmarks.md; a smoke run writes bench-out/."""
+    if smoke:
+        SMOKE_OUT.mkdir(exist_ok=True)
+        (SMOKE_OUT / f"{name}.md").write_text(body + "\n")
+    else:
+        write_section(name, title, body)
+
+
+def init_ranks(nproc: int, *, cuda: bool) -> torch.device:
+    """Relaunch this script under torchrun on `nproc` ranks unless it already is, then join
+    the process group (NCCL with `cuda`, else gloo) and return this rank's device."""
+    import os
+    import subprocess
+
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={nproc}", sys.argv[0], *sys.argv[1:]]
+        raise SystemExit(subprocess.call(cmd))
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    else:
+        torch.set_num_threads(1)  # ranks share the host's cores
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda", local) if cuda else torch.device("cpu")

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -45,9 +43,8 @@ from zeroshard.comm import (
 from zeroshard.comm._coalesce import _buckets, _pack_reduce_input
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, write_section
+from _report import init_ranks, markdown_table, publish
 
-OUT = Path(__file__).resolve().parent.parent / "bench-out"
 MIB = 1024**2
 BLOCKS = 4
 GOAL = 0.95
@@ -379,19 +376,8 @@ def sizes(args: argparse.Namespace) -> list[int]:
 def main() -> None:
     """Measure every size on every rank; rank 0 writes the report."""
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        # Not under torchrun: relaunch this script on --nproc ranks.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]]
-        raise SystemExit(subprocess.call(cmd))
     cuda = torch.cuda.is_available() and not args.smoke
-    local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)
-    else:
-        torch.set_num_threads(1)  # ranks share the host's cores
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = init_ranks(args.nproc, cuda=cuda)
     world = dist.get_world_size()
     bucket = int(args.bucket_mib * MIB)
     sweep_buckets = [int(float(m) * MIB) for m in args.sweep_mib.split(",")]
@@ -416,11 +402,7 @@ def main() -> None:
         print(body, flush=True)
         print(f"\n({time.monotonic() - start:.0f}s)", flush=True)
         if not args.no_write:
-            if args.smoke:
-                OUT.mkdir(exist_ok=True)
-                (OUT / "comm.md").write_text(body + "\n")
-            else:
-                write_section("comm", "Coalesced collectives", body)
+            publish("comm", "Coalesced collectives", body, smoke=args.smoke)
     dist.barrier()
     dist.destroy_process_group()
 

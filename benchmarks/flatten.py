@@ -20,9 +20,7 @@ import argparse
 import ctypes
 import gc
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,9 +33,8 @@ from zeroshard.comm import Group
 from zeroshard.partition import FlatLayout, FlattenTier, flatten_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, write_section
+from _report import init_ranks, markdown_table, publish
 
-OUT = Path(__file__).resolve().parent.parent / "bench-out"
 GIB = 1024**3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -262,20 +259,8 @@ def report(
 def main() -> None:
     """Run every method in turn on every rank; rank 0 writes the report."""
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        # Not under torchrun: relaunch this script on --nproc ranks.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]]
-        raise SystemExit(subprocess.call(cmd))
-    _return_freed_host_memory()
     use_cuda = torch.cuda.is_available() and not args.smoke
-    local = int(os.environ["LOCAL_RANK"])
-    if use_cuda:
-        torch.cuda.set_device(local)
-    else:
-        torch.set_num_threads(1)  # ranks share the host's cores
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    device = init_ranks(args.nproc, cuda=use_cuda)
     world = dist.get_world_size()
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
     shapes = gpt_shapes(args.d_model, args.layers, args.vocab, args.seq_len)
@@ -301,11 +286,7 @@ def main() -> None:
         body = report(results, layout, device, world)
         print(body, flush=True)
         if not args.no_write:
-            if args.smoke:
-                OUT.mkdir(exist_ok=True)
-                (OUT / "flatten.md").write_text(body + "\n")
-            else:
-                write_section("flatten", "Flattening tiers", body)
+            publish("flatten", "Flattening tiers", body, smoke=args.smoke)
     dist.barrier()
     dist.destroy_process_group()
 

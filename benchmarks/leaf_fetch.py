@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -49,9 +47,8 @@ from zeroshard.comm import Group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _leaf_per_param import PerParameterGather
-from _report import markdown_table, write_section
+from _report import init_ranks, markdown_table, publish
 
-OUT = Path(__file__).resolve().parent.parent / "bench-out"
 MIB = 1024**2
 GOAL = 0.3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -363,19 +360,8 @@ def report(rows: list[Row], world: int, args: argparse.Namespace, cuda: bool) ->
 def main() -> None:
     """Measure on every rank; rank 0 writes the report."""
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        # Not under torchrun: relaunch this script on --nproc ranks.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]]
-        raise SystemExit(subprocess.call(cmd))
     cuda = torch.cuda.is_available() and not args.smoke
-    local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)
-    else:
-        torch.set_num_threads(1)  # ranks share the host's cores
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = init_ranks(args.nproc, cuda=cuda)
     start = time.monotonic()
     rows = run(args, device, cuda)
     if dist.get_rank() == 0:
@@ -383,11 +369,7 @@ def main() -> None:
         print(body, flush=True)
         print(f"\n({time.monotonic() - start:.0f}s)", flush=True)
         if not args.no_write:
-            if args.smoke:
-                OUT.mkdir(exist_ok=True)
-                (OUT / "leaf_fetch.md").write_text(body + "\n")
-            else:
-                write_section("leaf_fetch", "Leaf-module fetch of an MoE layer", body)
+            publish("leaf_fetch", "Leaf-module fetch of an MoE layer", body, smoke=args.smoke)
     dist.barrier()
     dist.destroy_process_group()
 
