@@ -56,6 +56,8 @@ def _parity_case(
         # Small groups: several flat groups and reductions in flight, as on a big model.
         "reduce_bucket_bytes": 1500,
         "max_inflight_reductions": 1,
+        # Small gathers in flight after the step, too.
+        "allgather_bucket_bytes": 1000,
         "shard_group_size": shard_group_size,
     }
     if stage == 3:

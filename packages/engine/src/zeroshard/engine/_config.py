@@ -45,7 +45,8 @@ class ZeroConfig:
         reduce_dtype: dtype gradients are reduced in; None means `compute_dtype`.
         reduce_bucket_bytes: parameters are grouped into flat groups of about this many
             bytes (compute dtype); each group's gradients are reduced as one collective.
-        allgather_bucket_bytes: largest single all-gather of updated parameters.
+        allgather_bucket_bytes: stages 1/2: bytes of updated parameters all-gathered at once
+            after a step (more waits for the oldest gathers; bounds their send buffers).
         overlap: stage 2 reduces each group as soon as its gradients are ready, during
             backward; False reduces everything after backward (for debugging).
         max_inflight_reductions: stage 2 waits for older reductions beyond this many, which

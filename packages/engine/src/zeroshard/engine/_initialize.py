@@ -242,7 +242,16 @@ def initialize(
         runtime, after_publish, before_step = None, None, None
     install_precision_hooks(model, cfg.compute_dtype, scaler)
     reducer.replicate = replicate
-    zopt = ZeroOptimizer(optimizer, groups, reducer, world, scaler, after_publish, before_step)
+    zopt = ZeroOptimizer(
+        optimizer,
+        groups,
+        reducer,
+        world,
+        scaler,
+        cfg.allgather_bucket_bytes,
+        after_publish,
+        before_step,
+    )
     seconds = time.perf_counter() - start
     setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, seconds, runtime))
     if everyone.rank == 0:

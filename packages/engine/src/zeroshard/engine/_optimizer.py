@@ -8,12 +8,13 @@ the master shards instead of the model's parameters.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from zeroshard.comm import Group
+from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._reduce import GradReducer
@@ -29,6 +30,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reducer: GradReducer,
         world: Group,
         scaler: LossScaler | None,
+        allgather_bucket_bytes: int,
         after_publish: Callable[[], None] | None = None,
         before_step: Callable[[], None] | None = None,
     ) -> None:
@@ -41,6 +43,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = reducer
         self.world = world
         self.scaler = scaler
+        self.allgather_bucket_bytes = allgather_bucket_bytes
         self._unscaled = False
         self._overflow = False
         masters = [g.master for g in self.flat_groups if g.trainable]
@@ -123,9 +126,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish(self.flat_groups)
 
     def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
-        handles = [g.publish() for g in groups]
-        for h in handles:
-            h.wait()
+        # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
+        # of gathers are in flight, which bounds the temporary send buffers.
+        inflight: deque[tuple[int, Handle]] = deque()
+        pending = 0
+        for g in groups:
+            handle = g.publish()
+            nbytes = 0 if g.param_buffer is None else g.param_buffer.nbytes
+            inflight.append((nbytes, handle))
+            pending += nbytes
+            while pending > self.allgather_bucket_bytes and len(inflight) > 1:
+                done, oldest = inflight.popleft()
+                oldest.wait()
+                pending -= done
+        for _, handle in inflight:
+            handle.wait()
         if self.after_publish is not None:
             self.after_publish()
 
