@@ -72,6 +72,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU/gloo, bench-out only")
     p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
+    p.add_argument(
+        "--section",
+        default="train_step",
+        help="docs/benchmarks.md section to write (e.g. one per GPU count)",
+    )
     args = p.parse_args()
     unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
     if unknown:
@@ -277,9 +282,13 @@ def main() -> None:
         if args.smoke or args.no_write:
             plot(results, OUT / "train_step.png")
         else:
-            if plot(results, PNG):
-                body += f"\n\n![step time and peak memory per engine]({PNG.name})"
-            write_section("train_step", "Training step: zeroshard vs DDP, FSDP2, DeepSpeed", body)
+            png = PNG.with_name(f"{args.section}.png")
+            if plot(results, png):
+                body += f"\n\n![step time and peak memory per engine]({png.name})"
+            title = "Training step: zeroshard vs DDP, FSDP2, DeepSpeed"
+            if args.section != "train_step":
+                title += f" ({args.section})"
+            write_section(args.section, title, body)
     dist.barrier()
     dist.destroy_process_group()
 
