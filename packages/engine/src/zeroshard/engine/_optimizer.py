@@ -21,7 +21,7 @@ from zeroshard.engine._reduce import GradReducer
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Steps master shards, then all-gathers the updated parameters; see module doc."""
+    """Steps master shards, then publishes them (stages 1/2 all-gather the parameters)."""
 
     def __init__(
         self,
