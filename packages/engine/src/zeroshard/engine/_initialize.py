@@ -58,11 +58,33 @@ def _split_by_bytes(
     return out
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Which process group each parameter is sharded and reduced over."""
+
+    world: Group
+    own: Mapping[str, Group]  # module path -> the data-parallel group of its parameters
+
+    def label(self, name: str, param: nn.Parameter) -> str:
+        """The longest module path of `own` that contains parameter `name`, or 'default'."""
+        best = "default"
+        for path in self.own:
+            if name.startswith(path + ".") and (best == "default" or len(path) > len(best)):
+                best = path
+        return best
+
+    def group(self, key: GroupKey) -> Group:
+        """The process group of a GroupKey."""
+        return self.world if key.process_group == "default" else self.own[key.process_group]
+
+
 def _flatten_stage12(
-    model: nn.Module, cfg: ZeroConfig, world: Group, param_group_of: dict[int, int]
+    model: nn.Module, cfg: ZeroConfig, place: _Placement, param_group_of: dict[int, int]
 ) -> tuple[tuple[FlatParamGroup, ...], GradReducer]:
     """Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order."""
-    grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
+    grouped = group_parameters(
+        model.named_parameters(), param_group_of=param_group_of, process_group_of=place.label
+    )
     itemsize = cfg.compute_dtype.itemsize
     tier = FlattenTier(cfg.flatten_tier)
     chunks: list[tuple[int, GroupKey, list[tuple[str, nn.Parameter]]]] = []
@@ -77,7 +99,7 @@ def _flatten_stage12(
             i,
             key,
             run,
-            group=world,
+            group=place.group(key),
             compute_dtype=cfg.compute_dtype,
             tier=tier,
             keep_grad_buffer=cfg.stage == 1,
@@ -97,7 +119,7 @@ def _flatten_stage12(
 def _shard_stage3(
     model: nn.Module,
     cfg: ZeroConfig,
-    world: Group,
+    place: _Placement,
     param_group_of: dict[int, int],
     param_init: ParamInit,
     init_seed: int,
@@ -118,11 +140,15 @@ def _shard_stage3(
     units: list[Unit] = []
     for ui, plan in enumerate(plans):
         if is_meta(plan):
-            materialize_unit(plan, ui, device=world.device, param_init=param_init, seed=init_seed)
-        grouped = group_parameters(plan.params, param_group_of=param_group_of)
+            materialize_unit(
+                plan, ui, device=place.world.device, param_init=param_init, seed=init_seed
+            )
+        grouped = group_parameters(
+            plan.params, param_group_of=param_group_of, process_group_of=place.label
+        )
         ugroups = tuple(
             build_sharded_group(
-                len(groups) + j, key, named, group=world, compute_dtype=cfg.compute_dtype
+                len(groups) + j, key, named, group=place.group(key), compute_dtype=cfg.compute_dtype
             )
             for j, (key, named) in enumerate(grouped.items())
         )
@@ -142,7 +168,7 @@ def _shard_stage3(
 
     runtime = Stage3Runtime(
         units,
-        world=world,
+        world=place.world,
         prefetch_depth=cfg.prefetch_depth,
         prefetch_bytes=cfg.prefetch_bytes,
         max_live_bytes=cfg.max_live_bytes,
@@ -166,6 +192,7 @@ def initialize(
     config: ZeroConfig | Mapping[str, Any] | None = None,
     *,
     group: Group | None = None,
+    process_groups: Mapping[str, Group] | None = None,
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
 ) -> tuple[nn.Module, ZeroOptimizer]:
@@ -177,6 +204,11 @@ def initialize(
     built on the meta device: each unit is then materialized and initialized by
     `param_init(module)` (default: `reset_parameters()`) with the generator seeded from
     `init_seed`, sharded and freed before the next, so no rank holds the whole model.
+
+    `process_groups` maps module paths to the data-parallel group of their parameters
+    when it is not the world (experts under expert parallelism: the ranks holding the
+    same experts): those parameters get flat groups of their own, sharded over and
+    reduced (averaged) within that group.
     """
     cfg = as_config(config)
     if hasattr(model, _ATTR):
@@ -200,6 +232,14 @@ def initialize(
         hybrid = make_hybrid_groups(everyone.size // size, size, timeout=timeout)
         # Everything below shards over `world`, the shard group; `replicate` only averages.
         world, replicate = hybrid.shard, hybrid.replicate
+        if process_groups:
+            raise ValueError("process_groups and shard_group_size cannot be combined yet")
+    unknown = [p for p in process_groups or {} if not _is_module_path(model, p)]
+    if unknown:
+        raise ValueError(f"process_groups names {unknown}, which are not module paths of the model")
+    place = _Placement(
+        world, {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
+    )
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta and cfg.stage != 3:
         raise ValueError(
@@ -234,11 +274,11 @@ def initialize(
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
     if cfg.stage == 3:
         groups, reducer, runtime = _shard_stage3(
-            model, cfg, world, param_group_of, param_init, init_seed
+            model, cfg, place, param_group_of, param_init, init_seed
         )
         after_publish, before_step = runtime.release_all, runtime.verify_order
     else:
-        groups, reducer = _flatten_stage12(model, cfg, world, param_group_of)
+        groups, reducer = _flatten_stage12(model, cfg, place, param_group_of)
         runtime, after_publish, before_step = None, None, None
     install_precision_hooks(model, cfg.compute_dtype, scaler)
     reducer.replicate = replicate
@@ -268,6 +308,10 @@ def initialize(
             seconds,
         )
     return model, zopt
+
+
+def _is_module_path(model: nn.Module, path: str) -> bool:
+    return any(name == path for name, _ in model.named_modules())
 
 
 def engine_state(model: nn.Module) -> EngineState:
