@@ -38,7 +38,6 @@ class EngineState:
     replicate: Group | None
     groups: tuple[FlatParamGroup, ...]
     optimizer: ZeroOptimizer
-    init_seconds: float
     stage3: Stage3Runtime | None
 
 
@@ -293,7 +292,7 @@ def initialize(
         before_step,
     )
     seconds = time.perf_counter() - start
-    setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, seconds, runtime))
+    setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, runtime))
     if everyone.rank == 0:
         tiers = sorted({g.tier.value for g in groups})
         log.info(

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
@@ -68,7 +67,6 @@ class GradReducer:
         self._callback_queued = False
         # Stage 1: set when autograd has written gradients that are not reduced yet.
         self._stage1_dirty = False
-        self._hooks: list[RemovableHandle] = []
         # The hooks live on the parameters, in C++, where the garbage collector cannot see
         # the cycle parameter -> hook -> reducer -> groups -> parameter: hold the reducer
         # weakly, or a deleted model would never be freed.
@@ -83,13 +81,7 @@ class GradReducer:
             for i, p in enumerate(g.params):
                 self._slot_of[p] = (g, i)
                 hook = p.register_post_accumulate_grad_hook  # untyped in torch
-                self._hooks.append(hook(on_grad_ready))  # type: ignore[no-untyped-call]
-
-    def remove_hooks(self) -> None:
-        """Detach from the parameters."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+                hook(on_grad_ready)  # type: ignore[no-untyped-call]
 
     # -- backward ------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:

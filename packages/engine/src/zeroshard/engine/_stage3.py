@@ -22,6 +22,7 @@ re-record (the unit stays gathered until its gradients are in).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -133,7 +134,9 @@ class Stage3Runtime:
         # a mismatch never reaches the weights.
         self._world = world
         self._check_each = world.backend != "nccl"
-        self._sequence: list[str] = []
+        # This step's gathers, for the error message only: bounded, since eval loops that
+        # never step (and so never verify) gather forever.
+        self._sequence: deque[str] = deque(maxlen=64)
         self._hash = 0
         for u in self.units:
             u.module.register_forward_pre_hook(self._make_pre_forward(u))
@@ -157,16 +160,17 @@ class Stage3Runtime:
 
     def verify_order(self) -> None:
         """Compare this step's gather order across ranks (one collective); reset it."""
-        sequence, digest = self._sequence, self._hash
-        self._sequence, self._hash = [], 0
+        sequence, digest = list(self._sequence), self._hash
+        self._sequence.clear()
+        self._hash = 0
         if self._check_each or self._world.size == 1:
             return
         t = torch.tensor([digest, -digest], dtype=torch.int64, device=self._world.device)
         self._world.all_reduce(t, op="max", label="unit order check").wait()
         if int(t[0]) != digest or int(-t[1]) != digest:
             raise DivergentRanksError(
-                f"ranks gathered different units this step; rank {self._world.rank} gathered: "
-                + ", ".join(sequence)
+                f"ranks gathered different units this step; rank {self._world.rank} gathered "
+                "(last 64): " + ", ".join(sequence)
             )
 
     def _start(self, u: Unit, prefetch: bool) -> None:
@@ -212,7 +216,7 @@ class Stage3Runtime:
 
     def _prefetch(self, candidates: Sequence[Unit]) -> None:
         in_flight = 0
-        for u in candidates[: self.prefetch_depth]:
+        for u in candidates:
             if u.state is not UnitState.RELEASED:
                 continue
             nbytes = u.nbytes
@@ -233,7 +237,7 @@ class Stage3Runtime:
             self.gather(u)
             if self._order_valid:
                 pos = len(self._recording) - 1
-                self._prefetch(self._order[pos + 1 :])
+                self._prefetch(self._order[pos + 1 : pos + 1 + self.prefetch_depth])
 
         return pre_forward
 
@@ -279,7 +283,7 @@ class Stage3Runtime:
             self.gather(u)
             pos = self._position.get(u.index) if self._order_valid else None
             if pos:
-                self._prefetch(self._order[pos - 1 :: -1])
+                self._prefetch(self._order[max(0, pos - self.prefetch_depth) : pos][::-1])
             return grad
 
         return pre_backward
