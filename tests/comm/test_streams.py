@@ -59,16 +59,19 @@ def _side_stream_memory_not_reused_early(group: Group, dev: torch.device) -> Non
         outs, handles = all_gather_coalesced(group, tensors, label="prefetch")
     wait_all(handles)  # on the default stream
     first = outs[0].clone()  # read on the default stream, after its wait
-    storage = outs[0].untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    del outs, handles, storage
+    nbytes = outs[0].untyped_storage().nbytes()
+    if group.rank == 0:
+        # Rank 1 has not joined yet, so the collective still owns its buffers: the check
+        # below is only meaningful while that holds.
+        assert not torch.cuda.current_stream(dev).query(), "the peer was not late"
+    del outs, handles
     with torch.cuda.stream(side):
+        # Runs at once (the side stream waits on nothing): if the allocator handed out a
+        # buffer NCCL still writes, the gathered values would land in `probe` later.
         probe = torch.empty(nbytes // 4, device=dev)
-        if group.rank == 0:
-            # Rank 1 has not joined yet: the freed receive buffer is still NCCL's.
-            assert probe.data_ptr() != ptr, "side stream got a buffer NCCL may still write"
         probe.fill_(-1.0)
     torch.cuda.synchronize(dev)
+    assert bool((probe == -1.0).all()), "a buffer NCCL still wrote was handed out again"
     expected = torch.arange(1, group.size + 1, dtype=torch.float32).repeat_interleave(N)
     assert torch.equal(first.cpu().reshape(-1), expected)
 
