@@ -378,6 +378,8 @@ def main() -> None:
         r = run_engine(name, cfg, settings, args, data)
         results.append(r)
         if rank == 0:
+            # Saved after every engine: a run cut short by a time limit keeps what it measured.
+            save_json(results, cfg, args, settings, world)
             state = (
                 r.error
                 or (r.skipped and f"skipped: {r.skipped}")
@@ -392,7 +394,6 @@ def main() -> None:
     if rank == 0:
         body = report(results, cfg, args, settings, world)
         print(body)
-        save_json(results, cfg, args, settings, world)
         if args.smoke or args.no_write:
             plot(results, OUT / "train_step.png")
         else:
