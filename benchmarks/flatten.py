@@ -259,6 +259,7 @@ def report(
     )
     if not on_gpu:
         intro += (
+            " The ranks' device is the host here, so DEVICE and CPU make the same copy."
             " On gloo, all_gather_into_tensor itself stages the output through a temporary "
             "of the output's size (we measured it), which adds 1.0 to the "
             "DISTRIBUTED peak here; NCCL gathers in place."
