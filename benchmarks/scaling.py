@@ -99,13 +99,14 @@ def load(path: Path) -> Run:
 
 
 def group(runs: list[Run]) -> dict[str, dict[int, list[Run]]]:
-    """Runs per model and world size; two runs may share a size if their engines differ."""
+    """Runs per model and world size; two runs may share a size if their engines differ
+    (each may have its own floor)."""
     out: dict[str, dict[int, list[Run]]] = {}
     for run in runs:
         same = out.setdefault(run.model, {}).setdefault(run.world, [])
+        mine = {e for e, row in run.rows.items() if _measured(row) and e != "floor"}
         for other in same:
-            both = {e for e in set(run.rows) & set(other.rows) if _measured(other.rows[e])}
-            both &= {e for e in run.rows if _measured(run.rows[e])}
+            both = {e for e in mine if e in other.rows and _measured(other.rows[e])}
             if both:
                 raise SystemExit(
                     f"{other.path} and {run.path} both measured {sorted(both)} for "
