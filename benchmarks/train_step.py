@@ -239,8 +239,8 @@ def run_engine(
     _free(settings.device)  # after the except block, so the traceback's frames are gone
     if engine.rank0_only:
         dist.barrier()  # the others waited here while rank 0 ran alone
-    if skipped:
-        return Result(name, what, skipped=skipped)
+    if skipped:  # the hybrid's sizes do not apply: name the engine only
+        return Result(name, engine.what.split(":")[0], skipped=skipped)
     median = statistics.median(m.times) if m.times else 0.0
     cuda = settings.device.type == "cuda"
     left = torch.cuda.memory_allocated(settings.device) / GIB if cuda else 0.0
