@@ -33,11 +33,19 @@ class Settings:
     clip: float
     micro_batch: int
     zs_config: dict[str, Any]
+    shard_group_size: int = 2  # hybrid engines: shard within this many ranks
+
+
+class Skipped(Exception):
+    """An engine that does not apply to this world (a row says why; not a failure)."""
 
 
 @dataclass(frozen=True)
 class Engine:
-    """A name, a one-line description, a setup function and whether it can be imported."""
+    """A name, a one-line description, a setup function and whether it can be imported.
+
+    `what` may name `{shard}` and `{replicate}`: the hybrid group sizes of the run.
+    """
 
     name: str
     what: str
@@ -102,11 +110,30 @@ def _fully_shard() -> tuple[Any, Any]:
     return fully_shard, MixedPrecisionPolicy
 
 
-def _setup_fsdp2(model: nn.Module, s: Settings, reshard_after_forward: bool) -> Stepper:
+def hybrid_shape(s: Settings) -> tuple[int, int]:
+    """(replicate, shard) group sizes of a hybrid engine; `Skipped` where it would not be one."""
+    world, shard = dist.get_world_size(), s.shard_group_size
+    if world % shard or world == shard:
+        raise Skipped(
+            f"shard within {shard} needs {2 * shard}, {3 * shard}, ... ranks, not {world}"
+        )
+    return world // shard, shard
+
+
+def _setup_fsdp2(
+    model: nn.Module, s: Settings, reshard_after_forward: bool, hybrid: bool = False
+) -> Stepper:
     from torch.distributed.device_mesh import init_device_mesh
 
     fully_shard, policy_cls = _fully_shard()
-    mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
+    if hybrid:
+        # A 2-D mesh makes fully_shard shard over the last dimension and replicate (HSDP:
+        # all-reduce of the gradient shards) over the first.
+        mesh = init_device_mesh(
+            s.device.type, hybrid_shape(s), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
     low = None if s.dtype == torch.float32 else s.dtype
     policy = policy_cls(param_dtype=low, reduce_dtype=torch.float32)
     blocks: Any = model.blocks
@@ -127,14 +154,21 @@ def setup_fsdp2_zero2(model: nn.Module, s: Settings) -> Stepper:
     return _setup_fsdp2(model, s, reshard_after_forward=False)
 
 
+def setup_fsdp2_hybrid(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 HSDP: shard within `shard_group_size` ranks, replicate across the rest."""
+    return _setup_fsdp2(model, s, reshard_after_forward=True, hybrid=True)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-def _setup_zs(model: nn.Module, s: Settings, stage: int) -> Stepper:
+def _setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) -> Stepper:
     import zeroshard.engine as zs
 
     config = {"stage": stage, "compute_dtype": _dtype_name(s.dtype), **s.zs_config}
+    if hybrid:
+        config["shard_group_size"] = hybrid_shape(s)[1]
     zmodel, opt = zs.initialize(model, _adamw(model.parameters(), s.device), config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -197,16 +231,17 @@ def _always() -> bool:
     return True
 
 
-def _zs(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
-    return lambda m, s: _setup_zs(m, s, stage)
+def _zs(stage: int, hybrid: bool = False) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: _setup_zs(m, s, stage, hybrid)
 
 
 def _ds(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
     return lambda m, s: _setup_ds(m, s, stage)
 
 
-# DeepSpeed last: importing and initializing it sets process-wide state (its accelerator,
-# logging, hooks), which must not touch the engines timed before it.
+# train_step.py runs DeepSpeed's engines last whatever their place here: importing and
+# initializing it sets process-wide state (its accelerator, logging, hooks), which must not
+# touch the engines timed before it.
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in [
@@ -238,6 +273,22 @@ ENGINES: dict[str, Engine] = {
                 _has("deepspeed"),
             )
             for k in (1, 2, 3)
+        ),
+        *(
+            Engine(
+                f"zs{k}h",
+                f"zeroshard stage {k}, hybrid: shard within {{shard}}, replicate across "
+                "{replicate}",
+                _zs(k, hybrid=True),
+                _has("zeroshard.engine", "initialize"),
+            )
+            for k in (2, 3)
+        ),
+        Engine(
+            "fsdp2h",
+            "FSDP2 HSDP: shard within {shard}, replicate across {replicate}",
+            setup_fsdp2_hybrid,
+            _always,
         ),
     ]
 }

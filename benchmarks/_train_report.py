@@ -19,7 +19,7 @@ from gpt import GPTConfig, flops_per_token, parameters_count  # type: ignore[imp
 
 @dataclass(frozen=True)
 class Result:
-    """One engine's row; `error` is set (and the figures None) when it failed."""
+    """One engine's row; `error` (failed) or `skipped` (does not apply) leave the figures None."""
 
     engine: str
     what: str
@@ -29,6 +29,9 @@ class Result:
     error: str | None = None
     trace: TraceSummary | None = None
     left_gib: float = 0.0  # still allocated after the engine was freed: a leak into the next
+    build_s: float | None = None  # model construction on the device, before wrapping
+    states_gib: float | None = None  # kept allocated between steps (model states)
+    skipped: str | None = None
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -41,14 +44,13 @@ def report(
     """The markdown body: settings, the table, ratios, goals, and the profile summary."""
     tokens = args.micro_batch * cfg.seq_len
     on_gpu = settings.device.type == "cuda"
-    by = {r.engine: r for r in results if r.error is None}
+    by = {r.engine: r for r in results if r.step_ms is not None}
     floor = by.get("floor")
     rows: list[list[object]] = []
     for r in results:
-        if r.error is not None:
-            rows.append(
-                [f"`{r.engine}`", r.what, "-", "-", "-", "-", "-", "-", f"FAILED: {r.error}"]
-            )
+        if r.step_ms is None:
+            status = f"FAILED: {r.error}" if r.error is not None else f"skipped: {r.skipped}"
+            rows.append([f"`{r.engine}`", r.what, *["-"] * 7, status])
             continue
         assert r.step_ms is not None
         tps = tokens / (r.step_ms / 1000)
@@ -63,10 +65,17 @@ def report(
                 _fmt(tps, ",.0f"),
                 _fmt(mfu, ".1f"),
                 _fmt(r.peak_gib, ".1f"),
+                _fmt(r.states_gib, ".1f"),
                 vs,
                 "ok",
             ]
         )
+    ac = (
+        " Activation checkpointing: every block recomputed in backward (non-reentrant "
+        "torch.utils.checkpoint), for every engine."
+        if cfg.activation_checkpointing
+        else ""
+    )
     zs_extra = (
         "" if args.zs_config.strip() in ("", "{}") else f" zeroshard extras: `{args.zs_config}`."
     )
@@ -86,7 +95,9 @@ def report(
         "first set-up of the same engine on a tiny model, so one-time costs (imports, "
         "DeepSpeed's communication set-up) are not charged to whichever engine runs first.\n"
         "- peak: torch.cuda.max_memory_allocated from wrapping to the last step, largest "
-        "rank; every engine starts from an emptied cache." + zs_extra
+        "rank; every engine starts from an emptied cache. states: still allocated after the "
+        "last step (parameters, optimizer state, persistent gradient shards) above the level "
+        "before the model was built, largest rank." + ac + zs_extra
     )
     header = [
         "engine",
@@ -96,6 +107,7 @@ def report(
         "tokens/s/GPU",
         "MFU %",
         "peak GiB",
+        "states GiB",
         "step / floor",
         "status",
     ]

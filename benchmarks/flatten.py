@@ -2,6 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/flatten.py
     python benchmarks/flatten.py --smoke      # relaunches itself on 2 CPU ranks (gloo)
+    python benchmarks/flatten.py --layers 8 --repeats 7 --section flatten_cpu   # CPU host
 
 The parameter layout is a GPT-2-style model with d 2048 and 20 layers (1.11 B
 parameters, bf16); `--smoke` uses d 512 and 4 layers in fp32 on the CPU. Every rank
@@ -10,8 +11,10 @@ builds the same parameters and flattens them with each method in turn: `torch.ca
 DISTRIBUTED tiers. Per method: median time over `--repeats` (the slowest rank,
 synchronized), the peak memory above what was in use before the parameters existed
 (GPU: torch.cuda.max_memory_allocated; host: peak RSS from /proc), and that peak as a
-multiple of the parameters' own size. Full runs write the "flatten" section of
-docs/benchmarks.md; `--smoke` writes bench-out/flatten.md only.
+multiple of the parameters' own size. Full runs write the "flatten" section (or
+`--section`) of docs/benchmarks.md; `--smoke` writes bench-out/<section>.md only. Without
+a GPU the ranks run on the host (gloo, one thread each): fewer `--layers` make the layout
+fit a host where every rank holds its own copy.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per method")
     p.add_argument("--nproc", type=int, default=2, help="ranks when not launched by torchrun")
     p.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    p.add_argument("--section", default="flatten", help="docs/benchmarks.md section to write")
     args = p.parse_args()
     if args.smoke:
         args.d_model, args.layers, args.vocab, args.seq_len = 512, 4, 4096, 256
@@ -213,7 +217,11 @@ def _num(x: float) -> str:
 
 
 def report(
-    results: dict[str, dict[str, float]], layout: FlatLayout, device: torch.device, world: int
+    results: dict[str, dict[str, float]],
+    layout: FlatLayout,
+    device: torch.device,
+    world: int,
+    args: argparse.Namespace,
 ) -> str:
     """The markdown body: what was measured and one row per method."""
     model_bytes = layout.numel * layout.dtype.itemsize
@@ -239,15 +247,19 @@ def report(
         rows.append(row)
     where = "GPU memory (torch.cuda.max_memory_allocated)" if on_gpu else "peak RSS"
     intro = (
+        f"GPT-2-style layout (d {args.d_model}, {args.layers} layers, vocab {args.vocab}, "
+        f"seq {args.seq_len}): "
         f"{len(layout.slots)} parameters, {layout.numel / 1e9:.3f} B elements of "
         f"{layout.dtype} ({model_bytes / GIB:.2f} GiB), alignment {layout.alignment}, "
-        f"{world} ranks. Median of the runs, slowest rank. Peak: {where} above the level "
+        f"{world} ranks{' (gloo, one thread each)' if not on_gpu else ''}. Median of "
+        f"{args.repeats} runs, slowest rank. Peak: {where} above the level "
         "before the parameters were built, so the parameters themselves count once; "
         "`peak / params` is that peak over their size (2.0 = originals + one full copy). "
         "All methods packed the same bytes (checked)."
     )
     if not on_gpu:
         intro += (
+            " The ranks' device is the host here, so DEVICE and CPU make the same copy."
             " On gloo, all_gather_into_tensor itself stages the output through a temporary "
             "of the output's size (we measured it), which adds 1.0 to the "
             "DISTRIBUTED peak here; NCCL gathers in place."
@@ -261,6 +273,7 @@ def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available() and not args.smoke
     device = init_ranks(args.nproc, cuda=use_cuda)
+    _return_freed_host_memory()
     world = dist.get_world_size()
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
     shapes = gpt_shapes(args.d_model, args.layers, args.vocab, args.seq_len)
@@ -283,10 +296,11 @@ def main() -> None:
     if len({r["fingerprint"] for r in results.values()}) != 1:
         raise RuntimeError(f"methods packed different bytes: {results}")
     if dist.get_rank() == 0:
-        body = report(results, layout, device, world)
+        body = report(results, layout, device, world, args)
         print(body, flush=True)
         if not args.no_write:
-            publish("flatten", "Flattening tiers", body, smoke=args.smoke)
+            title = "Flattening tiers" + ("" if use_cuda else " on the CPU host (gloo)")
+            publish(args.section, title, body, smoke=args.smoke)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,21 +5,27 @@
 
 Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
 device with no communication, on rank 0 while the others wait), `ddp`, `fsdp2`,
-`fsdp2-zero2`, `zs1`-`zs3` (zeroshard) and `ds1`-`ds3` (DeepSpeed). Each gets the same
-freshly built model (1.3B preset: d 2048, 24 layers, seq 2048), the same random tokens
-and torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded),
-median step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
-tokens/s/GPU, MFU and peak memory. An engine that fails gets a row saying why and the
-run goes on. Full runs write the "train_step" section of docs/benchmarks.md and
-docs/train_step.png; `--smoke` writes only under bench-out/.
+`fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `ds1`-`ds3` (DeepSpeed, always run last) and the
+hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within `--shard-group-size` ranks, replicate across
+the rest). Each gets the same freshly built model (1.3B preset: d 2048, 24 layers, seq
+2048; `--activation-checkpointing` recomputes every block in backward, for every engine),
+the same random tokens and torch.optim.AdamW. Per engine: init time (wrapping, model
+construction excluded), median step time over `--steps` after `--warmup`
+(CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the memory
+kept between steps. An engine that fails gets a row saying why and the run goes on.
+Every run saves its results and settings to bench-out/<section>.json (what
+benchmarks/scaling.py reads); full runs also write the "<section>" section of
+docs/benchmarks.md and docs/<section>.png, `--smoke` and `--no-write` only bench-out/.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -27,7 +33,7 @@ import traceback
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,9 +43,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from _report import write_section  # noqa: E402
 from _trace import TraceSummary, summarize_chrome_trace  # noqa: E402
-from _train_engines import ENGINES, Settings  # noqa: E402
+from _train_engines import ENGINES, Settings, Skipped  # noqa: E402
 from _train_report import Result, plot, report  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, flops_per_token, parameters_count  # noqa: E402
 
 OUT = ROOT / "bench-out"
 PNG = ROOT / "docs" / "train_step.png"
@@ -66,6 +72,17 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--zs-config", default="{}", help="JSON merged into the zeroshard config")
     p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=2,
+        help="hybrid engines (zs2h, zs3h, fsdp2h): shard within this many ranks (default 2)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block in backward (non-reentrant torch.utils.checkpoint), all engines",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="profile 2 extra steps per engine: exposed communication, idle time",
@@ -81,15 +98,25 @@ def parse_args() -> argparse.Namespace:
     unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
+    if args.shard_group_size < 1:
+        p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
     return args
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The benchmarked shape: the preset, or a tiny model under --smoke."""
+    ac = args.activation_checkpointing
     if args.smoke:
-        return GPTConfig(vocab_size=512, d_model=128, n_layer=2, n_head=4, seq_len=64)
+        return GPTConfig(
+            vocab_size=512,
+            d_model=128,
+            n_layer=2,
+            n_head=4,
+            seq_len=64,
+            activation_checkpointing=ac,
+        )
     overrides = {"seq_len": args.seq_len} if args.seq_len else {}
-    return GPTConfig.preset(args.preset, **overrides)
+    return GPTConfig.preset(args.preset, activation_checkpointing=ac, **overrides)
 
 
 def _sync(device: torch.device) -> None:
@@ -118,14 +145,25 @@ def _agree(values: list[float], ok: bool, error: str | None) -> tuple[list[float
     return t[:-1].tolist(), (first or "failed on another rank") if failed else None
 
 
+class Measured(NamedTuple):
+    """One engine's figures on this rank."""
+
+    build_s: float  # constructing the model on the device, before any engine sees it
+    init_s: float
+    times: list[float]
+    peak_gib: float  # max allocated from wrapping to the last step
+    states_gib: float  # allocated after the last step above the level before the build
+    trace: TraceSummary | None
+
+
 def _measure(
     name: str,
     cfg: GPTConfig,
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[float, list[float], float, Any]:
-    """Init seconds, timed step seconds, peak GiB and profile of one engine on this rank.
+) -> Measured:
+    """Build, wrap, warm up, time (and profile) one engine on this rank.
 
     Everything the engine allocates is local to this frame, so it is all released when
     the function returns or raises (see `_free`).
@@ -139,11 +177,18 @@ def _measure(
     ENGINES[name].setup(throwaway, settings)
     del throwaway
     _free(device)
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
     torch.manual_seed(0)
+    # Built straight on the device, once, the same way for every engine: initializing on
+    # the GPU takes seconds even at 7B (build_s says how many), and a fresh fp32 model is
+    # what every engine's wrapping starts from.
+    t0 = time.perf_counter()
     with torch.device(device):
         model = GPT(cfg)
     _sync(device)
-    if device.type == "cuda":
+    build_s = time.perf_counter() - t0
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     step = ENGINES[name].setup(model, settings)
@@ -157,9 +202,12 @@ def _measure(
         _sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    # Between steps an engine keeps its model states (parameters, optimizer state, any
+    # persistent gradient shards): what the 16 psi / N bound is about.
+    states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
     trace = profile(name, step, data, device) if args.profile else None
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
-    return init_s, times, peak, trace
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
+    return Measured(build_s, init_s, times, peak, states, trace)
 
 
 def run_engine(
@@ -171,15 +219,19 @@ def run_engine(
 ) -> Result:
     """Build, wrap, warm up and time one engine; every rank calls this."""
     engine = ENGINES[name]
+    world = dist.get_world_size()
+    shard = settings.shard_group_size
+    what = engine.what.format(shard=shard, replicate=max(world // shard, 1))
     rank = dist.get_rank()
-    init_s, peak = 0.0, 0.0
-    times: list[float] = []
-    trace: TraceSummary | None = None
+    m = Measured(0.0, 0.0, [], 0.0, 0.0, None)
     error: str | None = None
+    skipped: str | None = None
     dist.barrier()
     if rank == 0 or not engine.rank0_only:
         try:
-            init_s, times, peak, trace = _measure(name, cfg, settings, args, data)
+            m = _measure(name, cfg, settings, args, data)
+        except Skipped as e:  # the same on every rank: the world decides it
+            skipped = str(e)
         except Exception as e:  # OOM, import error, engine bug: a row, not the end
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
             if rank == 0:
@@ -187,14 +239,28 @@ def run_engine(
     _free(settings.device)  # after the except block, so the traceback's frames are gone
     if engine.rank0_only:
         dist.barrier()  # the others waited here while rank 0 ran alone
-    median = statistics.median(times) if times else 0.0
+    if skipped:  # the hybrid's sizes do not apply: name the engine only
+        return Result(name, engine.what.split(":")[0], skipped=skipped)
+    median = statistics.median(m.times) if m.times else 0.0
     cuda = settings.device.type == "cuda"
     left = torch.cuda.memory_allocated(settings.device) / GIB if cuda else 0.0
-    values, error = _agree([init_s, median, peak, left], error is None, error)
-    init_s, median, peak, left = values
+    figures = [m.build_s, m.init_s, median, m.peak_gib, m.states_gib, left]
+    values, error = _agree(figures, error is None, error)
+    build_s, init_s, median, peak, states, left = values
     if error:
-        return Result(name, engine.what, error=error, left_gib=left)
-    return Result(name, engine.what, init_s, median * 1000, peak or None, None, trace, left)
+        return Result(name, what, error=error, left_gib=left)
+    return Result(
+        name,
+        what,
+        init_s,
+        median * 1000,
+        peak or None,
+        None,
+        m.trace,
+        left,
+        build_s=build_s,
+        states_gib=states or None,
+    )
 
 
 def profile(
@@ -217,6 +283,46 @@ def profile(
     path = OUT / f"train_step_{name}.trace.json"
     prof.export_chrome_trace(str(path))
     return summarize_chrome_trace(path, steps=2)
+
+
+def save_json(
+    results: list[Result], cfg: GPTConfig, args: argparse.Namespace, settings: Settings, world: int
+) -> Path:
+    """bench-out/<section>.json: every row plus what it was measured on and with."""
+    cuda = settings.device.type == "cuda"
+    tokens = args.micro_batch * cfg.seq_len
+    meta = {
+        "section": args.section,
+        "preset": "smoke" if args.smoke else args.preset,
+        "model": asdict(cfg),
+        "parameters": parameters_count(cfg),
+        "flops_per_token": flops_per_token(cfg),
+        "world": world,
+        "micro_batch": args.micro_batch,
+        "seq_len": cfg.seq_len,
+        "tokens_per_step_per_gpu": tokens,
+        "dtype": str(settings.dtype).removeprefix("torch."),
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "shard_group_size": settings.shard_group_size,
+        "clip": args.clip,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "zs_config": settings.zs_config,
+        "device": torch.cuda.get_device_name(settings.device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["train_step.py", *sys.argv[1:]]),
+    }
+    rows = []
+    for r in results:
+        row = asdict(r)
+        row["tokens_per_s_per_gpu"] = tokens / (r.step_ms / 1000) if r.step_ms else None
+        rows.append(row)
+    OUT.mkdir(exist_ok=True)
+    path = OUT / f"{args.section}.json"
+    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    return path
 
 
 def warm_up_process(device: torch.device) -> None:
@@ -259,6 +365,8 @@ def main() -> None:
         if args.engines
         else [n for n, e in ENGINES.items() if e.available()]
     )
+    # DeepSpeed last (a stable sort keeps the order otherwise): see the note on ENGINES.
+    names.sort(key=lambda n: n.startswith("ds"))
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=g)
     data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
@@ -270,15 +378,22 @@ def main() -> None:
         r = run_engine(name, cfg, settings, args, data)
         results.append(r)
         if rank == 0:
-            state = r.error or f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s"
+            # Saved after every engine: a run cut short by a time limit keeps what it measured.
+            save_json(results, cfg, args, settings, world)
+            state = (
+                r.error
+                or (r.skipped and f"skipped: {r.skipped}")
+                or (
+                    f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s, build {r.build_s:.1f} s, "
+                    f"peak {r.peak_gib or 0:.1f} GiB, states {r.states_gib or 0:.1f} GiB"
+                )
+            )
             state += f", {r.left_gib:.2f} GiB left allocated" if r.left_gib else ""
             print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if rank == 0:
         body = report(results, cfg, args, settings, world)
         print(body)
-        OUT.mkdir(exist_ok=True)
-        (OUT / "train_step.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
         if args.smoke or args.no_write:
             plot(results, OUT / "train_step.png")
         else:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -32,6 +33,9 @@ class GPTConfig:
     seq_len: int = 128
     mlp_ratio: int = 4
     bias: bool = True
+    # Recompute each block's activations in backward (non-reentrant torch.utils.checkpoint):
+    # only the blocks' inputs stay alive between forward and backward.
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "seq_len", "mlp_ratio"):
@@ -153,12 +157,21 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
+        recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            # Calling the block itself (not its forward) inside the checkpoint keeps module
+            # hooks firing on the recompute too, which sharded engines gather parameters in.
+            x = _recomputed(block, x) if recompute else block(x)
         logits: torch.Tensor = self.head(self.ln_f(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _recomputed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`block(x)`, its activations recomputed in backward instead of kept."""
+    out: torch.Tensor = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    return out
 
 
 def parameters_count(cfg: GPTConfig, *, embeddings: bool = True) -> int:
