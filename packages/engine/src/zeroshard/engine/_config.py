@@ -284,7 +284,9 @@ def _from_deepspeed_zero(z: Mapping[str, Any], extra: dict[str, Any]) -> ZeroCon
     if "offload_param" in z:
         on, pin, ratio = _deepspeed_offload("offload_param", z["offload_param"])
         if ratio != 1.0:
-            raise ValueError("zero_optimization.offload_param takes no ratio (only offload_optimizer)")
+            raise ValueError(
+                "zero_optimization.offload_param takes no ratio (offload_optimizer does)"
+            )
         out["offload_params"] = on
         out["offload_pin_memory"] = out.get("offload_pin_memory", True) and pin
     return ZeroConfig(**out)
