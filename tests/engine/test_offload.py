@@ -76,9 +76,7 @@ def _parity_case(device: str, stage: int, dtype: str, accum: int, **offload: Any
                 if value.dim():
                     assert value.device.type == "cpu", "offloaded optimizer state left the host"
         dist.all_reduce(total_loss)
-        torch.testing.assert_close(
-            float(total_loss) / world, ref_losses[step], rtol=tol, atol=1e-6
-        )
+        torch.testing.assert_close(float(total_loss) / world, ref_losses[step], rtol=tol, atol=1e-6)
     full = zs.full_state_dict(model)
     if dtype == "fp32":
         for name, ref in ref_state.items():
@@ -93,9 +91,7 @@ def _parity_case(device: str, stage: int, dtype: str, accum: int, **offload: Any
 
 def _parity(device: str) -> None:
     cases = subtests({"stage": [1, 2, 3], "dtype": ["fp32", "bf16"], "accum": [2]})
-    cases += [
-        {"stage": s, "dtype": "fp32", "accum": 1, "offload_ratio": 0.5} for s in (1, 2, 3)
-    ]
+    cases += [{"stage": s, "dtype": "fp32", "accum": 1, "offload_ratio": 0.5} for s in (1, 2, 3)]
     cases += [
         {"stage": 3, "dtype": d, "accum": 2, "offload_params": True} for d in ("fp32", "bf16")
     ]
