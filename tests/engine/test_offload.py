@@ -43,14 +43,28 @@ def _config(stage: int, dtype: str, **offload: Any) -> dict[str, Any]:
     return cfg
 
 
-def _parity_case(device: str, stage: int, dtype: str, accum: int, **offload: Any) -> None:
+def _fused(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """make_optimizer's AdamW with torch's fused kernel (what offload recommends on CPU)."""
+    groups = make_optimizer(model).param_groups
+    return torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in groups],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
+
+
+def _parity_case(
+    device: str, stage: int, dtype: str, accum: int, fused: bool = False, **offload: Any
+) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(seed=stage * 10 + accum).to(device)
     batches = global_batches(STEPS, accum, world, MICRO)
     ref_losses, ref_norms, ref_state = reference_run(model.cpu(), make_optimizer, batches, 0.5)
     model.to(device)
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    model, opt = zs.initialize(model, make_optimizer(model), _config(stage, dtype, **offload))
+    inner = _fused(model) if fused else make_optimizer(model)
+    model, opt = zs.initialize(model, inner, _config(stage, dtype, **offload))
     offloaded = zs.engine_state(model).offload
     assert offloaded is not None and offloaded.groups
     ratio = offload.get("offload_ratio", 1.0)
@@ -96,6 +110,7 @@ def _parity(device: str) -> None:
     cases += [
         {"stage": 3, "dtype": d, "accum": 2, "offload_params": True} for d in ("fp32", "bf16")
     ]
+    cases += [{"stage": s, "dtype": "fp32", "accum": 1, "fused": True} for s in (2, 3)]
     run_each(cases, lambda **c: _parity_case(device, **c))
 
 
