@@ -21,6 +21,14 @@ from zeroshard.engine._offload import HostOffload
 from zeroshard.engine._reduce import GradReducer
 
 
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """Tensors grouped by device (foreach kernels take one device at a time)."""
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps master shards, then publishes them (stages 1/2 all-gather the parameters)."""
 
@@ -83,8 +91,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Every rank must skip the same steps: take the max of the flags over ranks.
         self.world.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
         self._overflow = bool(local_bad.item())
-        if not self._overflow and shards:
-            torch._foreach_mul_(shards, 1.0 / self.scaler.scale)
+        if not self._overflow:
+            for same in _by_device(shards).values():
+                torch._foreach_mul_(same, 1.0 / self.scaler.scale)
         self._unscaled = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -97,9 +106,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.world.device)
         # Offloaded shards are on the host, the others on the device: one norm per device.
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for s in shards:
-            by_device.setdefault(s.device, []).append(s)
+        by_device = _by_device(shards)
         for same in by_device.values():
             local += torch.stack(torch._foreach_norm(same)).square().sum().to(local.device)
         self.world.all_reduce(local, label="grad norm").wait()
