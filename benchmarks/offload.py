@@ -60,12 +60,12 @@ def parse_args() -> argparse.Namespace:
 
 # Seconds each part may take at most (the run's budget shrinks them when it runs short).
 LIMITS = {
-    "adam-torch-fused": 45.0,
-    "adam-torch-foreach": 45.0,
+    "adam-torch-fused": 40.0,
+    "adam-torch-foreach": 30.0,
     "train-zs": 150.0,
     # DeepSpeedCPUAdam is built on first use (ninja); the train part reuses the build.
-    "adam-ds": 120.0,
-    "train-ds": 150.0,
+    "adam-ds": 100.0,
+    "train-ds": 130.0,
 }
 
 
@@ -154,10 +154,11 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
                 ]
             )
     body += (
-        f"\n\nCPU optimizer step, {args.adam_params / 1e9:g}B fp32 parameters in tensors of "
-        f"{args.chunk:,} elements, median of {args.adam_steps} steps:\n\n"
+        f"\n\nCPU optimizer step over fp32 parameters in tensors of {args.chunk:,} elements "
+        f"(foreach on a tenth of them: it is that much slower), median of {args.adam_steps} "
+        "steps:\n\n"
     )
-    body += markdown_table(["optimizer", "params/s", "step s", "threads", ""], adam_rows)
+    body += markdown_table(["optimizer", "params", "params/s", "step s", "threads", ""], adam_rows)
     fused, dsa = results.get("adam-torch-fused", {}), results.get("adam-ds", {})
     if fused.get("ok") and dsa.get("ok"):
         ratio = fused["params_per_s"] / dsa["params_per_s"]
