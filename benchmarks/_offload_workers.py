@@ -147,7 +147,7 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
     torch.set_num_threads(os.cpu_count() or 1)
     n, chunk = a["adam_params"], a["chunk"]
     if kind == "torch-foreach":
-        n //= 10  # on CPU tensors foreach falls back to op-by-op kernels: keep it short
+        n //= 10  # op by op on CPU tensors, with temporaries: bound its time
     sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in sizes]
     for p in params:

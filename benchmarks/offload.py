@@ -144,9 +144,11 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             r = results[p]
             rate = f"{r['params_per_s'] / 1e6:,.0f}M" if r.get("ok") else "-"
             threads = r.get("threads", "-") if r.get("ok") else "-"
+            n = f"{r['params'] / 1e9:g}B" if r.get("ok") else "-"
             adam_rows.append(
                 [
                     label,
+                    n,
                     rate,
                     _cell(r, "step_s", ".3f"),
                     threads,
@@ -155,7 +157,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             )
     body += (
         f"\n\nCPU optimizer step over fp32 parameters in tensors of {args.chunk:,} elements "
-        f"(foreach on a tenth of them: it is that much slower), median of {args.adam_steps} "
+        f"(foreach on a tenth as many, to bound its time), median of {args.adam_steps} "
         "steps:\n\n"
     )
     body += markdown_table(["optimizer", "params", "params/s", "step s", "threads", ""], adam_rows)

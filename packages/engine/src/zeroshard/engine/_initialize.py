@@ -332,11 +332,11 @@ def initialize(
 
 def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:
     # On CPU tensors torch's foreach and for-loop optimizers run op by op with temporaries;
-    # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) are one pass, many times faster.
+    # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) make one pass over memory.
     if any("fused" in pg and not pg["fused"] for pg in optimizer.param_groups):
         warnings.warn(
             f"offload_optimizer: {type(optimizer).__name__} steps on the CPU without its "
-            "fused kernel; build it with fused=True for a much faster CPU step",
+            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step",
             UserWarning,
             stacklevel=3,
         )
