@@ -75,6 +75,8 @@ def _parity_case(
     share = sum(g.layout.shard_numel for g in moved)
     total = sum(g.layout.shard_numel for g in opt.flat_groups)
     assert (share == total) == (ratio == 1.0) and share >= ratio * total, (share, total)
+    # offload_params: the device keeps no copy of the offloaded compute shards.
+    assert (offloaded.compute_dev is None) == offload.get("offload_params", False)
     tol = 1e-5 if dtype == "fp32" else 2e-2
     for step in range(STEPS):
         total_loss = torch.zeros(1, device=device)

@@ -151,7 +151,6 @@ class HostOffload:
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self.master = torch.zeros(n, s, dtype=torch.float32)
         self.grad = torch.zeros(n, s, dtype=torch.float32)
-        self.offload_params = offload_params
         self._pinned_bytes = 0
         self._host_bytes = self.master.nbytes + self.grad.nbytes
         # offload_params: the compute shards live here; else pinned slots stage uploads.
