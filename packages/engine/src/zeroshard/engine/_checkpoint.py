@@ -220,7 +220,8 @@ def load_checkpoint(
         if not g.trainable:
             continue
         opt_state: dict[str, Any] = {
-            k[len(_OPTIM) :]: loaded.shard(gm.name, k).clone()
+            # Offloaded groups keep their optimizer state beside their master, on the host.
+            k[len(_OPTIM) :]: loaded.shard(gm.name, k).to(g.master.device, copy=True)
             for k in gm.shards
             if k.startswith(_OPTIM)
         }

@@ -70,6 +70,17 @@ class ZeroConfig:
         shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
             and replicate across the groups (gradients are reduce-scattered within a group,
             then all-reduced across groups); None shards over all ranks.
+        offload_optimizer: fp32 master weights and optimizer state live in CPU memory and
+            the optimizer steps there; gradient shards go to the CPU during backward and
+            updated compute-dtype shards come back to the device (stages 1-3).
+        offload_ratio: share of the master/optimizer state put on the CPU, in (0, 1]; the
+            rest stays on the device (needs `offload_optimizer`).
+        offload_params: stage 3: the compute-dtype parameter shards of the offloaded part
+            live in CPU memory too and are copied to the device just before their gather.
+        offload_pin_memory: pin the host buffers that cross the bus (falls back to pageable
+            memory with one warning where pinning fails).
+        offload_chunk_bytes: offloaded state is cut into chunks holding this many bytes of
+            fp32 master per rank; host-to-device copies go chunk by chunk.
     """
 
     stage: int = 2
@@ -93,6 +104,11 @@ class ZeroConfig:
     max_live_bytes: int = 2**40
     persistence_threshold: int = 100_000
     shard_group_size: int | None = None
+    offload_optimizer: bool = False
+    offload_ratio: float = 1.0
+    offload_params: bool = False
+    offload_pin_memory: bool = True
+    offload_chunk_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -120,6 +136,7 @@ class ZeroConfig:
             "max_inflight_reductions",
             "prefetch_bytes",
             "max_live_bytes",
+            "offload_chunk_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -144,6 +161,27 @@ class ZeroConfig:
             raise ValueError(f"loss_scale_window must be >= 1, got {self.loss_scale_window}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        for name in ("offload_optimizer", "offload_params", "offload_pin_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        ratio = self.offload_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"offload_ratio must be in (0, 1], got {ratio!r}")
+        if ratio != 1.0 and not self.offload_optimizer:
+            raise ValueError(f"offload_ratio={ratio} needs offload_optimizer=True")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                f"offload_params needs stage 3 (parameters are whole on every rank at stage "
+                f"{self.stage}); use offload_optimizer to offload optimizer state"
+            )
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                "offload_params needs offload_optimizer=True: the parameter shards are cast "
+                "from the fp32 masters, which must be on the CPU too"
+            )
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:
@@ -157,7 +195,9 @@ class ZeroConfig:
         if "zero_optimization" in d:
             return _from_deepspeed_config(d)
         ours = {f.name for f in fields(ZeroConfig)}
-        if set(d) & (set(_DEEPSPEED_ZERO_KEYS) | set(_DEEPSPEED_UNSUPPORTED)) - ours:
+        deepspeed_only = (set(_DEEPSPEED_ZERO_KEYS) | set(_DEEPSPEED_UNSUPPORTED)) - ours
+        # DeepSpeed's offload_optimizer is a dict where ours is a bool.
+        if set(d) & deepspeed_only or isinstance(d.get("offload_optimizer"), Mapping):
             return _from_deepspeed_zero(d, {})
         unknown = sorted(set(d) - ours)
         if unknown:
@@ -185,13 +225,13 @@ _DEEPSPEED_ZERO_KEYS: dict[str, str] = {
     "stage3_prefetch_bucket_size": "prefetch_bytes",
     "stage3_param_persistence_threshold": "persistence_threshold",
     "stage3_max_live_parameters": "max_live_bytes",
+    "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_params",
 }
 _DEEPSPEED_ALWAYS_TRUE = ("contiguous_gradients", "reduce_scatter", "allgather_partitions")
 # DeepSpeed zero_optimization keys zeroshard does not offer (yet): named so the error says
 # "unsupported" rather than "unknown".
 _DEEPSPEED_UNSUPPORTED = (
-    "offload_optimizer",
-    "offload_param",
     "cpu_offload",
     "sub_group_size",
     "round_robin_gradients",
@@ -237,7 +277,40 @@ def _from_deepspeed_zero(z: Mapping[str, Any], extra: dict[str, Any]) -> ZeroCon
             out[key] = int(z[ds_key]) * itemsize
     if "stage3_param_persistence_threshold" in z:
         out["persistence_threshold"] = int(z["stage3_param_persistence_threshold"])
+    if "offload_optimizer" in z:
+        on, pin, ratio = _deepspeed_offload("offload_optimizer", z["offload_optimizer"])
+        out.update(offload_optimizer=on, offload_ratio=ratio if on else 1.0)
+        out["offload_pin_memory"] = pin
+    if "offload_param" in z:
+        on, pin, ratio = _deepspeed_offload("offload_param", z["offload_param"])
+        if ratio != 1.0:
+            raise ValueError(
+                "zero_optimization.offload_param takes no ratio (offload_optimizer does)"
+            )
+        out["offload_params"] = on
+        out["offload_pin_memory"] = out.get("offload_pin_memory", True) and pin
     return ZeroConfig(**out)
+
+
+_DEEPSPEED_OFFLOAD_KEYS = ("device", "pin_memory", "ratio")
+
+
+def _deepspeed_offload(key: str, value: Any) -> tuple[bool, bool, float]:
+    """DeepSpeed's offload dict -> (on, pin_memory, ratio); 'nvme' and unknown keys refused."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"zero_optimization.{key} must be a dict such as {{'device': 'cpu'}}")
+    unknown = sorted(set(value) - set(_DEEPSPEED_OFFLOAD_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown keys {unknown} in zero_optimization.{key}; "
+            f"valid: {list(_DEEPSPEED_OFFLOAD_KEYS)}"
+        )
+    device = str(value.get("device", "none")).lower()
+    if device == "nvme":
+        raise ValueError(f"zero_optimization.{key}.device='nvme' is not supported; use 'cpu'")
+    if device not in ("cpu", "none"):
+        raise ValueError(f"zero_optimization.{key}.device must be 'cpu' or 'none', got {device!r}")
+    return device == "cpu", bool(value.get("pin_memory", True)), float(value.get("ratio", 1.0))
 
 
 def _from_deepspeed_config(d: Mapping[str, Any]) -> ZeroConfig:

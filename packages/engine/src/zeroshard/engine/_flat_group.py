@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -25,6 +26,18 @@ from zeroshard.comm import Group, Handle, completed_handle
 from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
+
+
+class ComputeSource(Protocol):
+    """Where an offloaded group's compute-dtype shard comes from (`_offload.HostOffload`)."""
+
+    def compute_shard(self, g: FlatParamGroup) -> torch.Tensor:
+        """The compute-dtype shard on the group's device, ready for the current stream."""
+        ...
+
+    def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
+        """Recast and upload the compute shards of `groups` after their masters changed."""
+        ...
 
 
 @dataclass(eq=False)
@@ -46,6 +59,10 @@ class FlatParamGroup:
     # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
     grad_buffer: torch.Tensor | None = None
     views: list[torch.Tensor] = field(default_factory=list)
+    # Offload: the master lives on the host; the gradient shard is this host view, and
+    # gathers read the compute-dtype shard `offload` keeps for the device.
+    grad_home: torch.Tensor | None = None
+    offload: ComputeSource | None = None
 
     @property
     def trainable(self) -> bool:
@@ -60,7 +77,11 @@ class FlatParamGroup:
     def ensure_grad_shard(self) -> torch.Tensor:
         """The fp32 gradient shard, allocated (zeroed) on first use and exposed as `master.grad`."""
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.master)
+            if self.grad_home is not None:
+                # Offloaded: the host gradient stays allocated between steps, only zeroed.
+                self.grad_shard = self.grad_home.zero_()
+            else:
+                self.grad_shard = torch.zeros_like(self.master)
             self.master.grad = self.grad_shard
         return self.grad_shard
 
@@ -77,11 +98,16 @@ class FlatParamGroup:
         assert self.sharded and self.param_buffer is not None
         storage = self.param_buffer.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.param_buffer.element_size())
-        # The downcast before the gather: `send` lives in the handle until wait().
-        send = self.master.detach().to(self.param_buffer.dtype)
         return self.group.all_gather_into(
-            self.param_buffer, send, label=f"gather of group {self.index}"
+            self.param_buffer, self._send(), label=f"gather of group {self.index}"
         )
+
+    def _send(self) -> torch.Tensor:
+        # The downcast before the gather: `send` lives in the handle until wait().
+        assert self.param_buffer is not None
+        if self.offload is not None:
+            return self.offload.compute_shard(self)
+        return self.master.detach().to(self.param_buffer.dtype)
 
     def expose(self) -> None:
         """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
@@ -106,9 +132,8 @@ class FlatParamGroup:
         if self.sharded:
             return completed_handle()
         assert self.param_buffer is not None
-        send = self.master.detach().to(self.param_buffer.dtype)
         return self.group.all_gather_into(
-            self.param_buffer, send, label=f"params of group {self.index}"
+            self.param_buffer, self._send(), label=f"params of group {self.index}"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +18,7 @@ from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
 from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._materialize import ParamInit, is_meta, materialize_unit, reset_parameters
+from zeroshard.engine._offload import HostOffload, choose_offloaded
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._precision import install_precision_hooks
 from zeroshard.engine._reduce import GradReducer
@@ -39,6 +41,7 @@ class EngineState:
     groups: tuple[FlatParamGroup, ...]
     optimizer: ZeroOptimizer
     stage3: Stage3Runtime | None
+    offload: HostOffload | None = None
 
 
 def _split_by_bytes(
@@ -279,8 +282,21 @@ def initialize(
     else:
         groups, reducer = _flatten_stage12(model, cfg, place, param_group_of)
         runtime, after_publish, before_step = None, None, None
+    offload = None
+    if cfg.offload_optimizer:
+        offload = HostOffload(
+            choose_offloaded(groups, cfg.offload_ratio),
+            world=world,
+            compute_dtype=cfg.compute_dtype,
+            reduce_dtype=cfg.grad_reduce_dtype,
+            chunk_bytes=cfg.offload_chunk_bytes,
+            pin=cfg.offload_pin_memory,
+            offload_params=cfg.offload_params,
+        )
+        _warn_unfused(optimizer)
     install_precision_hooks(model, cfg.compute_dtype, scaler)
     reducer.replicate = replicate
+    reducer.offload = offload
     zopt = ZeroOptimizer(
         optimizer,
         groups,
@@ -290,9 +306,14 @@ def initialize(
         cfg.allgather_bucket_bytes,
         after_publish,
         before_step,
+        offload,
     )
+    if offload is not None:
+        # The compute shards of the offloaded groups are made from the masters once here,
+        # then after every step.
+        offload.refresh(offload.groups)
     seconds = time.perf_counter() - start
-    setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, runtime))
+    setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, runtime, offload))
     if everyone.rank == 0:
         tiers = sorted({g.tier.value for g in groups})
         log.info(
@@ -307,6 +328,18 @@ def initialize(
             seconds,
         )
     return model, zopt
+
+
+def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:
+    # On CPU tensors torch's foreach and for-loop optimizers run op by op with temporaries;
+    # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) make one pass over memory.
+    if any("fused" in pg and not pg["fused"] for pg in optimizer.param_groups):
+        warnings.warn(
+            f"offload_optimizer: {type(optimizer).__name__} steps on the CPU without its "
+            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _is_module_path(model: nn.Module, path: str) -> bool:
@@ -339,9 +372,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = engine_state(model)
     full: dict[int, torch.Tensor] = {}
     for g in state.groups:
-        out = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=g.master.device)
+        # Offloaded masters are on the host: they travel from the group's device.
+        out = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=g.group.device)
         g.group.all_gather_into(
-            out, g.master.detach(), label=f"state dict of group {g.index}"
+            out, g.master.detach().to(g.group.device), label=f"state dict of group {g.index}"
         ).wait()
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             full[id(p)] = out[slot.offset : slot.end].view(slot.shape).cpu().clone()

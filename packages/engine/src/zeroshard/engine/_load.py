@@ -315,6 +315,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> LoadRepo
                 b.copy_(torch.cat(parts).view(b.shape))  # casts to the buffer's own dtype
     finally:
         reader.close()
+    if state.offload is not None:
+        # Offloaded masters changed on the host: recast and upload before publishing.
+        state.offload.refresh(state.offload.groups)
     # Stages 1/2: the all-gathers of every group are in flight together; stage 3 drops
     # gathered units, whose buffers now hold the old weights.
     handles = [g.publish() for g in state.groups]

@@ -17,7 +17,16 @@ import torch
 from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._loss_scale import LossScaler
+from zeroshard.engine._offload import HostOffload
 from zeroshard.engine._reduce import GradReducer
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """Tensors grouped by device (foreach kernels take one device at a time)."""
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -33,8 +42,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         allgather_bucket_bytes: int,
         after_publish: Callable[[], None] | None = None,
         before_step: Callable[[], None] | None = None,
+        offload: HostOffload | None = None,
     ) -> None:
         self.inner = inner
+        # CPU offload: some masters (and so their optimizer state) live on the host.
+        self.offload = offload
         # Stage 3 drops gathered parameters once new shards are published.
         self.after_publish = after_publish
         # Stage 3 checks that every rank gathered the same units before stepping.
@@ -74,12 +86,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards = self._grad_shards()
         local_bad = torch.zeros(1, device=self.world.device)
         for s in shards:
-            local_bad = torch.maximum(local_bad, (~torch.isfinite(s)).any().float().reshape(1))
+            bad = (~torch.isfinite(s)).any().float().reshape(1).to(local_bad.device)
+            local_bad = torch.maximum(local_bad, bad)
         # Every rank must skip the same steps: take the max of the flags over ranks.
         self.world.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
         self._overflow = bool(local_bad.item())
         if not self._overflow:
-            torch._foreach_mul_(shards, 1.0 / self.scaler.scale)
+            for same in _by_device(shards).values():
+                torch._foreach_mul_(same, 1.0 / self.scaler.scale)
         self._unscaled = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -91,13 +105,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._overflow:
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.world.device)
-        if shards:
-            local += torch.stack(torch._foreach_norm(shards)).square().sum()
+        # Offloaded shards are on the host, the others on the device: one norm per device.
+        by_device = _by_device(shards)
+        for same in by_device.values():
+            local += torch.stack(torch._foreach_norm(same)).square().sum().to(local.device)
         self.world.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(shards, coef)
+        for device, same in by_device.items():
+            torch._foreach_mul_(same, coef.to(device))
         return total
 
     # -- step ----------------------------------------------------------------------------
@@ -126,6 +143,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish(self.flat_groups)
 
     def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
+        groups = list(groups)
+        if self.offload is not None:
+            # Offloaded masters changed on the host: recast and upload them first.
+            self.offload.refresh([g for g in groups if g.offload is not None])
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
         # of gathers are in flight, which bounds the temporary send buffers.
         inflight: deque[tuple[int, Handle]] = deque()

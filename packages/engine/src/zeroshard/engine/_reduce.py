@@ -31,6 +31,7 @@ from torch import nn
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._offload import HostOffload
 
 
 class GradReducer:
@@ -54,6 +55,8 @@ class GradReducer:
         # Hybrid sharding: the group of ranks holding the same shards, averaged over after
         # each reduce-scatter (None: no replicas).
         self.replicate: Group | None = None
+        # CPU offload: offloaded groups' reduced shards go to the host (see _offload.py).
+        self.offload: HostOffload | None = None
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.overlap = overlap
@@ -119,7 +122,7 @@ class GradReducer:
         bucket = self._buckets.pop(g.index, None)
         if bucket is None:
             bucket = torch.zeros(
-                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.master.device
+                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.group.device
             )
         out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=bucket.device)
         handle = g.group.reduce_scatter(out, bucket, op="avg", label=f"grads of group {g.index}")
@@ -139,7 +142,11 @@ class GradReducer:
             self.replicate.all_reduce(
                 out, op="avg", label=f"grads of group {g.index} (replicas)"
             ).wait()
-        g.ensure_grad_shard().add_(out)
+        if g.offload is not None:
+            assert self.offload is not None
+            self.offload.receive(g, out)
+        else:
+            g.ensure_grad_shard().add_(out)
 
     def set_order(self, groups: Sequence[FlatParamGroup]) -> None:
         """Reduce in this order from the next backward on (same on every rank)."""
@@ -155,6 +162,8 @@ class GradReducer:
                 self._launch(self.order[self._next])
             while self._inflight:
                 self._finish_oldest()
+            if self.offload is not None:
+                self.offload.drain()
             self._next = 0
             self._ready = [0] * len(self.order)
         if self.on_backward_end is not None:
@@ -183,6 +192,8 @@ class GradReducer:
             self._fold(g, out)
             assert g.grad_buffer is not None
             g.grad_buffer.zero_()
+        if self.offload is not None:
+            self.offload.drain()
         self._stage1_dirty = False
 
     @staticmethod

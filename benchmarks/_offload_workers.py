@@ -1,0 +1,193 @@
+"""One part of benchmarks/offload.py, run in a process of its own.
+
+    python benchmarks/_offload_workers.py PART ARGS_JSON OUT_JSON
+
+PART is `train-zs`, `train-ds`, `adam-torch` or `adam-ds`. Each part runs alone so that
+a host or device out-of-memory, or a crash in a JIT-built extension, costs only its own
+row, and so that every part starts with the host memory empty. The result (or the
+error) is written to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from gpt import GPT, GPTConfig, parameters_count  # noqa: E402
+
+LR = 1e-4
+GIB = 1024**3
+
+
+def _host_peak_gib() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _init_single_rank(device: torch.device) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTConfig]:
+    cfg = GPTConfig.preset(a["preset"], n_layer=a["layers"], seq_len=a["seq_len"])
+    with torch.device(device):
+        model = GPT(cfg)
+    return model, cfg
+
+
+def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
+    """Time one offloaded training step (bf16 compute, AdamW on the CPU)."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _init_single_rank(device)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model, cfg = _gpt(a, device)
+    step = _setup_zs(model, a) if engine == "zs" else _setup_ds(model, a)
+    init_s = time.perf_counter() - start
+    gen = torch.Generator(device=device).manual_seed(1)
+    shape = (a["micro_batch"], cfg.seq_len)
+    x = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
+    y = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = _time_steps(lambda: step(x, y), device, a["warmup"], a["steps"])
+    return {
+        "params": parameters_count(cfg),
+        "init_s": init_s,
+        "step_s": seconds,
+        "tokens_per_s": a["micro_batch"] * cfg.seq_len / seconds,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB
+        if device.type == "cuda"
+        else 0.0,
+        "host_peak_gib": _host_peak_gib(),
+    }
+
+
+def _setup_zs(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
+    import zeroshard.engine as zs
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
+    config = {"stage": a["stage"], "compute_dtype": "bf16", "offload_optimizer": True}
+    zmodel, zopt = zs.initialize(model, opt, config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        zmodel(x, y).backward()
+        zopt.step()
+        zopt.zero_grad()
+
+    return step
+
+
+def _setup_ds(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
+    import deepspeed  # type: ignore[import-not-found, import-untyped, unused-ignore]
+
+    config = {
+        "train_micro_batch_size_per_gpu": a["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95]}},
+        "zero_optimization": {
+            "stage": a["stage"],
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+        "steps_per_print": 1 << 30,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+    )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.backward(engine(x, y))
+        engine.step()
+
+    return step
+
+
+def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Parameters per second of one AdamW step on CPU fp32 tensors of `a['chunk']` elements."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    n, chunk = a["adam_params"], a["chunk"]
+    if kind == "torch-foreach":
+        n //= 10  # op by op on CPU tensors, with temporaries: bound its time
+    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt: torch.optim.Optimizer
+    if kind == "ds":
+        from deepspeed.ops.adam import (  # type: ignore[import-not-found, import-untyped, unused-ignore]
+            DeepSpeedCPUAdam,
+        )
+
+        opt = DeepSpeedCPUAdam(params, lr=LR, betas=(0.9, 0.95), adamw_mode=True)
+    else:
+        fused = kind == "torch-fused"
+        opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=fused, foreach=not fused)
+    seconds = _time_steps(opt.step, torch.device("cpu"), 1, a["adam_steps"])
+    return {
+        "params": n,
+        "step_s": seconds,
+        "params_per_s": n / seconds,
+        "threads": torch.get_num_threads(),
+        "host_peak_gib": _host_peak_gib(),
+    }
+
+
+def main() -> None:
+    """Run PART with the JSON arguments; write the result or the error to OUT_JSON."""
+    part, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        if part.startswith("train-"):
+            result = train(args, part.removeprefix("train-"))
+        else:
+            result = adam(args, part.removeprefix("adam-"))
+        result["ok"] = True
+    except BaseException as e:  # every failure becomes a row, never a lost run
+        oom = isinstance(e, torch.OutOfMemoryError)
+        why = "GPU out of memory" if oom else f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        result = {"ok": False, "error": why, "trace": traceback.format_exc()[-4000:]}
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
