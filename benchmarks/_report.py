@@ -40,10 +40,13 @@ def environment() -> str:
     )
 
 
-def write_section(name: str, title: str, body: str) -> None:
-    """Replace (or append) section `name` of docs/benchmarks.md with `body`."""
+def write_section(name: str, title: str, body: str, *, measured: str | None = None) -> None:
+    """Replace (or append) section `name` of docs/benchmarks.md with `body`.
+
+    `measured` replaces the environment line, for a report built from runs made elsewhere.
+    """
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    block = f"{start}\n## {title}\n\n{environment()}\n\n{body.rstrip()}\n{end}"
+    block = f"{start}\n## {title}\n\n{measured or environment()}\n\n{body.rstrip()}\n{end}"
     text = DOC.read_text() if DOC.exists() else HEADER
     if start in text and end in text:
         before, rest = text.split(start, 1)
@@ -62,13 +65,13 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def publish(name: str, title: str, body: str, *, smoke: bool) -> None:
+def publish(name: str, title: str, body: str, *, smoke: bool, measured: str | None = None) -> None:
     """A full run replaces section `name` of docs/benchmarks.md; a smoke run writes bench-out/."""
     if smoke:
         SMOKE_OUT.mkdir(exist_ok=True)
         (SMOKE_OUT / f"{name}.md").write_text(body + "\n")
     else:
-        write_section(name, title, body)
+        write_section(name, title, body, measured=measured)
 
 
 def init_ranks(nproc: int, *, cuda: bool) -> torch.device:

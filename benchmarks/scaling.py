@@ -17,6 +17,7 @@ bench-out/scaling.png.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -320,7 +321,11 @@ def main() -> None:
     if plot(all_cells, png) and not smoke:
         body += f"\n\n![tokens/s/GPU against GPUs per engine]({png.name})"
     print(body)
-    publish("scaling", "Scaling: 1, 2, 4 and 8 GPUs", body, smoke=smoke)
+    measured = (
+        f"Built {datetime.date.today().isoformat()} by `scaling.py` from the runs listed "
+        "below (their device, versions and commands are in each JSON file and below)."
+    )
+    publish("scaling", "Scaling: 1, 2, 4 and 8 GPUs", body, smoke=smoke, measured=measured)
 
 
 if __name__ == "__main__":
