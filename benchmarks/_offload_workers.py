@@ -64,7 +64,12 @@ def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, ste
 
 
 def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTConfig]:
-    cfg = GPTConfig.preset(a["preset"], n_layer=a["layers"], seq_len=a["seq_len"])
+    cfg = GPTConfig.preset(
+        a["preset"],
+        n_layer=a["layers"],
+        seq_len=a["seq_len"],
+        activation_checkpointing=a["activation_checkpointing"],
+    )
     with torch.device(device):
         model = GPT(cfg)
     return model, cfg

@@ -44,6 +44,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=34, help="blocks (34 x 7b width: 7.07B)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="recompute each block in backward, in both engines (default on)",
+    )
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
@@ -121,9 +127,11 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
                 "ok" if r.get("ok") else r["error"],
             ]
         )
+    recompute = "on" if args.activation_checkpointing else "off"
     body = (
         f"GPT `{args.preset}` width, {args.layers} blocks, seq {args.seq_len}, micro-batch "
-        f"{args.micro_batch}, bf16 compute, AdamW; median of {args.steps} steps after "
+        f"{args.micro_batch}, activation checkpointing {recompute}, "
+        f"bf16 compute, AdamW; median of {args.steps} steps after "
         f"{args.warmup} warmup. One GPU, one process per row.\n\n"
     )
     body += markdown_table(
@@ -186,6 +194,7 @@ def main() -> None:
             "adam_params",
             "chunk",
             "adam_steps",
+            "activation_checkpointing",
         )
     }
     deadline = time.perf_counter() + args.budget_s
