@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adam-params", type=int, default=10**9)
     p.add_argument("--chunk", type=int, default=32 * 2**20, help="elements per CPU tensor")
     p.add_argument("--adam-steps", type=int, default=3)
+    p.add_argument("--section", default="offload", help="docs/benchmarks.md section to write")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall time for all parts")
     args = p.parse_args()
     if args.smoke:
@@ -212,7 +213,8 @@ def main() -> None:
         print(f"{part}: {json.dumps(results[part])[:300]}", flush=True)
     body = report(args, results)
     print(body)
-    publish("offload", "CPU offload (one GPU)", body, smoke=args.smoke)
+    title = "CPU offload (one GPU)" + (f" ({args.section})" if args.section != "offload" else "")
+    publish(args.section, title, body, smoke=args.smoke)
 
 
 if __name__ == "__main__":
