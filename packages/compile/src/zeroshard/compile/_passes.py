@@ -1,0 +1,170 @@
+"""The graph passes of the default pipeline, each a plain `(graph, context) -> None`.
+
+[Note: the order of the passes]
+CAPTURE: `mark_recompute` tags every gather and its views/casts MUST_RECOMPUTE, except
+the ones `selective_persistence`-style budgeting keeps (MUST_SAVE), so that AOTAutograd
+gathers again in backward instead of saving gathered parameters for it.
+FORWARD / BACKWARD: `fuse_downcast` first (it changes gather sizes, which the budgets
+below read), `gather_at_first_use` sinks each gather to just before it is needed,
+`insert_releases` gives every gathered buffer one release, `free_early` moves each
+release up to just after the buffer's last use, and `prefetch` finally hoists gathers
+ahead of the previous unit's compute while the live gathered bytes stay in budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zeroshard.compile._graph import (
+    aliases,
+    cast_dtype,
+    gathers,
+    is_gather,
+    is_release,
+    nbytes,
+    order,
+    refresh_val,
+    users_of,
+)
+from zeroshard.compile._pipeline import FORWARD_AND_BACKWARD, Phase, PassContext, Pipeline
+
+_RELEASE = torch.ops.zeroshard.release.default
+
+
+def _chain(gather: fx.Node) -> list[fx.Node]:
+    """The gather, its views, and casts of those (the nodes cheap to redo in backward)."""
+    found = set(aliases(gather))
+    for node in list(found):
+        for user in node.users:
+            if cast_dtype(user) is not None:
+                found.update(aliases(user))
+    index = order(gather.graph)
+    return sorted(found, key=index.__getitem__)
+
+
+def mark_recompute(graph: fx.Graph, context: PassContext) -> None:
+    """Tag gathers and their views/casts for recomputation in backward, except the last
+    ones gathered in forward while their bytes fit `context.persist_bytes` (those stay
+    gathered from forward into backward: selective persistence)."""
+    budget = context.persist_bytes
+    # The last gathers of forward are the first needed in backward: persist those first.
+    for gather in reversed(gathers(graph)):
+        size = nbytes(gather)
+        keep = size <= budget
+        if keep:
+            budget -= size
+        policy = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+        for node in _chain(gather):
+            node.meta["recompute"] = policy
+
+
+def fuse_downcast(graph: fx.Graph, context: PassContext) -> None:
+    """Gather in the dtype the parameters are used in: when every use of a gathered buffer
+    (through views) is a cast to one dtype, the gather casts the shard instead, so fewer
+    bytes travel and no full-precision copy of the parameters is ever made."""
+    for gather in gathers(graph):
+        views = aliases(gather)
+        leaves = users_of(views)
+        dtypes = {cast_dtype(u) for u in leaves}
+        if not leaves or len(dtypes) != 1:
+            continue
+        (target,) = dtypes
+        if target is None or target == gather.args[3]:
+            continue
+        gather.update_arg(3, target)
+        for node in views:
+            refresh_val(node)
+        for cast in leaves:
+            source = cast.args[0]
+            assert isinstance(source, fx.Node)
+            cast.replace_all_uses_with(source)
+            graph.erase_node(cast)
+
+
+def gather_at_first_use(graph: fx.Graph, context: PassContext) -> None:
+    """Move each gather (with its views) to just before the first node that needs it."""
+    for gather in gathers(graph):
+        # Latest first: a view moves before its first user, then what it views before it.
+        for node in reversed(aliases(gather)):
+            index = order(graph)
+            if node.users:
+                first = min(node.users, key=index.__getitem__)
+                if index[first] > index[node] + 1:
+                    first.prepend(node)
+
+
+def insert_releases(graph: fx.Graph, context: PassContext) -> None:
+    """Give every gathered buffer that does not escape the graph one `release`, placed just
+    before the output (correct but late; `free_early` moves it up)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for gather in gathers(graph):
+        views = aliases(gather)
+        users = users_of(views)
+        if output in users or any(is_release(u) for u in users):
+            continue  # returned (saved for backward) or already released
+        with graph.inserting_before(output):
+            graph.call_function(_RELEASE, (gather, gather.args[1]))
+
+
+def free_early(graph: fx.Graph, context: PassContext) -> None:
+    """Move each release to just after the last use of its buffer or any view of it."""
+    for release in [n for n in graph.nodes if is_release(n)]:
+        gather = release.args[0]
+        assert isinstance(gather, fx.Node)
+        index = order(graph)
+        uses = [u for u in users_of(aliases(gather)) if u is not release]
+        last = max(uses, key=index.__getitem__, default=None)
+        anchor = last if last is not None else gather
+        if index[anchor] + 1 != index[release]:
+            anchor.append(release)
+
+
+def _live_bytes(graph: fx.Graph) -> list[int]:
+    """Gathered bytes live after each node (a gather adds, its release subtracts)."""
+    live, out = 0, []
+    size: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if is_gather(node):
+            size[node] = nbytes(node)
+            live += size[node]
+        elif is_release(node):
+            gather = node.args[0]
+            assert isinstance(gather, fx.Node)
+            live -= size.get(gather, 0)
+        out.append(live)
+    return out
+
+
+def prefetch(graph: fx.Graph, context: PassContext) -> None:
+    """Issue each gather right after the previous one (ahead of that unit's compute) when
+    the gathered bytes live meanwhile stay within `context.prefetch_bytes`."""
+    found = gathers(graph)
+    for previous, gather in zip(found, found[1:], strict=False):
+        index = order(graph)
+        lo, hi = index[previous], index[gather]
+        if hi == lo + 1:
+            continue
+        inputs = [a for a in gather.all_input_nodes if index[a] > lo]
+        if inputs:
+            continue  # its shard is computed after the previous gather
+        live = _live_bytes(graph)
+        if max(live[lo:hi]) + nbytes(gather) > context.prefetch_bytes:
+            continue
+        previous.append(gather)
+
+
+def default_pipeline() -> Pipeline:
+    """The passes `compile()` runs unless given another pipeline (see [Note: the order of
+    the passes])."""
+    return (
+        Pipeline()
+        .append(mark_recompute, {Phase.CAPTURE})
+        .append(fuse_downcast, FORWARD_AND_BACKWARD)
+        .append(gather_at_first_use, FORWARD_AND_BACKWARD)
+        .append(insert_releases, FORWARD_AND_BACKWARD)
+        .append(free_early, FORWARD_AND_BACKWARD)
+        .append(prefetch, FORWARD_AND_BACKWARD)
+    )
+
