@@ -36,8 +36,11 @@ class FlatSpec:
     world: int
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    # (parameter name, start, end, shape) within the gathered flat buffer.
-    slots: tuple[tuple[str, int, int, tuple[int, ...]], ...]
+    # The gathered buffer is split into these consecutive pieces (parameters, alignment
+    # gaps, padding): one split, whose backward is one concatenation of the gradients.
+    pieces: tuple[int, ...]
+    # (parameter name, index of its piece, shape).
+    slots: tuple[tuple[str, int, tuple[int, ...]], ...]
 
 
 def flat_specs(state: EngineState, stats: GatherStats) -> list[FlatSpec]:
@@ -46,13 +49,25 @@ def flat_specs(state: EngineState, stats: GatherStats) -> list[FlatSpec]:
     for g in state.groups:
         assert g.param_buffer is not None
         key = register_target(g.group, stats, f"flat group {g.index}")
-        slots = tuple(
-            (name, s.offset, s.end, tuple(s.shape))
-            for name, s in zip(g.names, g.layout.slots, strict=True)
-        )
+        pieces: list[int] = []
+        slots = []
+        end = 0
+        for name, s in zip(g.names, g.layout.slots, strict=True):
+            if s.offset > end:
+                pieces.append(s.offset - end)
+            slots.append((name, len(pieces), tuple(s.shape)))
+            pieces.append(s.end - s.offset)
+            end = s.end
+        if g.layout.padded_numel > end:
+            pieces.append(g.layout.padded_numel - end)
         specs.append(
             FlatSpec(
-                key, g.group.size, g.param_buffer.dtype, state.config.grad_reduce_dtype, slots
+                key,
+                g.group.size,
+                g.param_buffer.dtype,
+                state.config.grad_reduce_dtype,
+                tuple(pieces),
+                tuple(slots),
             )
         )
     return specs
@@ -69,8 +84,9 @@ def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
             )
             if spec.compute_dtype != torch.float32:
                 full = full.to(spec.compute_dtype)
-            for name, start, end, shape in spec.slots:
-                params[name] = full[start:end].view(shape)
+            split = full.split(spec.pieces)
+            for name, piece, shape in spec.slots:
+                params[name] = split[piece].view(shape)
         return torch.func.functional_call(model, params, args, kwargs)
 
     return forward

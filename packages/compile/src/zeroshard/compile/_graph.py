@@ -18,12 +18,16 @@ from zeroshard.compile import _ops  # noqa: F401
 _aten = torch.ops.aten
 _GATHER = torch.ops.zeroshard.gather
 _RELEASE = torch.ops.zeroshard.release
+_REDUCE = torch.ops.zeroshard.reduce_scatter
 
 # Ops whose output shares the input's memory: a use of them is a use of the gathered buffer.
 _VIEW_TARGETS: frozenset[object] = frozenset(
     {
         operator.getitem,
+        torch.split,
         _aten.slice.Tensor,
+        _aten.split.Tensor,
+        _aten.split_with_sizes.default,
         _aten.view.default,
         _aten.reshape.default,
         _aten._unsafe_view.default,
@@ -37,12 +41,17 @@ _VIEW_TARGETS: frozenset[object] = frozenset(
         _aten.squeeze.dim,
     }
 )
-_VIEW_METHODS = frozenset({"view", "reshape", "t", "permute", "transpose", "expand", "unsqueeze"})
+_VIEW_METHODS = frozenset({"split", "view", "reshape", "t", "permute", "transpose", "expand", "unsqueeze"})
 
 
 def is_gather(node: fx.Node) -> bool:
     """Whether `node` calls `zeroshard::gather`."""
     return node.op == "call_function" and node.target in (_GATHER, _GATHER.default)
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    """Whether `node` calls `zeroshard::reduce_scatter`."""
+    return node.op == "call_function" and node.target in (_REDUCE, _REDUCE.default)
 
 
 def is_release(node: fx.Node) -> bool:

@@ -22,6 +22,7 @@ from zeroshard.compile._graph import (
     cast_dtype,
     gathers,
     is_gather,
+    is_reduce_scatter,
     is_release,
     nbytes,
     order,
@@ -108,8 +109,44 @@ def insert_releases(graph: fx.Graph, context: PassContext) -> None:
             graph.call_function(_RELEASE, (gather, gather.args[1]))
 
 
+def _hoist(node: fx.Node) -> None:
+    """Move `node` up to just after the latest of its inputs (after the placeholders when
+    it has none, e.g. a `zeros`)."""
+    index = order(node.graph)
+    latest = max(node.all_input_nodes, key=index.__getitem__, default=None)
+    if latest is None:
+        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
+        if not placeholders:
+            return
+        latest = placeholders[-1]
+    if index[latest] + 1 < index[node]:
+        latest.append(node)
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """Every node `node` depends on (placeholders excluded), in graph order."""
+    found: set[fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in found and n.op != "placeholder":
+            found.add(n)
+            todo.extend(n.all_input_nodes)
+    index = order(node.graph)
+    return sorted(found, key=index.__getitem__)
+
+
 def free_early(graph: fx.Graph, context: PassContext) -> None:
-    """Move each release to just after the last use of its buffer or any view of it."""
+    """Free gathered and gradient buffers as soon as possible: move each reduce-scatter,
+    with what computes its full gradient, to as soon as its inputs allow (that gradient
+    then dies there rather than at the end of backward), then each release to just after
+    the last use of its buffer or any view of it."""
+    # Gathers stay where `gather_at_first_use` (or `prefetch`) put them.
+    gathered = {a for g in gathers(graph) for a in aliases(g)}
+    for rs in [n for n in graph.nodes if is_reduce_scatter(n)]:
+        for node in [*_ancestors(rs), rs]:
+            if node not in gathered:
+                _hoist(node)
     for release in [n for n in graph.nodes if is_release(n)]:
         gather = release.args[0]
         assert isinstance(gather, fx.Node)
