@@ -50,7 +50,9 @@ def make_backend(
                 return compile_fx_inner(g, inputs, **kwargs)
 
             patches = dict(options) if options else None
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+            return compile_fx(
+                gm, example_inputs, inner_compile=inner_compile, config_patches=patches
+            )
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -77,4 +79,3 @@ def capture_errors() -> tuple[type[BaseException], ...]:
     from torch._dynamo import exc
 
     return (exc.TorchDynamoException,)
-

@@ -41,7 +41,9 @@ _VIEW_TARGETS: frozenset[object] = frozenset(
         _aten.squeeze.dim,
     }
 )
-_VIEW_METHODS = frozenset({"split", "view", "reshape", "t", "permute", "transpose", "expand", "unsqueeze"})
+_VIEW_METHODS = frozenset(
+    {"split", "view", "reshape", "t", "permute", "transpose", "expand", "unsqueeze"}
+)
 
 
 def is_gather(node: fx.Node) -> bool:

@@ -114,7 +114,9 @@ def _reduce_scatter_fake(full: torch.Tensor, key: int, world: int) -> torch.Tens
     return full.new_empty(full.numel() // world)
 
 
-def _gather_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object) -> None:
+def _gather_setup(
+    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object
+) -> None:
     shard, key, world, _, reduce_dtype = inputs
     assert isinstance(shard, torch.Tensor)
     ctx.key, ctx.world, ctx.reduce_dtype, ctx.shard_dtype = key, world, reduce_dtype, shard.dtype  # type: ignore[attr-defined]

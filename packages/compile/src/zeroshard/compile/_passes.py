@@ -13,6 +13,8 @@ ahead of the previous unit's compute while the live gathered bytes stay in budge
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -29,7 +31,7 @@ from zeroshard.compile._graph import (
     refresh_val,
     users_of,
 )
-from zeroshard.compile._pipeline import FORWARD_AND_BACKWARD, Phase, PassContext, Pipeline
+from zeroshard.compile._pipeline import FORWARD_AND_BACKWARD, PassContext, Phase, Pipeline
 
 _RELEASE = torch.ops.zeroshard.release.default
 
@@ -175,21 +177,29 @@ def _live_bytes(graph: fx.Graph) -> list[int]:
 
 
 def prefetch(graph: fx.Graph, context: PassContext) -> None:
-    """Issue each gather right after the previous one (ahead of that unit's compute) when
-    the gathered bytes live meanwhile stay within `context.prefetch_bytes`."""
+    """Issue each gather as early as the budget allows, but not before the previous one:
+    the gathered bytes live at every node it moves ahead of, plus its own, must stay
+    within `context.prefetch_bytes`. Gathers keep their order (every rank issues the same
+    collectives in the same order)."""
     found = gathers(graph)
-    for previous, gather in zip(found, found[1:], strict=False):
+    for previous, gather in itertools.pairwise(found):
         index = order(graph)
         lo, hi = index[previous], index[gather]
-        if hi == lo + 1:
-            continue
-        inputs = [a for a in gather.all_input_nodes if index[a] > lo]
-        if inputs:
-            continue  # its shard is computed after the previous gather
+        size = nbytes(gather)
         live = _live_bytes(graph)
-        if max(live[lo:hi]) + nbytes(gather) > context.prefetch_bytes:
-            continue
-        previous.append(gather)
+        inputs = [index[a] for a in gather.all_input_nodes]
+        earliest = max([lo, *inputs])
+        best = hi - 1
+        peak = 0
+        # Walk back from the gather: `live[p]` is what is live while a gather placed after
+        # node p would run and hold its buffer.
+        for p in range(hi - 1, earliest - 1, -1):
+            peak = max(peak, live[p])
+            if peak + size > context.prefetch_bytes:
+                break
+            best = p
+        if best < hi - 1:
+            list(graph.nodes)[best].append(gather)
 
 
 def default_pipeline() -> Pipeline:
@@ -204,4 +214,3 @@ def default_pipeline() -> Pipeline:
         .append(free_early, FORWARD_AND_BACKWARD)
         .append(prefetch, FORWARD_AND_BACKWARD)
     )
-

@@ -57,9 +57,7 @@ class Pipeline:
 
     steps: tuple[Step, ...] = ()
 
-    def append(
-        self, fn: GraphPass, phases: Iterable[Phase] = FORWARD_AND_BACKWARD
-    ) -> Pipeline:
+    def append(self, fn: GraphPass, phases: Iterable[Phase] = FORWARD_AND_BACKWARD) -> Pipeline:
         """This pipeline with `fn` run last in `phases`."""
         return Pipeline((*self.steps, Step(fn, frozenset(phases))))
 
