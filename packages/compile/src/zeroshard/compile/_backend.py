@@ -54,7 +54,7 @@ def make_backend(
                 gm, example_inputs, inner_compile=inner_compile, config_patches=patches
             )
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch._aot_autograd.utils import make_boxed_func
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         def compiler(phase: Phase) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
