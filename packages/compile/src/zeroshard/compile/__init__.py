@@ -6,6 +6,7 @@ compiled = zc.compile(model)             # or backend="aot_eager", pipeline=...,
 loss = compiled(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
+from zeroshard.compile._async import issue_async
 from zeroshard.compile._compile import CompiledModel, compile
 from zeroshard.compile._ops import GatherStats
 from zeroshard.compile._passes import (
@@ -33,6 +34,7 @@ __all__ = [
     "fuse_downcast",
     "gather_at_first_use",
     "insert_releases",
+    "issue_async",
     "mark_recompute",
     "prefetch",
 ]

@@ -130,13 +130,17 @@ def nbytes(node: fx.Node) -> int:
 
 
 def refresh_val(node: fx.Node) -> None:
-    """Recompute `node.meta['val']` from its inputs' traced values (after a rewrite)."""
-    if node.op != "call_function" or "val" not in node.meta:
+    """(Re)compute `node.meta['val']` from its inputs' traced values (after a rewrite);
+    nothing when the inputs carry none (a hand-built graph)."""
+    if node.op != "call_function":
         return
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    mode = getattr(node.meta["val"], "fake_mode", None)
+    vals = [n.meta.get("val") for n in node.all_input_nodes]
+    if not vals or not all(isinstance(v, torch.Tensor) for v in vals):
+        return
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     target = node.target
     assert callable(target)
+    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
     if mode is None:
         node.meta["val"] = target(*args, **kwargs)
         return

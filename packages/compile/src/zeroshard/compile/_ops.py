@@ -145,10 +145,38 @@ def release(buffer: torch.Tensor, key: int) -> None:
     _target(key).stats.live_bytes -= buffer.nbytes
 
 
+@torch.library.custom_op("zeroshard::account", mutates_args=())
+def account(buffer: torch.Tensor, key: int, reduced: bool) -> None:
+    """Count a gather (or, if `reduced`, a reduce-scatter) of `buffer` that torch's
+    functional collectives ran (see `issue_async`)."""
+    stats = _target(key).stats
+    if reduced:
+        stats.reduce_scatters += 1
+        stats.bytes_reduced += buffer.nbytes
+        return
+    stats.gathers += 1
+    stats.bytes_gathered += buffer.nbytes
+    stats.live_bytes += buffer.nbytes
+    stats.peak_live_bytes = max(stats.peak_live_bytes, stats.live_bytes)
+
+
+@account.register_fake
+def _account_fake(buffer: torch.Tensor, key: int, reduced: bool) -> None:
+    return None
+
+
+def group_name(key: int) -> str:
+    """The name torch's functional collectives know the process group of `key` by."""
+    pg = _target(key).group.pg or torch.distributed.group.WORLD
+    assert pg is not None
+    return str(pg.group_name)
+
+
 @release.register_fake
 def _release_fake(buffer: torch.Tensor, key: int) -> None:
     return None
 
 
-# Dead-code elimination must keep `release` although nothing reads its (empty) result.
+# Dead-code elimination must keep these although nothing reads their (empty) results.
 torch.fx.node.has_side_effect(torch.ops.zeroshard.release.default)
+torch.fx.node.has_side_effect(torch.ops.zeroshard.account.default)

@@ -19,6 +19,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zeroshard.compile._async import issue_async
 from zeroshard.compile._graph import (
     aliases,
     cast_dtype,
@@ -213,4 +214,5 @@ def default_pipeline() -> Pipeline:
         .append(insert_releases, FORWARD_AND_BACKWARD)
         .append(free_early, FORWARD_AND_BACKWARD)
         .append(prefetch, FORWARD_AND_BACKWARD)
+        .append(issue_async, FORWARD_AND_BACKWARD)
     )
