@@ -140,7 +140,7 @@ def refresh_val(node: fx.Node) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     target = node.target
     assert callable(target)
-    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    mode = next((getattr(v, "fake_mode", None) for v in vals if hasattr(v, "fake_mode")), None)
     if mode is None:
         node.meta["val"] = target(*args, **kwargs)
         return
