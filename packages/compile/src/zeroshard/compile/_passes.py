@@ -53,14 +53,26 @@ def mark_recompute(graph: fx.Graph, context: PassContext) -> None:
     ones gathered in forward while their bytes fit `context.persist_bytes` (those stay
     gathered from forward into backward: selective persistence)."""
     budget = context.persist_bytes
-    # The last gathers of forward are the first needed in backward: persist those first.
-    for gather in reversed(gathers(graph)):
-        size = nbytes(gather)
+    index = order(graph)
+
+    def first_use(gather: fx.Node) -> int:
+        return min((index[u] for u in users_of(_chain(gather))), default=len(index))
+
+    # Capture leaves every gather at the top: rank them by first use. The last used in
+    # forward are the first needed in backward: persist those first.
+    for gather in sorted(gathers(graph), key=first_use, reverse=True):
+        chain = _chain(gather)
+        # What is kept is the buffer in the dtype it is used in (fuse_downcast gathers in it).
+        dtype = gather.args[3]
+        assert isinstance(dtype, torch.dtype)
+        used = [d for d in map(cast_dtype, chain) if d is not None]
+        itemsize = min([dtype.itemsize, *(d.itemsize for d in used)])
+        size = nbytes(gather) // dtype.itemsize * itemsize
         keep = size <= budget
         if keep:
             budget -= size
         policy = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
-        for node in _chain(gather):
+        for node in chain:
             node.meta["recompute"] = policy
 
 
