@@ -167,7 +167,7 @@ def test_prefetch_within_budget_only() -> None:
 def test_mark_recompute_persists_the_last_gathers_within_budget() -> None:
     one = 4 * 4 * 2  # a weight is kept in the dtype it is used in: bf16
     g = mlp_graph(cast=torch.bfloat16)
-    zc.mark_recompute(g, ctx(zc.Phase.CAPTURE, persist=one))
+    zc.mark_recompute(g, ctx(zc.Phase.JOINT, persist=one))
     policies = [n.meta.get("recompute") for n in gather_nodes(g)]
     assert policies == [CheckpointPolicy.MUST_RECOMPUTE] * 2 + [CheckpointPolicy.MUST_SAVE]
     first = gather_nodes(g)[0]

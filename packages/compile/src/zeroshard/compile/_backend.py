@@ -1,10 +1,10 @@
 """The torch.compile backend: run the pipeline on the captured, forward and backward graphs.
 
-The capture pass runs on Dynamo's graph; its recompute tags travel with the nodes into
-AOTAutograd's joint graph (node meta "recompute" is copied to the aten nodes traced from
-each node), where the min-cut partitioner honours them. The forward and backward graphs
-then go through the pipeline's FORWARD / BACKWARD passes and on to inductor
-(`compile_fx_inner`) or, for `aot_eager`, run as traced.
+CAPTURE passes run on Dynamo's graph, JOINT passes on AOTAutograd's joint graph just
+before the min-cut partitioner (which honours their recompute/save tags) splits it:
+through inductor's `joint_custom_pre_pass`, or a partition function for `aot_eager`.
+The forward and backward graphs then go through the FORWARD / BACKWARD passes and on to
+inductor (`compile_fx_inner`) or, for `aot_eager`, run as traced.
 """
 
 from __future__ import annotations
@@ -49,7 +49,13 @@ def make_backend(
                 apply(g, Phase.BACKWARD if kwargs.get("is_backward") else Phase.FORWARD)
                 return compile_fx_inner(g, inputs, **kwargs)
 
-            patches = dict(options) if options else None
+            patches = dict(options or {})
+            if "joint_custom_pre_pass" in patches:
+                raise ValueError(
+                    "options['joint_custom_pre_pass'] is taken by zeroshard.compile; "
+                    "add a JOINT pass to the pipeline instead"
+                )
+            patches["joint_custom_pre_pass"] = _joint_pass(pipeline, context(Phase.JOINT))
             return compile_fx(
                 gm, example_inputs, inner_compile=inner_compile, config_patches=patches
             )
@@ -64,14 +70,33 @@ def make_backend(
 
             return run
 
+        def partition(joint: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            apply(joint, Phase.JOINT)
+            # The min-cut partitioner is the one that honours the recompute tags.
+            return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
         return aot_autograd(
             fw_compiler=compiler(Phase.FORWARD),
             bw_compiler=compiler(Phase.BACKWARD),
-            # The min-cut partitioner is the one that honours the recompute tags.
-            partition_fn=min_cut_rematerialization_partition,
+            partition_fn=partition,
         )(gm, example_inputs)
 
     return backend
+
+
+def _joint_pass(pipeline: Pipeline, context: PassContext) -> Any:
+    """The pipeline's JOINT steps as an inductor joint-graph pass."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class JointPass(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            pipeline.run(graph, context)
+
+        def uuid(self) -> None:
+            # User passes cannot be hashed: no inductor FX-graph cache for these graphs.
+            return None
+
+    return JointPass()
 
 
 def capture_errors() -> tuple[type[BaseException], ...]:

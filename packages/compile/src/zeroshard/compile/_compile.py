@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -14,6 +15,8 @@ from zeroshard.compile._ops import GatherStats, unregister_target
 from zeroshard.compile._passes import default_pipeline
 from zeroshard.compile._pipeline import Pipeline
 from zeroshard.engine import engine_state
+
+log = logging.getLogger("zeroshard.compile")
 
 DEFAULT_PREFETCH_BYTES = 512 * 2**20
 DEFAULT_PERSIST_BYTES = 0
@@ -98,7 +101,11 @@ class CompiledModel:
                 raise
             # Dynamo fails before the graph runs, on every rank alike (the model code is
             # the same), so no rank has issued a collective the others will not.
-            self._fall_back(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            # A failing backend or pass is wrapped by Dynamo: name the error inside.
+            cause = e.__cause__ or e
+            text = str(cause).strip().splitlines()
+            self._fall_back(f"{type(cause).__name__}: {text[0] if text else ''}")
+            log.debug("zeroshard.compile: capture failed", exc_info=e)
         finally:
             runtime.hooks_enabled = True
         return self.module(*args, **kwargs)

@@ -1,9 +1,9 @@
 """The graph passes of the default pipeline, each a plain `(graph, context) -> None`.
 
 [Note: the order of the passes]
-CAPTURE: `mark_recompute` tags every gather and its views/casts MUST_RECOMPUTE, except
-the ones `selective_persistence`-style budgeting keeps (MUST_SAVE), so that AOTAutograd
-gathers again in backward instead of saving gathered parameters for it.
+JOINT: `mark_recompute` tags every gather and its views and casts (autocast's included)
+MUST_RECOMPUTE, except the ones the persistence budget keeps (MUST_SAVE), so that the
+partitioner gathers again in backward instead of saving gathered parameters for it.
 FORWARD / BACKWARD: `fuse_downcast` first (it changes gather sizes, which the budgets
 below read), `gather_at_first_use` sinks each gather to just before it is needed,
 `insert_releases` gives every gathered buffer one release, `free_early` moves each
@@ -220,7 +220,7 @@ def default_pipeline() -> Pipeline:
     the passes])."""
     return (
         Pipeline()
-        .append(mark_recompute, {Phase.CAPTURE})
+        .append(mark_recompute, {Phase.JOINT})
         .append(fuse_downcast, FORWARD_AND_BACKWARD)
         .append(gather_at_first_use, FORWARD_AND_BACKWARD)
         .append(insert_releases, FORWARD_AND_BACKWARD)

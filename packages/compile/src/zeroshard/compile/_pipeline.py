@@ -2,8 +2,10 @@
 
 A pass is a plain function `(graph, context) -> None` that edits the graph in place.
 Each step of a pipeline names the phases it runs in:
-- CAPTURE: Dynamo's torch-level graph of forward, before AOTAutograd traces backward
-  (what is marked there, e.g. recompute or save, steers AOTAutograd's partitioner);
+- CAPTURE: Dynamo's torch-level graph of forward, before AOTAutograd traces backward;
+- JOINT: AOTAutograd's aten-level joint forward+backward graph, before it is split
+  into forward and backward (recompute/save tags set here steer that split; autocast's
+  casts exist from here on);
 - FORWARD and BACKWARD: the aten-level graphs AOTAutograd hands to the compiler.
 """
 
@@ -20,6 +22,7 @@ class Phase(Enum):
     """Which graph a pass sees."""
 
     CAPTURE = "capture"
+    JOINT = "joint"
     FORWARD = "forward"
     BACKWARD = "backward"
 
