@@ -4,7 +4,8 @@ World 2 on real process groups. fp32: losses, grad norms and final parameters ma
 plain single-process reference (which sees the global batch) at rtol 1e-5 / atol 1e-6,
 and the eager zeroshard losses at the same tolerance. bf16 compute: losses within 2e-2 of
 eager zeroshard bf16, and the fused downcast halves the bytes gathered (no fp32 gather).
-Recompilation: one capture over all steps. The fp32 case runs inductor; the others use
+Recompilation: one capture over all steps, for each of several models compiled in one
+process (no Dynamo reset between the cases). The fp32 case runs inductor; the others use
 backend="aot_eager" (the same graphs and passes, without C++ compilation on 2 shared
 cores).
 """
@@ -59,7 +60,6 @@ def _train(
 
 
 def _fp32_case(device: str, accum: int, clip: bool, backend: str) -> None:
-    torch._dynamo.reset()
     world = dist.get_world_size()
     base = make_model(seed=3 + accum).to(device)
     batches = global_batches(STEPS, accum, world, MICRO)
@@ -108,7 +108,6 @@ class Branchy(nn.Module):
 
 
 def _fallback_case(device: str) -> None:
-    torch._dynamo.reset()
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -135,7 +134,6 @@ def _fallback_case(device: str) -> None:
 
 
 def _bf16_case(device: str) -> None:
-    torch._dynamo.reset()
     world = dist.get_world_size()
     base = make_model(seed=5).to(device)
     batches = global_batches(STEPS, 1, world, MICRO)

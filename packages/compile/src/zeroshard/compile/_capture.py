@@ -14,6 +14,8 @@ parameters, so their gradients land where `ZeroOptimizer.step()` reads them (see
 
 from __future__ import annotations
 
+import itertools
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,8 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.compile._ops import GatherStats, register_target
 from zeroshard.engine import EngineState
+
+_forwards = itertools.count()
 
 Forward = Callable[[list[torch.Tensor], tuple[Any, ...], dict[str, Any]], Any]
 
@@ -89,7 +93,13 @@ def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
                 params[name] = split[piece].view(shape)
         return torch.func.functional_call(model, params, args, kwargs)
 
-    return forward
+    # Dynamo caches per code object: one of its own for each model, so that a second
+    # model is not a recompilation of the first, which would turn the differing op keys
+    # into symbolic ints (and count against the first's recompile limit).
+    code = forward.__code__.replace(co_name=f"zeroshard_forward_{next(_forwards)}")
+    return types.FunctionType(
+        code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__
+    )
 
 
 def route_grads(state: EngineState) -> list[RemovableHandle]:
