@@ -17,7 +17,7 @@ WORLD = 2
 
 
 def ctx(phase: zc.Phase = zc.Phase.FORWARD, prefetch: int = 0, persist: int = 0) -> zc.PassContext:
-    return zc.PassContext(phase, prefetch, persist)
+    return zc.PassContext(phase, prefetch, persist, 0)
 
 
 def _val(node: fx.Node, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> fx.Node:

@@ -25,6 +25,7 @@ def make_backend(
     *,
     prefetch_bytes: int,
     persist_bytes: int,
+    fuse_bytes: int,
     options: Mapping[str, Any] | None,
     on_compile: Callable[[], None],
 ) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
@@ -33,7 +34,7 @@ def make_backend(
         raise ValueError(f"backend {inner!r} is not supported; use one of {INNER_BACKENDS}")
 
     def context(phase: Phase) -> PassContext:
-        return PassContext(phase, prefetch_bytes, persist_bytes)
+        return PassContext(phase, prefetch_bytes, persist_bytes, fuse_bytes)
 
     def apply(gm: fx.GraphModule, phase: Phase) -> None:
         pipeline.run(gm.graph, context(phase))

@@ -29,11 +29,13 @@ class Phase(Enum):
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass may consult: the phase and the memory budgets (bytes)."""
+    """What a pass may consult: the phase, the memory budgets and the size up to which
+    adjacent gathers are fused into one collective (bytes)."""
 
     phase: Phase
     prefetch_bytes: int
     persist_bytes: int
+    fuse_bytes: int
 
 
 GraphPass = Callable[[fx.Graph, PassContext], None]
