@@ -178,5 +178,5 @@ def _release_fake(buffer: torch.Tensor, key: int) -> None:
 
 
 # Dead-code elimination must keep these although nothing reads their (empty) results.
-torch.fx.node.has_side_effect(torch.ops.zeroshard.release.default)
-torch.fx.node.has_side_effect(torch.ops.zeroshard.account.default)
+for _op in (torch.ops.zeroshard.release.default, torch.ops.zeroshard.account.default):
+    torch.fx.node.has_side_effect(_op)
