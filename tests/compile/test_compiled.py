@@ -170,11 +170,68 @@ def _bf16_case(device: str) -> None:
     assert collectives[zc.Phase.FORWARD] < len(sizes), collectives
 
 
+def _async_case(device: str, fuse_bytes: int) -> None:
+    """`issue_async` on a hand-built graph, run for real: three small gathers chained as
+    prefetch leaves them (fused into one collective when `fuse_bytes` allows), and two
+    reduce-scatters, the first finished before the second starts."""
+    from zeroshard.comm import Group
+    from zeroshard.compile._graph import refresh_val
+    from zeroshard.compile._ops import register_target
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ops = torch.ops
+    stats = zc.GatherStats()
+    keys = [register_target(Group(), stats, f"test {i}") for i in range(3)]
+    sizes, rs_sizes = [3, 5, 4], [6, 8]
+    g = fx.Graph()
+    inputs = [g.placeholder(f"in{i}") for i in range(5)]
+    for node, size in zip(inputs, [*sizes, *rs_sizes], strict=True):
+        node.meta["val"] = torch.empty(size, device="meta")
+    full = [
+        g.call_function(ops.zeroshard.gather.default, (x, k, world, torch.float32, torch.float32))
+        for x, k in zip(inputs, keys, strict=False)
+    ]
+    outs = [g.call_function(ops.aten.mul.Tensor, (f, 2.0)) for f in full]
+    for f, k in zip(full, keys, strict=True):
+        g.call_function(ops.zeroshard.release.default, (f, k))
+    rs = [
+        g.call_function(ops.zeroshard.reduce_scatter.default, (x, keys[0], world))
+        for x in inputs[3:]
+    ]
+    g.output((*outs, *rs))
+    for node in [*full, *outs, *rs]:
+        refresh_val(node)
+    zc.issue_async(g, zc.PassContext(zc.Phase.FORWARD, 0, 0, fuse_bytes))
+    g.lint()
+    index = {n: i for i, n in enumerate(g.nodes)}
+    c10d = ops._c10d_functional
+    starts = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert len(starts) == (1 if fuse_bytes else 3)
+    rs_starts = [n for n in g.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    (first_wait,) = rs_starts[0].users
+    assert index[first_wait] < index[rs_starts[1]]
+    gm = fx.GraphModule(nn.Module(), g)
+    shards = [
+        torch.arange(n, dtype=torch.float32) + 10 * rank + 100 * i for i, n in enumerate(sizes)
+    ]
+    grads = [torch.arange(n, dtype=torch.float32) * (rank + 1) for n in rs_sizes]
+    results = gm(*[t.to(device) for t in [*shards, *grads]])
+    for i, n in enumerate(sizes):
+        every = [torch.arange(n, dtype=torch.float32) + 10 * r + 100 * i for r in range(world)]
+        torch.testing.assert_close(results[i].cpu(), 2 * torch.cat(every), rtol=0, atol=0)
+    for j, n in enumerate(rs_sizes):
+        mean = torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1)) / world
+        torch.testing.assert_close(results[3 + j].cpu(), mean.chunk(world)[rank])
+    assert (stats.gathers, stats.reduce_scatters, stats.live_bytes) == (3, 2, 0)
+
+
 def _cases(device: str) -> None:
     cases = [
         {"case": "fp32", "accum": 2, "clip": True},
         {"case": "bf16"},
         {"case": "fallback"},
+        {"case": "async", "fuse_bytes": 0},
+        {"case": "async", "fuse_bytes": 1024},
     ]
 
     def body(case: str, **kw: Any) -> None:
@@ -182,6 +239,8 @@ def _cases(device: str) -> None:
             _fp32_case(device, backend="inductor", **kw)
         elif case == "bf16":
             _bf16_case(device)
+        elif case == "async":
+            _async_case(device, **kw)
         else:
             _fallback_case(device)
 
