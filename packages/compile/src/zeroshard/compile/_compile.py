@@ -45,7 +45,6 @@ class CompiledModel:
         self.stats = GatherStats()
         self.compiles = 0
         self.eager = False
-        self._warned = False
         state = engine_state(model)
         self._state = state
         self._shards = [g.master for g in state.groups]
@@ -80,14 +79,13 @@ class CompiledModel:
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"zeroshard.compile: cannot capture this model ({reason}); "
-                "running the eager zeroshard model instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        # Once: every later call goes straight to the eager model.
+        warnings.warn(
+            f"zeroshard.compile: cannot capture this model ({reason}); "
+            "running the eager zeroshard model instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through the compiled graph (capturing it on first call)."""
@@ -106,7 +104,7 @@ class CompiledModel:
             # Dynamo fails before the graph runs, on every rank alike (the model code is
             # the same), so no rank has issued a collective the others will not.
             # A failing backend or pass is wrapped by Dynamo: name the error inside.
-            cause = e.__cause__ or e
+            cause = getattr(e, "inner_exception", None) or e.__cause__ or e
             text = str(cause).strip().splitlines()
             self._fall_back(f"{type(cause).__name__}: {text[0] if text else ''}")
             log.debug("zeroshard.compile: capture failed", exc_info=e)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,21 +115,17 @@ def _reduce_scatter_fake(full: torch.Tensor, key: int, world: int) -> torch.Tens
     return full.new_empty(full.numel() // world)
 
 
-def _gather_setup(
-    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object
-) -> None:
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     shard, key, world, _, reduce_dtype = inputs
-    assert isinstance(shard, torch.Tensor)
-    ctx.key, ctx.world, ctx.reduce_dtype, ctx.shard_dtype = key, world, reduce_dtype, shard.dtype  # type: ignore[attr-defined]
+    ctx.key, ctx.world, ctx.reduce_dtype, ctx.shard_dtype = key, world, reduce_dtype, shard.dtype
 
 
-def _gather_backward(
-    ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-) -> tuple[torch.Tensor, None, None, None, None]:
-    c: object = ctx
-    full = grad.to(c.reduce_dtype)  # type: ignore[attr-defined]
-    shard = torch.ops.zeroshard.reduce_scatter(full, c.key, c.world)  # type: ignore[attr-defined]
-    return shard.to(c.shard_dtype), None, None, None, None  # type: ignore[attr-defined]
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    # The gradient of a gather is the reduce-scatter of the full gradient (in the reduce
+    # dtype), back in the shard's dtype.
+    full = grad.to(ctx.reduce_dtype)
+    shard = torch.ops.zeroshard.reduce_scatter(full, ctx.key, ctx.world)
+    return shard.to(ctx.shard_dtype), None, None, None, None
 
 
 gather.register_autograd(_gather_backward, setup_context=_gather_setup)
