@@ -138,6 +138,9 @@ class Stage3Runtime:
         # never step (and so never verify) gather forever.
         self._sequence: deque[str] = deque(maxlen=64)
         self._hash = 0
+        # False while something else (zeroshard.compile) gathers and releases: the hooks
+        # then do nothing.
+        self.hooks_enabled = True
         for u in self.units:
             u.module.register_forward_pre_hook(self._make_pre_forward(u))
             u.module.register_forward_hook(self._make_post_forward(u))
@@ -230,6 +233,8 @@ class Stage3Runtime:
     # -- forward -------------------------------------------------------------------------
     def _make_pre_forward(self, u: Unit) -> Any:
         def pre_forward(module: nn.Module, args: Any) -> None:
+            if not self.hooks_enabled:
+                return
             if _in_backward():
                 self.gather(u)  # recomputation under activation checkpointing
                 return
@@ -254,7 +259,7 @@ class Stage3Runtime:
 
     def _make_post_forward(self, u: Unit) -> Any:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():
+            if not self.hooks_enabled or _in_backward():
                 return
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:

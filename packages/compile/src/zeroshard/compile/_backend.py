@@ -1,0 +1,107 @@
+"""The torch.compile backend: run the pipeline on the captured, forward and backward graphs.
+
+CAPTURE passes run on Dynamo's graph, JOINT passes on AOTAutograd's joint graph just
+before the min-cut partitioner (which honours their recompute/save tags) splits it:
+through inductor's `joint_custom_pre_pass`, or a partition function for `aot_eager`.
+The forward and backward graphs then go through the FORWARD / BACKWARD passes and on to
+inductor (`compile_fx_inner`) or, for `aot_eager`, run as traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import fx
+
+from zeroshard.compile._pipeline import PassContext, Phase, Pipeline
+
+INNER_BACKENDS = ("inductor", "aot_eager")
+
+
+def make_backend(
+    pipeline: Pipeline,
+    inner: str,
+    *,
+    prefetch_bytes: int,
+    persist_bytes: int,
+    fuse_bytes: int,
+    options: Mapping[str, Any] | None,
+    on_compile: Callable[[], None],
+) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
+    """A Dynamo backend running `pipeline`, then `inner` ("inductor" or "aot_eager")."""
+    if inner not in INNER_BACKENDS:
+        raise ValueError(f"backend {inner!r} is not supported; use one of {INNER_BACKENDS}")
+
+    def context(phase: Phase) -> PassContext:
+        return PassContext(phase, prefetch_bytes, persist_bytes, fuse_bytes)
+
+    def apply(gm: fx.GraphModule, phase: Phase) -> None:
+        pipeline.run(gm.graph, context(phase))
+        gm.recompile()
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        on_compile()
+        apply(gm, Phase.CAPTURE)
+        if inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+                apply(g, Phase.BACKWARD if kwargs.get("is_backward") else Phase.FORWARD)
+                return compile_fx_inner(g, inputs, **kwargs)
+
+            patches = dict(options or {})
+            if "joint_custom_pre_pass" in patches:
+                raise ValueError(
+                    "options['joint_custom_pre_pass'] is taken by zeroshard.compile; "
+                    "add a JOINT pass to the pipeline instead"
+                )
+            patches["joint_custom_pre_pass"] = _joint_pass(pipeline, context(Phase.JOINT))
+            return compile_fx(
+                gm, example_inputs, inner_compile=inner_compile, config_patches=patches
+            )
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch._aot_autograd.utils import make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def compiler(phase: Phase) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
+            def run(g: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+                apply(g, phase)
+                return make_boxed_func(g.forward)
+
+            return run
+
+        def partition(joint: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            apply(joint, Phase.JOINT)
+            # The min-cut partitioner is the one that honours the recompute tags.
+            return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+        return aot_autograd(
+            fw_compiler=compiler(Phase.FORWARD),
+            bw_compiler=compiler(Phase.BACKWARD),
+            partition_fn=partition,
+        )(gm, example_inputs)
+
+    return backend
+
+
+def _joint_pass(pipeline: Pipeline, context: PassContext) -> Any:
+    """The pipeline's JOINT steps as an inductor joint-graph pass."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class JointPass(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            pipeline.run(graph, context)
+
+        def uuid(self) -> None:
+            # User passes cannot be hashed: no inductor FX-graph cache for these graphs.
+            return None
+
+    return JointPass()
+
+
+def capture_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean Dynamo could not capture the model (not a runtime failure)."""
+    from torch._dynamo import exc
+
+    return (exc.TorchDynamoException,)

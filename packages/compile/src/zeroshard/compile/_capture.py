@@ -1,0 +1,121 @@
+"""The functional capture: a stage-3 model's forward as a function of its flat shards.
+
+[Note: functional capture]
+Eager stage 3 gathers in module hooks, which Dynamo cannot keep in one graph. Here the
+forward is rewritten as `forward(shards, args, kwargs)`: every flat group's fp32 master
+shard is gathered with `zeroshard::gather` (then cast to the compute dtype, which
+`fuse_downcast` folds into the gather), viewed into the group's parameters, and the
+module runs through `torch.func.functional_call` with those views. Dynamo sees one graph
+with no break at unit boundaries; AOTAutograd derives backward from the gather's autograd
+formula (a reduce-scatter into the shard's gradient). The shards are the real master
+parameters, so their gradients land where `ZeroOptimizer.step()` reads them (see
+`route_grads`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard.compile._ops import GatherStats, register_target
+from zeroshard.engine import EngineState
+
+_forwards = itertools.count()
+
+Forward = Callable[[list[torch.Tensor], tuple[Any, ...], dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class FlatSpec:
+    """How one flat group is gathered and viewed into its parameters inside the graph."""
+
+    key: int
+    world: int
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    # The gathered buffer is split into these consecutive pieces (parameters, alignment
+    # gaps, padding): one split, whose backward is one concatenation of the gradients.
+    pieces: tuple[int, ...]
+    # (parameter name, index of its piece, shape).
+    slots: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+
+def flat_specs(state: EngineState, stats: GatherStats) -> list[FlatSpec]:
+    """One spec per flat group of `state`, each registered under a fresh op key."""
+    specs = []
+    for g in state.groups:
+        assert g.param_buffer is not None
+        key = register_target(g.group, stats, f"flat group {g.index}")
+        pieces: list[int] = []
+        slots = []
+        end = 0
+        for name, s in zip(g.names, g.layout.slots, strict=True):
+            if s.offset > end:
+                pieces.append(s.offset - end)
+            slots.append((name, len(pieces), tuple(s.shape)))
+            pieces.append(s.end - s.offset)
+            end = s.end
+        if g.layout.padded_numel > end:
+            pieces.append(g.layout.padded_numel - end)
+        specs.append(
+            FlatSpec(
+                key,
+                g.group.size,
+                g.param_buffer.dtype,
+                state.config.grad_reduce_dtype,
+                tuple(pieces),
+                tuple(slots),
+            )
+        )
+    return specs
+
+
+def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
+    """`forward(shards, args, kwargs)`: gather every group and run `model` on the views."""
+
+    def forward(shards: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        params: dict[str, torch.Tensor] = {}
+        for spec, shard in zip(specs, shards, strict=True):
+            full = torch.ops.zeroshard.gather(
+                shard, spec.key, spec.world, torch.float32, spec.reduce_dtype
+            )
+            if spec.compute_dtype != torch.float32:
+                full = full.to(spec.compute_dtype)
+            split = full.split(spec.pieces)
+            for name, piece, shape in spec.slots:
+                params[name] = split[piece].view(shape)
+        return torch.func.functional_call(model, params, args, kwargs)
+
+    # Dynamo caches per code object: one of its own for each model, so that a second
+    # model is not a recompilation of the first, which would turn the differing op keys
+    # into symbolic ints (and count against the first's recompile limit).
+    code = forward.__code__.replace(co_name=f"zeroshard_forward_{next(_forwards)}")
+    return types.FunctionType(
+        code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__
+    )
+
+
+def route_grads(state: EngineState) -> list[RemovableHandle]:
+    """Make each master's accumulated gradient the engine's gradient shard.
+
+    Autograd accumulates into `master.grad` (set, or added to when already set); the
+    engine's optimizer reads `grad_shard`, which must be that same tensor.
+    """
+    handles = []
+    for g in state.groups:
+        if not g.trainable:
+            continue
+
+        def hook(master: torch.Tensor, g: Any = g) -> None:
+            g.grad_shard = master.grad
+
+        register = g.master.register_post_accumulate_grad_hook  # untyped in torch
+        handles.append(register(hook))  # type: ignore[no-untyped-call]
+    return handles

@@ -1,0 +1,161 @@
+"""`compile(model)`: a zeroshard stage-3 model as one compiled graph, or eager with a warning."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.compile._backend import capture_errors, make_backend
+from zeroshard.compile._capture import flat_specs, gathered_forward, route_grads
+from zeroshard.compile._ops import GatherStats, unregister_target
+from zeroshard.compile._passes import default_pipeline
+from zeroshard.compile._pipeline import Pipeline
+from zeroshard.engine import engine_state
+
+log = logging.getLogger("zeroshard.compile")
+
+DEFAULT_PREFETCH_BYTES = 512 * 2**20
+DEFAULT_PERSIST_BYTES = 0
+# Gathers this small cost more in launch latency than in bytes: fuse adjacent ones.
+DEFAULT_FUSE_BYTES = 2**20
+
+
+class CompiledModel:
+    """Call it like the model: runs the compiled graph (or the eager model after a fallback).
+
+    `stats` counts the compiled gathers and reduce-scatters; `compiles` counts captures
+    (Dynamo recompilations); `eager` is True once it fell back to the eager model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pipeline: Pipeline,
+        prefetch_bytes: int,
+        persist_bytes: int,
+        fuse_bytes: int,
+        torch_compile_kwargs: dict[str, Any],
+    ) -> None:
+        self.module = model
+        self.stats = GatherStats()
+        self.compiles = 0
+        self.eager = False
+        state = engine_state(model)
+        self._state = state
+        self._shards = [g.master for g in state.groups]
+        kwargs = dict(torch_compile_kwargs)
+        inner = kwargs.pop("backend", "inductor")
+        options = kwargs.pop("options", None)
+        fullgraph = kwargs.pop("fullgraph", True)
+        reason = _unsupported(model)
+        self._specs = flat_specs(state, self.stats)
+        self._grad_hooks = route_grads(state) if reason is None else []
+
+        def counted() -> None:
+            self.compiles += 1
+
+        backend = make_backend(
+            pipeline,
+            inner,
+            prefetch_bytes=prefetch_bytes,
+            persist_bytes=persist_bytes,
+            fuse_bytes=fuse_bytes,
+            options=options,
+            on_compile=counted,
+        )
+        self._compiled = torch.compile(
+            gathered_forward(model, self._specs), backend=backend, fullgraph=fullgraph, **kwargs
+        )
+        if reason is not None:
+            self._fall_back(reason)
+
+    def _fall_back(self, reason: str) -> None:
+        self.eager = True
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        # Once: every later call goes straight to the eager model.
+        warnings.warn(
+            f"zeroshard.compile: cannot capture this model ({reason}); "
+            "running the eager zeroshard model instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward through the compiled graph (capturing it on first call)."""
+        if self.eager:
+            return self.module(*args, **kwargs)
+        runtime = self._state.stage3
+        assert runtime is not None
+        first = self.compiles == 0
+        # The compiled graph gathers and releases itself: the engine's hooks stand aside.
+        runtime.hooks_enabled = False
+        try:
+            return self._compiled(self._shards, args, kwargs)
+        except capture_errors() as e:
+            if not first:
+                raise
+            # Dynamo fails before the graph runs, on every rank alike (the model code is
+            # the same), so no rank has issued a collective the others will not.
+            # A failing backend or pass is wrapped by Dynamo: name the error inside.
+            cause = getattr(e, "inner_exception", None) or e.__cause__ or e
+            text = str(cause).strip().splitlines()
+            self._fall_back(f"{type(cause).__name__}: {text[0] if text else ''}")
+            log.debug("zeroshard.compile: capture failed", exc_info=e)
+        finally:
+            runtime.hooks_enabled = True
+        return self.module(*args, **kwargs)
+
+    def __del__(self) -> None:
+        for spec in getattr(self, "_specs", []):
+            unregister_target(spec.key)
+
+
+def _unsupported(model: nn.Module) -> str | None:
+    """Why a stage-3 model cannot be captured yet, or None."""
+    state = engine_state(model)
+    if state.config.compute_dtype == torch.float16:
+        return "fp16 loss scaling is not captured; use bf16 or fp32"
+    if state.replicate is not None:
+        return "hybrid sharding (shard_group_size) is not captured"
+    return None
+
+
+def compile(
+    model: nn.Module,
+    *,
+    pipeline: Pipeline | None = None,
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+    persist_bytes: int = DEFAULT_PERSIST_BYTES,
+    fuse_bytes: int = DEFAULT_FUSE_BYTES,
+    **torch_compile_kwargs: Any,
+) -> CompiledModel:
+    """Compile a zeroshard stage-3 model (from `zeroshard.engine.initialize`) into one graph.
+
+    `torch_compile_kwargs` go to `torch.compile`; `backend` is "inductor" (default) or
+    "aot_eager"; `options` are inductor config patches; `fullgraph` defaults to True.
+    """
+    state = engine_state(model)
+    if state.config.stage != 3 or state.stage3 is None:
+        raise ValueError(
+            f"zeroshard.compile needs a stage-3 model; this one is stage {state.config.stage}"
+        )
+    if min(prefetch_bytes, persist_bytes, fuse_bytes) < 0:
+        raise ValueError(
+            f"budgets must be >= 0 bytes, got prefetch_bytes={prefetch_bytes}, "
+            f"persist_bytes={persist_bytes}, fuse_bytes={fuse_bytes}"
+        )
+    return CompiledModel(
+        model,
+        pipeline=pipeline or default_pipeline(),
+        prefetch_bytes=prefetch_bytes,
+        persist_bytes=persist_bytes,
+        fuse_bytes=fuse_bytes,
+        torch_compile_kwargs=torch_compile_kwargs,
+    )

@@ -1,0 +1,179 @@
+"""Custom ops that put stage-3 communication into a traced graph.
+
+`zeroshard::gather(shard, key, world, dtype, reduce_dtype)` casts this rank's flat
+shard to `dtype` and all-gathers it into a new full flat buffer; its autograd formula
+reduce-scatters the full gradient (cast to `reduce_dtype`) back to the shard's size, so
+AOTAutograd puts `zeroshard::reduce_scatter` into the backward graph by itself.
+`zeroshard::release(buffer, key)` marks the point after a buffer's last use (see
+[Note: what release does]). Every op has a fake kernel, so Dynamo and AOTAutograd trace
+them by shape alone.
+
+Ops carry an integer `key` rather than a process group (ops take only tensors and
+scalars): `register_target` maps it to the `Group` to talk on and the `GatherStats`
+to count into.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zeroshard.comm import Group
+
+
+@dataclass
+class GatherStats:
+    """Per compiled model: gathers and bytes moved and the peak of gathered bytes live."""
+
+    gathers: int = 0
+    bytes_gathered: int = 0
+    reduce_scatters: int = 0
+    bytes_reduced: int = 0
+    live_bytes: int = 0
+    peak_live_bytes: int = 0
+
+    def reset(self) -> None:
+        """Zero every counter (between measured steps)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+
+@dataclass(frozen=True)
+class _Target:
+    group: Group
+    stats: GatherStats
+    label: str
+
+
+_TARGETS: dict[int, _Target] = {}
+_next_key = itertools.count()
+
+
+def register_target(group: Group, stats: GatherStats, label: str) -> int:
+    """A fresh key under which the ops find `group` and count into `stats`."""
+    key = next(_next_key)
+    _TARGETS[key] = _Target(group, stats, label)
+    return key
+
+
+def unregister_target(key: int) -> None:
+    """Forget a key (its model is gone)."""
+    _TARGETS.pop(key, None)
+
+
+def _target(key: int) -> _Target:
+    target = _TARGETS.get(key)
+    if target is None:
+        raise RuntimeError(f"zeroshard op called with unknown key {key}: was its model deleted?")
+    return target
+
+
+@torch.library.custom_op("zeroshard::gather", mutates_args=())
+def gather(
+    shard: torch.Tensor, key: int, world: int, dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """All-gather `shard`, cast to `dtype` first, into a new flat buffer of world x its size."""
+    target = _target(key)
+    # The cast before the collective: only `dtype` bytes travel (the fused downcast).
+    send = shard.detach().to(dtype).contiguous()
+    out = torch.empty(send.numel() * world, dtype=dtype, device=shard.device)
+    target.group.all_gather_into(out, send, label=f"compiled gather of {target.label}").wait()
+    stats = target.stats
+    stats.gathers += 1
+    stats.bytes_gathered += out.nbytes
+    stats.live_bytes += out.nbytes
+    stats.peak_live_bytes = max(stats.peak_live_bytes, stats.live_bytes)
+    return out
+
+
+@gather.register_fake
+def _gather_fake(
+    shard: torch.Tensor, key: int, world: int, dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    return shard.new_empty(shard.numel() * world, dtype=dtype)
+
+
+@torch.library.custom_op("zeroshard::reduce_scatter", mutates_args=())
+def reduce_scatter(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
+    """Average `full` over ranks and return this rank's 1/world part of it."""
+    target = _target(key)
+    send = full.contiguous()
+    out = torch.empty(send.numel() // world, dtype=send.dtype, device=send.device)
+    target.group.reduce_scatter(
+        out, send, op="avg", label=f"compiled reduce-scatter of {target.label}"
+    ).wait()
+    target.stats.reduce_scatters += 1
+    target.stats.bytes_reduced += send.nbytes
+    return out
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
+    return full.new_empty(full.numel() // world)
+
+
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    shard, key, world, _, reduce_dtype = inputs
+    ctx.key, ctx.world, ctx.reduce_dtype, ctx.shard_dtype = key, world, reduce_dtype, shard.dtype
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    # The gradient of a gather is the reduce-scatter of the full gradient (in the reduce
+    # dtype), back in the shard's dtype.
+    full = grad.to(ctx.reduce_dtype)
+    shard = torch.ops.zeroshard.reduce_scatter(full, ctx.key, ctx.world)
+    return shard.to(ctx.shard_dtype), None, None, None, None
+
+
+gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# [Note: what release does] Gathered buffers are ordinary graph values: the compiled code
+# frees each one after its last use (Python codegen drops the reference, inductor frees or
+# reuses the buffer). `release` is placed right after that last use, so it is the last use:
+# the buffer dies there and nowhere later, and the op accounts for the bytes. It must not
+# free the storage itself: inductor may hand a dead buffer's memory to a later buffer.
+@torch.library.custom_op("zeroshard::release", mutates_args=())
+def release(buffer: torch.Tensor, key: int) -> None:
+    """Account `buffer` as freed (it is dead after this op; see [Note: what release does])."""
+    _target(key).stats.live_bytes -= buffer.nbytes
+
+
+@torch.library.custom_op("zeroshard::account", mutates_args=())
+def account(buffer: torch.Tensor, key: int, reduced: bool) -> None:
+    """Count a gather (or, if `reduced`, a reduce-scatter) of `buffer` that torch's
+    functional collectives ran (see `issue_async`)."""
+    stats = _target(key).stats
+    if reduced:
+        stats.reduce_scatters += 1
+        stats.bytes_reduced += buffer.nbytes
+        return
+    stats.gathers += 1
+    stats.bytes_gathered += buffer.nbytes
+    stats.live_bytes += buffer.nbytes
+    stats.peak_live_bytes = max(stats.peak_live_bytes, stats.live_bytes)
+
+
+@account.register_fake
+def _account_fake(buffer: torch.Tensor, key: int, reduced: bool) -> None:
+    return None
+
+
+def group_name(key: int) -> str:
+    """The name torch's functional collectives know the process group of `key` by."""
+    pg = _target(key).group.pg or torch.distributed.group.WORLD
+    assert pg is not None
+    return str(pg.group_name)
+
+
+@release.register_fake
+def _release_fake(buffer: torch.Tensor, key: int) -> None:
+    return None
+
+
+# Dead-code elimination must keep these although nothing reads their (empty) results.
+for _op in (torch.ops.zeroshard.release.default, torch.ops.zeroshard.account.default):
+    torch.fx.node.has_side_effect(_op)

@@ -1,0 +1,230 @@
+"""The graph passes of the default pipeline, each a plain `(graph, context) -> None`.
+
+[Note: the order of the passes]
+JOINT: `mark_recompute` tags every gather and its views and casts (autocast's included)
+MUST_RECOMPUTE, except the ones the persistence budget keeps (MUST_SAVE), so that the
+partitioner gathers again in backward instead of saving gathered parameters for it.
+FORWARD / BACKWARD: `fuse_downcast` first (it changes gather sizes, which the budgets
+below read), `gather_at_first_use` sinks each gather to just before it is needed,
+`insert_releases` gives every gathered buffer one release, `free_early` moves each
+release up to just after the buffer's last use, and `prefetch` finally hoists gathers
+ahead of the previous unit's compute while the live gathered bytes stay in budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zeroshard.compile._async import issue_async
+from zeroshard.compile._graph import (
+    aliases,
+    cast_dtype,
+    gathers,
+    is_gather,
+    is_reduce_scatter,
+    is_release,
+    nbytes,
+    order,
+    refresh_val,
+    users_of,
+)
+from zeroshard.compile._pipeline import FORWARD_AND_BACKWARD, PassContext, Phase, Pipeline
+
+_RELEASE = torch.ops.zeroshard.release.default
+
+
+def _chain(gather: fx.Node) -> list[fx.Node]:
+    """The gather, its views, and casts of those (the nodes cheap to redo in backward)."""
+    found = set(aliases(gather))
+    for node in list(found):
+        for user in node.users:
+            if cast_dtype(user) is not None:
+                found.update(aliases(user))
+    index = order(gather.graph)
+    return sorted(found, key=index.__getitem__)
+
+
+def mark_recompute(graph: fx.Graph, context: PassContext) -> None:
+    """Tag gathers and their views/casts for recomputation in backward, except the last
+    ones gathered in forward while their bytes fit `context.persist_bytes` (those stay
+    gathered from forward into backward: selective persistence)."""
+    budget = context.persist_bytes
+    index = order(graph)
+
+    def first_use(gather: fx.Node) -> int:
+        return min((index[u] for u in users_of(_chain(gather))), default=len(index))
+
+    # Capture leaves every gather at the top: rank them by first use. The last used in
+    # forward are the first needed in backward: persist those first.
+    for gather in sorted(gathers(graph), key=first_use, reverse=True):
+        chain = _chain(gather)
+        # What is kept is the buffer in the dtype it is used in (fuse_downcast gathers in it).
+        dtype = gather.args[3]
+        assert isinstance(dtype, torch.dtype)
+        used = [d for d in map(cast_dtype, chain) if d is not None]
+        itemsize = min([dtype.itemsize, *(d.itemsize for d in used)])
+        size = nbytes(gather) // dtype.itemsize * itemsize
+        keep = size <= budget
+        if keep:
+            budget -= size
+        policy = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+        for node in chain:
+            node.meta["recompute"] = policy
+
+
+def fuse_downcast(graph: fx.Graph, context: PassContext) -> None:
+    """Gather in the dtype the parameters are used in: when every use of a gathered buffer
+    (through views) is a cast to one dtype, the gather casts the shard instead, so fewer
+    bytes travel and no full-precision copy of the parameters is ever made."""
+    for gather in gathers(graph):
+        views = aliases(gather)
+        leaves = users_of(views)
+        dtypes = {cast_dtype(u) for u in leaves}
+        if not leaves or len(dtypes) != 1:
+            continue
+        (target,) = dtypes
+        if target is None or target == gather.args[3]:
+            continue
+        gather.update_arg(3, target)
+        for node in views:
+            refresh_val(node)
+        for cast in leaves:
+            source = cast.args[0]
+            assert isinstance(source, fx.Node)
+            cast.replace_all_uses_with(source)
+            graph.erase_node(cast)
+
+
+def gather_at_first_use(graph: fx.Graph, context: PassContext) -> None:
+    """Move each gather (with its views) to just before the first node that needs it."""
+    for gather in gathers(graph):
+        # Latest first: a view moves before its first user, then what it views before it.
+        for node in reversed(aliases(gather)):
+            index = order(graph)
+            if node.users:
+                first = min(node.users, key=index.__getitem__)
+                if index[first] > index[node] + 1:
+                    first.prepend(node)
+
+
+def insert_releases(graph: fx.Graph, context: PassContext) -> None:
+    """Give every gathered buffer that does not escape the graph one `release`, placed just
+    before the output (correct but late; `free_early` moves it up)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for gather in gathers(graph):
+        views = aliases(gather)
+        users = users_of(views)
+        if output in users or any(is_release(u) for u in users):
+            continue  # returned (saved for backward) or already released
+        with graph.inserting_before(output):
+            graph.call_function(_RELEASE, (gather, gather.args[1]))
+
+
+def _hoist(node: fx.Node) -> None:
+    """Move `node` up to just after the latest of its inputs (after the placeholders when
+    it has none, e.g. a `zeros`)."""
+    index = order(node.graph)
+    latest = max(node.all_input_nodes, key=index.__getitem__, default=None)
+    if latest is None:
+        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
+        if not placeholders:
+            return
+        latest = placeholders[-1]
+    if index[latest] + 1 < index[node]:
+        latest.append(node)
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """Every node `node` depends on (placeholders excluded), in graph order."""
+    found: set[fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in found and n.op != "placeholder":
+            found.add(n)
+            todo.extend(n.all_input_nodes)
+    index = order(node.graph)
+    return sorted(found, key=index.__getitem__)
+
+
+def free_early(graph: fx.Graph, context: PassContext) -> None:
+    """Free gathered and gradient buffers as soon as possible: move each reduce-scatter,
+    with what computes its full gradient, to as soon as its inputs allow (that gradient
+    then dies there rather than at the end of backward), then each release to just after
+    the last use of its buffer or any view of it."""
+    # Gathers stay where `gather_at_first_use` (or `prefetch`) put them.
+    gathered = {a for g in gathers(graph) for a in aliases(g)}
+    for rs in [n for n in graph.nodes if is_reduce_scatter(n)]:
+        for node in [*_ancestors(rs), rs]:
+            if node not in gathered:
+                _hoist(node)
+    for release in [n for n in graph.nodes if is_release(n)]:
+        gather = release.args[0]
+        assert isinstance(gather, fx.Node)
+        index = order(graph)
+        uses = [u for u in users_of(aliases(gather)) if u is not release]
+        last = max(uses, key=index.__getitem__, default=None)
+        anchor = last if last is not None else gather
+        if index[anchor] + 1 != index[release]:
+            anchor.append(release)
+
+
+def _live_bytes(graph: fx.Graph) -> list[int]:
+    """Gathered bytes live after each node (a gather adds, its release subtracts)."""
+    live, out = 0, []
+    size: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if is_gather(node):
+            size[node] = nbytes(node)
+            live += size[node]
+        elif is_release(node):
+            gather = node.args[0]
+            assert isinstance(gather, fx.Node)
+            live -= size.get(gather, 0)
+        out.append(live)
+    return out
+
+
+def prefetch(graph: fx.Graph, context: PassContext) -> None:
+    """Issue each gather as early as the budget allows, but not before the previous one:
+    the gathered bytes live at every node it moves ahead of, plus its own, must stay
+    within `context.prefetch_bytes`. Gathers keep their order (every rank issues the same
+    collectives in the same order)."""
+    found = gathers(graph)
+    for previous, gather in itertools.pairwise(found):
+        index = order(graph)
+        lo, hi = index[previous], index[gather]
+        size = nbytes(gather)
+        live = _live_bytes(graph)
+        inputs = [index[a] for a in gather.all_input_nodes]
+        earliest = max([lo, *inputs])
+        best = hi - 1
+        peak = 0
+        # Walk back from the gather: `live[p]` is what is live while a gather placed after
+        # node p would run and hold its buffer.
+        for p in range(hi - 1, earliest - 1, -1):
+            peak = max(peak, live[p])
+            if peak + size > context.prefetch_bytes:
+                break
+            best = p
+        if best < hi - 1:
+            list(graph.nodes)[best].append(gather)
+
+
+def default_pipeline() -> Pipeline:
+    """The passes `compile()` runs unless given another pipeline (see [Note: the order of
+    the passes])."""
+    return (
+        Pipeline()
+        .append(mark_recompute, {Phase.JOINT})
+        .append(fuse_downcast, FORWARD_AND_BACKWARD)
+        .append(gather_at_first_use, FORWARD_AND_BACKWARD)
+        .append(insert_releases, FORWARD_AND_BACKWARD)
+        .append(free_early, FORWARD_AND_BACKWARD)
+        .append(prefetch, FORWARD_AND_BACKWARD)
+        .append(issue_async, FORWARD_AND_BACKWARD)
+    )
