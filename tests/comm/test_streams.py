@@ -100,7 +100,20 @@ def _no_memory_left_behind(group: Group, dev: torch.device) -> None:
 
 def _body() -> None:
     group, dev = Group(), rank_device()
-    # Warm-up: the communicator is created on first use, which blocks the host.
+    # Warm-up: the communicator is created on first use, and NCCL connects each algorithm
+    # and protocol lazily on the first collective that needs it, blocking the host until
+    # the peer joins: run every shape below once, so a late peer then delays only the
+    # device, which is what the checks observe.
+    group.barrier()
+    x = torch.ones(N, device=dev)
+    group.all_gather_into(torch.empty(group.size * N, device=dev), x).wait()
+    same = [torch.ones(N, device=dev), torch.ones(N // 2, device=dev)]
+    handles = all_gather_coalesced(group, same)[1]
+    mixed = [torch.ones(n, device=dev) for n in (N, 3, N // 3, 4096)]
+    handles += all_gather_coalesced(group, mixed, dtype=torch.bfloat16, bucket_bytes=1 << 20)[1]
+    handles += reduce_scatter_coalesced(group, mixed, bucket_bytes=1 << 20)[1]
+    wait_all(handles)
+    torch.cuda.synchronize(dev)
     group.barrier()
     _wait_does_not_block_host(group, dev)
     _side_stream_memory_not_reused_early(group, dev)
