@@ -222,9 +222,13 @@ def setup_fsdp2c(model: nn.Module, s: Settings) -> Stepper:
     return _setup_fsdp2(model, s, reshard_after_forward=True)
 
 
+# Per-engine lines for the report (rank 0), e.g. the bytes a compiled step gathers.
+NOTES: dict[str, str] = {}
+
+
 def _setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
-    """zeroshard stage 3 compiled whole by zeroshard.compile (inductor); prints the bytes
-    gathered per step once, on rank 0, for the report."""
+    """zeroshard stage 3 compiled whole by zeroshard.compile (inductor); records the bytes
+    gathered per step once, on rank 0, for the report (NOTES)."""
     import zeroshard.compile as zc
     import zeroshard.engine as zs
 
@@ -248,14 +252,15 @@ def _setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
         steps += 1
         if steps == 2 and dist.get_rank() == 0:
             st = compiled.stats
-            print(
-                f"[zs3c fuse_downcast={fuse_downcast}] per step: {st.gathers} gathers, "
+            note = (
+                f"per step: {st.gathers} gathers, "
                 f"{st.bytes_gathered / 2**20:.1f} MiB gathered, "
                 f"{st.bytes_reduced / 2**20:.1f} MiB reduce-scattered, "
                 f"peak gathered {st.peak_live_bytes / 2**20:.1f} MiB, "
-                f"captures {compiled.compiles}, eager fallback {compiled.eager}",
-                flush=True,
+                f"captures {compiled.compiles}, eager fallback {compiled.eager}"
             )
+            NOTES["zs3c" if fuse_downcast else "zs3c-nofuse"] = note
+            print(f"[zs3c fuse_downcast={fuse_downcast}] {note}", flush=True)
 
     return step
 

@@ -166,7 +166,19 @@ def ratios(by: dict[str, Result]) -> str:
             parts.append(f"{zs.peak_gib / d.peak_gib:.2f}x `{ds}`'s peak memory")
         if d is not None and d.init_s and zs.init_s:
             parts.append(f"init {d.init_s / zs.init_s:.1f}x faster than `{ds}`")
-        lines.append(f"- `zs{k}`: " + ", ".join(parts) + ".")
+        if parts:
+            lines.append(f"- `zs{k}`: " + ", ".join(parts) + ".")
+    zc = by.get("zs3c")
+    if zc is not None and zc.step_ms:
+        parts = [
+            f"{p.step_ms / zc.step_ms:.3f}x the speed of `{name}`"
+            for name in ("zs3", "fsdp2c", "fsdp2", "floor")
+            if (p := by.get(name)) is not None and p.step_ms
+        ]
+        eager = by.get("zs3")
+        if eager is not None and eager.peak_gib and zc.peak_gib:
+            parts.append(f"{zc.peak_gib / eager.peak_gib:.2f}x `zs3`'s peak memory")
+        lines.append("- `zs3c`: " + ", ".join(parts) + ".")
     goals = _goals(by)
     return "\n".join(["Ratios (> 1x: zeroshard is faster):", "", *lines, *goals]) if lines else ""
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from _report import write_section  # noqa: E402
 from _trace import TraceSummary, summarize_chrome_trace  # noqa: E402
-from _train_engines import ENGINES, Settings, Skipped  # noqa: E402
+from _train_engines import ENGINES, NOTES, Settings, Skipped  # noqa: E402
 from _train_report import Result, plot, report  # noqa: E402
 from gpt import GPT, GPTConfig, flops_per_token, parameters_count  # noqa: E402
 
@@ -393,6 +393,8 @@ def main() -> None:
 
     if rank == 0:
         body = report(results, cfg, args, settings, world)
+        if NOTES:
+            body += "\n\n" + "\n".join(f"- `{name}`: {note}." for name, note in NOTES.items())
         print(body)
         if args.smoke or args.no_write:
             plot(results, OUT / "train_step.png")
