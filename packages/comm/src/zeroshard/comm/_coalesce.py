@@ -1,14 +1,18 @@
 """Coalesced collectives: many tensors of mixed sizes moved as few bucketed collectives.
 
-Pack each bucket with one fused op into a fresh buffer (`torch._foreach_copy_` for the
-all-gather, casting on the way so only the target dtype's bytes travel; `torch._chunk_cat`
-for the reduce-scatter, which pads and interleaves every tensor's rank parts in one
-kernel), issue one collective per bucket, and hand back views of the received buffer:
-no per-tensor collective and no unpacking copy.
+All-gather: each bucket's local tensors are packed with one fused op (`torch.cat`, casting
+on the way so only the target dtype's bytes travel) straight into this rank's row of the
+receive buffer, and the gather runs in place: no send buffer, and NCCL skips copying the
+local part. Reduce-scatter: `torch._chunk_cat` pads and interleaves every tensor's rank
+parts in one kernel. One collective per bucket; the results are views of the received
+buffer: no per-tensor collective and no unpacking copy.
 
 Pipelining: buckets are packed and issued in order on the current stream; the pack of
-bucket b+1 runs while the collective of bucket b runs on the communication stream (see
-[Note: streams and memory] in `_group.py`).
+bucket b+1 (or of the next call, when the caller issues it before waiting this one) runs
+while the collective of bucket b runs on the communication stream (see [Note: streams
+and memory] in `_group.py`). The communication stream competes with the packs for SMs:
+a process group created with a high-priority NCCL stream (torch's
+``TORCH_NCCL_HIGH_PRIORITY=1``) keeps the packs from delaying it.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def all_gather_coalesced(
     is rank r's tensor), and the handles to wait on before reading them. `dtype` casts
     each local tensor before it travels (the downcast-before-gather). A bucket holding
     one contiguous tensor already of `dtype` is sent without a copy: as for every
-    collective, do not write the inputs before the handles are waited.
+    collective, do not write the inputs before the handles are waited. Other buckets are
+    packed into this rank's row of the received buffer and gathered in place.
     """
     if not tensors:
         return [], []
@@ -77,22 +82,22 @@ def all_gather_coalesced(
     numels = [t.numel() for t in tensors]
     outs: list[torch.Tensor] = []
     handles: list[Handle] = []
+    rank = group.rank
     for b, idx in enumerate(_buckets(numels, dtype.itemsize, bucket_bytes)):
         sizes = [numels[i] for i in idx]
         total = sum(sizes)
-        recv = torch.empty(world * total, dtype=dtype, device=device)
-        outs.extend(recv.view(world, total).split_with_sizes(sizes, dim=1))
+        recv = torch.empty(world, total, dtype=dtype, device=device)
+        outs.extend(recv.split_with_sizes(sizes, dim=1))
         if total == 0:
             continue  # every rank has the same sizes, so every rank skips this bucket
         first = tensors[idx[0]]
         if len(idx) == 1 and first.dtype == dtype and first.is_contiguous():
             send = first.view(-1)
         else:
-            send = torch.empty(total, dtype=dtype, device=device)
-            torch._foreach_copy_(
-                list(send.split_with_sizes(sizes)), [tensors[i].reshape(-1) for i in idx]
-            )
-        handles.append(group.all_gather_into(recv, send, label=f"{label}[bucket {b}]"))
+            # In place: this rank's row of `recv` is the collective's input.
+            send = recv[rank]
+            torch.cat([tensors[i].reshape(-1) for i in idx], out=send)
+        handles.append(group.all_gather_into(recv.view(-1), send, label=f"{label}[bucket {b}]"))
     return outs, handles
 
 
