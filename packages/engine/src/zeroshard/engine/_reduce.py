@@ -145,8 +145,11 @@ class GradReducer:
         if g.offload is not None:
             assert self.offload is not None
             self.offload.receive(g, out)
+        elif g.grad_shard is None:
+            # The first gradient since zero_grad: copy (upcast) into fresh memory, no zero fill.
+            g.claim_grad_shard().copy_(out)
         else:
-            g.ensure_grad_shard().add_(out)
+            g.grad_shard.add_(out)
 
     def set_order(self, groups: Sequence[FlatParamGroup]) -> None:
         """Reduce in this order from the next backward on (same on every rank)."""
