@@ -218,6 +218,7 @@ class GradReducer:
         for g in self.order:
             if g.grad_shard is not None:
                 if set_to_none:
+                    # An offloaded group keeps its host memory: the next gradient overwrites it.
                     g.grad_shard = g.master.grad = None
                 else:
                     g.grad_shard.zero_()
