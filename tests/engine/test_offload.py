@@ -3,11 +3,15 @@
 Offload on must train exactly like offload off: the same plain fp32 reference as
 test_parity.py, at its tolerances (fp32: rtol 1e-5 / atol 1e-6 on losses, norms and final
 parameters; bf16: rtol 2e-2 on losses and norms, the total update within 10% in norm).
+Gradient shards after zero_grad and one micro-step equal the reference's gradients
+element by element (fp32 reduce: rtol 1e-5 / atol 1e-6; bf16 reduce: within 2% in norm
+per group, the norm within rtol 1e-2).
 On CPU ranks the offload path runs whole, its copies staying within host memory.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -113,6 +117,10 @@ def _parity(device: str) -> None:
         {"stage": 3, "dtype": d, "accum": 2, "offload_params": True} for d in ("fp32", "bf16")
     ]
     cases += [{"stage": s, "dtype": "fp32", "accum": 1, "fused": True} for s in (2, 3)]
+    # Three micro-steps: the first overwrites the host gradient, the next two are staged
+    # and added on the worker thread; bf16 reduce also upcasts on the device first.
+    cases += [{"stage": s, "dtype": "fp32", "accum": 3} for s in (1, 2, 3)]
+    cases.append({"stage": 2, "dtype": "bf16", "accum": 3, "reduce_dtype": "bf16"})
     run_each(cases, lambda **c: _parity_case(device, **c))
 
 
@@ -155,6 +163,14 @@ def _evenness(device: str) -> None:
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         assert b.chunks > 1, "the test wants several chunks"
+        # The fp32 host gradient is pinned (gradients land in it by DMA) where pinning works:
+        # on a GPU; CPU ranks pin nothing.
+        grad = offloaded.grad.nbytes
+        assert b.host >= 2 * grad, (b, grad)
+        if device == "cuda":
+            assert offloaded.grad.is_pinned() and b.pinned >= grad, (b, grad)
+        else:
+            assert b.pinned == 0, b
         for r, theirs in enumerate(every):
             assert torch.equal(theirs, mine), f"rank {r} holds {theirs.tolist()}, I {mine.tolist()}"
 
@@ -172,6 +188,60 @@ def _evenness(device: str) -> None:
 def test_chunk_evenness(device: str) -> None:
     world_fits(device, 3)
     run_ranks(_evenness, 3, device, device=device)
+
+
+def _grads_case(device: str, stage: int, set_to_none: bool, reduce_dtype: str = "fp32") -> None:
+    """After a step of 3 micro-steps, zero_grad and one micro-step: every gradient shard is
+    the reference's gradient of that micro-batch (nothing stale from the step before)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model(seed=7 + stage).to(device)
+    batches = global_batches(2, 3, world, MICRO)
+    _, _, ref_state = reference_run(model.cpu(), make_optimizer, batches[:1], None)
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(ref_state)
+    loss_fn(ref, batches[1, 0].reshape(-1, batches.shape[-1])).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    ref_norm = torch.cat([t.reshape(-1) for t in ref_grads.values()]).norm()
+    model.to(device)
+    cfg = _config(stage, "fp32", reduce_dtype=reduce_dtype)
+    model, opt = zs.initialize(model, make_optimizer(model), cfg)
+    for a in range(3):
+        (loss_fn(model, batches[0, a, rank].to(device)) / 3).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    loss_fn(model, batches[1, 0, rank].to(device)).backward()
+    # An infinite max_norm scales by exactly 1: this only reduces (stage 1) and measures.
+    norm = opt.clip_grad_norm_(float("inf"))
+    rtol = 1e-5 if reduce_dtype == "fp32" else 1e-2
+    torch.testing.assert_close(float(norm), float(ref_norm), rtol=rtol, atol=1e-6)
+    for g in opt.flat_groups:
+        if not g.trainable:
+            continue
+        expected = torch.zeros(g.layout.padded_numel)
+        for slot in g.layout.slots:
+            expected[slot.offset : slot.end] = ref_grads[slot.name].reshape(-1)
+        lo, hi = g.shard_range
+        assert g.master.grad is not None, f"group {g.index} has no gradient"
+        got, want = g.master.grad.cpu(), expected[lo:hi]
+        if reduce_dtype == "fp32":
+            torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-6, msg=lambda m, i=g.index: f"group {i}: {m}"
+            )
+        else:
+            err = float((got - want).norm() / want.norm())
+            assert err < 2e-2, f"group {g.index}: gradient off by {err:.2%} in norm"
+
+
+def _grads(device: str) -> None:
+    cases = subtests({"stage": [1, 2, 3], "set_to_none": [True, False]})
+    cases.append({"stage": 2, "set_to_none": True, "reduce_dtype": "bf16"})
+    run_each(cases, lambda **c: _grads_case(device, **c))
+
+
+@pytest.mark.gpu
+def test_grads_after_zero_grad_match_reference(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_grads, 2, device, device=device)
 
 
 def _checkpoint(root: str, device: str) -> None:

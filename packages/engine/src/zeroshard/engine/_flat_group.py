@@ -59,8 +59,9 @@ class FlatParamGroup:
     # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
     grad_buffer: torch.Tensor | None = None
     views: list[torch.Tensor] = field(default_factory=list)
-    # Offload: the master lives on the host; the gradient shard is this host view, and
-    # gathers read the compute-dtype shard `offload` keeps for the device.
+    # Offload: the master lives on the host; the gradient shard is this host view (kept
+    # allocated between steps, overwritten by a window's first gradient), and gathers read
+    # the compute-dtype shard `offload` keeps for the device.
     grad_home: torch.Tensor | None = None
     offload: ComputeSource | None = None
 
@@ -75,15 +76,23 @@ class FlatParamGroup:
         return self.layout.shard_range(self.group.rank)
 
     def ensure_grad_shard(self) -> torch.Tensor:
-        """The fp32 gradient shard, allocated (zeroed) on first use and exposed as `master.grad`."""
+        """The fp32 gradient shard, zeroed on first use since the last `zero_grad`, exposed as
+        `master.grad`."""
         if self.grad_shard is None:
-            if self.grad_home is not None:
-                # Offloaded: the host gradient stays allocated between steps, only zeroed.
-                self.grad_shard = self.grad_home.zero_()
-            else:
-                self.grad_shard = torch.zeros_like(self.master)
-            self.master.grad = self.grad_shard
+            return self.claim_grad_shard().zero_()
         return self.grad_shard
+
+    def claim_grad_shard(self) -> torch.Tensor:
+        """The fp32 gradient shard's memory as `master.grad`, NOT zeroed: for a caller that
+        overwrites all of it (the first reduced gradient since the last `zero_grad`).
+
+        An offloaded group reuses its host gradient `grad_home`: `grad_shard is None` marks
+        it as holding nothing of this window, so zero_grad never touches host memory.
+        """
+        assert self.grad_shard is None
+        home = self.grad_home if self.grad_home is not None else torch.empty_like(self.master)
+        self.grad_shard = self.master.grad = home
+        return home
 
     def start_gather(self) -> Handle:
         """Stage 3: give `param_buffer` its storage back and all-gather the compute shard into it.

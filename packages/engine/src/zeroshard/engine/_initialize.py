@@ -288,7 +288,6 @@ def initialize(
             choose_offloaded(groups, cfg.offload_ratio),
             world=world,
             compute_dtype=cfg.compute_dtype,
-            reduce_dtype=cfg.grad_reduce_dtype,
             chunk_bytes=cfg.offload_chunk_bytes,
             pin=cfg.offload_pin_memory,
             offload_params=cfg.offload_params,

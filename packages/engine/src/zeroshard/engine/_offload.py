@@ -4,18 +4,25 @@ The offloaded groups' shards are laid end to end in one rank-local "chunk space"
 `ChunkLayout` into fixed-size chunks; every rank holds the same number of chunks of the
 same size (flat-group shards are equal on every rank), so every rank moves the same
 bytes at the same time and none waits on a larger peer. The host holds, per chunk, the
-fp32 master and the fp32 gradient (pageable: they never cross the bus) and the optimizer
-state torch allocates beside each master. What crosses the bus goes through pinned
-memory: gradient shards in (reduce dtype), compute-dtype shards out.
+fp32 master (pageable: it never crosses the bus), the fp32 gradient (pinned: gradients
+land in it straight from the device) and the optimizer state torch allocates beside each
+master. Compute-dtype shards go out through pinned memory too.
 
 [Note: offload stream order]
 Gradients in. A reduce-scatter's output `out` is complete on the current stream once its
-handle was waited. `receive` makes the D2H stream wait on the current stream, copies
-`out` into a free pinned staging slot there and records an event; `out.record_stream`
-keeps the allocator from reusing its block before that copy has read it. A slot is
-reused only after its event completed and its contents were added (on the CPU) into the
-group's fp32 gradient; `drain` (end of backward, stage 1's reduction) does that for all.
-The slots are few and bounded, so staging memory does not grow with the model.
+handle was waited. `receive` makes the D2H stream wait on the current stream, upcasts
+`out` to fp32 there (on the device: the host never converts) and copies it to the host,
+then records an event; `out.record_stream` keeps the allocator from reusing its block
+before that stream has read it. The first gradient a group receives since `zero_grad`
+lands in its fp32 host gradient directly, overwriting it: no zero fill, no add, no host
+work at all. A later one (gradient accumulation) lands in a pinned fp32 staging slot and
+one worker thread adds it into the host gradient once the copy's event completed, while
+backward goes on (torch ops release the GIL). The worker runs its tasks in order (each
+waits on its copy's event first), so an add never reads a copy still in flight nor races
+the overwrite of the same gradient. A slot is reused only after its add finished; at most
+`_MAX_PENDING` copies are outstanding, which bounds the device blocks they hold and the
+staging memory. `drain` (end of backward, stage 1's reduction) waits for every copy and
+add, so the optimizer, clipping and checkpoints read complete gradients.
 
 Shards out. After a step (or any change of the masters) `refresh` first synchronizes the
 current stream: gathers issued in the last step may still read the compute shards on the
@@ -40,6 +47,7 @@ import contextlib
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +58,8 @@ from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.partition import ChunkLayout
 
 _warned_pageable = False
+# Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
+_MAX_PENDING = 4
 
 
 def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Tensor, bool]:
@@ -123,6 +133,28 @@ class _Stream:
         return ev
 
 
+def _grad_worker(device: torch.device) -> ThreadPoolExecutor:
+    """The one thread that waits on gradient copies and adds staged gradients."""
+    if device.type != "cuda":
+        return ThreadPoolExecutor(1, "zeroshard-offload-grads")
+    # It waits on CUDA events: make this rank's device its current one, not device 0
+    # (where a first CUDA call would otherwise create a context).
+    return ThreadPoolExecutor(
+        1, "zeroshard-offload-grads", initializer=torch.cuda.set_device, initargs=(device,)
+    )
+
+
+def _land(
+    event: torch.cuda.Event | None, home: torch.Tensor | None, staged: torch.Tensor | None
+) -> None:
+    """On the worker thread: wait for a gradient copy, then add it to `home` if it was staged."""
+    if event is not None:
+        event.synchronize()
+    if staged is not None:
+        assert home is not None
+        home.add_(staged)
+
+
 class HostOffload:
     """Host state of the offloaded groups; see [Note: offload stream order]."""
 
@@ -132,7 +164,6 @@ class HostOffload:
         *,
         world: Group,
         compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
         chunk_bytes: int,
         pin: bool,
         offload_params: bool,
@@ -150,9 +181,9 @@ class HostOffload:
         self.layout = ChunkLayout.build(numel * world.size, per_rank * world.size, world.size)
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self.master = torch.zeros(n, s, dtype=torch.float32)
-        self.grad = torch.zeros(n, s, dtype=torch.float32)
         self._pinned_bytes = 0
-        self._host_bytes = self.master.nbytes + self.grad.nbytes
+        self._host_bytes = self.master.nbytes
+        self.grad = self._host(n * s, torch.float32, pin).view(n, s)
         # offload_params: the compute shards live here; else pinned slots stage uploads.
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
@@ -165,10 +196,10 @@ class HostOffload:
         self._up_slots = self._slots(2, s, compute_dtype, pin) if not offload_params else []
         self._up_busy: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
         biggest = max((g.layout.shard_numel for g in self.groups), default=0)
-        self._grad_slots = self._slots(2, biggest, reduce_dtype, pin)
-        self._grad_busy: deque[tuple[FlatParamGroup, torch.Tensor, torch.cuda.Event | None]] = (
-            deque()
-        )
+        # fp32: the device upcasts before the copy (see the Note).
+        self._free_grad_slots = self._slots(2, biggest, torch.float32, pin)
+        self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
+        self._worker = _grad_worker(self.device)
         self._ready: list[torch.cuda.Event | None] = [None] * n
         for g in self.groups:
             self._adopt(g)
@@ -198,29 +229,39 @@ class HostOffload:
 
     # -- gradients in --------------------------------------------------------------------
     def receive(self, g: FlatParamGroup, out: torch.Tensor) -> None:
-        """Add a reduced gradient shard (on the device, complete on the current stream)."""
-        if len(self._grad_busy) == len(self._grad_slots):
-            self._fold_oldest()
-        used = {id(s) for _, s, _ in self._grad_busy}
-        slot = next(s for s in self._grad_slots if id(s) not in used)
-        n = out.numel()
+        """Take a reduced gradient shard (on the device, complete on the current stream) into
+        `g`'s fp32 host gradient, without waiting for it (see [Note: offload stream order])."""
+        while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
+            self._retire_oldest()
+        slot: torch.Tensor | None = None
+        if g.grad_shard is None:
+            dst = g.claim_grad_shard()
+        else:
+            while not self._free_grad_slots:
+                self._retire_oldest()
+            slot = self._free_grad_slots.pop()
+            dst = slot[: out.numel()]
         with self._down.after_current():
-            slot[:n].copy_(out, non_blocking=True)
+            dst.copy_(out.to(torch.float32), non_blocking=True)
             event = self._down.event()
         if self._down.stream is not None:
             out.record_stream(self._down.stream)
-        self._grad_busy.append((g, slot, event))
+        staged = None if slot is None else dst
+        future = self._worker.submit(_land, event, g.grad_shard, staged)
+        self._pending.append((future, slot))
 
-    def _fold_oldest(self) -> None:
-        g, slot, event = self._grad_busy.popleft()
-        if event is not None:
-            event.synchronize()
-        g.ensure_grad_shard().add_(slot[: g.layout.shard_numel])
+    def _retire_oldest(self) -> None:
+        future, slot = self._pending.popleft()
+        try:
+            future.result()
+        finally:
+            if slot is not None:
+                self._free_grad_slots.append(slot)
 
     def drain(self) -> None:
-        """Add every gradient still in a staging slot to its fp32 shard (blocks on copies)."""
-        while self._grad_busy:
-            self._fold_oldest()
+        """Wait until every gradient copy has landed and every staged one was added."""
+        while self._pending:
+            self._retire_oldest()
 
     # -- shards out ----------------------------------------------------------------------
     def _chunks_of(self, g: FlatParamGroup) -> range:

@@ -145,8 +145,11 @@ class GradReducer:
         if g.offload is not None:
             assert self.offload is not None
             self.offload.receive(g, out)
+        elif g.grad_shard is None:
+            # The first gradient since zero_grad: copy (upcast) into fresh memory, no zero fill.
+            g.claim_grad_shard().copy_(out)
         else:
-            g.ensure_grad_shard().add_(out)
+            g.grad_shard.add_(out)
 
     def set_order(self, groups: Sequence[FlatParamGroup]) -> None:
         """Reduce in this order from the next backward on (same on every rank)."""
@@ -215,6 +218,7 @@ class GradReducer:
         for g in self.order:
             if g.grad_shard is not None:
                 if set_to_none:
+                    # An offloaded group keeps its host memory: the next gradient overwrites it.
                     g.grad_shard = g.master.grad = None
                 else:
                     g.grad_shard.zero_()
