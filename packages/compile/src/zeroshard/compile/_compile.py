@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.compile._backend import capture_errors, make_backend
+from zeroshard.compile._backend import Captures, capture_errors, make_backend
 from zeroshard.compile._capture import flat_specs, gathered_forward, route_grads
 from zeroshard.compile._ops import GatherStats, unregister_target
 from zeroshard.compile._passes import default_pipeline
@@ -43,7 +43,7 @@ class CompiledModel:
     ) -> None:
         self.module = model
         self.stats = GatherStats()
-        self.compiles = 0
+        self._captures = Captures()
         self.eager = False
         state = engine_state(model)
         self._state = state
@@ -56,9 +56,6 @@ class CompiledModel:
         self._specs = flat_specs(state, self.stats)
         self._grad_hooks = route_grads(state) if reason is None else []
 
-        def counted() -> None:
-            self.compiles += 1
-
         backend = make_backend(
             pipeline,
             inner,
@@ -66,13 +63,18 @@ class CompiledModel:
             persist_bytes=persist_bytes,
             fuse_bytes=fuse_bytes,
             options=options,
-            on_compile=counted,
+            captures=self._captures,
         )
         self._compiled = torch.compile(
             gathered_forward(model, self._specs), backend=backend, fullgraph=fullgraph, **kwargs
         )
         if reason is not None:
             self._fall_back(reason)
+
+    @property
+    def compiles(self) -> int:
+        """How many graphs Dynamo captured (recompilations included; it should stay 1)."""
+        return self._captures.count
 
     def _fall_back(self, reason: str) -> None:
         self.eager = True
