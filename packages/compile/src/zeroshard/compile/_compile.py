@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from typing import Any
@@ -105,18 +106,28 @@ class CompiledModel:
                 raise
             # Dynamo fails before the graph runs, on every rank alike (the model code is
             # the same), so no rank has issued a collective the others will not.
-            # A failing backend or pass is wrapped by Dynamo: name the error inside.
-            cause = getattr(e, "inner_exception", None) or e.__cause__ or e
-            text = str(cause).strip().splitlines()
-            self._fall_back(f"{type(cause).__name__}: {text[0] if text else ''}")
+            self._fall_back(_reason(e))
             log.debug("zeroshard.compile: capture failed", exc_info=e)
         finally:
             runtime.hooks_enabled = True
+        # [Note: a failed capture's garbage] Dynamo's failed trace is cyclic garbage that
+        # holds the model through references the cycle collector cannot see (C++ objects),
+        # so a later gc.collect() would free it but leave the model for the one after.
+        # Collected once here, it no longer keeps a dropped model alive.
+        gc.collect()
         return self.module(*args, **kwargs)
 
     def __del__(self) -> None:
         for spec in getattr(self, "_specs", []):
             unregister_target(spec.key)
+
+
+def _reason(e: BaseException) -> str:
+    """The error a capture failed with, in one line."""
+    # A failing backend or pass is wrapped by Dynamo: name the error inside.
+    cause = getattr(e, "inner_exception", None) or e.__cause__ or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}"
 
 
 def _unsupported(model: nn.Module) -> str | None:
