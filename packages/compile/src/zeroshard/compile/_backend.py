@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
+from torch._functorch import config as functorch_config
 
 from zeroshard.compile._pipeline import PassContext, Phase, Pipeline
 
@@ -59,6 +60,13 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         captures.count += 1
         apply(gm, Phase.CAPTURE)
+        # AOTAutograd compiles the backward graph lazily, at the first backward(), after
+        # forward's collectives ran: a BACKWARD pass failing there could not fall back.
+        # Compiled now, with forward, it fails before any collective, like a capture.
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return lower(gm, example_inputs)
+
+    def lower(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if inner == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
