@@ -110,10 +110,10 @@ class CompiledModel:
             log.debug("zeroshard.compile: capture failed", exc_info=e)
         finally:
             runtime.hooks_enabled = True
-        # [Note: a failed capture's garbage] Dynamo's failed trace is cyclic garbage that
-        # holds the model through references the cycle collector cannot see (C++ objects),
-        # so a later gc.collect() would free it but leave the model for the one after.
-        # Collected once here, it no longer keeps a dropped model alive.
+        # Dynamo's failed trace is cyclic garbage that holds the model through references
+        # the cycle collector does not traverse: a gc.collect() after the user drops the
+        # model would free the trace but leave the model for the next one. Collected
+        # here, once, the trace no longer keeps a dropped model alive.
         gc.collect()
         return self.module(*args, **kwargs)
 
