@@ -5,18 +5,35 @@ before the min-cut partitioner (which honours their recompute/save tags) splits 
 through inductor's `joint_custom_pre_pass`, or a partition function for `aot_eager`.
 The forward and backward graphs then go through the FORWARD / BACKWARD passes and on to
 inductor (`compile_fx_inner`) or, for `aot_eager`, run as traced.
+
+[Note: the backend outlives the model]
+torch keeps every backend given to `torch.compile` in a module-level table
+(`torch._dynamo.eval_frame.cached_backends`) until `torch._dynamo.reset()`. So the
+backend refers to nothing of its model: only the pipeline, the budgets and a `Captures`
+counter. What Dynamo compiled (guards, graphs, inductor code) hangs off the forward's
+own code object (see `gathered_forward`) and is freed with the `CompiledModel`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
+from torch._functorch import config as functorch_config
 
 from zeroshard.compile._pipeline import PassContext, Phase, Pipeline
 
 INNER_BACKENDS = ("inductor", "aot_eager")
+
+
+@dataclass
+class Captures:
+    """How many graphs Dynamo handed a backend: the one piece of state the backend
+    shares with its model (see [Note: the backend outlives the model])."""
+
+    count: int = 0
 
 
 def make_backend(
@@ -27,7 +44,7 @@ def make_backend(
     persist_bytes: int,
     fuse_bytes: int,
     options: Mapping[str, Any] | None,
-    on_compile: Callable[[], None],
+    captures: Captures,
 ) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
     """A Dynamo backend running `pipeline`, then `inner` ("inductor" or "aot_eager")."""
     if inner not in INNER_BACKENDS:
@@ -41,8 +58,15 @@ def make_backend(
         gm.recompile()
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        on_compile()
+        captures.count += 1
         apply(gm, Phase.CAPTURE)
+        # AOTAutograd compiles the backward graph lazily, at the first backward(), after
+        # forward's collectives ran: a BACKWARD pass failing there could not fall back.
+        # Compiled now, with forward, it fails before any collective, like a capture.
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return lower(gm, example_inputs)
+
+    def lower(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if inner == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,12 +111,19 @@ def route_grads(state: EngineState) -> list[RemovableHandle]:
     """
     handles = []
     for g in state.groups:
-        if not g.trainable:
-            continue
-
-        def hook(master: torch.Tensor, g: Any = g) -> None:
-            g.grad_shard = master.grad
-
-        register = g.master.register_post_accumulate_grad_hook  # untyped in torch
-        handles.append(register(hook))  # type: ignore[no-untyped-call]
+        if g.trainable:
+            register = g.master.register_post_accumulate_grad_hook  # untyped in torch
+            handles.append(register(_grad_shard_hook(weakref.ref(g))))  # type: ignore[no-untyped-call]
     return handles
+
+
+def _grad_shard_hook(group: weakref.ref[Any]) -> Callable[[torch.Tensor], None]:
+    # Weakly: torch keeps a post-accumulate hook in the tensor's C++ autograd data, which
+    # the cycle collector does not see, so a hook reaching back to its master (through the
+    # group) would keep the master, and with it the whole engine, alive forever.
+    def hook(master: torch.Tensor) -> None:
+        owner = group()
+        if owner is not None:
+            owner.grad_shard = master.grad
+
+    return hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.compile._backend import capture_errors, make_backend
+from zeroshard.compile._backend import Captures, capture_errors, make_backend
 from zeroshard.compile._capture import flat_specs, gathered_forward, route_grads
 from zeroshard.compile._ops import GatherStats, unregister_target
 from zeroshard.compile._passes import default_pipeline
@@ -43,7 +44,7 @@ class CompiledModel:
     ) -> None:
         self.module = model
         self.stats = GatherStats()
-        self.compiles = 0
+        self._captures = Captures()
         self.eager = False
         state = engine_state(model)
         self._state = state
@@ -56,9 +57,6 @@ class CompiledModel:
         self._specs = flat_specs(state, self.stats)
         self._grad_hooks = route_grads(state) if reason is None else []
 
-        def counted() -> None:
-            self.compiles += 1
-
         backend = make_backend(
             pipeline,
             inner,
@@ -66,13 +64,18 @@ class CompiledModel:
             persist_bytes=persist_bytes,
             fuse_bytes=fuse_bytes,
             options=options,
-            on_compile=counted,
+            captures=self._captures,
         )
         self._compiled = torch.compile(
             gathered_forward(model, self._specs), backend=backend, fullgraph=fullgraph, **kwargs
         )
         if reason is not None:
             self._fall_back(reason)
+
+    @property
+    def compiles(self) -> int:
+        """How many graphs Dynamo captured (recompilations included; it should stay 1)."""
+        return self._captures.count
 
     def _fall_back(self, reason: str) -> None:
         self.eager = True
@@ -103,18 +106,28 @@ class CompiledModel:
                 raise
             # Dynamo fails before the graph runs, on every rank alike (the model code is
             # the same), so no rank has issued a collective the others will not.
-            # A failing backend or pass is wrapped by Dynamo: name the error inside.
-            cause = getattr(e, "inner_exception", None) or e.__cause__ or e
-            text = str(cause).strip().splitlines()
-            self._fall_back(f"{type(cause).__name__}: {text[0] if text else ''}")
+            self._fall_back(_reason(e))
             log.debug("zeroshard.compile: capture failed", exc_info=e)
         finally:
             runtime.hooks_enabled = True
+        # Dynamo's failed trace is cyclic garbage that holds the model through references
+        # the cycle collector does not traverse: a gc.collect() after the user drops the
+        # model would free the trace but leave the model for the next one. Collected
+        # here, once, the trace no longer keeps a dropped model alive.
+        gc.collect()
         return self.module(*args, **kwargs)
 
     def __del__(self) -> None:
         for spec in getattr(self, "_specs", []):
             unregister_target(spec.key)
+
+
+def _reason(e: BaseException) -> str:
+    """The error a capture failed with, in one line."""
+    # A failing backend or pass is wrapped by Dynamo: name the error inside.
+    cause = getattr(e, "inner_exception", None) or e.__cause__ or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}"
 
 
 def _unsupported(model: nn.Module) -> str | None:
