@@ -19,8 +19,8 @@ ahead: `single`, each call waited before the next is packed (nothing to overlap 
 with); `streamed`, the next call issued before the previous one is waited, as a prefetch
 or a bucketed backward does (the pack of call i+1 runs while collective i runs). Time is
 the median period between successive calls in steady state, slowest rank. `streamed hp`
-repeats `streamed` on a process group whose NCCL stream has high priority (torch's
-``TORCH_NCCL_HIGH_PRIORITY=1``), so the packs do not delay the collectives; its ratio is
+repeats `streamed` on a process group whose NCCL stream has high priority (`pg_options`
+with `is_high_priority_stream`), so the packs do not delay the collectives; its ratio is
 against the raw peer on that same group. `pack` is the packing kernel(s) alone. Bus
 bandwidth is S / time * (n-1)/n. Full runs write the "comm" section of
 docs/benchmarks.md; `--smoke` (CPU, gloo, small sizes) writes bench-out/comm.md only.
@@ -432,7 +432,8 @@ def report(rows: list[Row], sweep: list[Row], world: int, args: argparse.Namespa
         "each call waited before the next is packed; `streamed`: the next call issued before "
         "the previous one is waited (as a prefetch or a bucketed backward issues them); "
         "`streamed hp`: the same on a process group with a high-priority NCCL stream "
-        "(`TORCH_NCCL_HIGH_PRIORITY=1`), its ratio against the raw peer on that group. "
+        "(`pg_options` with `is_high_priority_stream`), its ratio against the raw peer on that "
+        "group. "
         "`ratio` is raw time / coalesced time (1.00 = no cost for coalescing); `pack ms` is "
         "the packing kernels alone; `host us` is the host's cost per call. See the docstring "
         "of `benchmarks/comm.py` for the payloads."

@@ -11,8 +11,8 @@ Pipelining: buckets are packed and issued in order on the current stream; the pa
 bucket b+1 (or of the next call, when the caller issues it before waiting this one) runs
 while the collective of bucket b runs on the communication stream (see [Note: streams
 and memory] in `_group.py`). The communication stream competes with the packs for SMs:
-a process group created with a high-priority NCCL stream (torch's
-``TORCH_NCCL_HIGH_PRIORITY=1``) keeps the packs from delaying it.
+a process group whose NCCL stream has high priority (``pg_options`` with
+``ProcessGroupNCCL.Options.is_high_priority_stream``) keeps the packs from delaying it.
 """
 
 from __future__ import annotations
