@@ -163,21 +163,29 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-def _setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) -> Stepper:
+def _zs_initialize(model: nn.Module, s: Settings, stage: int, **extra: Any) -> tuple[Any, Any]:
+    """`zs.initialize` with the run's dtype, AdamW and `--zs-config` (plus `extra`)."""
     import zeroshard.engine as zs
 
-    config = {"stage": stage, "compute_dtype": _dtype_name(s.dtype), **s.zs_config}
-    if hybrid:
-        config["shard_group_size"] = hybrid_shape(s)[1]
-    zmodel, opt = zs.initialize(model, _adamw(model.parameters(), s.device), config)
+    config = {"stage": stage, "compute_dtype": _dtype_name(s.dtype), **s.zs_config, **extra}
+    return zs.initialize(model, _adamw(model.parameters(), s.device), config)
+
+
+def _zs_train_step(forward: Callable[..., Any], opt: Any, s: Settings, x: Any, y: Any) -> None:
+    """One zeroshard step: forward, backward, optional clipping, optimizer step."""
+    forward(x, y).backward()
+    if s.clip > 0:
+        opt.clip_grad_norm_(s.clip)
+    opt.step()
+    opt.zero_grad()
+
+
+def _setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) -> Stepper:
+    extra = {"shard_group_size": hybrid_shape(s)[1]} if hybrid else {}
+    zmodel, opt = _zs_initialize(model, s, stage, **extra)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = zmodel(x, y)
-        loss.backward()
-        if s.clip > 0:
-            opt.clip_grad_norm_(s.clip)
-        opt.step()
-        opt.zero_grad()
+        _zs_train_step(zmodel, opt, s, x, y)
 
     return step
 
@@ -230,10 +238,8 @@ def _setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
     """zeroshard stage 3 compiled whole by zeroshard.compile (inductor); records the bytes
     gathered per step once, on rank 0, for the report (NOTES)."""
     import zeroshard.compile as zc
-    import zeroshard.engine as zs
 
-    config = {"stage": 3, "compute_dtype": _dtype_name(s.dtype), **s.zs_config}
-    zmodel, opt = zs.initialize(model, _adamw(model.parameters(), s.device), config)
+    zmodel, opt = _zs_initialize(model, s, 3)
     pipeline = zc.default_pipeline()
     if not fuse_downcast:
         pipeline = pipeline.without("fuse_downcast")
@@ -243,12 +249,7 @@ def _setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         nonlocal steps
         compiled.stats.reset()
-        loss = compiled(x, y)
-        loss.backward()
-        if s.clip > 0:
-            opt.clip_grad_norm_(s.clip)
-        opt.step()
-        opt.zero_grad()
+        _zs_train_step(compiled, opt, s, x, y)
         steps += 1
         if steps == 2 and dist.get_rank() == 0:
             st = compiled.stats

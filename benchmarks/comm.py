@@ -48,7 +48,7 @@ from zeroshard.comm import (
     reduce_scatter_coalesced,
     wait_all,
 )
-from zeroshard.comm._coalesce import _buckets, _pack_reduce_input
+from zeroshard.comm._coalesce import _buckets, _pack_gather_input, _pack_reduce_input
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import init_ranks, markdown_table, publish
@@ -207,9 +207,9 @@ class Row:
     buckets: int
     bucket_bytes: int
     raw: Timing
-    single: Timing
     streamed: Timing
     pack: Timing
+    single: Timing | None = None
     raw_hp: Timing | None = None
     streamed_hp: Timing | None = None
 
@@ -314,7 +314,7 @@ class Bench:
 
             def pack() -> None:
                 for b, recv in zip(buckets, recvs, strict=True):
-                    torch.cat([tensors[i] for i in b], out=recv[rank])
+                    _pack_gather_input([tensors[i] for i in b], recv[rank])
 
             return len(buckets), pack
         tensors = self.full
@@ -342,7 +342,7 @@ class Bench:
             return []
 
         streamed = measure(coalesced, 1, a.iters, a.warmup, cuda)
-        single = measure(coalesced, 0, a.iters, a.warmup, cuda) if full else streamed
+        single = measure(coalesced, 0, a.iters, a.warmup, cuda) if full else None
         raw_hp = streamed_hp = None
         if full and self.high_priority is not None:
             raw2, coalesced2 = self._issuers(op, self.high_priority, bucket_bytes)
@@ -391,7 +391,7 @@ def report(rows: list[Row], sweep: list[Row], world: int, args: argparse.Namespa
                 r.op,
                 r.tensors,
                 f"{r.raw.busbw(r.size, world):.3g}",
-                f"{r.single.busbw(r.size, world):.3g}",
+                _fmt(r.single.busbw(r.size, world) if r.single else None, ".3g"),
                 f"{r.streamed.busbw(r.size, world):.3g}",
                 _fmt(hp, ".3g"),
                 _fmt(_ratio(r.raw, r.single)),
@@ -399,7 +399,7 @@ def report(rows: list[Row], sweep: list[Row], world: int, args: argparse.Namespa
                 _fmt(_ratio(r.raw_hp, r.streamed_hp)),
                 f"{r.pack.ms:.3f}",
                 f"{r.raw.host_us:.0f}",
-                f"{r.single.host_us:.0f}",
+                _fmt(r.single.host_us if r.single else None, ".0f"),
             ]
         )
     big = [r for r in rows if r.size >= 64 * MIB] or [r for r in rows if r.size == rows[-1].size]

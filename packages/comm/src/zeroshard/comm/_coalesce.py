@@ -96,9 +96,14 @@ def all_gather_coalesced(
         else:
             # In place: this rank's row of `recv` is the collective's input.
             send = recv[rank]
-            torch.cat([tensors[i].reshape(-1) for i in idx], out=send)
+            _pack_gather_input([tensors[i] for i in idx], send)
         handles.append(group.all_gather_into(recv.view(-1), send, label=f"{label}[bucket {b}]"))
     return outs, handles
+
+
+def _pack_gather_input(tensors: Sequence[torch.Tensor], send: torch.Tensor) -> None:
+    """Write the tensors end to end into `send`, cast to its dtype, in one fused op."""
+    torch.cat([t.reshape(-1) for t in tensors], out=send)
 
 
 def _pack_reduce_input(
