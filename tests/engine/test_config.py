@@ -1,39 +1,174 @@
-"""ZeroConfig validation and DeepSpeed dict translation (no process group needed)."""
+"""ZeroConfig as policies: flat and nested dicts, exact validation (no process group needed)."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import pytest
 import torch
 
-from zeroshard.engine import ZeroConfig
-from zeroshard.engine._config import as_config
+import zeroshard.engine as zs
+from zeroshard.engine import (
+    CommPolicy,
+    LossScalePolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    Stage3Policy,
+    ZeroConfig,
+)
+from zeroshard.engine._config import FLAT_KEYS, as_config
 
 
 def test_defaults_and_dtype_strings() -> None:
     cfg = as_config({"stage": 1, "compute_dtype": "bf16", "reduce_dtype": torch.float32})
     assert cfg.stage == 1
-    assert cfg.compute_dtype == torch.bfloat16
-    assert cfg.grad_reduce_dtype == torch.float32
-    assert as_config({"compute_dtype": "fp16"}).grad_reduce_dtype == torch.float16
+    assert cfg.precision.compute_dtype == torch.bfloat16
+    assert cfg.precision.grad_reduce_dtype == torch.float32
+    assert as_config({"compute_dtype": "fp16"}).precision.grad_reduce_dtype == torch.float16
     assert as_config(None) == ZeroConfig()
+
+
+def test_every_flat_key_lands_in_its_policy() -> None:
+    # One non-default value per flat key, all at once (stage 3 so offload_params is allowed).
+    flat: dict[str, Any] = {
+        "stage": 3,
+        "shard_group_size": 2,
+        "flatten_tier": "cpu",
+        "compute_dtype": "fp16",
+        "reduce_dtype": "fp32",
+        "initial_loss_scale": 1024.0,
+        "loss_scale_window": 50,
+        "min_loss_scale": 2.0,
+        "reduce_bucket_bytes": 1000,
+        "allgather_bucket_bytes": 2000,
+        "overlap": False,
+        "max_inflight_reductions": 3,
+        "collective_timeout_s": 30.0,
+        "unit_modules": ["Block"],
+        "leaf_modules": ["MoE"],
+        "min_unit_params": 7,
+        "leaf_params_per_module": 5,
+        "prefetch_depth": 2,
+        "prefetch_bytes": 4096,
+        "max_live_bytes": 8192,
+        "persistence_threshold": 11,
+        "offload_optimizer": True,
+        "offload_ratio": 0.25,
+        "offload_params": True,
+        "offload_pin_memory": False,
+        "offload_chunk_bytes": 512,
+    }
+    assert sorted(flat) == sorted(FLAT_KEYS)  # the test covers every key
+    cfg = ZeroConfig.from_dict(flat)
+    assert cfg == ZeroConfig(
+        stage=3,
+        shard_group_size=2,
+        flatten_tier="cpu",
+        precision=PrecisionPolicy(torch.float16, torch.float32),
+        loss_scale=LossScalePolicy(initial_scale=1024.0, window=50, min_scale=2.0),
+        comm=CommPolicy(
+            1000, 2000, overlap=False, max_inflight_reductions=3, collective_timeout_s=30.0
+        ),
+        stage3=Stage3Policy(("Block",), ("MoE",), 7, 5, 2, 4096, 8192, 11),
+        offload=OffloadPolicy(True, 0.25, True, False, 512),
+    )
+    # Round trip: to_dict gives the same flat keys back, JSON-ready.
+    assert cfg.to_dict() == {**flat, "compute_dtype": "fp16", "reduce_dtype": "fp32"}
+    assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+    assert ZeroConfig.from_dict(ZeroConfig().to_dict()) == ZeroConfig()
+
+
+def test_policies_as_nested_dicts_and_replace() -> None:
+    cfg = ZeroConfig.from_dict(
+        {"stage": 3, "precision": {"compute_dtype": "bf16"}, "stage3": {"prefetch_depth": 4}}
+    )
+    assert cfg.precision.compute_dtype == torch.bfloat16 and cfg.stage3.prefetch_depth == 4
+    # replace takes flat keys and policies; the rest is kept.
+    changed = cfg.replace(stage=2, reduce_bucket_bytes=4096)
+    assert (changed.stage, changed.comm.reduce_bucket_bytes) == (2, 4096)
+    assert changed.precision == cfg.precision and changed.stage3 == cfg.stage3
+    assert cfg.replace(precision=PrecisionPolicy()).precision.compute_dtype == torch.float32
+    with pytest.raises(ValueError, match="compute_dtype is set twice"):
+        ZeroConfig.from_dict({"compute_dtype": "bf16", "precision": {"compute_dtype": "fp16"}})
+    with pytest.raises(
+        ValueError, match=r"'precision.compute_dtpye' \(did you mean 'compute_dtype'"
+    ):
+        ZeroConfig.from_dict({"precision": {"compute_dtpye": "bf16"}})
+    with pytest.raises(ValueError, match="precision must be a PrecisionPolicy"):
+        ZeroConfig.from_dict({"precision": "bf16"})
 
 
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        ({"stage": 4}, "stage must be"),
-        ({"stage": 0}, "stage must be"),
+        ({"stage": 4}, "stage must be 1, 2 or 3"),
+        ({"stage": 0}, "stage must be 1, 2 or 3"),
+        ({"stage": True}, r"stage must be 1, 2 or 3 \(an int\), got True \(bool\)"),
+        ({"stage": 2.0}, r"stage must be a positive int, got 2.0 \(float\)"),
+        ({"stage": "3"}, r"stage must be 1, 2 or 3 \(an int\), got '3' \(str\)"),
         ({"compute_dtype": "int8"}, "is not a dtype"),
         ({"compute_dtype": torch.float64}, "not supported"),
-        ({"reduce_bucket_bytes": 0}, "positive integer"),
-        ({"flatten_tier": "gpu"}, "flatten_tier"),
+        ({"reduce_dtype": 16}, "precision.reduce_dtype.*not a dtype"),
+        ({"reduce_bucket_bytes": 0}, "comm.reduce_bucket_bytes must be a positive int"),
+        ({"reduce_bucket_bytes": 5e8}, r"positive int, got 500000000.0 \(float\)"),
+        ({"allgather_bucket_bytes": -1}, "comm.allgather_bucket_bytes must be a positive int"),
+        ({"max_inflight_reductions": True}, "max_inflight_reductions must be a positive int"),
+        ({"prefetch_bytes": 1.5}, "stage3.prefetch_bytes must be a positive int"),
+        ({"max_live_bytes": 0}, "stage3.max_live_bytes must be a positive int"),
+        ({"offload_chunk_bytes": 0}, r"offload.chunk_bytes \(offload_chunk_bytes\) must be"),
+        ({"prefetch_depth": -1}, "stage3.prefetch_depth must be an int >= 0"),
+        ({"persistence_threshold": False}, "stage3.persistence_threshold must be an int >= 0"),
+        ({"min_unit_params": 1.0}, "stage3.min_unit_params must be an int >= 0"),
+        ({"leaf_params_per_module": None}, "stage3.leaf_params_per_module must be"),
+        ({"shard_group_size": 0}, "shard_group_size must be a positive int"),
+        ({"shard_group_size": True}, "shard_group_size must be a positive int"),
+        ({"overlap": 1}, r"comm.overlap must be true or false, got 1 \(int\)"),
+        ({"offload_pin_memory": "yes"}, "offload.pin_memory .* must be true or false"),
+        ({"flatten_tier": "gpu"}, r"flatten_tier must be one of \['auto', 'device'"),
+        ({"unit_modules": "Block"}, "stage3.unit_modules must be a list of module"),
+        ({"leaf_modules": [1]}, "stage3.leaf_modules must be a list of module"),
+        ({"initial_loss_scale": math.inf}, "initial_scale .* must be a finite number > 0"),
+        ({"initial_loss_scale": math.nan}, "initial_scale .* must be a finite number > 0"),
+        ({"initial_loss_scale": 0.0}, "initial_scale .* must be a finite number > 0"),
+        ({"min_loss_scale": -1.0}, "min_scale .* must be a finite number > 0"),
         ({"initial_loss_scale": 1.0, "min_loss_scale": 2.0}, "min_loss_scale"),
-        ({"stgae": 2}, "unknown ZeroConfig keys \\['stgae'\\]; valid keys"),
+        ({"loss_scale_window": 0}, r"loss_scale.window \(loss_scale_window\) must be"),
+        ({"collective_timeout_s": math.inf}, "comm.collective_timeout_s must be a finite"),
+        ({"collective_timeout_s": 0}, "comm.collective_timeout_s must be a finite"),
+        ({"offload_optimizer": True, "offload_ratio": math.nan}, r"offload.ratio"),
+        ({"offload_optimizer": True, "offload_ratio": 1.5}, r"must be in \(0, 1\]"),
+        ({"stgae": 2}, r"unknown ZeroConfig keys 'stgae' \(did you mean 'stage'\?\); valid keys"),
+        ({1: 2}, r"config keys must be strings, got 1 \(int\)"),
     ],
 )
 def test_bad_config_is_a_clear_error(bad: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         as_config(bad)
+
+
+def test_policies_check_themselves() -> None:
+    with pytest.raises(ValueError, match="stage3.prefetch_depth"):
+        Stage3Policy(prefetch_depth=-2)
+    with pytest.raises(ValueError, match="offload.params .* needs offload.optimizer"):
+        OffloadPolicy(params=True)
+    with pytest.raises(ValueError, match="needs stage 3"):
+        ZeroConfig(stage=2, offload=OffloadPolicy(optimizer=True, params=True))
+    with pytest.raises(ValueError, match="comm must be a CommPolicy"):
+        ZeroConfig(comm={"overlap": False})  # type: ignore[arg-type]
+
+
+def test_deep_or_odd_values_give_a_short_message() -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(50_000):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(ValueError, match=r"comm.overlap must be true or false, got \{'a'"):
+        as_config({"overlap": deep})
+    with pytest.raises(ValueError) as err:
+        as_config({"stage": list(range(10_000))})
+    assert len(str(err.value)) < 200
 
 
 def test_unknown_key_lists_the_valid_ones() -> None:
@@ -42,61 +177,24 @@ def test_unknown_key_lists_the_valid_ones() -> None:
     assert "reduce_bucket_bytes" in str(err.value)
 
 
-def test_deepspeed_zero_optimization_dict() -> None:
-    cfg = as_config(
-        {
-            "stage": 2,
-            "reduce_bucket_size": 5e7,
-            "allgather_bucket_size": 2e8,
-            "overlap_comm": False,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-        }
-    )
-    assert cfg.stage == 2
-    assert cfg.overlap is False
-    # DeepSpeed counts elements, we count bytes (fp32 compute here: 4 bytes each).
-    assert cfg.reduce_bucket_bytes == 50_000_000 * 4
-    assert cfg.allgather_bucket_bytes == 200_000_000 * 4
-
-
-def test_deepspeed_full_config_with_precision() -> None:
-    cfg = as_config(
-        {
-            "zero_optimization": {"stage": 1, "reduce_bucket_size": 1000},
-            "bf16": {"enabled": True},
-        }
-    )
-    assert (cfg.stage, cfg.compute_dtype, cfg.reduce_bucket_bytes) == (1, torch.bfloat16, 2000)
-    fp16 = as_config(
-        {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "initial_scale_power": 8}}
-    )
-    assert fp16.compute_dtype == torch.float16
-    assert fp16.initial_loss_scale == 256.0
-
-
-@pytest.mark.parametrize(
-    ("bad", "message"),
-    [
-        ({"stage": 2, "sub_group_size": 1000}, "unsupported DeepSpeed"),
-        ({"stage": 2, "reduce_scatter": False}, "reduce_scatter=false"),
-        ({"zero_optimization": {"stage": 2}, "train_batch_size": 8}, "train_batch_size"),
-        (
-            {"zero_optimization": {}, "bf16": {"enabled": True}, "fp16": {"enabled": True}},
-            "both bf16 and fp16",
-        ),
-        ({"zero_optimization": {}, "fp16": {"enabled": True, "loss_scale": 128}}, "static"),
-    ],
-)
-def test_bad_deepspeed_config(bad: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        as_config(bad)
+def test_not_a_dict_is_refused() -> None:
+    with pytest.raises(TypeError, match="config must be a ZeroConfig or a dict, got str"):
+        as_config("ds_config.json")  # type: ignore[arg-type]
 
 
 def test_config_is_frozen_and_replace_revalidates() -> None:
     cfg = ZeroConfig()
     with pytest.raises(AttributeError):
         cfg.stage = 1  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        cfg.precision.compute_dtype = torch.float16  # type: ignore[misc]
     with pytest.raises(ValueError):
         cfg.replace(stage=7)
+    with pytest.raises(ValueError, match="unknown ZeroConfig keys"):
+        cfg.replace(stages=1)
     assert cfg.replace(stage=1).stage == 1
+
+
+def test_public_names() -> None:
+    for name in ("ZeroConfig", "PrecisionPolicy", "read_deepspeed_config", "AutoValues"):
+        assert name in zs.__all__

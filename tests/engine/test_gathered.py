@@ -80,7 +80,7 @@ def _case(device: str, stage: int, dtype: str) -> None:
     batches = global_batches(3, 1, world, 2)
     model, opt = zs.initialize(model, make_optimizer(model, "sgd"), _config(stage, dtype))
     state = zs.engine_state(model)
-    compute = state.config.compute_dtype
+    compute = state.config.precision.compute_dtype
     named = dict(model.named_parameters())
 
     # The reference: the same steps and the same edit on the whole global batch.

@@ -321,19 +321,30 @@ def test_offload_config_and_deepspeed_forms() -> None:
             "offload_param": {"device": "cpu", "pin_memory": False},
         }
     )
-    assert cfg.offload_optimizer and cfg.offload_params and cfg.offload_ratio == 0.5
-    assert not cfg.offload_pin_memory
+    assert cfg.offload.optimizer and cfg.offload.params and cfg.offload.ratio == 0.5
+    assert not cfg.offload.pin_memory
     off = zs.ZeroConfig.from_dict({"stage": 2, "offload_optimizer": {"device": "none"}})
-    assert not off.offload_optimizer
+    assert not off.offload.optimizer
     bad: list[tuple[dict[str, Any], str]] = [
         ({"offload_optimizer": {"device": "nvme"}}, "nvme.*not supported"),
         ({"offload_optimizer": {"device": "cpu", "buffer_size": 1}}, "valid: .*ratio"),
-        ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs stage 3"),
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs offload.optimizer"),
+        (
+            {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": "cpu"},
+            },
+            "needs stage 3",
+        ),
         ({"stage": 2, "offload_params": True, "offload_optimizer": True}, "needs stage 3"),
-        ({"stage": 3, "offload_params": True}, "needs offload_optimizer"),
-        ({"offload_ratio": 0.5}, "needs offload_optimizer"),
-        ({"offload_optimizer": True, "offload_ratio": 1.5}, r"offload_ratio must be in \(0, 1\]"),
-        ({"offload_optimizer": True, "offload_chunk_bytes": 0}, "positive integer"),
+        ({"stage": 3, "offload_params": True}, "needs offload.optimizer"),
+        ({"offload_ratio": 0.5}, "needs offload.optimizer"),
+        (
+            {"offload_optimizer": True, "offload_ratio": 1.5},
+            r"offload.ratio \(offload_ratio\) must be in \(0, 1\]",
+        ),
+        ({"offload_optimizer": True, "offload_chunk_bytes": 0}, "positive int"),
     ]
     for d, match in bad:
         with pytest.raises(ValueError, match=match):

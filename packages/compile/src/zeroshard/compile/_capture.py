@@ -70,7 +70,7 @@ def flat_specs(state: EngineState, stats: GatherStats) -> list[FlatSpec]:
                 key,
                 g.group.size,
                 g.param_buffer.dtype,
-                state.config.grad_reduce_dtype,
+                state.config.precision.grad_reduce_dtype,
                 tuple(pieces),
                 tuple(slots),
             )

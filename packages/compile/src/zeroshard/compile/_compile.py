@@ -133,7 +133,7 @@ def _reason(e: BaseException) -> str:
 def _unsupported(model: nn.Module) -> str | None:
     """Why a stage-3 model cannot be captured yet, or None."""
     state = engine_state(model)
-    if state.config.compute_dtype == torch.float16:
+    if state.config.precision.compute_dtype == torch.float16:
         return "fp16 loss scaling is not captured; use bf16 or fp32"
     if state.replicate is not None:
         return "hybrid sharding (shard_group_size) is not captured"

@@ -8,6 +8,12 @@ full = zs.full_state_dict(model)
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._deepspeed_config import (
+    DeepSpeedSettings,
+    hidden_size_of,
+    read_deepspeed_config,
+)
+from zeroshard.engine._deepspeed_translate import AutoValues
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import (
     EngineState,
@@ -18,22 +24,38 @@ from zeroshard.engine._initialize import (
 )
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine._optimizer import ZeroOptimizer
+from zeroshard.engine._policies import (
+    CommPolicy,
+    LossScalePolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    Stage3Policy,
+)
 from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
 
 __all__ = [
+    "AutoValues",
+    "CommPolicy",
+    "DeepSpeedSettings",
     "DivergentRanksError",
     "EngineState",
     "EngineStats",
     "LoadReport",
+    "LossScalePolicy",
+    "OffloadPolicy",
+    "PrecisionPolicy",
     "SafetensorsLoadError",
+    "Stage3Policy",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",
     "engine_stats",
     "full_state_dict",
     "gathered_parameters",
+    "hidden_size_of",
     "initialize",
     "load_checkpoint",
     "load_safetensors",
+    "read_deepspeed_config",
     "save_checkpoint",
 ]

@@ -155,7 +155,7 @@ def _save(
         world_size=state.world.size,
         groups=tuple(groups),
         stage=state.config.stage,
-        compute_dtype=state.config.compute_dtype,
+        compute_dtype=state.config.precision.compute_dtype,
         param_groups=tuple(
             {k: _json_value(v) for k, v in pg.items() if k != "params"} for pg in inner.param_groups
         ),

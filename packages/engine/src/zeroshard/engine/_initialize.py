@@ -87,13 +87,13 @@ def _flatten_stage12(
     grouped = group_parameters(
         model.named_parameters(), param_group_of=param_group_of, process_group_of=place.label
     )
-    itemsize = cfg.compute_dtype.itemsize
+    itemsize = cfg.precision.compute_dtype.itemsize
     tier = FlattenTier(cfg.flatten_tier)
     chunks: list[tuple[int, GroupKey, list[tuple[str, nn.Parameter]]]] = []
     registration = {id(p): i for i, p in enumerate(model.parameters())}
     for key, named in grouped.items():
         # Reverse registration order approximates the order gradients become ready.
-        for run in _split_by_bytes(named[::-1], cfg.reduce_bucket_bytes, itemsize):
+        for run in _split_by_bytes(named[::-1], cfg.comm.reduce_bucket_bytes, itemsize):
             chunks.append((max(registration[id(p)] for _, p in run), key, run))
     chunks.sort(key=lambda c: -c[0])
     groups = tuple(
@@ -102,7 +102,7 @@ def _flatten_stage12(
             key,
             run,
             group=place.group(key),
-            compute_dtype=cfg.compute_dtype,
+            compute_dtype=cfg.precision.compute_dtype,
             tier=tier,
             keep_grad_buffer=cfg.stage == 1,
         )
@@ -111,9 +111,9 @@ def _flatten_stage12(
     reducer = GradReducer(
         groups,
         stage=cfg.stage,
-        reduce_dtype=cfg.grad_reduce_dtype,
-        overlap=cfg.overlap,
-        max_inflight=cfg.max_inflight_reductions,
+        reduce_dtype=cfg.precision.grad_reduce_dtype,
+        overlap=cfg.comm.overlap,
+        max_inflight=cfg.comm.max_inflight_reductions,
     )
     return groups, reducer
 
@@ -133,10 +133,10 @@ def _shard_stage3(
     """
     plans = plan_units(
         model,
-        unit_modules=cfg.unit_modules,
-        leaf_modules=cfg.leaf_modules,
-        min_unit_params=cfg.min_unit_params,
-        leaf_params_per_module=cfg.leaf_params_per_module,
+        unit_modules=cfg.stage3.unit_modules,
+        leaf_modules=cfg.stage3.leaf_modules,
+        min_unit_params=cfg.stage3.min_unit_params,
+        leaf_params_per_module=cfg.stage3.leaf_params_per_module,
     )
     groups: list[FlatParamGroup] = []
     units: list[Unit] = []
@@ -150,7 +150,11 @@ def _shard_stage3(
         )
         ugroups = tuple(
             build_sharded_group(
-                len(groups) + j, key, named, group=place.group(key), compute_dtype=cfg.compute_dtype
+                len(groups) + j,
+                key,
+                named,
+                group=place.group(key),
+                compute_dtype=cfg.precision.compute_dtype,
             )
             for j, (key, named) in enumerate(grouped.items())
         )
@@ -158,7 +162,7 @@ def _shard_stage3(
         numel = sum(g.layout.numel for g in ugroups)
         # The root stays gathered: its forward wraps every other unit's, and its output
         # layer is the first thing backward needs.
-        persistent = ui == 0 or numel < cfg.persistence_threshold
+        persistent = ui == 0 or numel < cfg.stage3.persistence_threshold
         units.append(Unit(ui, plan.name, plan.module, ugroups, persistent))
 
     def reorder(order: Sequence[Unit]) -> None:
@@ -171,17 +175,17 @@ def _shard_stage3(
     runtime = Stage3Runtime(
         units,
         world=place.world,
-        prefetch_depth=cfg.prefetch_depth,
-        prefetch_bytes=cfg.prefetch_bytes,
-        max_live_bytes=cfg.max_live_bytes,
+        prefetch_depth=cfg.stage3.prefetch_depth,
+        prefetch_bytes=cfg.stage3.prefetch_bytes,
+        max_live_bytes=cfg.stage3.max_live_bytes,
         on_new_order=reorder,
     )
     reducer = GradReducer(
         [g for u in reversed(units) for g in u.groups],
         stage=3,
-        reduce_dtype=cfg.grad_reduce_dtype,
-        overlap=cfg.overlap,
-        max_inflight=cfg.max_inflight_reductions,
+        reduce_dtype=cfg.precision.grad_reduce_dtype,
+        overlap=cfg.comm.overlap,
+        max_inflight=cfg.comm.max_inflight_reductions,
         on_complete=runtime.on_group_complete,
         on_backward_end=runtime.on_backward_end,
     )
@@ -220,7 +224,7 @@ def initialize(
             "torch.distributed is not initialized: launch with torchrun and "
             "call torch.distributed.init_process_group() first"
         )
-    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
     world, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
@@ -272,8 +276,10 @@ def initialize(
                 )
             param_group_of[id(p)] = k
     scaler = None
-    if cfg.compute_dtype == torch.float16:
-        scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
+    if cfg.precision.compute_dtype == torch.float16:
+        scaler = LossScaler(
+            cfg.loss_scale.initial_scale, cfg.loss_scale.window, cfg.loss_scale.min_scale
+        )
     if cfg.stage == 3:
         groups, reducer, runtime = _shard_stage3(
             model, cfg, place, param_group_of, param_init, init_seed
@@ -283,17 +289,17 @@ def initialize(
         groups, reducer = _flatten_stage12(model, cfg, place, param_group_of)
         runtime, after_publish, before_step = None, None, None
     offload = None
-    if cfg.offload_optimizer:
+    if cfg.offload.optimizer:
         offload = HostOffload(
-            choose_offloaded(groups, cfg.offload_ratio),
+            choose_offloaded(groups, cfg.offload.ratio),
             world=world,
-            compute_dtype=cfg.compute_dtype,
-            chunk_bytes=cfg.offload_chunk_bytes,
-            pin=cfg.offload_pin_memory,
-            offload_params=cfg.offload_params,
+            compute_dtype=cfg.precision.compute_dtype,
+            chunk_bytes=cfg.offload.chunk_bytes,
+            pin=cfg.offload.pin_memory,
+            offload_params=cfg.offload.params,
         )
         _warn_unfused(optimizer)
-    install_precision_hooks(model, cfg.compute_dtype, scaler)
+    install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
     reducer.replicate = replicate
     reducer.offload = offload
     zopt = ZeroOptimizer(
@@ -302,7 +308,7 @@ def initialize(
         reducer,
         world,
         scaler,
-        cfg.allgather_bucket_bytes,
+        cfg.comm.allgather_bucket_bytes,
         after_publish,
         before_step,
         offload,
@@ -322,7 +328,7 @@ def initialize(
             sum(g.layout.numel for g in groups),
             len(groups),
             world.size,
-            cfg.compute_dtype,
+            cfg.precision.compute_dtype,
             "/".join(tiers),
             seconds,
         )
