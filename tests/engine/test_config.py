@@ -148,9 +148,9 @@ def test_bad_config_is_a_clear_error(bad: dict[str, object], message: str) -> No
 
 
 def test_policies_check_themselves() -> None:
-    with pytest.raises(ValueError, match="stage3.prefetch_depth"):
+    with pytest.raises(ValueError, match=r"stage3\.prefetch_depth"):
         Stage3Policy(prefetch_depth=-2)
-    with pytest.raises(ValueError, match="offload.params .* needs offload.optimizer"):
+    with pytest.raises(ValueError, match=r"offload\.params .* needs offload\.optimizer"):
         OffloadPolicy(params=True)
     with pytest.raises(ValueError, match="needs stage 3"):
         ZeroConfig(stage=2, offload=OffloadPolicy(optimizer=True, params=True))

@@ -12,7 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from zeroshard.engine._deepspeed_translate import is_deepspeed_dict, translate_deepspeed
+from zeroshard.engine._deepspeed_translate import (
+    DEEPSPEED_ZERO_KEYS,
+    is_deepspeed_dict,
+    translate_deepspeed,
+)
 from zeroshard.engine._policies import (
     CommPolicy,
     LossScalePolicy,
@@ -143,7 +147,12 @@ def _split_flat(d: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Flat keys and nested policy dicts -> {policy ("" for top level): {field: value}}."""
     unknown = sorted(set(d) - set(FLAT_KEYS) - set(_POLICIES))
     if unknown:
-        raise unknown_keys_error("ZeroConfig keys", unknown, [*FLAT_KEYS, *_POLICIES])
+        raise unknown_keys_error(
+            "ZeroConfig keys",
+            unknown,
+            [*FLAT_KEYS, *_POLICIES],
+            other=("DeepSpeed's zero_optimization keys", DEEPSPEED_ZERO_KEYS),
+        )
     out: dict[str, dict[str, Any]] = {}
     for key, value in d.items():
         if key in _POLICIES and isinstance(value, Mapping):

@@ -92,7 +92,7 @@ _UNSUPPORTED = (
     "load_from_fp32_weights",
     "zero_hpz_partition_size",
 )
-_ZERO_KEYS = (*_TRANSLATED, *_FIXED, *_TUNING_ONLY, *_UNSUPPORTED)
+DEEPSPEED_ZERO_KEYS = (*_TRANSLATED, *_FIXED, *_TUNING_ONLY, *_UNSUPPORTED)
 _HIDDEN_SIZE_RULES: dict[str, Callable[[int], int]] = {
     "reduce_bucket_size": lambda h: h * h,
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
@@ -114,7 +114,7 @@ PRECISION_BLOCKS = ("zero_optimization", "bf16", "fp16", "communication_data_typ
 def is_deepspeed_dict(d: Mapping[str, Any]) -> bool:
     """Whether `d` is DeepSpeed's config or its `zero_optimization` dict rather than ours."""
     # DeepSpeed's offload_optimizer is a dict where ours is a bool.
-    deepspeed_only = {"zero_optimization", *_ZERO_KEYS} - {"stage", "offload_optimizer"}
+    deepspeed_only = {"zero_optimization", *DEEPSPEED_ZERO_KEYS} - {"stage", "offload_optimizer"}
     return bool(set(d) & deepspeed_only) or isinstance(d.get("offload_optimizer"), Mapping)
 
 
@@ -261,10 +261,13 @@ def _resolve_auto(z: Mapping[str, Any], auto: AutoValues) -> dict[str, Any]:
 def _translate_zero(
     z: Mapping[str, Any], compute: torch.dtype, auto: AutoValues, notes: list[str] | None
 ) -> dict[str, Any]:
-    unknown = sorted(set(z) - set(_ZERO_KEYS))
+    unknown = sorted(set(z) - set(DEEPSPEED_ZERO_KEYS))
     if unknown:
         raise unknown_keys_error(
-            "DeepSpeed zero_optimization keys", unknown, _ZERO_KEYS, path="zero_optimization."
+            "DeepSpeed zero_optimization keys",
+            unknown,
+            DEEPSPEED_ZERO_KEYS,
+            path="zero_optimization.",
         )
     for key in _UNSUPPORTED:
         if key in z:

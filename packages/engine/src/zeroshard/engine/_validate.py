@@ -98,14 +98,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def unknown_keys_error(
-    what: str, unknown: Iterable[str], valid: Iterable[str], path: str = ""
+    what: str,
+    unknown: Iterable[str],
+    valid: Iterable[str],
+    path: str = "",
+    other: tuple[str, Iterable[str]] = ("", ()),
 ) -> ValueError:
     """The error for keys nobody reads: lists them (under `path`), a close match for each, and
-    the valid ones."""
+    the valid ones; `other` is (a description, keys) of another accepted spelling."""
     valid = sorted(valid)
+    other_text, other_keys = other[0], sorted(other[1])
     hints = []
     for key in sorted(unknown):
-        close = difflib.get_close_matches(key, valid, n=1)
+        close = difflib.get_close_matches(key, [*valid, *other_keys], n=1)
         named = repr(path + key)
         hints.append(f"{named} (did you mean {close[0]!r}?)" if close else named)
-    return ValueError(f"unknown {what} {', '.join(hints)}; valid keys: {valid}")
+    tail = f" (or {other_text}: {other_keys})" if other_keys else ""
+    return ValueError(f"unknown {what} {', '.join(hints)}; valid keys: {valid}{tail}")
