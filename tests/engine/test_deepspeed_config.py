@@ -269,9 +269,26 @@ def test_whole_config_values_are_checked() -> None:
         ({"train_batch_sise": 8}, AutoValues(), "did you mean 'train_batch_size'"),
         ({"amp": {"enabled": True}}, AutoValues(), "unknown DeepSpeed config keys 'amp'"),
     ]
+    cases += [
+        (
+            {"train_micro_batch_size_per_gpu": "8", "gradient_accumulation_steps": 1},
+            AutoValues(world_size=2),
+            r"train_micro_batch_size_per_gpu must be a positive integer .* got '8' \(str\)",
+        ),
+        ({"fp16": {"enabled": False, "loss_scael": 0}}, AutoValues(), "'fp16.loss_scael'"),
+    ]
     for extra, auto, message in cases:
         with pytest.raises(ValueError, match=message):
             read_deepspeed_config({**base, **extra}, auto)
+
+
+def test_auto_values_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"AutoValues.bf16 must be true or false, got 1"):
+        AutoValues(bf16=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AutoValues\.hidden_size must be a positive int"):
+        AutoValues(hidden_size=0)
+    with pytest.raises(ValueError, match=r"AutoValues\.gradient_clipping must be"):
+        AutoValues(gradient_clipping=float("nan"))
 
 
 def test_json_file_and_its_faults(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from zeroshard.engine._deepspeed_translate import (
     deepspeed_int,
     translate_deepspeed,
 )
-from zeroshard.engine._validate import check_int, shown, unknown_keys_error
+from zeroshard.engine._validate import shown, unknown_keys_error
 
 _TRAINING_KEYS = (
     "train_batch_size",
@@ -133,21 +133,14 @@ def _training_values(
 ) -> tuple[int | None, int | None, int | None, float | None]:
     """(micro batch, accumulation, total batch, clipping) with "auto" filled and each value
     checked against `auto` where both are given, as the Hugging Face integration does."""
-    micro = _fill(config, "train_micro_batch_size_per_gpu", auto.micro_batch_size_per_gpu)
-    accumulation = _fill(config, "gradient_accumulation_steps", auto.gradient_accumulation_steps)
+    micro = _batch_value(config, "train_micro_batch_size_per_gpu", auto.micro_batch_size_per_gpu)
+    accumulation = _batch_value(
+        config, "gradient_accumulation_steps", auto.gradient_accumulation_steps
+    )
     known_total = None
     if auto.world_size is not None and micro is not None and accumulation is not None:
-        world = check_int("AutoValues.world_size", auto.world_size, minimum=1)
-        known_total = world * micro * accumulation
-    total = _fill(config, "train_batch_size", known_total)
-    micro, accumulation, total = (
-        None if value is None else deepspeed_int(key, value, minimum=1)
-        for key, value in (
-            ("train_micro_batch_size_per_gpu", micro),
-            ("gradient_accumulation_steps", accumulation),
-            ("train_batch_size", total),
-        )
-    )
+        known_total = auto.world_size * micro * accumulation
+    total = _batch_value(config, "train_batch_size", known_total)
     if (
         total is not None
         and micro is not None
@@ -167,6 +160,11 @@ def _training_values(
             )
         clipping = float(clipping)
     return micro, accumulation, total, clipping
+
+
+def _batch_value(config: Mapping[str, Any], key: str, known: int | None) -> int | None:
+    value = _fill(config, key, known)
+    return None if value is None else deepspeed_int(key, value, minimum=1)
 
 
 def _fill(config: Mapping[str, Any], key: str, known: Any) -> Any:

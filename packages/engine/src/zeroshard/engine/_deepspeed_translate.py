@@ -53,6 +53,23 @@ class AutoValues:
     gradient_clipping: float | None = None
     """Fills `gradient_clipping` (the Trainer's `max_grad_norm`)."""
 
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size",
+            "micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "world_size",
+        ):
+            if getattr(self, name) is not None:
+                check_int(f"AutoValues.{name}", getattr(self, name), minimum=1)
+        for name in ("bf16", "fp16"):
+            if getattr(self, name) is not None:
+                check_bool(f"AutoValues.{name}", getattr(self, name))
+        if self.gradient_clipping is not None:
+            clipping = _number("AutoValues.gradient_clipping", self.gradient_clipping)
+            if clipping < 0:
+                raise ValueError(f"AutoValues.gradient_clipping must be >= 0, got {clipping}")
+
 
 # zero_optimization keys we translate (DeepSpeed name -> our flat key); sizes in elements
 # become bytes of the compute dtype.
@@ -186,6 +203,9 @@ def _translate_precision(
         out["reduce_dtype"] = parse_dtype(d["communication_data_type"], "communication_data_type")
     if bf16:
         out["compute_dtype"] = torch.bfloat16
+    unknown = sorted(set(_block(d, "fp16")) - set(_FP16_KEYS))
+    if unknown:
+        raise unknown_keys_error("fp16 keys", unknown, _FP16_KEYS, path="fp16.")
     if fp16:
         out["compute_dtype"] = torch.float16
         out.update(_translate_fp16(_block(d, "fp16"), notes))
@@ -193,9 +213,6 @@ def _translate_precision(
 
 
 def _translate_fp16(f: Mapping[str, Any], notes: list[str] | None) -> dict[str, Any]:
-    unknown = sorted(set(f) - set(_FP16_KEYS))
-    if unknown:
-        raise unknown_keys_error("fp16 keys", unknown, _FP16_KEYS, path="fp16.")
     out: dict[str, Any] = {}
     if _number("fp16.loss_scale", f.get("loss_scale", 0)) != 0:
         raise ValueError(
@@ -248,7 +265,7 @@ def _resolve_auto(z: Mapping[str, Any], auto: AutoValues) -> dict[str, Any]:
                 "pass AutoValues(hidden_size=...) (DeepSpeed's Hugging Face integration fills "
                 "it from model.config.hidden_size) or write a number"
             )
-        out[key] = rule(check_int("AutoValues.hidden_size", auto.hidden_size, minimum=1))
+        out[key] = rule(auto.hidden_size)
     for key in _TRANSLATED:
         if out.get(key) == AUTO:
             raise ValueError(
