@@ -98,10 +98,10 @@ _FIXED = {
 }
 # Speed / memory knobs with no zeroshard equivalent: results do not depend on them.
 _TUNING_ONLY = {
-    "sub_group_size": "the optimizer steps each shard whole",
+    "sub_group_size": "zeroshard does not split the optimizer step into sub-groups",
     "stage3_max_reuse_distance": "reuse is decided by prefetch_depth / persistence_threshold",
     "stage3_gather_16bit_weights_on_model_save": "full_state_dict always gathers full weights",
-    "round_robin_gradients": "gradient shards are copied in reduce order",
+    "round_robin_gradients": "a DeepSpeed offload copy order zeroshard does not have",
     "elastic_checkpoint": "checkpoints load at any world size",
 }
 _UNSUPPORTED = (
@@ -181,8 +181,9 @@ def _enabled(block: str, d: Mapping[str, Any], wanted: bool | None) -> bool:
     if value == AUTO:
         if wanted is None:
             raise ValueError(
-                f"{block}.enabled is 'auto' and nothing says whether to use {block}: pass "
-                f"AutoValues({block}=...) (the Trainer's `{block}` argument) or write true/false"
+                f"{block}.enabled is 'auto' and nothing says whether to use {block}: read the "
+                f"config with read_deepspeed_config(config, AutoValues({block}=...)) (the "
+                f"Trainer's `{block}` argument) or write true/false"
             )
         return wanted
     return check_bool(f"{block}.enabled", value)
@@ -262,8 +263,9 @@ def _resolve_auto(z: Mapping[str, Any], auto: AutoValues) -> dict[str, Any]:
         if auto.hidden_size is None:
             raise ValueError(
                 f"zero_optimization.{key} is 'auto' and the model's hidden size is not known: "
-                "pass AutoValues(hidden_size=...) (DeepSpeed's Hugging Face integration fills "
-                "it from model.config.hidden_size) or write a number"
+                "read the config with read_deepspeed_config(config, AutoValues(hidden_size=...)) "
+                "(DeepSpeed's Hugging Face integration fills it from model.config.hidden_size) "
+                "or write a number"
             )
         out[key] = rule(auto.hidden_size)
     for key in _TRANSLATED:
