@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard.engine import AutoValues, ZeroConfig, hidden_size_of, read_deepspeed_config
+from zeroshard.engine import (
+    AutoValues,
+    ZeroConfig,
+    hidden_size_of,
+    read_deepspeed_config,
+    trainer_auto_values,
+)
 from zeroshard.engine._config import as_config
 
 # The shape of the Hugging Face docs' ZeRO-3 config (ds_config_zero3.json).
@@ -186,37 +192,44 @@ def test_bf16_auto_is_never_read_as_true() -> None:
     assert (on, off) == (torch.bfloat16, torch.float32)
 
 
-def _hf_resolved(ds: dict[str, Any], auto: AutoValues) -> dict[str, Any]:
-    """The same config as transformers' own DeepSpeed integration fills it in."""
+# TrainingArguments as the Hugging Face integration reads them (the fields it touches).
+ARGS = SimpleNamespace(
+    world_size=2,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_grad_norm=1.0,
+    learning_rate=1e-3,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    adam_epsilon=1e-8,
+    weight_decay=0.0,
+    save_on_each_node=False,
+    fp16=False,
+    fp16_full_eval=False,
+    bf16=True,
+    bf16_full_eval=False,
+    get_warmup_steps=lambda steps: 0,
+)
+MODEL = SimpleNamespace(config=SimpleNamespace(hidden_size=48))
+
+
+def _hf_resolved(ds: dict[str, Any]) -> dict[str, Any]:
+    """The same config as transformers' own DeepSpeed integration fills it in from ARGS."""
     integration = pytest.importorskip("transformers.integrations.deepspeed")
-    args = SimpleNamespace(
-        world_size=auto.world_size,
-        per_device_train_batch_size=auto.micro_batch_size_per_gpu,
-        gradient_accumulation_steps=auto.gradient_accumulation_steps,
-        max_grad_norm=auto.gradient_clipping,
-        learning_rate=1e-3,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        weight_decay=0.0,
-        save_on_each_node=False,
-        fp16=auto.fp16,
-        fp16_full_eval=False,
-        bf16=auto.bf16,
-        bf16_full_eval=False,
-        get_warmup_steps=lambda steps: 0,
-    )
     hf = integration.HfTrainerDeepSpeedConfig(copy.deepcopy(ds))
-    hf.trainer_config_process(args)
-    model = SimpleNamespace(config=SimpleNamespace(hidden_size=auto.hidden_size))
-    hf.trainer_config_finalize(args, model, 100)
+    hf.trainer_config_process(ARGS)
+    hf.trainer_config_finalize(ARGS, MODEL, 100)
     resolved: dict[str, Any] = hf.config
     return resolved
 
 
+def test_trainer_auto_values() -> None:
+    assert trainer_auto_values(ARGS, MODEL) == TRAINER
+
+
 def test_whole_hf_config_resolves_as_transformers_does() -> None:
-    settings = read_deepspeed_config(HF_ZERO3, TRAINER)
-    hf = _hf_resolved(HF_ZERO3, TRAINER)
+    settings = read_deepspeed_config(HF_ZERO3, trainer_auto_values(ARGS, MODEL))
+    hf = _hf_resolved(HF_ZERO3)
     z, cfg = hf["zero_optimization"], settings.zero
     itemsize = 2  # bf16 from the Trainer's arguments
     assert cfg.precision.compute_dtype == torch.bfloat16 and hf["bf16"]["enabled"] is True

@@ -12,6 +12,7 @@ from zeroshard.engine._deepspeed_config import (
     DeepSpeedSettings,
     hidden_size_of,
     read_deepspeed_config,
+    trainer_auto_values,
 )
 from zeroshard.engine._deepspeed_translate import AutoValues
 from zeroshard.engine._gathered import gathered_parameters
@@ -58,4 +59,5 @@ __all__ = [
     "load_safetensors",
     "read_deepspeed_config",
     "save_checkpoint",
+    "trainer_auto_values",
 ]

@@ -198,3 +198,17 @@ def hidden_size_of(model: Any) -> int | None:
         if hasattr(holder, "hidden_sizes"):
             return int(max(holder.hidden_sizes))
     return None
+
+
+def trainer_auto_values(args: Any, model: Any) -> AutoValues:
+    """AutoValues from a `transformers.TrainingArguments` and the model, read as DeepSpeed's
+    Hugging Face integration reads them (duck-typed: transformers is not imported)."""
+    return AutoValues(
+        hidden_size=hidden_size_of(model),
+        bf16=bool(args.bf16 or args.bf16_full_eval),
+        fp16=bool(args.fp16 or args.fp16_full_eval),
+        micro_batch_size_per_gpu=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        world_size=args.world_size,
+        gradient_clipping=args.max_grad_norm,
+    )
