@@ -319,8 +319,10 @@ def test_json_file_and_its_faults(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=message):
             read_deepspeed_config(tmp_path / name)
-    with pytest.raises(ValueError, match="cannot read the DeepSpeed config"):
-        read_deepspeed_config(tmp_path / "missing.json")
+    (tmp_path / "latin1.json").write_bytes(b'{"steps_per_print": "\xe9"}')
+    for name in ("missing.json", "latin1.json"):
+        with pytest.raises(ValueError, match="cannot read the DeepSpeed config"):
+            read_deepspeed_config(tmp_path / name)
 
 
 def test_hidden_size_of_follows_the_hf_rules() -> None:

@@ -111,7 +111,7 @@ def read_deepspeed_config(
 def _load_json(path: str | os.PathLike[str]) -> Any:
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
+    except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read the DeepSpeed config {os.fspath(path)!r}: {err}") from err
     try:
         return json.loads(text, parse_constant=_refuse_constant)
