@@ -13,6 +13,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn, make_model, make_optimizer
+from zeroshard.engine._unit import TrainingState, UnitState
 
 
 class Expert(nn.Module):
@@ -124,9 +125,17 @@ def _live_case(device: str, depth: int) -> None:
     bound = persistent + sum(others[: depth + 1])
     batches = global_batches(3, 1, dist.get_world_size(), 2)
     stats = zs.engine_stats(model)
+    trainable = sum(1 for u in units for g in u.groups if g.trainable)
     for step in range(3):
         stats.reset()
-        loss_fn(model, batches[step, 0, rank].to(device)).backward()
+        loss = loss_fn(model, batches[step, 0, rank].to(device))
+        # The life of each unit: after forward only the persistent ones stay gathered;
+        # after backward every group was reduce-scattered once and the rest released.
+        assert all(u.training_state is TrainingState.IDLE for u in units)
+        assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
+        loss.backward()
+        assert stats.reduce_scatters == trainable, (stats, trainable)
+        assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
         opt.step()
         opt.zero_grad()
         assert stats.peak_live_bytes <= bound, (depth, step, stats, bound)
