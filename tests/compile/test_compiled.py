@@ -225,37 +225,6 @@ def _async_case(device: str, fuse_bytes: int) -> None:
     assert (stats.gathers, stats.reduce_scatters, stats.live_bytes) == (3, 2, 0)
 
 
-def _budgets_case(device: str) -> None:
-    """Compile's budgets default from the engine's config, in bytes: `prefetch_bytes` as
-    is, `persistence_threshold` as the bytes of the units it keeps gathered."""
-    base = make_model(seed=7).to(device)
-    config = {**CONFIG, "persistence_threshold": 10**9, "prefetch_bytes": 12_345}
-    model, opt = zs.initialize(base, make_optimizer(base), config)
-    seen: set[tuple[int, int]] = set()
-
-    def record(graph: fx.Graph, context: zc.PassContext) -> None:
-        seen.add((context.prefetch_bytes, context.persist_bytes))
-
-    compiled = zc.compile(model, backend="aot_eager", pipeline=zc.default_pipeline().append(record))
-    batches = global_batches(1, 1, dist.get_world_size(), MICRO)
-    loss_fn(compiled, batches[0, 0, dist.get_rank()].to(device)).backward()
-    opt.zero_grad()
-    runtime = zs.engine_state(model).stage3
-    assert runtime is not None
-    # Every unit is under the threshold; the root is persistent for its hooks' sake only.
-    small = sum(u.nbytes for u in runtime.units[1:])
-    assert small > 0 and seen == {(12_345, small)}, seen
-
-
-def _offload_case(device: str) -> None:
-    base = make_model(seed=8).to(device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the unfused-optimizer hint
-        model, _ = zs.initialize(base, make_optimizer(base), {**CONFIG, "offload_optimizer": True})
-    with pytest.raises(ValueError, match="offload_optimizer"):
-        zc.compile(model, backend="aot_eager")
-
-
 def _cases(device: str) -> None:
     cases = [
         {"case": "fp32", "accum": 2, "clip": True},
@@ -263,8 +232,6 @@ def _cases(device: str) -> None:
         {"case": "fallback"},
         {"case": "async", "fuse_bytes": 0},
         {"case": "async", "fuse_bytes": 1024},
-        {"case": "budgets"},
-        {"case": "offload"},
     ]
 
     def body(case: str, **kw: Any) -> None:
@@ -274,10 +241,7 @@ def _cases(device: str) -> None:
             _bf16_case(device)
         elif case == "async":
             _async_case(device, **kw)
-        elif case == "budgets":
-            _budgets_case(device)
-        elif case == "offload":
-            _offload_case(device)
+
         else:
             _fallback_case(device)
 

@@ -195,7 +195,7 @@ def load_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
-    world = state.shard_group
+    shard_group = state.shard_group
     expected = {
         n: tuple(int(d) for d in slot.shape)
         for g in state.groups
@@ -206,13 +206,13 @@ def load_checkpoint(
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
     loaded = load(
         Path(directory),
-        rank=world.rank,
-        world_size=world.size,
+        rank=shard_group.rank,
+        world_size=shard_group.size,
         tag=tag,
         step=step,
         expected=expected,
         layouts={_group_name(g): g.layout for g in state.groups},
-        device=world.device,
+        device=shard_group.device,
     )
     meta = loaded.meta
     inner = state.optimizer.inner

@@ -1,14 +1,16 @@
 """`FlatParamGroup`: parameters flattened into one buffer, with this rank's fp32 master shard.
 
-Stages 1 and 2 keep every parameter whole on every rank, as views of `param_buffer`
-(compute dtype); each rank owns one even shard of the fp32 master weights and of the
-fp32 gradient. The optimizer steps the master shards; the updated shards are cast to the
-compute dtype and all-gathered back into `param_buffer`.
+The core (index, key, names, parameters, layout, process group, master) is the same in
+every mode; the storage differs. Stages 1 and 2 (`ReplicatedStorage`) keep every
+parameter whole on every rank, as views of `param_buffer` (compute dtype); each rank
+owns one even shard of the fp32 master weights and of the fp32 gradient. The optimizer
+steps the master shards; the updated shards are cast to the compute dtype and
+all-gathered back into `param_buffer`.
 
-Stage 3 keeps only the fp32 master shard: each gather casts it to the compute dtype
-first, so only compute-dtype bytes travel (keeping a compute-dtype copy of the shard
-would save that small cast at the price of memory); `param_buffer` has storage only
-while the group's unit is gathered.
+Stage 3 (`ShardedStorage`) keeps only the fp32 master shard: each gather casts it to the
+compute dtype first, so only compute-dtype bytes travel (keeping a compute-dtype copy of
+the shard would save that small cast at the price of memory); `param_buffer` has storage
+only while the group's unit is gathered.
 """
 
 from __future__ import annotations
