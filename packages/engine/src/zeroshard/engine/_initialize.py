@@ -25,7 +25,7 @@ from zeroshard.engine._precision import install_precision_hooks
 from zeroshard.engine._reduce import GradReducer
 from zeroshard.engine._stage3 import Stage3Runtime
 from zeroshard.engine._state import EngineState, attach_state
-from zeroshard.engine._units import UnitPlan, plan_units
+from zeroshard.engine._unit_plan import UnitPlan, plan_units
 from zeroshard.partition import FlattenTier, GroupKey, group_parameters
 
 log = logging.getLogger("zeroshard.engine")

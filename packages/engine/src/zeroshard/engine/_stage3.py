@@ -30,7 +30,7 @@ from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._stats import EngineStats
 from zeroshard.engine._unit import Unit, UnitState
-from zeroshard.engine._units import UnitPlan
+from zeroshard.engine._unit_plan import UnitPlan
 
 log = logging.getLogger("zeroshard.engine")
 
