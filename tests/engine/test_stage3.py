@@ -144,12 +144,29 @@ def _live_case(device: str, depth: int) -> None:
     assert stats.live_bytes == 0, "after a step nothing stays gathered"
 
 
+def _profile_case(device: str) -> None:
+    """Each phase of a step shows in a profile under its zeroshard:: label."""
+    torch.manual_seed(0)
+    model = Deep([8, 8]).to(device)
+    cfg = {"stage": 3, "min_unit_params": 1, "persistence_threshold": 0}
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    batches = global_batches(1, 1, dist.get_world_size(), 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_fn(model, batches[0, 0, dist.get_rank()].to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    names = {e.name for e in prof.events()}
+    phases = {"gather", "release", "reduce_scatter", "optimizer_step"}
+    assert {f"zeroshard::{p}" for p in phases} <= names, sorted(names)
+
+
 def _live(device: str) -> None:
     run_each(subtests({"depth": [0, 1, 2]}), lambda depth: _live_case(device, depth))
+    _profile_case(device)
 
 
 @pytest.mark.gpu
-def test_live_gathered_bytes_bounded_by_prefetch_depth(device: str) -> None:
+def test_live_bytes_bounded_by_prefetch_depth_and_phases_labelled(device: str) -> None:
     world_fits(device, 2)
     run_ranks(_live, 2, device, device=device)
 
