@@ -16,14 +16,9 @@ from zeroshard.engine._deepspeed_config import (
 )
 from zeroshard.engine._deepspeed_translate import AutoValues
 from zeroshard.engine._gathered import gathered_parameters
-from zeroshard.engine._initialize import (
-    EngineState,
-    engine_state,
-    engine_stats,
-    full_state_dict,
-    initialize,
-)
+from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
+from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._policies import (
     CommPolicy,
@@ -32,7 +27,9 @@ from zeroshard.engine._policies import (
     PrecisionPolicy,
     Stage3Policy,
 )
-from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
+from zeroshard.engine._stage3 import DivergentRanksError
+from zeroshard.engine._state import EngineState, engine_state, engine_stats
+from zeroshard.engine._stats import EngineStats
 
 __all__ = [
     "AutoValues",
