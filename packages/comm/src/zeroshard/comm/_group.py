@@ -61,7 +61,17 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 class Handle:
     """A pending collective; `wait()` finishes it (see [Note: streams and memory])."""
 
-    __slots__ = ("_after", "_blocking", "_keep", "_label", "_op", "_stream", "_timeout", "_work")
+    __slots__ = (
+        "_after",
+        "_blocking",
+        "_keep",
+        "_label",
+        "_op",
+        "_poll",
+        "_stream",
+        "_timeout",
+        "_work",
+    )
 
     def __init__(
         self,
@@ -73,8 +83,10 @@ class Handle:
         after: Callable[[], None] | None = None,
         *,
         blocking: bool = True,
+        poll: bool = False,
     ) -> None:
         self._work = work
+        self._poll = poll
         self._op = op
         self._label = label
         self._timeout = timeout
@@ -107,7 +119,9 @@ class Handle:
             work, self._work = self._work, None
             start = time.monotonic()
             try:
-                if self._blocking:
+                if self._poll:
+                    _wait_polling(work, self._timeout)
+                elif self._blocking:
                     work.wait(self._timeout)
                 else:
                     # Stream-ordered only: the current stream waits, the host does not.
@@ -128,6 +142,18 @@ class Handle:
         if self._after is not None:
             after, self._after = self._after, None
             after()
+
+
+def _wait_polling(work: dist.Work, timeout: datetime.timedelta) -> None:
+    """Wait for `work` on the host, giving up after `timeout` (see [Note: gloo reduce-scatter])."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 1e-5
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"not completed after {timeout.total_seconds():g}s")
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)
+    work.wait()  # completed: returns at once, or raises the collective's own error
 
 
 def completed_handle() -> Handle:
@@ -194,7 +220,10 @@ class Group:
     ) -> Handle:
         # gloo's wait honours the timeout without busy-waiting; NCCL's would block the host.
         blocking = self.blocking_wait or self.backend != "nccl"
-        return Handle(work, op, label, self.timeout, keep, after, blocking=blocking)
+        # [Note: gloo reduce-scatter] gloo's reduce-scatter work ignores the timeout given
+        # to wait() and blocks until the peer answers or exits, so its wait polls instead.
+        poll = op == "reduce_scatter" and self.backend == "gloo"
+        return Handle(work, op, label, self.timeout, keep, after, blocking=blocking, poll=poll)
 
     def all_gather_into(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
@@ -256,6 +285,18 @@ class Group:
         if flag.is_cuda:
             # A barrier is a host-side promise: the stream-ordered wait is not enough.
             torch.cuda.current_stream(flag.device).synchronize()
+
+    def abort(self) -> None:
+        """Tear this group down after a failed collective, so the process can exit promptly.
+
+        A collective abandoned by a timeout still holds the group's connections; torch's
+        abort (where it exists) or destroy releases them without waiting for the peers.
+        """
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort(self.pg)
+        else:
+            dist.destroy_process_group(self.pg)
 
     def _torch_op(self, op: ReduceOp) -> dist.ReduceOp.RedOpType:
         if op == "max":
