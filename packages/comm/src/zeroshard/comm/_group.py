@@ -61,17 +61,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 class Handle:
     """A pending collective; `wait()` finishes it (see [Note: streams and memory])."""
 
-    __slots__ = (
-        "_after",
-        "_blocking",
-        "_keep",
-        "_label",
-        "_op",
-        "_poll",
-        "_stream",
-        "_timeout",
-        "_work",
-    )
+    __slots__ = ("_after", "_blocking", "_keep", "_label", "_op", "_stream", "_timeout", "_work")
 
     def __init__(
         self,
@@ -83,10 +73,8 @@ class Handle:
         after: Callable[[], None] | None = None,
         *,
         blocking: bool = True,
-        poll: bool = False,
     ) -> None:
         self._work = work
-        self._poll = poll
         self._op = op
         self._label = label
         self._timeout = timeout
@@ -119,9 +107,7 @@ class Handle:
             work, self._work = self._work, None
             start = time.monotonic()
             try:
-                if self._poll:
-                    _wait_polling(work, self._timeout)
-                elif self._blocking:
+                if self._blocking:
                     work.wait(self._timeout)
                 else:
                     # Stream-ordered only: the current stream waits, the host does not.
@@ -142,18 +128,6 @@ class Handle:
         if self._after is not None:
             after, self._after = self._after, None
             after()
-
-
-def _wait_polling(work: dist.Work, timeout: datetime.timedelta) -> None:
-    """Wait for `work` on the host, giving up after `timeout` (see [Note: gloo reduce-scatter])."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    pause = 1e-5
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"not completed after {timeout.total_seconds():g}s")
-        time.sleep(pause)
-        pause = min(2 * pause, 2e-3)
-    work.wait()  # completed: returns at once, or raises the collective's own error
 
 
 def completed_handle() -> Handle:
@@ -220,10 +194,7 @@ class Group:
     ) -> Handle:
         # gloo's wait honours the timeout without busy-waiting; NCCL's would block the host.
         blocking = self.blocking_wait or self.backend != "nccl"
-        # [Note: gloo reduce-scatter] gloo's reduce-scatter work ignores the timeout given
-        # to wait() and blocks until the peer answers or exits, so its wait polls instead.
-        poll = op == "reduce_scatter" and self.backend == "gloo"
-        return Handle(work, op, label, self.timeout, keep, after, blocking=blocking, poll=poll)
+        return Handle(work, op, label, self.timeout, keep, after, blocking=blocking)
 
     def all_gather_into(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
@@ -261,10 +232,32 @@ class Group:
                 f"reduce_scatter {label!r}: output dtype {output.dtype} != input {input.dtype}"
             )
         _check_contiguous("reduce_scatter", label, output, input)
+        if self.backend == "gloo":
+            return self._reduce_scatter_gloo(output, input, op, label)
         work = _reduce_scatter_flat(
             output, input, op=self._torch_op(op), group=self.pg, async_op=True
         )
         return self._handle(work, "reduce_scatter", label, (output, input), self._avg(op, output))
+
+    def _reduce_scatter_gloo(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, label: str
+    ) -> Handle:
+        """[Note: gloo reduce-scatter] gloo's reduce-scatter work ignores the timeout given
+        to wait() (it blocks until the peer answers or exits, and reports no completion to
+        poll), so on gloo it is an all-reduce of a copy, whose wait honours the timeout,
+        and this rank's part is copied out after it. CPU only: twice the bytes moved."""
+        summed = input.clone()
+        work = dist.all_reduce(summed, op=self._torch_op(op), group=self.pg, async_op=True)
+        n = output.numel()
+        part = summed[self.rank * n : (self.rank + 1) * n]
+        avg = self._avg(op, output)
+
+        def copy_out() -> None:
+            output.copy_(part.view_as(output))
+            if avg is not None:
+                avg()
+
+        return self._handle(work, "reduce_scatter", label, (output, summed), copy_out)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", label: str = "") -> Handle:
         """Reduce `tensor` in place over ranks."""

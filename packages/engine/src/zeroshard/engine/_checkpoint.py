@@ -21,11 +21,13 @@ from zeroshard.ckpt import (
     CheckpointMeta,
     GroupMeta,
     SaveHandle,
+    agreed,
     buffer_key,
     load,
     save,
     shard_key,
 )
+from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._initialize import EngineState, engine_state
 
@@ -98,23 +100,24 @@ def save_checkpoint(
     step: int,
     tag: str | None = None,
     async_save: bool = False,
+    overwrite: bool = False,
 ) -> SaveHandle | None:
     """Save model and optimizer as `directory/step-{step}` (or `/{tag}`); call on every rank.
 
     Atomic: a crash leaves the previous checkpoint intact. With `async_save` the files
     are written in the background and the returned handle's `wait()` (or the next save)
-    commits them. Under hybrid sharding only the first shard group writes (the others
-    hold the same shards) and the others get None; a synchronous save returns on every
-    rank only once the checkpoint is committed.
+    commits them. `overwrite` replaces an existing checkpoint of that name. Under hybrid
+    sharding only the first shard group writes (the others hold the same shards) and the
+    others get None; a synchronous save returns on every rank only once committed.
     """
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
     writes = state.replicate is None or state.replicate.rank == 0
-    handle = _save(model, state, directory, step, tag, async_save) if writes else None
+    handle = _save(model, state, directory, step, tag, async_save, overwrite) if writes else None
     if state.replicate is not None and not async_save:
-        torch.distributed.barrier()
+        Group(timeout=state.world.timeout).barrier(label="save_checkpoint: all replicas")
     return handle
 
 
@@ -125,6 +128,7 @@ def _save(
     step: int,
     tag: str | None,
     async_save: bool,
+    overwrite: bool,
 ) -> SaveHandle:
     inner = state.optimizer.inner
     groups: list[GroupMeta] = []
@@ -171,6 +175,7 @@ def _save(
         group=state.world,
         tag=tag,
         async_save=async_save,
+        overwrite=overwrite,
     )
 
 
@@ -202,15 +207,20 @@ def load_checkpoint(
     expected.update({alias: expected[name] for alias, name in _aliases(model, state).items()})
     buffers = _buffers(model)
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
-    loaded = load(
-        Path(directory),
-        rank=world.rank,
-        world_size=world.size,
-        tag=tag,
-        step=step,
-        expected=expected,
-        layouts={_group_name(g): g.layout for g in state.groups},
-        device=world.device,
+    # One outcome on every rank (a file bad on one rank fails the load everywhere).
+    loaded = agreed(
+        world,
+        f"load_checkpoint({str(directory)!r})",
+        lambda: load(
+            Path(directory),
+            rank=world.rank,
+            world_size=world.size,
+            tag=tag,
+            step=step,
+            expected=expected,
+            layouts={_group_name(g): g.layout for g in state.groups},
+            device=world.device,
+        ),
     )
     meta = loaded.meta
     inner = state.optimizer.inner

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, make_hybrid_groups
+from zeroshard.engine._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
 from zeroshard.engine._loss_scale import LossScaler
@@ -222,6 +223,7 @@ def initialize(
         )
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
     world, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -374,7 +376,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         # Offloaded masters are on the host: they travel from the group's device.
         out = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=g.group.device)
         g.group.all_gather_into(
-            out, g.master.detach().to(g.group.device), label=f"state dict of group {g.index}"
+            out, g.master.detach().to(g.group.device), label=f"full_state_dict: group {g.index}"
         ).wait()
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             full[id(p)] = out[slot.offset : slot.end].view(slot.shape).cpu().clone()
