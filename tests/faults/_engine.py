@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from zeroshard.comm import Group
 
 # Short enough that a whole fault case stays within seconds, long enough for 2 busy cores.
 TIMEOUT_S = 4.0
@@ -16,7 +17,9 @@ TIMEOUT_S = 4.0
 SLACK_S = 6.0
 
 
-def build(stage: int = 2, **extra: Any) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
+def build(
+    stage: int = 2, group: Group | None = None, **extra: Any
+) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
     """The odd test model under zeroshard with a short collective timeout."""
     model = make_model(11)
     cfg: dict[str, Any] = {
@@ -27,7 +30,7 @@ def build(stage: int = 2, **extra: Any) -> tuple[torch.nn.Module, zs.ZeroOptimiz
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     cfg.update(extra)
-    return zs.initialize(model, make_optimizer(model), cfg)
+    return zs.initialize(model, make_optimizer(model), cfg, group=group)
 
 
 def train_step(model: torch.nn.Module, opt: zs.ZeroOptimizer, step: int) -> None:

@@ -138,5 +138,3 @@ def _load_damaged(root: str) -> None:
 
 def test_damaged_checkpoint_fails_on_every_rank(tmp_path: Path) -> None:
     run_ranks(_load_damaged, 2, str(tmp_path), timeout_s=150)
-
-

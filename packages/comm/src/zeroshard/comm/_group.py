@@ -26,7 +26,10 @@ CPU. On gloo the same calls run on gloo's worker threads; `wait()` blocks the ho
 until the data is there, so the API is synchronous in effect and streams do not exist.
 
 Timeouts. On gloo, `wait()` gives up after the group's `timeout` and raises
-`CollectiveTimeoutError` naming the op and label. On NCCL, passing a timeout to torch's
+`CollectiveTimeoutError` naming the op and label. `with_timeout` also sets the process
+group's own timeout (gloo's per-op timeout, NCCL's watchdog), so an abandoned collective
+ends there too and the process can exit while a peer is still alive; `abort()` ends it
+at once. On NCCL, passing a timeout to torch's
 wait would busy-wait the host, so by default the process group's own timeout (the one
 given to init_process_group / new_group) applies, enforced by torch's NCCL watchdog,
 which names the op but cannot know our label. ``blocking_wait=True`` trades overlap for
@@ -181,7 +184,14 @@ class Group:
         return dist.get_global_rank(self.pg, group_rank)
 
     def with_timeout(self, timeout: datetime.timedelta) -> Group:
-        """The same process group with another wait timeout."""
+        """The same process group with another timeout, for our waits and torch's own.
+
+        torch's process-group timeout bounds what our wait cannot: gloo's worker thread
+        (else stuck in an abandoned collective until the peer exits, and the interpreter
+        exit with it) and NCCL's watchdog (non-blocking waits). Setting it changes the
+        process group for every caller, as asked: one timeout for every collective.
+        """
+        dist.distributed_c10d._set_pg_timeout(timeout, self.pg)
         return dataclasses.replace(self, timeout=timeout)
 
     def _handle(
@@ -282,8 +292,9 @@ class Group:
     def abort(self) -> None:
         """Tear this group down after a failed collective, so the process can exit promptly.
 
-        A collective abandoned by a timeout still holds the group's connections; torch's
-        abort (where it exists) or destroy releases them without waiting for the peers.
+        A collective abandoned by a timeout still holds the group's connections (a normal
+        interpreter exit would wait for the peer, up to the process group's timeout);
+        torch's abort (where it exists, NCCL) or destroy releases them without waiting.
         """
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None:
