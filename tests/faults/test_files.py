@@ -132,3 +132,18 @@ def test_async_save_pending_at_exit(tmp_path: Path, destroy: bool) -> None:
         assert run.returncode == 0, run.stderr
         assert list_checkpoints(root) == ["step-7"]
         assert torch.equal(load(root, rank=0, world_size=1).shard("g", "master"), torch.ones(20))
+
+
+def test_skipped_fp16_steps_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from zeroshard.engine._loss_scale import LossScaler
+
+    quiet, loud = LossScaler(1024.0, 10, 1.0), LossScaler(1024.0, 10, 1.0, log_skips=True)
+    with caplog.at_level("WARNING", logger="zeroshard.engine"):
+        for overflow in (True, False, True):
+            quiet.update(overflow)
+            loud.update(overflow)
+    assert quiet.skipped_steps == loud.skipped_steps == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp16 overflow: step skipped (1 so far), loss scale 1024 -> 512",
+        "fp16 overflow: step skipped (2 so far), loss scale 512 -> 256",
+    ]

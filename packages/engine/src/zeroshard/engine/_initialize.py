@@ -276,6 +276,7 @@ def initialize(
     scaler = None
     if cfg.compute_dtype == torch.float16:
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
+        scaler.log_skips = everyone.rank == 0
     if cfg.stage == 3:
         groups, reducer, runtime = _shard_stage3(
             model, cfg, place, param_group_of, param_init, init_seed
