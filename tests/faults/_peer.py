@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests.faults._engine import TIMEOUT_S, build, train_step
+from tests.faults._engine import build, train_step
 from zeroshard.comm import CollectiveTimeoutError
 
 PEER_SLEEP_S = 60.0

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -15,7 +14,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import make_model, make_optimizer
 from tests.faults._engine import TIMEOUT_S, assert_same_bits, build, train_step
-from zeroshard.ckpt import ChecksumError, CheckpointError, rank_file
+from zeroshard.ckpt import CheckpointError, ChecksumError, rank_file
 from zeroshard.comm import Group
 from zeroshard.engine import DivergentRanksError
 from zeroshard.engine._stage3 import Stage3Runtime, Unit

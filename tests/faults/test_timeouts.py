@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import zeroshard.engine as zs

@@ -225,13 +225,14 @@ def load_checkpoint(
     meta = loaded.meta
     inner = state.optimizer.inner
     for g in state.groups:
-        gm = meta.group(_group_name(g))
-        g.master.copy_(loaded.shard(gm.name, MASTER))
+        name = _group_name(g)
+        gm = loaded.sources[name]  # its kinds and scalars (the groups may be regrouped)
+        g.master.copy_(loaded.shard(name, MASTER))
         if not g.trainable:
             continue
         opt_state: dict[str, Any] = {
             # Offloaded groups keep their optimizer state beside their master, on the host.
-            k[len(_OPTIM) :]: loaded.shard(gm.name, k).to(g.master.device, copy=True)
+            k[len(_OPTIM) :]: loaded.shard(name, k).to(g.master.device, copy=True)
             for k in gm.shards
             if k.startswith(_OPTIM)
         }
