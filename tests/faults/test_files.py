@@ -3,14 +3,16 @@ stale temp folders, an async save pending at interpreter exit. One process, no r
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from zeroshard.ckpt import (
     CheckpointError,
@@ -147,3 +149,29 @@ def test_skipped_fp16_steps_are_counted_and_logged(caplog: pytest.LogCaptureFixt
         "fp16 overflow: step skipped (1 so far), loss scale 1024 -> 512",
         "fp16 overflow: step skipped (2 so far), loss scale 512 -> 256",
     ]
+
+
+def test_buffer_reshaped_with_the_same_numel_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    meta = CheckpointMeta(1, _meta().groups, buffers=("grid",))
+    n = meta.groups[0].layout.shard_numel
+    grid = torch.arange(12.0).reshape(3, 4)
+    save(root, 1, meta=meta, tensors={"g.master": torch.zeros(n), "buffer.grid": grid})
+    assert json.loads((root / "step-1" / "metadata.json").read_text())["buffer_shapes"] == {
+        "grid": [3, 4]
+    }
+    # A rank file whose buffer was written (2, 6), with matching size and checksum.
+    path = root / "step-1" / "rank00000.safetensors"
+    tensors = load_file(path)
+    tensors["buffer.grid"] = tensors["buffer.grid"].reshape(2, 6)
+    save_file(tensors, path)
+    data = path.read_bytes()
+    text = (root / "step-1" / "metadata.json").read_text()
+    d = json.loads(text)
+    d["files"]["rank00000.safetensors"].update(
+        bytes=len(data), digest=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    )
+    (root / "step-1" / "metadata.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"buffer 'grid' has shape \(2, 6\), metadata"):
+        consolidate(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

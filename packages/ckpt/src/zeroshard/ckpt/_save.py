@@ -155,7 +155,8 @@ class SaveHandle:
         if ag.rank == 0:
             files = {rank_file(r): FileMeta(row[0], f"{row[1]:08x}") for r, row in enumerate(rows)}
             try:
-                _publish(self._root, self._name, self._meta.with_files(self._meta.step, files))
+                meta = self._meta.with_files(self._meta.step, files, self._meta.buffer_shapes)
+                _publish(self._root, self._name, meta)
             except BaseException as e:
                 problem = e
         ag.outcome(problem, f"save of {self._name!r}: commit")
@@ -306,7 +307,12 @@ def save(
     ag = Agreement(group)
     root = Path(root)
     name = checkpoint_name(step, tag)
-    meta = meta.with_files(step, {})
+    shapes = {}
+    if ag.rank == 0:  # rank 0 holds the buffers and writes the metadata
+        shapes = {
+            b: tuple(tensors[k].shape) for b in meta.buffers if (k := buffer_key(b)) in tensors
+        }
+    meta = meta.with_files(step, {}, shapes)
     problem: BaseException | None = None
     ordered: dict[str, torch.Tensor] = {}
     try:
