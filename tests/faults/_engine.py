@@ -18,10 +18,10 @@ SLACK_S = 6.0
 
 
 def build(
-    stage: int = 2, group: Group | None = None, **extra: Any
+    stage: int = 2, group: Group | None = None, device: str = "cpu", **extra: Any
 ) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
-    """The odd test model under zeroshard with a short collective timeout."""
-    model = make_model(11)
+    """The odd test model under zeroshard (on `device`) with a short collective timeout."""
+    model = make_model(11).to(device)
     cfg: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_bytes": 1500,
@@ -37,7 +37,8 @@ def train_step(model: torch.nn.Module, opt: zs.ZeroOptimizer, step: int) -> None
     """One optimizer step on this rank's part of a fixed global batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = global_batches(4, 1, 12, 1)[step % 4, 0]
-    loss_fn(model, batch.reshape(world, -1, batch.shape[-1])[rank]).backward()
+    mine = batch.reshape(world, -1, batch.shape[-1])[rank]
+    loss_fn(model, mine.to(next(model.parameters()).device)).backward()
     opt.step()
     opt.zero_grad()
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks
+from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._models import make_model, make_optimizer
 from tests.faults._engine import TIMEOUT_S, assert_same_bits, build, train_step
 from zeroshard.ckpt import CheckpointError, ChecksumError, rank_file
@@ -20,11 +20,13 @@ from zeroshard.engine import DivergentRanksError
 from zeroshard.engine._stage3 import Stage3Runtime, Unit
 
 
-def _disagree(field: str, rank0: Any, rank1: Any, extra_layer: bool, shown: str) -> None:
+def _disagree(
+    field: str, rank0: Any, rank1: Any, extra_layer: bool, shown: str, device: str
+) -> None:
     rank = dist.get_rank()
-    model = make_model(11)
+    model = make_model(11).to(device)
     if extra_layer and rank == 1:
-        model.extra = nn.Linear(3, 3)
+        model.extra = nn.Linear(3, 3).to(device)
     cfg = {"stage": 2, "collective_timeout_s": TIMEOUT_S, field: rank0 if rank == 0 else rank1}
     with pytest.raises(ValueError) as info:
         zs.initialize(model, make_optimizer(model), cfg)
@@ -37,7 +39,7 @@ def _disagree(field: str, rank0: Any, rank1: Any, extra_layer: bool, shown: str)
     assert shown in msg, msg
 
 
-def _initialize_cases() -> None:
+def _initialize_cases(device: str) -> None:
     cases = [
         {"field": "stage", "rank0": 2, "rank1": 3, "extra_layer": False, "shown": "= 3"},
         {
@@ -50,13 +52,15 @@ def _initialize_cases() -> None:
         },
         {"field": "stage", "rank0": 2, "rank1": 2, "extra_layer": True, "shown": "extra.weight"},
     ]
-    run_each(cases, _disagree)
+    run_each([dict(c, device=device) for c in cases], _disagree)
     # The group is still sound after the error: the same call on agreeing ranks works.
-    build(2)
+    build(2, device=device)
 
 
-def test_initialize_names_the_field_ranks_disagree_on() -> None:
-    run_ranks(_initialize_cases, 2, timeout_s=120)
+@pytest.mark.gpu
+def test_initialize_names_the_field_ranks_disagree_on(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_initialize_cases, 2, device, device=device, timeout_s=120)
 
 
 def _unit(i: int) -> Unit:
@@ -84,6 +88,7 @@ def _unit_counts_differ() -> None:
 
 
 def test_divergent_unit_beyond_this_ranks_units() -> None:
+    """gloo only: NCCL compares the gather order once per step (see _stage3.py)."""
     run_ranks(_unit_counts_differ, 2, timeout_s=60)
 
 
@@ -99,9 +104,9 @@ def _damage(path: Path, how: str) -> None:
         path.write_text('{"format_version": 1, "world_size": ')
 
 
-def _load_damaged(root: str) -> None:
+def _load_damaged(root: str, device: str) -> None:
     rank = dist.get_rank()
-    model, opt = build(2)
+    model, opt = build(2, device=device)
     train_step(model, opt, 0)
     zs.save_checkpoint(model, opt, root, step=1)
     good = zs.full_state_dict(model)
@@ -135,5 +140,7 @@ def _load_damaged(root: str) -> None:
     run_each([{"how": h} for h in ("truncate", "flip", "metadata")], case)
 
 
-def test_damaged_checkpoint_fails_on_every_rank(tmp_path: Path) -> None:
-    run_ranks(_load_damaged, 2, str(tmp_path), timeout_s=150)
+@pytest.mark.gpu
+def test_damaged_checkpoint_fails_on_every_rank(tmp_path: Path, device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_load_damaged, 2, str(tmp_path), device, device=device, timeout_s=150)

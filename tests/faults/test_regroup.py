@@ -6,15 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks
+from tests._dist import run_each, run_ranks, world_fits
 from tests.faults._engine import assert_same_bits, build, train_step
 
 
-def _regroup(root: str) -> None:
-    saved_model, saved_opt = build(2)  # reduce_bucket_bytes=1500: several flat groups
+def _regroup(root: str, device: str) -> None:
+    saved_model, saved_opt = build(
+        2, device=device
+    )  # reduce_bucket_bytes=1500: several flat groups
     train_step(saved_model, saved_opt, 0)
     zs.save_checkpoint(saved_model, saved_opt, root, step=1)
     saved = zs.full_state_dict(saved_model)
@@ -22,7 +25,7 @@ def _regroup(root: str) -> None:
     stepped = zs.full_state_dict(saved_model)
 
     def case(**cfg: Any) -> None:
-        model, opt = build(**cfg)
+        model, opt = build(device=device, **cfg)
         assert zs.load_checkpoint(model, opt, root) == 1
         assert_same_bits(zs.full_state_dict(model), saved)
         train_step(model, opt, 1)
@@ -41,5 +44,7 @@ def _regroup(root: str) -> None:
     )
 
 
-def test_checkpoint_loads_at_another_grouping(tmp_path: Path) -> None:
-    run_ranks(_regroup, 2, str(tmp_path), timeout_s=240)
+@pytest.mark.gpu
+def test_checkpoint_loads_at_another_grouping(tmp_path: Path, device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_regroup, 2, str(tmp_path), device, device=device, timeout_s=240)

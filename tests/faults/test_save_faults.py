@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks
+from tests._dist import run_each, run_ranks, world_fits
 from tests.faults._engine import assert_same_bits, build, train_step
 from zeroshard.ckpt import CheckpointError, OutputExistsError, list_checkpoints, read_latest
 
@@ -32,9 +32,9 @@ def shared_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _save_faults(root: str) -> None:
+def _save_faults(root: str, device: str) -> None:
     rank = dist.get_rank()
-    model, opt = build(2)
+    model, opt = build(2, device=device)
     train_step(model, opt, 0)
     zs.save_checkpoint(model, opt, root, step=1)
     good = zs.full_state_dict(model)
@@ -102,5 +102,7 @@ def _save_faults(root: str) -> None:
     run_each([{}], killed_before_latest)
 
 
-def test_save_faults_agree_and_keep_the_previous_checkpoint(shared_dir: Path) -> None:
-    run_ranks(_save_faults, 2, str(shared_dir / "ckpt"), timeout_s=240)
+@pytest.mark.gpu
+def test_save_faults_agree_and_keep_the_previous_checkpoint(shared_dir: Path, device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_save_faults, 2, str(shared_dir / "ckpt"), device, device=device, timeout_s=240)
