@@ -1,7 +1,7 @@
 """A rank of a 2-process job run as its own interpreter, for faults the harness cannot
 host (a rank that dies, a rank whose normal interpreter exit is measured).
 
-Usage: python -m tests.faults._peer MODE RANK PORT ROOT
+Usage: python -m tests.faults._peer MODE RANK PORT
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from zeroshard.comm import CollectiveTimeoutError
 PEER_SLEEP_S = 60.0
 
 
-def main(mode: str, rank: int, port: int, root: str) -> int:
+def main(mode: str, rank: int, port: int) -> int:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -46,4 +46,4 @@ def main(mode: str, rank: int, port: int, root: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -65,7 +65,7 @@ def test_rank0_alone_times_out_naming_the_call(tmp_path: Path) -> None:
 def _peer(mode: str, rank: int, port: int) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.faults._peer", mode, str(rank), str(port), "-"],
+        [sys.executable, "-m", "tests.faults._peer", mode, str(rank), str(port)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

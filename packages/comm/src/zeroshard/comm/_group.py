@@ -28,12 +28,12 @@ until the data is there, so the API is synchronous in effect and streams do not 
 Timeouts. On gloo, `wait()` gives up after the group's `timeout` and raises
 `CollectiveTimeoutError` naming the op and label. `with_timeout` also sets the process
 group's own timeout (gloo's per-op timeout, NCCL's watchdog), so an abandoned collective
-ends there too and the process can exit while a peer is still alive; `abort()` ends it
-at once. On NCCL, passing a timeout to torch's
-wait would busy-wait the host, so by default the process group's own timeout (the one
-given to init_process_group / new_group) applies, enforced by torch's NCCL watchdog,
-which names the op but cannot know our label. ``blocking_wait=True`` trades overlap for
-the labelled error on NCCL (a debugging aid; the communicator is aborted after it).
+ends there too and the process can exit while a peer is still alive. On NCCL, passing a
+timeout to torch's wait would busy-wait the host, so by default the process group's own
+timeout (set by `with_timeout`, else the one given to init_process_group / new_group)
+applies, enforced by torch's NCCL watchdog, which names the op but cannot know our label.
+``blocking_wait=True`` trades overlap for the labelled error on NCCL (a debugging aid;
+the communicator is aborted after it).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from zeroshard.comm._errors import CollectiveTimeoutError
 ReduceOp = Literal["sum", "avg", "max"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_WAIT_GRACE = datetime.timedelta(seconds=0.5)
 
 # torch 2.13 renamed the flat-tensor collectives and warns on the old names; older
 # torch (2.6-2.12) has only the old ones.
@@ -111,7 +112,10 @@ class Handle:
             start = time.monotonic()
             try:
                 if self._blocking:
-                    work.wait(self._timeout)
+                    # The grace lets the process group's own timeout (the same, set by
+                    # `with_timeout`) end the op first, so no worker thread is still
+                    # inside it when we raise (an exit then would abort the process).
+                    work.wait(self._timeout + _WAIT_GRACE)
                 else:
                     # Stream-ordered only: the current stream waits, the host does not.
                     work.wait()
@@ -288,19 +292,6 @@ class Group:
         if flag.is_cuda:
             # A barrier is a host-side promise: the stream-ordered wait is not enough.
             torch.cuda.current_stream(flag.device).synchronize()
-
-    def abort(self) -> None:
-        """Tear this group down after a failed collective, so the process can exit promptly.
-
-        A collective abandoned by a timeout still holds the group's connections (a normal
-        interpreter exit would wait for the peer, up to the process group's timeout);
-        torch's abort (where it exists, NCCL) or destroy releases them without waiting.
-        """
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            abort(self.pg)
-        else:
-            dist.destroy_process_group(self.pg)
 
     def _torch_op(self, op: ReduceOp) -> dist.ReduceOp.RedOpType:
         if op == "max":
