@@ -17,7 +17,8 @@ from tests.faults._engine import TIMEOUT_S, assert_same_bits, build, train_step
 from zeroshard.ckpt import CheckpointError, ChecksumError, rank_file
 from zeroshard.comm import Group
 from zeroshard.engine import DivergentRanksError
-from zeroshard.engine._stage3 import Stage3Runtime, Unit
+from zeroshard.engine._stage3 import Stage3Runtime
+from zeroshard.engine._unit_plan import UnitPlan
 
 
 def _disagree(
@@ -67,24 +68,22 @@ def test_ranks_that_disagree_get_one_error(device: str) -> None:
     run_ranks(_disagreements, 2, device, device=device, timeout_s=150)
 
 
-def _unit(i: int) -> Unit:
-    return Unit(i, f"block{i}", nn.Identity(), (), False)
-
-
 def _unit_counts_differ() -> None:
     rank = dist.get_rank()
-    units = [_unit(i) for i in range(2 + rank)]  # rank 1 has one unit more
+    # Units without parameters: the check before each gather is all that runs.
+    plans = [(UnitPlan(f"block{i}", nn.Identity(), (), False), ()) for i in range(2 + rank)]
     group = Group(timeout=datetime.timedelta(seconds=TIMEOUT_S))
     runtime = Stage3Runtime(
-        units,
-        world=group,
+        plans,
+        shard_group=group,
         prefetch_depth=0,
         prefetch_bytes=0,
         max_live_bytes=2**40,
-        on_new_order=lambda order: None,
+        persistence_threshold=0,
     )
+    units = runtime.units  # rank 1 has one unit more
     with pytest.raises(DivergentRanksError) as info:
-        runtime.gather(units[-1])  # rank 0: block1, rank 1: block2 (unknown to rank 0)
+        units[-1].gather()  # rank 0: block1, rank 1: block2 (unknown to rank 0)
     mine = f"unit {1 + rank} (block{1 + rank})"
     other = "unit 2" if rank == 0 else "unit 1 (block1)"  # rank 0 knows no unit 2: its index
     msg = str(info.value)

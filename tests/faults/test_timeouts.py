@@ -53,7 +53,7 @@ def _cases(root: str) -> None:
         {"stage": 1, "call": "step", "expect": "reduce_scatter for 'grads of group"},
         {"stage": 2, "call": "step", "expect": "reduce_scatter for 'grads of group"},
         {"stage": 2, "call": "save", "expect": "save of 'step-12'"},
-        {"stage": 1, "call": "full_state_dict", "expect": "'full_state_dict: group 0'"},
+        {"stage": 1, "call": "full_state_dict", "expect": "'full_state_dict of group 0'"},
     ]
     run_each([dict(c, root=root) for c in cases], _rank0_alone)
 
