@@ -1,21 +1,44 @@
-"""Time one GPT training step under several engines in one torchrun launch.
+"""Time one training step of a model under several engines in one torchrun launch.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/train_step.py
-    torchrun --standalone --nproc-per-node=2 benchmarks/train_step.py --smoke   # CPU, gloo
+Run from the repository root (`-m` makes `benchmarks` and `examples` importable):
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step \
+        --model llama --preset 7b --profile
+    torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
+
+Models (`--model`, see benchmarks/_models.py): `gpt` (examples/gpt.py), `llama`
+(examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
+built from a config: no download), each at the presets `1.3b` and `7b`.
+transformers 5.23.0 goes to a machine without registry access as wheels (about 44 MiB
+with numpy, 29 MiB without; install them with `pip install --no-index --find-links .whl
+transformers==5.23.0`):
+
+    pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+        transformers==5.23.0
+
+which fetches it with its dependencies: huggingface-hub, tokenizers, safetensors, regex,
+pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
 
 Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
-device with no communication, on rank 0 while the others wait), `ddp`, `fsdp2`,
+device with no communication, on rank 0 while the others wait), `floorc` (the floor with
+every block under `torch.compile`, the reference of the compiled engines), `ddp`, `fsdp2`,
 `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `ds1`-`ds3` (DeepSpeed, always run last) and the
 hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within `--shard-group-size` ranks, replicate across
-the rest). Each gets the same freshly built model (1.3B preset: d 2048, 24 layers, seq
-2048; `--activation-checkpointing` recomputes every block in backward, for every engine),
+the rest). Each gets the same freshly built model (`--activation-checkpointing` recomputes
+every block in backward, for every engine),
 the same random tokens and torch.optim.AdamW. Per engine: init time (wrapping, model
 construction excluded), median step time over `--steps` after `--warmup`
 (CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the memory
 kept between steps. An engine that fails gets a row saying why and the run goes on.
+`--profile` adds, per engine, the split of the step into compute, optimizer, exposed
+communication and idle time, and of its gap to the floor into (a) exposed communication
+and (b) compute kernels slowed by the collectives overlapping them (benchmarks/_trace.py).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling.py reads); full runs also write the "<section>" section of
-docs/benchmarks.md and docs/<section>.png, `--smoke` and `--no-write` only bench-out/.
+docs/benchmarks.md (default: `train_step` for gpt, `train_step_<model>` otherwise) and
+docs/<section>.png, `--smoke` and `--no-write` only bench-out/.
 """
 
 from __future__ import annotations
@@ -25,9 +48,7 @@ import datetime
 import gc
 import json
 import os
-import shlex
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -38,17 +59,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-from _report import write_section  # noqa: E402
-from _trace import TraceSummary, summarize_chrome_trace  # noqa: E402
-from _train_engines import ENGINES, NOTES, Settings, Skipped  # noqa: E402
-from _train_report import Result, plot, report  # noqa: E402
-from gpt import GPT, GPTConfig, flops_per_token, parameters_count  # noqa: E402
+from benchmarks._models import MODELS, BenchModel, bench_model
+from benchmarks._report import ROOT, command, write_section
+from benchmarks._trace import TraceSummary, kernel_medians, read_trace, summarize
+from benchmarks._train_engines import COMPILED, ENGINES, NOTES, Settings, Skipped
+from benchmarks._train_report import Result, plot, plot_split, report
 
 OUT = ROOT / "bench-out"
-PNG = ROOT / "docs" / "train_step.png"
+DOCS = ROOT / "docs"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 1024**3
 
@@ -57,7 +75,8 @@ def parse_args() -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default=None, help="comma-separated; default: all importable")
-    p.add_argument("--preset", default="1.3b", help="GPTConfig preset (default 1.3b)")
+    p.add_argument("--model", default="gpt", choices=MODELS, help="model family (default gpt)")
+    p.add_argument("--preset", default="1.3b", help="the model's preset: 1.3b or 7b")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
@@ -91,32 +110,33 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
     p.add_argument(
         "--section",
-        default="train_step",
-        help="docs/benchmarks.md section to write (e.g. one per GPU count)",
+        default=None,
+        help="docs/benchmarks.md section to write (default: train_step[_<model>])",
     )
     args = p.parse_args()
     unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
+    if args.section is None:
+        args.section = "train_step" + ("" if args.model == "gpt" else f"_{args.model}")
+        args.section = args.section.replace("-", "_")
     if args.shard_group_size < 1:
         p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
     return args
 
 
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The benchmarked shape: the preset, or a tiny model under --smoke."""
-    ac = args.activation_checkpointing
-    if args.smoke:
-        return GPTConfig(
-            vocab_size=512,
-            d_model=128,
-            n_layer=2,
-            n_head=4,
-            seq_len=64,
-            activation_checkpointing=ac,
+def model_of(args: argparse.Namespace) -> BenchModel:
+    """The benchmarked model: `--model` at `--preset`, or a tiny one under --smoke."""
+    try:
+        return bench_model(
+            args.model,
+            args.preset,
+            smoke=args.smoke,
+            seq_len=args.seq_len,
+            activation_checkpointing=args.activation_checkpointing,
         )
-    overrides = {"seq_len": args.seq_len} if args.seq_len else {}
-    return GPTConfig.preset(args.preset, activation_checkpointing=ac, **overrides)
+    except ValueError as e:  # an unknown preset: the same message as any bad option
+        raise SystemExit(f"train_step: {e}") from None
 
 
 def _sync(device: torch.device) -> None:
@@ -158,7 +178,7 @@ class Measured(NamedTuple):
 
 def _measure(
     name: str,
-    cfg: GPTConfig,
+    bm: BenchModel,
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
@@ -173,7 +193,7 @@ def _measure(
     # process (imports, DeepSpeed's accelerator and communication set-up, kernel caches),
     # so `init_s` is the cost of wrapping THIS model whichever engine runs first.
     with torch.device(device):
-        throwaway = GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=1, seq_len=8))
+        throwaway = bm.tiny()
     ENGINES[name].setup(throwaway, settings)
     del throwaway
     _free(device)
@@ -185,7 +205,7 @@ def _measure(
     # what every engine's wrapping starts from.
     t0 = time.perf_counter()
     with torch.device(device):
-        model = GPT(cfg)
+        model = bm.build()
     _sync(device)
     build_s = time.perf_counter() - t0
     if cuda:
@@ -212,7 +232,7 @@ def _measure(
 
 def run_engine(
     name: str,
-    cfg: GPTConfig,
+    bm: BenchModel,
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
@@ -229,7 +249,7 @@ def run_engine(
     dist.barrier()
     if rank == 0 or not engine.rank0_only:
         try:
-            m = _measure(name, cfg, settings, args, data)
+            m = _measure(name, bm, settings, args, data)
         except Skipped as e:  # the same on every rank: the world decides it
             skipped = str(e)
         except Exception as e:  # OOM, import error, engine bug: a row, not the end
@@ -263,6 +283,16 @@ def run_engine(
     )
 
 
+# Per-name median kernel durations of the floors' traces (rank 0), the reference against
+# which `summarize` measures how much overlapping collectives slow each compute kernel:
+# `floor` for the eager engines, `floorc` for the compiled ones (inductor's own kernels).
+REFERENCE: dict[str, dict[str, float]] = {}
+
+
+def _reference_of(name: str) -> str:
+    return "floorc" if name in COMPILED else "floor"
+
+
 def profile(
     name: str, step: Any, data: tuple[torch.Tensor, torch.Tensor], device: torch.device
 ) -> TraceSummary | None:
@@ -282,27 +312,31 @@ def profile(
     OUT.mkdir(exist_ok=True)
     path = OUT / f"train_step_{name}.trace.json"
     prof.export_chrome_trace(str(path))
-    return summarize_chrome_trace(path, steps=2)
+    kernels, optimizer = read_trace(path)
+    if name in ("floor", "floorc"):
+        REFERENCE[name] = kernel_medians(kernels)
+    return summarize(kernels, 2, optimizer, REFERENCE.get(_reference_of(name)))
 
 
 def save_json(
-    results: list[Result], cfg: GPTConfig, args: argparse.Namespace, settings: Settings, world: int
+    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
 ) -> Path:
     """bench-out/<section>.json: every row plus what it was measured on and with."""
     cuda = settings.device.type == "cuda"
-    tokens = args.micro_batch * cfg.seq_len
+    tokens = args.micro_batch * bm.seq_len
     meta = {
         "section": args.section,
-        "preset": "smoke" if args.smoke else args.preset,
-        "model": asdict(cfg),
-        "parameters": parameters_count(cfg),
-        "flops_per_token": flops_per_token(cfg),
+        "model_name": bm.name,
+        "preset": bm.preset,
+        "model": bm.config,
+        "parameters": bm.parameters,
+        "flops_per_token": bm.flops_per_token,
         "world": world,
         "micro_batch": args.micro_batch,
-        "seq_len": cfg.seq_len,
+        "seq_len": bm.seq_len,
         "tokens_per_step_per_gpu": tokens,
         "dtype": str(settings.dtype).removeprefix("torch."),
-        "activation_checkpointing": cfg.activation_checkpointing,
+        "activation_checkpointing": args.activation_checkpointing,
         "shard_group_size": settings.shard_group_size,
         "clip": args.clip,
         "warmup": args.warmup,
@@ -312,7 +346,7 @@ def save_json(
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,
         "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["train_step.py", *sys.argv[1:]]),
+        "command": command(),
     }
     rows = []
     for r in results:
@@ -358,8 +392,15 @@ def main() -> None:
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
     if args.smoke:
         args.micro_batch, args.warmup, args.steps = 2, 1, 2
-    cfg = model_config(args)
-    settings = Settings(device, dtype, args.clip, args.micro_batch, json.loads(args.zs_config))
+    bm = model_of(args)
+    settings = Settings(
+        device,
+        dtype,
+        args.clip,
+        args.micro_batch,
+        json.loads(args.zs_config),
+        args.shard_group_size,
+    )
     names = (
         args.engines.split(",")
         if args.engines
@@ -368,18 +409,18 @@ def main() -> None:
     # DeepSpeed last (a stable sort keeps the order otherwise): see the note on ENGINES.
     names.sort(key=lambda n: n.startswith("ds"))
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=g)
+    tokens = torch.randint(0, bm.vocab_size, (args.micro_batch, bm.seq_len + 1), generator=g)
     data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
     warm_up_process(device)
     results = []
     for name in names:
         t0 = time.perf_counter()
-        r = run_engine(name, cfg, settings, args, data)
+        r = run_engine(name, bm, settings, args, data)
         results.append(r)
         if rank == 0:
             # Saved after every engine: a run cut short by a time limit keeps what it measured.
-            save_json(results, cfg, args, settings, world)
+            save_json(results, bm, args, settings, world)
             state = (
                 r.error
                 or (r.skipped and f"skipped: {r.skipped}")
@@ -392,17 +433,25 @@ def main() -> None:
             print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if rank == 0:
-        body = report(results, cfg, args, settings, world)
+        body = report(results, bm, args, settings, world)
         if NOTES:
             body += "\n\n" + "\n".join(f"- `{name}`: {note}." for name, note in NOTES.items())
         print(body)
+        title = f"{bm.name} {bm.preset}: {args.section}"
         if args.smoke or args.no_write:
-            plot(results, OUT / "train_step.png")
+            plot(results, OUT / f"{args.section}.png", title)
+            plot_split(results, OUT / f"{args.section}_split.png", title)
         else:
-            png = PNG.with_name(f"{args.section}.png")
-            if plot(results, png):
+            png = DOCS / f"{args.section}.png"
+            if plot(results, png, title):
                 body += f"\n\n![step time and peak memory per engine]({png.name})"
-            title = "Training step: zeroshard vs DDP, FSDP2, DeepSpeed"
+            split = DOCS / f"{args.section}_split.png"
+            if plot_split(results, split, title):
+                body += (
+                    "\n\n![step time split into compute, optimizer, exposed communication "
+                    f"and the rest, per engine]({split.name})"
+                )
+            title = f"Training step ({bm.name}): zeroshard vs DDP, FSDP2, DeepSpeed"
             if args.section != "train_step":
                 title += f" ({args.section})"
             write_section(args.section, title, body)
