@@ -37,7 +37,8 @@ communication and idle time, and of its gap to the floor into (a) exposed commun
 and (b) compute kernels slowed by the collectives overlapping them (benchmarks/_trace.py).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling.py reads); full runs also write the "<section>" section of
-docs/benchmarks.md (default: `train_step` for gpt, `train_step_<model>` otherwise) and
+docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
+`_<preset>` for any preset but 1.3b) and
 docs/<section>.png, `--smoke` and `--no-write` only bench-out/.
 """
 
@@ -111,15 +112,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--section",
         default=None,
-        help="docs/benchmarks.md section to write (default: train_step[_<model>])",
+        help="docs/benchmarks.md section (default: train_step[_<model>][_<preset>])",
     )
     args = p.parse_args()
     unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
     if args.section is None:
-        args.section = "train_step" + ("" if args.model == "gpt" else f"_{args.model}")
-        args.section = args.section.replace("-", "_")
+        model = "" if args.model == "gpt" else f"_{args.model}"
+        preset = "" if args.preset == "1.3b" else f"_{args.preset}"
+        args.section = f"train_step{model}{preset}".replace("-", "_").replace(".", "_")
     if args.shard_group_size < 1:
         p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
     return args

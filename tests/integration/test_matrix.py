@@ -85,11 +85,12 @@ def matrix(world: int) -> list[Cell]:
 
 
 # The CPU corner (default suite, gloo, world 2): every stage, every dtype, offload both
-# ways, a captured compiled cell and one that is expected to fall back.
+# ways, compiled cells captured with and without offload, and one expected to fall back.
 CORNER = (
     Cell(2, 1, "fp16", False, True, False),
     Cell(2, 2, "bf16", False, True, False),
     Cell(2, 3, "fp32", True, False, False),
+    Cell(2, 3, "bf16", True, True, False),
     Cell(2, 3, "fp16", True, False, False),
 )
 
