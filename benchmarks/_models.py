@@ -12,9 +12,10 @@ device, so all engines start from the same fp32 weights for one seed.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +57,8 @@ class HFCausalLM(nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         """The decoder layers, in order."""
-        layers: nn.ModuleList = self.model.model.layers
-        return layers
+        decoder: Any = self.model
+        return cast(nn.ModuleList, decoder.model.layers)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `idx`; the mean cross-entropy against `targets` if given."""
@@ -68,8 +69,7 @@ class HFCausalLM(nn.Module):
 
 
 def _hf_llama(cfg: llama.LlamaConfig) -> nn.Module:
-    import transformers  # type: ignore[import-not-found, unused-ignore]
-
+    transformers: Any = importlib.import_module("transformers")
     hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg), attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(hf_cfg)
     if cfg.activation_checkpointing:

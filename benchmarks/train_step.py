@@ -227,7 +227,7 @@ def _measure(
     # Between steps an engine keeps its model states (parameters, optimizer state, any
     # persistent gradient shards): what the 16 psi / N bound is about.
     states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
-    trace = profile(name, step, data, device) if args.profile else None
+    trace = profile(name, step, data, device, args.section) if args.profile else None
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
     return Measured(build_s, init_s, times, peak, states, trace)
 
@@ -296,7 +296,11 @@ def _reference_of(name: str) -> str:
 
 
 def profile(
-    name: str, step: Any, data: tuple[torch.Tensor, torch.Tensor], device: torch.device
+    name: str,
+    step: Any,
+    data: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    section: str,
 ) -> TraceSummary | None:
     """Profile two steps; on rank 0 write the Chrome trace to bench-out/ and summarize it."""
     from torch.profiler import ProfilerActivity
@@ -312,7 +316,7 @@ def profile(
     if dist.get_rank() != 0:
         return None  # rank 0's trace is the one summarized; the others need no files
     OUT.mkdir(exist_ok=True)
-    path = OUT / f"train_step_{name}.trace.json"
+    path = OUT / f"{section}_{name}.trace.json"
     prof.export_chrome_trace(str(path))
     kernels, optimizer = read_trace(path)
     if name in ("floor", "floorc"):

@@ -173,6 +173,9 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """The whole model; `blocks` is an `nn.ModuleList` so wrappers can shard per block."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -105,7 +105,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     starting ranks costs more than a cell on 2 shared cores."""
     if "cells" in metafunc.fixturenames:
         if metafunc.config.getoption("--device") == "cuda":
-            groups = [(c,) for w in WORLDS for c in matrix(w)]
+            groups: list[tuple[Cell, ...]] = [(c,) for w in WORLDS for c in matrix(w)]
             ids = [c.name for (c,) in groups]
         else:
             groups, ids = [CORNER], ["world2-corner"]
