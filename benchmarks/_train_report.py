@@ -280,8 +280,9 @@ def _pyplot() -> Any:
 
 
 def plot_split(results: list[Result], path: Path, title: str) -> bool:
-    """Stacked bars per profiled engine: compute, optimizer, exposed communication and the
-    rest of the median step time; False if nothing was profiled or matplotlib is missing."""
+    """Stacked bars per profiled engine: compute, (b) compute slowed by overlapping
+    collectives, optimizer, (a) exposed communication and the rest of the median step time;
+    False if nothing was profiled or matplotlib is missing."""
     traced = [r for r in results if r.trace is not None and r.step_ms]
     plt = _pyplot()
     if plt is None or not traced:
@@ -289,20 +290,23 @@ def plot_split(results: list[Result], path: Path, title: str) -> bool:
     names = [r.engine for r in traced]
     parts: dict[str, list[float]] = {
         "compute": [],
+        "(b) compute slowed by overlapping collectives": [],
         "optimizer": [],
-        "exposed communication": [],
+        "(a) exposed communication": [],
         "other (idle, host)": [],
     }
     for r in traced:
         t = r.trace
         assert t is not None and r.step_ms is not None
-        parts["compute"].append(t.compute_only_ms)
+        slowed = min(t.overlap_slowdown_ms, t.compute_only_ms)
+        parts["compute"].append(t.compute_only_ms - slowed)
+        parts["(b) compute slowed by overlapping collectives"].append(slowed)
         parts["optimizer"].append(t.optimizer_ms)
-        parts["exposed communication"].append(t.exposed_comm_ms)
+        parts["(a) exposed communication"].append(t.exposed_comm_ms)
         busy = t.compute_ms + t.exposed_comm_ms
         parts["other (idle, host)"].append(max(r.step_ms - busy, 0.0))
-    colors = ["tab:green", "tab:purple", "tab:red", "tab:gray"]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(traced) + 1.8))
+    colors = ["tab:green", "tab:olive", "tab:purple", "tab:red", "tab:gray"]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(traced) + 2.4))
     left = [0.0] * len(traced)
     for (label, values), color in zip(parts.items(), colors, strict=True):
         ax.barh(names, values, left=left, label=label, color=color)
@@ -310,7 +314,7 @@ def plot_split(results: list[Result], path: Path, title: str) -> bool:
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)
     ax.set_xlabel("ms per step (median step time, split by the profile of 2 steps, rank 0)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8)
     ax.set_title(f"Step time split per engine ({title})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -118,6 +118,10 @@ def parse_args() -> argparse.Namespace:
     unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
+    try:
+        model_of(args)  # only shapes: an unknown preset or a bad --seq-len is an option error
+    except ValueError as e:
+        p.error(str(e))
     if args.section is None:
         model = "" if args.model == "gpt" else f"_{args.model}"
         preset = "" if args.preset == "1.3b" else f"_{args.preset}"
@@ -129,16 +133,13 @@ def parse_args() -> argparse.Namespace:
 
 def model_of(args: argparse.Namespace) -> BenchModel:
     """The benchmarked model: `--model` at `--preset`, or a tiny one under --smoke."""
-    try:
-        return bench_model(
-            args.model,
-            args.preset,
-            smoke=args.smoke,
-            seq_len=args.seq_len,
-            activation_checkpointing=args.activation_checkpointing,
-        )
-    except ValueError as e:  # an unknown preset: the same message as any bad option
-        raise SystemExit(f"train_step: {e}") from None
+    return bench_model(
+        args.model,
+        args.preset,
+        smoke=args.smoke,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+    )
 
 
 def _sync(device: torch.device) -> None:
