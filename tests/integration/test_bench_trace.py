@@ -101,7 +101,14 @@ def test_report_splits_the_gap_to_the_floor(tmp_path: Path) -> None:
     lines = "\n".join(profile_tables([zs3], {"floor": floor, "zs3": zs3}))
     # gap 0.7 = (a) 0.07 exposed + (b) 0.03 slowdown + 0.6 rest (2 decimals: 0.0 / 0.6).
     assert "| `zs3` | `floor` | 0.7 | 0.1 | 0.0 | 0.6 |" in lines
+
+
+def test_split_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
+    t = summarize_chrome_trace(_trace(tmp_path), steps=1)
+    floor = Result("floor", "no communication", step_ms=0.5, trace=None)
+    zs3 = Result("zs3", "zeroshard stage 3", step_ms=1.2, trace=t)
+    assert not plot_split([floor], tmp_path / "none.png", "test"), "nothing profiled: no plot"
     png = tmp_path / "split.png"
     assert plot_split([floor, zs3], png, "test")
     assert png.stat().st_size > 1000

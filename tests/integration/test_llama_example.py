@@ -14,8 +14,6 @@ import torch
 from benchmarks._models import HFCausalLM, bench_model
 from examples.llama import Llama, LlamaConfig, hf_config, parameters_count
 
-transformers = pytest.importorskip("transformers")
-
 # Odd enough to catch a wrong split: 3 query heads per k/v head, head_dim 8, 3 blocks.
 CFG = LlamaConfig(
     vocab_size=61, d_model=48, n_layer=3, n_head=6, n_kv_head=2, ffn_hidden=72, seq_len=24
@@ -45,6 +43,7 @@ def _hf_name(name: str) -> str:
 
 
 def test_llama_matches_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     ours = Llama(CFG)
     hf = transformers.LlamaForCausalLM(
