@@ -10,15 +10,15 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
 Models (`--model`, see benchmarks/_models.py): `gpt` (examples/gpt.py), `llama`
 (examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
 built from a config: no download), each at the presets `1.3b` and `7b`.
-transformers 5.23.0 goes to a machine without registry access as wheels (about 44 MiB
-with numpy, 29 MiB without; install them with `pip install --no-index --find-links .whl
-transformers==5.23.0`):
+transformers 5.23.0 goes to a machine without registry access (the GPU image: Python 3.12,
+x86_64) as wheels, 43.5 MiB with numpy, 28.5 MiB without; install them there with
+`pip install --no-index --find-links .whl transformers==5.23.0`. They are fetched by
 
     pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
         transformers==5.23.0
 
-which fetches it with its dependencies: huggingface-hub, tokenizers, safetensors, regex,
+which brings its dependencies along: huggingface-hub, tokenizers, safetensors, regex,
 pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
 
 Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
@@ -27,19 +27,19 @@ every block under `torch.compile`, the reference of the compiled engines), `ddp`
 `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `ds1`-`ds3` (DeepSpeed, always run last) and the
 hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within `--shard-group-size` ranks, replicate across
 the rest). Each gets the same freshly built model (`--activation-checkpointing` recomputes
-every block in backward, for every engine),
-the same random tokens and torch.optim.AdamW. Per engine: init time (wrapping, model
-construction excluded), median step time over `--steps` after `--warmup`
-(CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the memory
-kept between steps. An engine that fails gets a row saying why and the run goes on.
+every block in backward, for every engine), the same random tokens and
+torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded), median
+step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
+tokens/s/GPU, MFU, peak memory and the memory kept between steps. An engine that fails
+gets a row saying why and the run goes on.
 `--profile` adds, per engine, the split of the step into compute, optimizer, exposed
 communication and idle time, and of its gap to the floor into (a) exposed communication
 and (b) compute kernels slowed by the collectives overlapping them (benchmarks/_trace.py).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling.py reads); full runs also write the "<section>" section of
 docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
-`_<preset>` for any preset but 1.3b) and
-docs/<section>.png, `--smoke` and `--no-write` only bench-out/.
+`_<preset>` for any preset but 1.3b) and docs/<section>.png, `--smoke` and `--no-write`
+only bench-out/.
 """
 
 from __future__ import annotations
@@ -55,15 +55,16 @@ import traceback
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from benchmarks._models import MODELS, BenchModel, bench_model
 from benchmarks._report import ROOT, command, write_section
-from benchmarks._trace import TraceSummary, kernel_medians, read_trace, summarize
-from benchmarks._train_engines import COMPILED, ENGINES, NOTES, Settings, Skipped
+from benchmarks._trace import TraceSummary
+from benchmarks._train_engines import ENGINES, NOTES, Settings, Skipped
+from benchmarks._train_profile import profile
 from benchmarks._train_report import Result, plot, plot_split, report
 
 OUT = ROOT / "bench-out"
@@ -228,7 +229,7 @@ def _measure(
     # Between steps an engine keeps its model states (parameters, optimizer state, any
     # persistent gradient shards): what the 16 psi / N bound is about.
     states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
-    trace = profile(name, step, data, device, args.section) if args.profile else None
+    trace = profile(name, step, data, device, OUT / args.section) if args.profile else None
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
     return Measured(build_s, init_s, times, peak, states, trace)
 
@@ -284,45 +285,6 @@ def run_engine(
         build_s=build_s,
         states_gib=states or None,
     )
-
-
-# Per-name median kernel durations of the floors' traces (rank 0), the reference against
-# which `summarize` measures how much overlapping collectives slow each compute kernel:
-# `floor` for the eager engines, `floorc` for the compiled ones (inductor's own kernels).
-REFERENCE: dict[str, dict[str, float]] = {}
-
-
-def _reference_of(name: str) -> str:
-    return "floorc" if name in COMPILED else "floor"
-
-
-def profile(
-    name: str,
-    step: Any,
-    data: tuple[torch.Tensor, torch.Tensor],
-    device: torch.device,
-    section: str,
-) -> TraceSummary | None:
-    """Profile two steps; on rank 0 write the Chrome trace to bench-out/ and summarize it."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities) as prof:
-        for _ in range(2):
-            step(*data)
-        _sync(device)
-    if dist.get_rank() != 0:
-        return None  # rank 0's trace is the one summarized; the others need no files
-    OUT.mkdir(exist_ok=True)
-    path = OUT / f"{section}_{name}.trace.json"
-    prof.export_chrome_trace(str(path))
-    kernels, optimizer = read_trace(path)
-    if name in ("floor", "floorc"):
-        REFERENCE[name] = kernel_medians(kernels)
-    return summarize(kernels, 2, optimizer, REFERENCE.get(_reference_of(name)))
 
 
 def save_json(
