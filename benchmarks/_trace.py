@@ -11,7 +11,7 @@ nothing but the trace format: device kernels are events with `"cat": "kernel"`, 
 - idle: time in the window (first kernel start to last kernel end) with no kernel at all,
   which is where the GPU waits on the host (launch overhead, Python, synchronization);
 - optimizer: time covered by the kernels launched inside the optimizer step (a CPU range
-  named `Optimizer.step...`, torch's own label, or `zeroshard::step...`), found through
+  named `Optimizer.step...`, torch's own label, or `zeroshard::optimizer_step`), found through
   the correlation id that ties each kernel to its launch;
 - overlap slowdown: of the compute kernels that ran while an NCCL kernel ran, the time
   each took beyond the median of the same kernel (by name) in a reference trace without
@@ -82,7 +82,7 @@ def covered(start: float, end: float, b: list[Interval], ends: list[float]) -> f
     return total
 
 
-OPTIMIZER_LABELS = ("Optimizer.step", "zeroshard::step", "zeroshard::optimizer")
+OPTIMIZER_LABELS = ("Optimizer.step", "zeroshard::optimizer_step")
 
 
 @dataclass(frozen=True)

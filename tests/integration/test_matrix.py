@@ -15,9 +15,11 @@ parameter update within 10% of the reference's in norm (see tests/engine/test_pa
 for why). Offload on: optimizer state and master weights on the CPU, and at stage 3 the
 parameter shards too. Compiled cells run through `zeroshard.compile` (aot_eager on CPU).
 
-Cells the compiled engine does not capture today are in `EXPECTED_FALLBACK`: they must
-fall back to eager with a warning AND still match the reference; a cell that stops
-falling back fails here, so that this table and docs/testing.md get updated with it.
+Cells the compiled engine cannot do today are named by `Cell.expected_refusal` (compiled
++ offload: `zeroshard.compile` raises a ValueError naming offload, and the test asserts
+exactly that) and `Cell.expected_fallback` (compiled + fp16, compiled + hybrid: they must
+fall back to eager with a warning AND still match the reference). A cell whose behaviour
+changes fails here, so that these properties and docs/testing.md are updated with it.
 """
 
 from __future__ import annotations
@@ -60,9 +62,16 @@ class Cell:
         return "-".join(parts)
 
     @property
+    def expected_refusal(self) -> str | None:
+        """Why zeroshard.compile refuses this cell today, or None."""
+        if self.compiled and self.offload:
+            return "offload is refused: the compiled graph gathers the masters on the device"
+        return None
+
+    @property
     def expected_fallback(self) -> str | None:
         """Why zeroshard.compile runs this cell eagerly today, or None if it captures it."""
-        if not self.compiled:
+        if not self.compiled or self.expected_refusal:
             return None
         if self.dtype == "fp16":
             return "fp16 loss scaling is not captured"
@@ -85,7 +94,7 @@ def matrix(world: int) -> list[Cell]:
 
 
 # The CPU corner (default suite, gloo, world 2): every stage, every dtype, offload both
-# ways, compiled cells captured with and without offload, and one expected to fall back.
+# ways, a compiled cell captured, one expected to be refused and one to fall back.
 CORNER = (
     Cell(2, 1, "fp16", False, True, False),
     Cell(2, 2, "bf16", False, True, False),
@@ -93,11 +102,6 @@ CORNER = (
     Cell(2, 3, "bf16", True, True, False),
     Cell(2, 3, "fp16", True, False, False),
 )
-
-# Cells known to fall back, for docs/testing.md (compared with `expected_fallback`).
-EXPECTED_FALLBACK = {
-    c.name: c.expected_fallback for w in WORLDS for c in matrix(w) if c.expected_fallback
-}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -143,6 +147,12 @@ def _cell(device: str, cell: Cell) -> None:
     model.to(device)
     engine, opt = zs.initialize(model, make_optimizer(model), _config(cell))
     forward: Any = engine
+    if cell.expected_refusal:
+        import zeroshard.compile as zc
+
+        with pytest.raises(ValueError, match="offload"):
+            zc.compile(engine)
+        return
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
