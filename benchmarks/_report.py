@@ -41,16 +41,20 @@ def environment() -> str:
     )
 
 
-def main_module() -> str:
-    """The dotted name this process runs as (`benchmarks.train_step`): every benchmark is
-    run with `python -m` (or `torchrun -m`) from the repository root."""
+def entry_point() -> list[str]:
+    """How this process was started: `["-m", "benchmarks.train_step"]` for the benchmarks
+    (run with `python -m` or `torchrun -m` from the repository root), or the script's path
+    for a script run by its path (benchmarks/consolidate.py)."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    return spec.name if spec is not None else Path(sys.argv[0]).stem
+    return ["-m", spec.name] if spec is not None else [sys.argv[0]]
 
 
 def command() -> str:
-    """The command line of this run, as `-m benchmarks.<name> args...`."""
-    return shlex.join(["-m", main_module(), *sys.argv[1:]])
+    """The command line of this run, e.g. `-m benchmarks.train_step --model llama`."""
+    head = entry_point()
+    if head[0] != "-m":
+        head = [Path(head[0]).name]
+    return shlex.join([*head, *sys.argv[1:]])
 
 
 def write_section(name: str, title: str, body: str, *, measured: str | None = None) -> None:
@@ -97,7 +101,7 @@ def init_ranks(nproc: int, *, cuda: bool) -> torch.device:
 
     if "LOCAL_RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={nproc}", "-m", main_module(), *sys.argv[1:]]
+        cmd += [f"--nproc-per-node={nproc}", *entry_point(), *sys.argv[1:]]
         raise SystemExit(subprocess.call(cmd))
     local = int(os.environ["LOCAL_RANK"])
     if cuda:
