@@ -18,11 +18,13 @@ from zeroshard.ckpt import (
     CheckpointError,
     CheckpointMeta,
     GroupMeta,
+    TensorSpec,
     consolidate,
     list_checkpoints,
     load,
     resolve,
     save,
+    write_safetensors,
 )
 from zeroshard.ckpt._cli import main
 from zeroshard.partition import FlatLayout
@@ -175,3 +177,26 @@ def test_buffer_reshaped_with_the_same_numel_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"buffer 'grid' has shape \(2, 6\), metadata"):
         consolidate(root, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_overwrite_leaves_the_old_weights_readable(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    old = {"w": torch.arange(6.0).reshape(2, 3)}
+    out.mkdir()
+    save_file(old, out / "model.safetensors")
+
+    def fill(t: torch.Tensor) -> None:
+        t.fill_(1.0)
+
+    def fail(t: torch.Tensor) -> None:
+        raise OSError(5, "Input/output error")  # a source read failing part way
+
+    specs = [
+        TensorSpec("w", (2, 3), torch.float32, fill),
+        TensorSpec("v", (4,), torch.float32, fail),
+    ]
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        write_safetensors(specs, out, overwrite=True, workers=1)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no temp output left
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert torch.equal(load_file(out / "model.safetensors")["w"], old["w"])
