@@ -8,6 +8,7 @@ full = zs.full_state_dict(model)
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._estimate import Estimate, estimate
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import (
     EngineState,
@@ -24,12 +25,14 @@ __all__ = [
     "DivergentRanksError",
     "EngineState",
     "EngineStats",
+    "Estimate",
     "LoadReport",
     "SafetensorsLoadError",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",
     "engine_stats",
+    "estimate",
     "full_state_dict",
     "gathered_parameters",
     "initialize",

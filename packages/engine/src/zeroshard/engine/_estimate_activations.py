@@ -49,9 +49,11 @@ class ActivationTrace:
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of storages created by operators while they are alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        # Views of tensors that existed before (parameters, the input) allocate nothing.
+        self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
         self.current = 0
         self.peak = 0
 
@@ -75,7 +77,7 @@ class _LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 ref = StorageWeakRef(storage)
-                if ref.cdata not in self._live:
+                if ref.cdata not in self._live and ref.cdata not in self._existing:
                     self._live[ref.cdata] = (ref, storage.nbytes())
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
@@ -205,7 +207,7 @@ def measure_activations(
         raise ValueError("estimate() needs the model on the meta device (build it under "
                          "`with torch.device('meta'):`)")
     idx = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-    live = _LiveBytes()
+    live = _LiveBytes([*model.parameters(), *model.buffers(), idx])
     path = GradPath(model, plan, cfg, live)
     try:
         with _flash_attention(), live:
