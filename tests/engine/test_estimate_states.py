@@ -66,9 +66,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
             real["grad_buffer"] += g.grad_buffer.nbytes
         if g.offload is None:
             real["master"] += g.master.nbytes
-            real["optimizer"] += sum(
-                t.nbytes for t in opt.state[g.master].values() if t.dim() > 0
-            )
+            real["optimizer"] += sum(t.nbytes for t in opt.state[g.master].values() if t.dim() > 0)
     real["offload_compute"] = 0
     if state.offload is not None:
         if state.offload.compute_dev is not None:
@@ -99,7 +97,10 @@ def _all_cases() -> None:
     torch.set_default_dtype(torch.float32)
     cases = list(CASES)
     if dist.get_world_size() == 4:
-        cases += [{"stage": 3, "dtype": "bf16", "shard": 2}, {"stage": 2, "dtype": "fp32", "shard": 2}]
+        cases += [
+            {"stage": 3, "dtype": "bf16", "shard": 2},
+            {"stage": 2, "dtype": "fp32", "shard": 2},
+        ]
     run_each(cases, _case)
 
 

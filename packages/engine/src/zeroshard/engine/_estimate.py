@@ -71,7 +71,9 @@ class Estimate:
 
     def table(self) -> str:
         """A readable table of the estimate."""
-        hybrid = "" if self.shard_size == self.world_size else f", shard groups of {self.shard_size}"
+        hybrid = (
+            "" if self.shard_size == self.world_size else f", shard groups of {self.shard_size}"
+        )
         cfg = self.config
         off = ""
         if cfg.offload_optimizer:
@@ -94,12 +96,13 @@ class Estimate:
         if cfg.stage == 3:
             lines.append(f"| gathered units in flight | {self.gathered / GIB:.2f} |")
         lines += [
-            f"| activations + gradient path (measured on meta) | {self.activations_peak / GIB:.2f} |",
+            f"| activations + gradient path (on meta) | {self.activations_peak / GIB:.2f} |",
             f"| = projected peak | {self.peak / GIB:.2f} |",
         ]
         if self.host:
-            lines.append(f"| host (offload), of it pinned | {self.host / GIB:.2f}, "
-                         f"{self.pinned / GIB:.2f} |")
+            lines.append(
+                f"| host (offload), of it pinned | {self.host / GIB:.2f}, {self.pinned / GIB:.2f} |"
+            )
         if self.step is not None:
             s = self.step
             lines += [
@@ -119,14 +122,13 @@ def _gathered(plan: GroupPlan, cfg: ZeroConfig) -> int:
     moving = sorted((u.gathered_bytes for u in plan.units if not u.persistent), reverse=True)
     if not moving:
         return persistent
-    ahead, inflight = 0, 0
+    inflight = 0
     for nbytes in moving[1 : 1 + cfg.prefetch_depth]:
         if inflight + nbytes > cfg.prefetch_bytes:
             break
         inflight += nbytes
-        ahead += 1
-    live = min(persistent + moving[0] + inflight, max(cfg.max_live_bytes, persistent + moving[0]))
-    return live
+    # No prefetch pushes the gathered bytes past max_live_bytes.
+    return min(persistent + moving[0] + inflight, max(cfg.max_live_bytes, persistent + moving[0]))
 
 
 def estimate(
@@ -155,7 +157,9 @@ def estimate(
         raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
     shard = cfg.shard_group_size or world_size
     if world_size % shard:
-        raise ValueError(f"shard_group_size {shard} does not divide the world of {world_size} ranks")
+        raise ValueError(
+            f"shard_group_size {shard} does not divide the world of {world_size} ranks"
+        )
     groups_of = None
     if optimizer is not None:
         groups_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
@@ -186,4 +190,3 @@ def estimate(
         pinned=pinned,
         step=step,
     )
-

@@ -28,8 +28,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zeroshard.engine._estimate_layout import GroupPlan, reduce_dtype_bytes
 from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._estimate_layout import GroupPlan, reduce_dtype_bytes
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -46,14 +46,14 @@ class ActivationTrace:
     peak: int
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the bytes of storages created by operators while they are alive."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         # Views of tensors that existed before (parameters, the input) allocate nothing.
-        self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
+        self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}  # type: ignore[no-untyped-call]
         self.current = 0
         self.peak = 0
 
@@ -64,19 +64,17 @@ class _LiveBytes(TorchDispatchMode):
 
     def sweep(self) -> None:
         """Forget the storages that died since the last operator."""
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]  # type: ignore[no-untyped-call]
         for k in dead:
             self.current -= self._live.pop(k)[1]
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.sweep()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                ref = StorageWeakRef(storage)
+                ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
                 if ref.cdata not in self._live and ref.cdata not in self._existing:
                     self._live[ref.cdata] = (ref, storage.nbytes())
                     self.current += storage.nbytes()
@@ -101,9 +99,7 @@ class GradPath:
             for s in g.layout.slots:
                 self.group_of[s.name] = g.index
         self.plan = plan
-        self.remaining = {
-            g.index: len(g.layout.slots) for g in plan.groups if g.trainable
-        }
+        self.remaining = {g.index: len(g.layout.slots) for g in plan.groups if g.trainable}
         self.started: set[int] = set()
         self.inflight: deque[int] = deque()
         self.bucket_bytes = reduce_dtype_bytes(cfg)
@@ -112,7 +108,7 @@ class GradPath:
         for name, p in model.named_parameters():
             if p.requires_grad and id(p) not in seen and name in self.group_of:
                 seen.add(id(p))
-                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))  # type: ignore[no-untyped-call]
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def on_grad(p: torch.Tensor) -> None:
@@ -173,7 +169,7 @@ _SDPA = F.scaled_dot_product_attention
 def _flash_attention() -> Iterator[None]:
     # Models look `F.scaled_dot_product_attention` up at call time, the recomputation of
     # a checkpointed block included (a mode would not reach the backward's recompute).
-    F.scaled_dot_product_attention = _flash_sdpa
+    F.scaled_dot_product_attention = _flash_sdpa  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -204,8 +200,10 @@ def measure_activations(
     """One forward and backward of `model` (on the meta device) on `micro_batch` x `seq_len`
     token ids; see [Note: measuring on meta]."""
     if any(not p.is_meta for p in model.parameters()):
-        raise ValueError("estimate() needs the model on the meta device (build it under "
-                         "`with torch.device('meta'):`)")
+        raise ValueError(
+            "estimate() needs the model on the meta device (build it under "
+            "`with torch.device('meta'):`)"
+        )
     idx = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     live = _LiveBytes([*model.parameters(), *model.buffers(), idx])
     path = GradPath(model, plan, cfg, live)
@@ -214,7 +212,7 @@ def measure_activations(
             loss = loss_fn(model, idx)
             live.sweep()
             after_forward = live.current
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
     finally:
         path.close()
     return ActivationTrace(after_forward, live.peak)

@@ -87,7 +87,9 @@ def _stage12(
     registration = {id(p): i for i, p in enumerate(model.parameters())}
     chunks = []
     for key, named in grouped.items():
-        for run in _split_by_bytes(named[::-1], cfg.reduce_bucket_bytes, cfg.compute_dtype.itemsize):
+        for run in _split_by_bytes(
+            named[::-1], cfg.reduce_bucket_bytes, cfg.compute_dtype.itemsize
+        ):
             chunks.append((max(registration[id(p)] for _, p in run), key, run))
     chunks.sort(key=lambda c: -c[0])
     world = cast(Group, _WorldSize(size))
@@ -117,7 +119,9 @@ def plan_groups(
         )
         for ui, plan in enumerate(plans):
             grouped = group_parameters(plan.params, param_group_of=param_group_of)
-            layouts = [(k, _layout(named, k, world, cfg.compute_dtype)) for k, named in grouped.items()]
+            layouts = [
+                (k, _layout(named, k, world, cfg.compute_dtype)) for k, named in grouped.items()
+            ]
             numel = sum(lay.numel for _, lay in layouts)
             # The same rule as `_shard_stage3`: the root and small units stay gathered.
             persistent = ui == 0 or numel < cfg.persistence_threshold
@@ -125,7 +129,9 @@ def plan_groups(
             gathered = sum(lay.padded_numel for _, lay in layouts) * cfg.compute_dtype.itemsize
             units.append(PlannedUnit(plan.name, gathered, persistent))
     else:
-        planned = [(k, lay, None, False) for k, lay in _stage12(model, cfg, shard_size, param_group_of)]
+        planned = [
+            (k, lay, None, False) for k, lay in _stage12(model, cfg, shard_size, param_group_of)
+        ]
     offloaded = _offloaded([lay.shard_numel for _, lay, _, _ in planned], cfg)
     groups = tuple(
         PlannedGroup(i, k, lay, unit, persistent, i in offloaded)
@@ -168,7 +174,9 @@ def _offload_plan(
     return OffloadPlan(n, s, master + pinned, pinned, device)
 
 
-def state_bytes(plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int) -> dict[str, int]:
+def state_bytes(
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int
+) -> dict[str, int]:
     """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad)."""
     compute = cfg.compute_dtype.itemsize
     out = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0, "offload_compute": 0}

@@ -80,10 +80,14 @@ def project_step(
         return cluster.all_reduce_s(g_bytes, replicas, stride=shard)
 
     reduce = [rs(g.layout.padded_numel * red) + ar(g.layout.shard_numel * red) for g in trainable]
-    latency_reduce = len(trainable) * (
-        (shard - 1) * cluster.link(shard).latency_us
-        + 2 * (replicas - 1) * cluster.link(replicas, shard).latency_us * (replicas > 1)
-    ) * 1e-6
+    latency_reduce = (
+        len(trainable)
+        * (
+            (shard - 1) * cluster.link(shard).latency_us
+            + 2 * (replicas - 1) * cluster.link(replicas, shard).latency_us * (replicas > 1)
+        )
+        * 1e-6
+    )
     lat += latency_reduce
     if cfg.stage == 3:
         gathers = [cluster.all_gather_s(u.gathered_bytes, shard) for u in plan.units]
@@ -109,9 +113,7 @@ def project_step(
             b = max(bwd, sum(reduce)) + (reduce[-1] if reduce else 0.0)
         else:
             b = bwd + sum(reduce)
-        publish = sum(
-            cluster.all_gather_s(g.layout.padded_numel * item, shard) for g in trainable
-        )
+        publish = sum(cluster.all_gather_s(g.layout.padded_numel * item, shard) for g in trainable)
         lat += len(trainable) * (shard - 1) * cluster.link(shard).latency_us * 1e-6
         comm = sum(reduce) + publish
     cpu = 0.0

@@ -31,11 +31,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-bytes", type=int, help="stage 3 prefetch bytes")
     p.add_argument("--memory-limit-gib", type=float, help="recommend a config that fits this")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--internode-gbps", type=float, default=50.0, help="GB/s per GPU (50 = 400 Gb/s)")
+    p.add_argument(
+        "--internode-gbps", type=float, default=50.0, help="GB/s per GPU (50 = 400 Gb/s)"
+    )
     p.add_argument("--internode-latency-us", type=float, default=5.0)
     p.add_argument("--step-ms", type=float, help="measured one-GPU step (no communication), ms")
     p.add_argument("--achieved-tflops", type=float, help="measured achieved TFLOP/s per GPU")
-    p.add_argument("--flops-per-token", type=float, help="training FLOPs per token (with the above)")
+    p.add_argument(
+        "--flops-per-token", type=float, help="training FLOPs per token (with the above)"
+    )
     p.add_argument("--cpu-adam-params-per-s", type=float, help="measured CPU AdamW rate (offload)")
     return p
 
@@ -111,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 speed = f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU" if e.step else "-"
                 print(
                     f" {mark} stage {c.stage}, shard {e.shard_size}, offload "
-                    f"{'on' if c.offload_optimizer else 'off'}: peak {e.peak / GIB:.1f} GiB, {speed}"
+                    f"{'on' if c.offload_optimizer else 'off'}: "
+                    f"peak {e.peak / GIB:.1f} GiB, {speed}"
                 )
             if rec.best is None:
                 print("   nothing fits: more GPUs, a smaller micro-batch, or offload params")

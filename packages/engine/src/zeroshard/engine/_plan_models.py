@@ -60,7 +60,9 @@ class _Attention(nn.Module):
         else:
             q = self.q(x).view(b, t, self.n_head, hd).transpose(1, 2)
             k, v = self.kv(x).view(b, t, 2, self.n_kv, hd).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head
+        )
         out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
         return out
 
@@ -145,7 +147,7 @@ def build(name: str, *, activation_checkpointing: bool) -> nn.Module:
         raise ValueError(f"{path}: reading a Hugging Face config needs transformers") from None
     config = transformers.AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
-        model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)
+        model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     if activation_checkpointing:
         model.gradient_checkpointing_enable()  # type: ignore[operator]
     return model
