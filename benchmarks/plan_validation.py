@@ -24,6 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "planning.md"
 GIB = 2**30
 ENGINES = {"zs2": 2, "zs3": 3, "zs2h": 2, "zs3h": 3}
+PREFETCH = 4 * GIB
 
 
 def nvlink_fit() -> Link:
@@ -64,7 +65,7 @@ def validation() -> str:
         meta = data["meta"]
         sources.add(f"{meta['device']}, {meta['date']}, torch {meta['torch']}")
         by = {r["engine"]: r for r in data["results"]}
-        floor = by["floor"]["step_ms"] / 1e3
+        single = _one_gpu_steps(meta["preset"])
         ac = bool(meta["activation_checkpointing"])
         model = build(meta["preset"], activation_checkpointing=ac)
         for engine, stage in ENGINES.items():
@@ -72,6 +73,7 @@ def validation() -> str:
             if r is None or r.get("error") or r.get("skipped"):
                 continue
             shard = meta["shard_group_size"] if engine.endswith("h") else None
+            step_s = single[engine.removesuffix("h")]
             cfg = ZeroConfig(stage=stage, compute_dtype="bf16", shard_group_size=shard)
             e = estimate(
                 model,
@@ -79,24 +81,71 @@ def validation() -> str:
                 meta["world"],
                 meta["micro_batch"],
                 meta["seq_len"],
-                compute=Compute(step_s=floor, recompute=ac),
+                compute=Compute(step_s=step_s, recompute=ac),
             )
             assert e.step is not None
             kept, peak, ms = e.states_total / GIB, e.peak / GIB, e.step.total_s * 1e3
+            label = " (input)" if meta["world"] == 1 else ""
             rows.append(
                 f"| {path.name} | `{engine}` | {meta['world']} | "
                 f"{kept:.1f} / {r['states_gib']:.1f} ({_pct(kept, r['states_gib'])}) | "
                 f"{peak:.1f} / {r['peak_gib']:.1f} ({_pct(peak, r['peak_gib'])}) | "
-                f"{ms:.0f} / {r['step_ms']:.0f} ({_pct(ms, r['step_ms'])}) |"
+                f"{ms:.0f} / {r['step_ms']:.0f} ({_pct(ms, r['step_ms'])}){label} |"
             )
     head = (
         "Measured: " + "; ".join(sorted(sources)) + " (benchmarks/results/scale_*.json, an "
-        "earlier commit of the engine, AdamW, bf16). Estimated on a CPU by this tree with the "
-        "compute figure of each file's own `floor` row. Validation against the current "
+        "earlier commit of the engine, AdamW, bf16). Estimated on a CPU by this tree. The "
+        "compute figure of every row is the same engine's measured 1-GPU step "
+        "(scale_<preset>_1gpu.json), so the 1-GPU step times are inputs, not predictions; "
+        "memory is predicted in every row. Validation against the current "
         "tree on GPUs is still to be run; no 8-GPU machine was lent, so there are no "
         "8-GPU rows.\n\n"
     )
     return head + "\n".join(rows)
+
+
+def offload_validation() -> str:
+    """GPU and host memory of the offload runs in docs/benchmarks.md (no step time: the
+    one-GPU compute figure of those models on that device was not measured)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [
+        "| section (docs/benchmarks.md) | measured on | params | GPU peak GiB est / meas | "
+        "host GiB est / meas (RSS) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("offload", "offload_4b"):
+        body = text.split(f"<!-- {name}:start -->")[1].split(f"<!-- {name}:end -->")[0]
+        on = re.search(r"Measured (\S+) on 1 x ([^;]+);", body)
+        shape = re.search(r"(\d+) blocks, seq (\d+), micro-batch (\d+)", body)
+        row = re.search(
+            r"\| zeroshard offload_optimizer \(stage (\d)\) \| ([\d.]+B) \| "
+            r"[\d.]+ \| [\d,]+ \| ([\d.]+) \| ([\d.]+) \|",
+            body,
+        )
+        if not (on and shape and row):
+            continue
+        layers, seq, mb = (int(x) for x in shape.groups())
+        model = build("7b", activation_checkpointing=True, n_layer=layers)
+        cfg = ZeroConfig(stage=int(row[1]), compute_dtype="bf16", offload_optimizer=True)
+        e = estimate(model, cfg, 1, mb, seq)
+        gpu, host = float(row[3]), float(row[4])
+        rows.append(
+            f"| {name} | 1 x {on[2]}, {on[1]} | {row[2]} | "
+            f"{e.peak / GIB:.1f} / {gpu:.1f} ({_pct(e.peak / GIB, gpu)}) | "
+            f"{e.host / GIB:.1f} / {host:.1f} |"
+        )
+    return (
+        "Offload, stage 2, one GPU, GPT `7b` width, activation checkpointing, bf16. The "
+        "host figure measured is the process's peak resident memory (ru_maxrss: CUDA and "
+        "torch libraries, the model built for initialization and allocator slack included), "
+        "so only the estimate's host buffers are comparable, not equal.\n\n" + "\n".join(rows)
+    )
+
+
+def _one_gpu_steps(preset: str) -> dict[str, float]:
+    """Seconds per step of each engine measured on one GPU for `preset`."""
+    data = json.loads((RESULTS / f"scale_{preset}_1gpu.json").read_text())
+    return {r["engine"]: r["step_ms"] / 1e3 for r in data["results"] if r.get("step_ms")}
 
 
 def _flops_per_token(name: str, seq: int) -> float:
@@ -113,16 +162,17 @@ def _flops_per_token(name: str, seq: int) -> float:
 def projections() -> str:
     base = json.loads((RESULTS / "scale_7b_1gpu.json").read_text())
     meta = base["meta"]
-    floor = next(r for r in base["results"] if r["engine"] == "floor")
+    zs3 = next(r for r in base["results"] if r["engine"] == "zs3")
     tokens = meta["micro_batch"] * meta["seq_len"]
-    rate = meta["flops_per_token"] * tokens / (floor["step_ms"] / 1e3)
+    rate = meta["flops_per_token"] * tokens / (zs3["step_ms"] / 1e3)
     rows = [
-        f"Compute: achieved {rate / 1e12:.0f} TFLOP/s per GPU, from the `floor` row of "
+        f"Compute: achieved {rate / 1e12:.0f} TFLOP/s per GPU, from the `zs3` row of "
         f"scale_7b_1gpu.json ({meta['device']}, {meta['date']}: 7b, micro-batch "
         f"{meta['micro_batch']} x {meta['seq_len']}, activation checkpointing), applied to "
         "both models' FLOPs. Links: NVLink as fitted, 8 GPUs per node, 50 GB/s (400 Gb/s) "
-        "and 5 us per GPU between nodes. Stage 3, bf16, activation checkpointing, micro-batch "
-        "4 x 2048 (7b) and 1 x 4096 (llama-70b).\n",
+        "and 5 us per hop between nodes. Stage 3, bf16, activation checkpointing, "
+        f"prefetch_bytes {PREFETCH // GIB} GiB (a llama-70b block is 1.6 GiB: the default "
+        "1 GiB would turn prefetch off), micro-batch 4 x 2048 (7b) and 1 x 4096 (llama-70b).\n",
         "| model | GPUs | sharding | peak GiB | step ms | tokens/s/GPU | bound |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -135,7 +185,9 @@ def projections() -> str:
             for shard in (None, 8):
                 if shard == world:
                     continue
-                cfg = ZeroConfig(stage=3, compute_dtype="bf16", shard_group_size=shard)
+                cfg = ZeroConfig(
+                    stage=3, compute_dtype="bf16", shard_group_size=shard, prefetch_bytes=PREFETCH
+                )
                 e = estimate(model, cfg, world, mb, seq, compute=compute, cluster=Cluster())
                 assert e.step is not None and e.tokens_per_s_per_gpu is not None
                 what = "full" if shard is None else "hybrid 8"
@@ -154,7 +206,7 @@ def main() -> None:
         "per ring step (from the `raw` column of the Coalesced collectives table of "
         "docs/benchmarks.md, 2 x NVIDIA H200, 2026-11-22).",
     )
-    _write("validation", validation())
+    _write("validation", validation() + "\n\n" + offload_validation())
     _write("projection", projections())
 
 

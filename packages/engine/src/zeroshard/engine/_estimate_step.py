@@ -69,52 +69,44 @@ def project_step(
     fwd = c / (4 if compute.recompute else 3)
     bwd = c - fwd
     red = reduce_dtype_bytes(cfg)
-    item = cfg.compute_dtype.itemsize
     trainable = [g for g in plan.groups if g.trainable]
-    lat = 0.0
-
-    def rs(g_bytes: int) -> float:
-        return cluster.reduce_scatter_s(g_bytes, shard)
-
-    def ar(g_bytes: int) -> float:
-        return cluster.all_reduce_s(g_bytes, replicas, stride=shard)
-
-    reduce = [rs(g.layout.padded_numel * red) + ar(g.layout.shard_numel * red) for g in trainable]
-    latency_reduce = (
-        len(trainable)
-        * (
-            (shard - 1) * cluster.link(shard).latency_us
-            + 2 * (replicas - 1) * cluster.link(replicas, shard).latency_us * (replicas > 1)
-        )
-        * 1e-6
+    # One reduce-scatter per group within the shard group, then (hybrid) an all-reduce of
+    # its shard across the replicas, ranks `shard` apart.
+    reduce = [
+        cluster.reduce_scatter_s(g.layout.padded_numel * red, shard)
+        + cluster.all_reduce_s(g.layout.shard_numel * red, replicas, stride=shard)
+        for g in trainable
+    ]
+    latency = len(trainable) * (
+        cluster.latency_s(shard) + 2 * cluster.latency_s(replicas, stride=shard)
     )
-    lat += latency_reduce
+    tail = reduce[-1] if reduce else 0.0
+    publish = 0.0
     if cfg.stage == 3:
-        gathers = [cluster.all_gather_s(u.gathered_bytes, shard) for u in plan.units]
-        moving = [t for t, u in zip(gathers, plan.units, strict=True) if not u.persistent]
-        once = sum(t for t, u in zip(gathers, plan.units, strict=True) if u.persistent)
-        lat += (2 * len(moving) + len(plan.units) - len(moving)) * (
-            (shard - 1) * cluster.link(shard).latency_us * 1e-6
-        )
-        largest = max((u.gathered_bytes for u in plan.units if not u.persistent), default=0)
-        prefetch = cfg.prefetch_depth >= 1 and largest <= cfg.prefetch_bytes
-        head = once + (moving[0] if moving else 0.0)
-        ag_fwd, ag_bwd = sum(moving), sum(moving)
-        f = max(fwd, ag_fwd) + head if prefetch else fwd + ag_fwd + once
-        tail = reduce[-1] if reduce else 0.0
-        b = max(bwd, ag_bwd + sum(reduce)) + tail if prefetch else bwd + ag_bwd + tail
-        if not prefetch:
-            b = max(b, bwd + ag_bwd + sum(reduce))
-        publish = 0.0
-        comm = once + ag_fwd + ag_bwd + sum(reduce)
+        units = plan.units
+        gather = [cluster.all_gather_s(u.gathered_bytes, shard) for u in units]
+        moving = [t for t, u in zip(gather, units, strict=True) if not u.persistent]
+        once = sum(t for t, u in zip(gather, units, strict=True) if u.persistent)
+        latency += (len(units) + len(moving)) * cluster.latency_s(shard)
+        largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
+        if cfg.prefetch_depth >= 1 and largest <= cfg.prefetch_bytes:
+            head = once + (moving[0] if moving else 0.0)
+            f = max(fwd, sum(moving)) + head
+            b = max(bwd, sum(moving) + sum(reduce)) + tail
+        else:
+            # No prefetch: every gather waits in line before its unit computes.
+            f = fwd + once + sum(moving)
+            b = max(bwd + sum(moving), sum(moving) + sum(reduce)) + tail
+        comm = once + 2 * sum(moving) + sum(reduce)
     else:
         f = fwd
-        if cfg.stage == 2 and cfg.overlap:
-            b = max(bwd, sum(reduce)) + (reduce[-1] if reduce else 0.0)
-        else:
-            b = bwd + sum(reduce)
-        publish = sum(cluster.all_gather_s(g.layout.padded_numel * item, shard) for g in trainable)
-        lat += len(trainable) * (shard - 1) * cluster.link(shard).latency_us * 1e-6
+        overlapped = cfg.stage == 2 and cfg.overlap
+        b = max(bwd, sum(reduce)) + tail if overlapped else bwd + sum(reduce)
+        publish = sum(
+            cluster.all_gather_s(g.layout.padded_numel * cfg.compute_dtype.itemsize, shard)
+            for g in trainable
+        )
+        latency += len(trainable) * cluster.latency_s(shard)
         comm = sum(reduce) + publish
     cpu = 0.0
     if plan.offload is not None:
@@ -124,12 +116,13 @@ def project_step(
         cpu = moved / compute.cpu_adam_params_per_s
     total = f + b + publish + cpu
     exposed = total - c
-    if cpu > max(exposed - cpu, 0.0) and cpu > 0.05 * total:
-        bound = "cpu optimizer"
-    elif exposed - cpu < 0.05 * total:
-        bound = "compute"
-    elif lat > 0.5 * comm:
-        bound = "latency"
-    else:
-        bound = "bandwidth"
-    return StepTime(total, c, comm, exposed, bound)
+    return StepTime(total, c, comm, exposed, _bound(total, exposed, cpu, latency, comm))
+
+
+def _bound(total: float, exposed: float, cpu: float, latency: float, comm: float) -> str:
+    """What limits a step: the CPU optimizer, nothing but compute, or the network."""
+    if cpu > 0.05 * total and cpu >= exposed - cpu:
+        return "cpu optimizer"
+    if exposed - cpu < 0.05 * total:
+        return "compute"
+    return "latency" if latency > 0.5 * comm else "bandwidth"

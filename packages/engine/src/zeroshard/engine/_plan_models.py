@@ -8,6 +8,7 @@ A path to a Hugging Face `config.json` builds that model through transformers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,11 +129,15 @@ class PresetModel(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
 
-def build(name: str, *, activation_checkpointing: bool) -> nn.Module:
-    """The named preset, or the model of a Hugging Face config.json path, on the meta device."""
+def build(name: str, *, activation_checkpointing: bool, n_layer: int | None = None) -> nn.Module:
+    """The named preset (optionally with `n_layer` blocks), or the model of a Hugging Face
+    config.json path, on the meta device."""
     if name in PRESETS:
+        shape = PRESETS[name]
+        if n_layer is not None:
+            shape = dataclasses.replace(shape, n_layer=n_layer)
         with torch.device("meta"):
-            return PresetModel(PRESETS[name], activation_checkpointing)
+            return PresetModel(shape, activation_checkpointing)
     path = Path(name)
     if path.suffix != ".json":
         raise ValueError(
