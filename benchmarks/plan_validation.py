@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+
+from torch import nn
 
 from zeroshard.engine import ZeroConfig, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link, fit_link
+from zeroshard.engine._estimate_layout import plan_groups
 from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._plan_models import PRESETS, build
 
@@ -25,6 +29,7 @@ DOC = ROOT / "docs" / "planning.md"
 GIB = 2**30
 ENGINES = {"zs2": 2, "zs3": 3, "zs2h": 2, "zs3h": 3}
 PREFETCH = 4 * GIB
+WORLDS = (8, 16, 64, 256, 1024)
 
 
 def nvlink_fit() -> Link:
@@ -159,43 +164,124 @@ def _flops_per_token(name: str, seq: int) -> float:
     return 6 * n + 12 * s.n_layer * s.d_model * seq
 
 
+@dataclass(frozen=True)
+class _Point:
+    model: str
+    world: int
+    sharding: str
+    peak_gib: float
+    step_ms: float
+    tokens: float
+    bound: str
+
+
+def _largest_unit_gib(model: nn.Module) -> float:
+    plan = plan_groups(model, ZeroConfig(stage=3, compute_dtype="bf16"), 1)
+    return max(u.gathered_bytes for u in plan.units) / GIB
+
+
 def projections() -> str:
     base = json.loads((RESULTS / "scale_7b_1gpu.json").read_text())
     meta = base["meta"]
     zs3 = next(r for r in base["results"] if r["engine"] == "zs3")
     tokens = meta["micro_batch"] * meta["seq_len"]
     rate = meta["flops_per_token"] * tokens / (zs3["step_ms"] / 1e3)
-    rows = [
-        f"Compute: achieved {rate / 1e12:.0f} TFLOP/s per GPU, from the `zs3` row of "
-        f"scale_7b_1gpu.json ({meta['device']}, {meta['date']}: 7b, micro-batch "
-        f"{meta['micro_batch']} x {meta['seq_len']}, activation checkpointing), applied to "
-        "both models' FLOPs. Links: NVLink as fitted, 8 GPUs per node, 50 GB/s (400 Gb/s) "
-        "and 5 us per hop between nodes. Stage 3, bf16, activation checkpointing, "
-        f"prefetch_bytes {PREFETCH // GIB} GiB (a llama-70b block is 1.6 GiB: the default "
-        "1 GiB would turn prefetch off), micro-batch 4 x 2048 (7b) and 1 x 4096 (llama-70b).\n",
-        "| model | GPUs | sharding | peak GiB | step ms | tokens/s/GPU | bound |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, mb, seq in (("7b", 4, 2048), ("llama-70b", 1, 4096)):
+    points: list[_Point] = []
+    block = 0.0
+    for name, mb, seq, shards in (
+        ("7b", 4, 2048, (None, 8)),
+        ("llama-70b", 1, 4096, (None, 8, 32)),
+    ):
         model = build(name, activation_checkpointing=True)
+        block = max(block, _largest_unit_gib(model))
         compute = Compute(
             flops_per_step=_flops_per_token(name, seq) * mb * seq, flops_per_s=rate, recompute=True
         )
-        for world in (8, 64, 256, 1024):
-            for shard in (None, 8):
-                if shard == world:
+        for world in WORLDS:
+            for shard in shards:
+                if shard is not None and shard >= world:
                     continue
                 cfg = ZeroConfig(
                     stage=3, compute_dtype="bf16", shard_group_size=shard, prefetch_bytes=PREFETCH
                 )
                 e = estimate(model, cfg, world, mb, seq, compute=compute, cluster=Cluster())
                 assert e.step is not None and e.tokens_per_s_per_gpu is not None
-                what = "full" if shard is None else "hybrid 8"
-                rows.append(
-                    f"| {name} | {world} | {what} | {e.peak / GIB:.1f} | "
-                    f"{e.step.total_s * 1e3:.0f} | {e.tokens_per_s_per_gpu:,.0f} | {e.step.bound} |"
+                what = "full" if shard is None else f"hybrid {shard}"
+                points.append(
+                    _Point(
+                        name,
+                        world,
+                        what,
+                        e.peak / GIB,
+                        e.step.total_s * 1e3,
+                        e.tokens_per_s_per_gpu,
+                        e.step.bound,
+                    )
                 )
-    return "\n".join(rows)
+    head = (
+        f"Compute: achieved {rate / 1e12:.0f} TFLOP/s per GPU, from the `zs3` row of "
+        f"scale_7b_1gpu.json ({meta['device']}, {meta['date']}: 7b, micro-batch "
+        f"{meta['micro_batch']} x {meta['seq_len']}, activation checkpointing), applied to "
+        "both models' FLOPs (6 N + 12 L d s per token). Links: NVLink as fitted, 8 GPUs per "
+        "node, 50 GB/s (400 Gb/s) and 5 us per hop between nodes. Stage 3, bf16, AdamW, "
+        f"activation checkpointing, prefetch_bytes {PREFETCH // GIB} GiB (the largest "
+        f"llama-70b block gathers {block:.2f} GiB: the default 1 GiB would turn prefetch "
+        "off), micro-batch 4 x 2048 (7b) and 1 x 4096 (llama-70b). `hybrid k`: shard "
+        "within k consecutive GPUs, replicate across the rest.\n"
+    )
+    rows = [
+        "| model | GPUs | sharding | peak GiB | step ms | tokens/s/GPU | bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows += [
+        f"| {p.model} | {p.world} | {p.sharding} | {p.peak_gib:.1f} | {p.step_ms:.0f} | "
+        f"{p.tokens:,.0f} | {p.bound} |"
+        for p in points
+    ]
+    _plot(points)
+    return (
+        head
+        + "\n".join(rows)
+        + "\n\n"
+        + _where_it_stops(points)
+        + ("\n\n![projected tokens/s/GPU against GPUs](planning.png)")
+    )
+
+
+def _where_it_stops(points: list[_Point]) -> str:
+    """One line per model and sharding: where the projection leaves compute-bound."""
+    lines = ["Where each stops scaling (from the table above):", ""]
+    for key in dict.fromkeys((p.model, p.sharding) for p in points):
+        run = [p for p in points if (p.model, p.sharding) == key]
+        first = next((p for p in run if p.bound != "compute"), None)
+        mem = f"peak {run[0].peak_gib:.1f} -> {run[-1].peak_gib:.1f} GiB per GPU"
+        if first is None:
+            lines.append(f"- {key[0]}, {key[1]}: compute-bound up to {run[-1].world} GPUs; {mem}.")
+        else:
+            lines.append(
+                f"- {key[0]}, {key[1]}: {first.bound}-bound from {first.world} GPUs "
+                f"({first.tokens:,.0f} tokens/s/GPU there, {run[-1].tokens:,.0f} at "
+                f"{run[-1].world}); {mem}."
+            )
+    return "\n".join(lines)
+
+
+def _plot(points: list[_Point]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for i, model in enumerate(dict.fromkeys(p.model for p in points)):
+        for sharding in dict.fromkeys(p.sharding for p in points if p.model == model):
+            run = [p for p in points if p.model == model and p.sharding == sharding]
+            ax[i].plot([p.world for p in run], [p.tokens for p in run], "o-", label=sharding)
+        ax[i].set(xscale="log", xlabel="GPUs", ylabel="projected tokens/s/GPU", title=model)
+        ax[i].set_ylim(bottom=0)
+        ax[i].legend()
+    fig.tight_layout()
+    fig.savefig(DOC.with_name("planning.png"), dpi=90)
 
 
 def main() -> None:

@@ -7,8 +7,9 @@ frees it when the storage dies (a weak reference expires). Activation checkpoint
 loss, the saved tensors and the gradient transients are all whatever the model really
 does: nothing about the architecture is assumed. Two things differ from a GPU run and are
 corrected here: `scaled_dot_product_attention` on meta takes the math path (it would
-materialize the seq x seq scores), so for fp16/bf16 it is routed to the flash-attention
-kernel a CUDA device picks; and the engine's gradient path (stage 2/3 buckets and fp32
+materialize the seq x seq scores), so without a mask it is routed to the flash-attention
+kernel (a CUDA device picks flash or memory-efficient attention, a CPU its own flash
+kernel: none keeps the scores); and the engine's gradient path (stage 2/3 buckets and fp32
 shards, freeing each full gradient as it is copied) is replayed by gradient hooks
 (`GradPath`) so the backward peak sees the shards grow as the activations shrink.
 """
@@ -150,8 +151,8 @@ def _flash_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """SDPA as a CUDA device runs it for fp16/bf16 without a mask: the flash kernel."""
-    if attn_mask is not None or q.dtype == torch.float32:
+    """SDPA as a fused kernel runs it without a mask: output and log-sum-exp, no scores."""
+    if attn_mask is not None:
         return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]

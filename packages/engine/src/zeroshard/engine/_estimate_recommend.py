@@ -17,22 +17,30 @@ class Recommendation:
     candidates: tuple[Estimate, ...]
 
 
-def candidate_configs(base: ZeroConfig, world: int, gpus_per_node: int) -> list[ZeroConfig]:
-    """Stages 2 and 3, full sharding or shard groups of one node, offload off or on."""
+def candidate_configs(
+    base: ZeroConfig, world: int, gpus_per_node: int, largest_unit_bytes: int
+) -> list[ZeroConfig]:
+    """Stages 2 and 3, full sharding or shard groups of one node, offload off or on; at
+    stage 3 also `prefetch_bytes` raised to hold `prefetch_depth` of the largest units
+    (below that the engine does not prefetch them at all)."""
     shards = sorted({world, *([gpus_per_node] if gpus_per_node < world else [])})
+    enough = max(1, largest_unit_bytes * base.prefetch_depth)
     out = []
     for stage in (2, 3):
+        prefetch = sorted({base.prefetch_bytes, enough} if stage == 3 else {base.prefetch_bytes})
         for shard in shards:
             for offload in (False, True):
-                out.append(
-                    base.replace(
-                        stage=stage,
-                        shard_group_size=None if shard == world else shard,
-                        offload_optimizer=offload,
-                        offload_ratio=1.0,
-                        offload_params=False,
+                for nbytes in prefetch:
+                    out.append(
+                        base.replace(
+                            stage=stage,
+                            shard_group_size=None if shard == world else shard,
+                            offload_optimizer=offload,
+                            offload_ratio=1.0,
+                            offload_params=False,
+                            prefetch_bytes=nbytes,
+                        )
                     )
-                )
     return out
 
 

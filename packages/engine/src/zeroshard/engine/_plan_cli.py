@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._estimate import GIB, Estimate, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link
+from zeroshard.engine._estimate_layout import plan_groups
 from zeroshard.engine._estimate_recommend import candidate_configs, recommend
 from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._plan_models import PRESETS, build
@@ -104,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(run(cfg).table())
         if a.memory_limit_gib is not None:
-            configs = candidate_configs(cfg, a.world, a.gpus_per_node)
+            units = plan_groups(model, cfg.replace(stage=3), 1).units
+            largest = max(u.gathered_bytes for u in units)
+            configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
             if compute is not None and compute.cpu_adam_params_per_s is None:
                 configs = [c for c in configs if not c.offload_optimizer]
             rec = recommend(configs, run, int(a.memory_limit_gib * GIB))
@@ -113,9 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mark = "*" if e is rec.best else " "
                 c = e.config
                 speed = f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU" if e.step else "-"
+                prefetch = f", prefetch {c.prefetch_bytes / GIB:.2f} GiB" if c.stage == 3 else ""
                 print(
                     f" {mark} stage {c.stage}, shard {e.shard_size}, offload "
-                    f"{'on' if c.offload_optimizer else 'off'}: "
+                    f"{'on' if c.offload_optimizer else 'off'}{prefetch}: "
                     f"peak {e.peak / GIB:.1f} GiB, {speed}"
                 )
             if rec.best is None:
