@@ -10,6 +10,8 @@ GPU runs land in benchmarks/results/.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from zeroshard.engine import ZeroConfig, estimate
+from zeroshard.engine import _plan_cli as plan_cli
 from zeroshard.engine._estimate_comm import Cluster, Link, fit_link
 from zeroshard.engine._estimate_layout import plan_groups
 from zeroshard.engine._estimate_step import Compute
@@ -284,6 +287,50 @@ def _plot(points: list[_Point]) -> None:
     fig.savefig(DOC.with_name("planning.png"), dpi=90)
 
 
+def _cpu_adam_rate() -> tuple[float, str]:
+    """Params/s of torch's fused CPU AdamW from the offload section of docs/benchmarks.md."""
+    body = (ROOT / "docs" / "benchmarks.md").read_text().split("<!-- offload:start -->")[1]
+    on = re.search(r"Measured (\S+) on 1 x ([^;]+);", body)
+    m = re.search(r"\| torch AdamW fused=True \(CPU\) \| [^|]+ \| ([\d,]+)M \|", body)
+    assert on and m, "the offload section of docs/benchmarks.md changed shape"
+    return float(m[1].replace(",", "")) * 1e6, f"host of 1 x {on[2]}, {on[1]}"
+
+
+def recommendation() -> str:
+    """The CLI's own output for llama-70b on 64 GPUs within an 80 GiB limit."""
+    base = json.loads((RESULTS / "scale_7b_1gpu.json").read_text())
+    meta = base["meta"]
+    zs3 = next(r for r in base["results"] if r["engine"] == "zs3")
+    rate = meta["flops_per_token"] * meta["micro_batch"] * meta["seq_len"] / (zs3["step_ms"] / 1e3)
+    cpu, where = _cpu_adam_rate()
+    argv = [
+        "llama-70b",
+        "--world",
+        "64",
+        "--micro-batch",
+        "1",
+        "--seq",
+        "4096",
+        "--activation-checkpointing",
+        "--memory-limit-gib",
+        "80",
+        "--achieved-tflops",
+        f"{rate / 1e12:.1f}",
+        "--flops-per-token",
+        f"{_flops_per_token('llama-70b', 4096):.4g}",
+        "--cpu-adam-params-per-s",
+        f"{cpu:.4g}",
+    ]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_cli.main(argv) == 0
+    return (
+        f"`zeroshard-plan {' '.join(argv)}` (achieved TFLOP/s as in the projection; CPU "
+        f"AdamW rate from the offload section of docs/benchmarks.md, {where}; 80 GiB is an "
+        "example limit):\n\n```\n" + out.getvalue().rstrip() + "\n```"
+    )
+
+
 def main() -> None:
     link = nvlink_fit()
     _write(
@@ -294,6 +341,7 @@ def main() -> None:
     )
     _write("validation", validation() + "\n\n" + offload_validation())
     _write("projection", projections())
+    _write("recommendation", recommendation())
 
 
 if __name__ == "__main__":

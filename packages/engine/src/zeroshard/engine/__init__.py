@@ -9,6 +9,8 @@ full = zs.full_state_dict(model)
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._estimate import Estimate, estimate
+from zeroshard.engine._estimate_comm import Cluster, Link
+from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import (
     EngineState,
@@ -22,10 +24,13 @@ from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
 
 __all__ = [
+    "Cluster",
+    "Compute",
     "DivergentRanksError",
     "EngineState",
     "EngineStats",
     "Estimate",
+    "Link",
     "LoadReport",
     "SafetensorsLoadError",
     "ZeroConfig",
