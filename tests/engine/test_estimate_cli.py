@@ -125,3 +125,16 @@ def test_activation_peak_matches_a_measured_cpu_run(checkpointing: bool) -> None
     plan = plan_groups(meta, cfg, 1)
     trace = measure_activations(meta, plan, cfg, 2, 64, default_loss)
     assert abs(trace.peak - measured) <= 0.02 * measured, (trace.peak, measured)
+
+
+def test_cli_reads_a_hugging_face_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
+    config.save_pretrained(tmp_path)
+    path = str(tmp_path / "config.json")
+    assert main([path, "--world", "2"]) == 2
+    assert "--seq is needed" in capsys.readouterr().err
+    assert main([path, "--world", "2", "--seq", "32", "--activation-checkpointing"]) == 0
+    assert "= projected peak" in capsys.readouterr().out

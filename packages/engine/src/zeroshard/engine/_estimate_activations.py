@@ -1,8 +1,8 @@
 """Activation memory, measured by running one micro-batch on the meta device.
 
 [Note: measuring on meta]
-The model runs forward and backward with meta tensors (shapes and dtypes, no memory)
-under a dispatch mode that counts the bytes of every storage an operator creates and
+The model runs forward and backward with meta tensors (shapes and dtypes, no memory),
+seen as fake tensors (FakeTensorMode), under a dispatch mode that counts the bytes of every storage an operator creates and
 frees it when the storage dies (a weak reference expires). Activation checkpointing, the
 loss, the saved tensors and the gradient transients are all whatever the model really
 does: nothing about the architecture is assumed. Two things differ from a GPU run and are
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -205,11 +206,16 @@ def measure_activations(
             "estimate() needs the model on the meta device (build it under "
             "`with torch.device('meta'):`)"
         )
-    idx = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-    live = _LiveBytes([*model.parameters(), *model.buffers(), idx])
+    # Fake tensors over the meta ones: models that branch on data (Hugging Face's mask
+    # checks) take their tracing path instead of calling .item() on a meta tensor.
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    idx = fake.from_tensor(torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"))
+    # The converter memoizes: these are the very fakes the operators will see.
+    existing = [fake.from_tensor(t) for t in (*model.parameters(), *model.buffers())]
+    live = _LiveBytes([*existing, idx])
     path = GradPath(model, plan, cfg, live)
     try:
-        with _flash_attention(), live:
+        with _flash_attention(), fake, live:
             loss = loss_fn(model, idx)
             live.sweep()
             after_forward = live.current

@@ -80,6 +80,8 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("--offload params needs --stage 3")
     if a.micro_batch < 1 or (a.seq is not None and a.seq < 1):
         raise ValueError("--micro-batch and --seq must be >= 1")
+    if a.memory_limit_gib is not None and not a.memory_limit_gib > 0:
+        raise ValueError(f"--memory-limit-gib must be > 0, got {a.memory_limit_gib}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check(a)
         cfg = _config(a)
         model = build(a.model, activation_checkpointing=a.activation_checkpointing)
-        seq = a.seq or (PRESETS[a.model].seq_len if a.model in PRESETS else 2048)
+        if a.seq is None and a.model not in PRESETS:
+            raise ValueError("--seq is needed with a config.json (presets have their own)")
+        seq = a.seq or PRESETS[a.model].seq_len
         compute = _compute(a, a.micro_batch * seq)
         if compute is None:
             print("(no --step-ms or --achieved-tflops/--flops-per-token: memory only)")

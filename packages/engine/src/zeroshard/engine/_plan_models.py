@@ -154,5 +154,7 @@ def build(name: str, *, activation_checkpointing: bool, n_layer: int | None = No
     with torch.device("meta"):
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     if activation_checkpointing:
-        model.gradient_checkpointing_enable()  # type: ignore[operator]
+        # transformers 5 renamed gradient_checkpointing_enable (kept, deprecated).
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()  # type: ignore[operator]
     return model
