@@ -180,7 +180,7 @@ class _Point:
 
 def _largest_unit_gib(model: nn.Module) -> float:
     plan = plan_groups(model, ZeroConfig(stage=3, compute_dtype="bf16"), 1)
-    return max(u.gathered_bytes for u in plan.units) / GIB
+    return max(u.gathered_bytes for u in plan.units if not u.persistent) / GIB
 
 
 def projections() -> str:
@@ -227,10 +227,10 @@ def projections() -> str:
         f"{meta['micro_batch']} x {meta['seq_len']}, activation checkpointing), applied to "
         "both models' FLOPs (6 N + 12 L d s per token). Links: NVLink as fitted, 8 GPUs per "
         "node, 50 GB/s (400 Gb/s) and 5 us per hop between nodes. Stage 3, bf16, AdamW, "
-        f"activation checkpointing, prefetch_bytes {PREFETCH // GIB} GiB (the largest "
-        f"llama-70b block gathers {block:.2f} GiB: the default 1 GiB would turn prefetch "
+        f"activation checkpointing, prefetch_bytes {PREFETCH // GIB} GiB (a llama-70b "
+        f"block gathers {block:.2f} GiB: the default 1 GiB would turn prefetch "
         "off), micro-batch 4 x 2048 (7b) and 1 x 4096 (llama-70b). `hybrid k`: shard "
-        "within k consecutive GPUs, replicate across the rest.\n"
+        "within k consecutive GPUs, replicate across the rest.\n\n"
     )
     rows = [
         "| model | GPUs | sharding | peak GiB | step ms | tokens/s/GPU | bound |",

@@ -2,8 +2,9 @@
 
 [Note: measuring on meta]
 The model runs forward and backward with meta tensors (shapes and dtypes, no memory),
-seen as fake tensors (FakeTensorMode), under a dispatch mode that counts the bytes of every storage an operator creates and
-frees it when the storage dies (a weak reference expires). Activation checkpointing, the
+seen as fake tensors (FakeTensorMode), under a dispatch mode that counts the bytes of
+every storage an operator creates and frees it when the storage dies (a weak reference
+expires). Activation checkpointing, the
 loss, the saved tensors and the gradient transients are all whatever the model really
 does: nothing about the architecture is assumed. Two things differ from a GPU run and are
 corrected here: `scaled_dot_product_attention` on meta takes the math path (it would

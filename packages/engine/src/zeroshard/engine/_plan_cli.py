@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(run(cfg).table())
         if a.memory_limit_gib is not None:
             units = plan_groups(model, cfg.replace(stage=3), 1).units
-            largest = max(u.gathered_bytes for u in units)
+            largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
             configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
             if compute is not None and compute.cpu_adam_params_per_s is None:
                 configs = [c for c in configs if not c.offload_optimizer]
