@@ -12,16 +12,13 @@ from zeroshard.engine._estimate import Estimate, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link
 from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._gathered import gathered_parameters
-from zeroshard.engine._initialize import (
-    EngineState,
-    engine_state,
-    engine_stats,
-    full_state_dict,
-    initialize,
-)
+from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
+from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
+from zeroshard.engine._stage3 import DivergentRanksError
+from zeroshard.engine._state import EngineState, engine_state, engine_stats
+from zeroshard.engine._stats import EngineStats
 
 __all__ = [
     "Cluster",

@@ -21,7 +21,7 @@ from zeroshard.comm import Group
 from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._flat_group import _layout
 from zeroshard.engine._initialize import _split_by_bytes
-from zeroshard.engine._units import plan_units
+from zeroshard.engine._unit_plan import plan_units
 from zeroshard.partition import ChunkLayout, FlatLayout, GroupKey, group_parameters
 
 
