@@ -279,7 +279,8 @@ def _plot(points: list[_Point]) -> None:
     for i, model in enumerate(dict.fromkeys(p.model for p in points)):
         for sharding in dict.fromkeys(p.sharding for p in points if p.model == model):
             run = [p for p in points if p.model == model and p.sharding == sharding]
-            ax[i].plot([p.world for p in run], [p.tokens for p in run], "o-", label=sharding)
+            label = f"{sharding} (peak {run[0].peak_gib:.0f} -> {run[-1].peak_gib:.0f} GiB)"
+            ax[i].plot([p.world for p in run], [p.tokens for p in run], "o-", label=label)
         ax[i].set(xscale="log", xlabel="GPUs", ylabel="projected tokens/s/GPU", title=model)
         ax[i].set_ylim(bottom=0)
         ax[i].legend()

@@ -41,11 +41,10 @@ LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 class ActivationTrace:
     """Bytes above the model states during one forward and backward of one micro-batch.
 
-    `after_forward`: activations held when forward returns; `peak`: the largest total
-    during forward and backward, the engine's gradient buckets and shards included.
+    `peak`: the largest total during forward and backward, the engine's gradient buckets
+    and shards included.
     """
 
-    after_forward: int
     peak: int
 
 
@@ -218,9 +217,7 @@ def measure_activations(
     try:
         with _flash_attention(), fake, live:
             loss = loss_fn(model, idx)
-            live.sweep()
-            after_forward = live.current
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
         path.close()
-    return ActivationTrace(after_forward, live.peak)
+    return ActivationTrace(live.peak)
