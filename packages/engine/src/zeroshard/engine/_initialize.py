@@ -16,6 +16,7 @@ from torch import nn
 from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
+from zeroshard.engine._grad_guard import install_grad_guards
 from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._materialize import ParamInit, is_meta, materialize_unit, reset_parameters
 from zeroshard.engine._offload import HostOffload, choose_offloaded
@@ -294,6 +295,7 @@ def initialize(
         )
         _warn_unfused(optimizer)
     install_precision_hooks(model, cfg.compute_dtype, scaler)
+    install_grad_guards(groups, cfg.stage)
     reducer.replicate = replicate
     reducer.offload = offload
     zopt = ZeroOptimizer(
