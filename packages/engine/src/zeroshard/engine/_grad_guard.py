@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,14 +36,9 @@ GUIDANCE = (
 class GradGuard(torch.Tensor):
     """A storage-less stand-in for a gradient the engine holds as a shard; see the Note."""
 
-    # The ops `model.zero_grad()` and autograd bookkeeping apply to a gradient slot.
-    _PASS: ClassVar[frozenset[Any]] = frozenset(
-        {torch.ops.aten.zero_.default, torch.ops.aten.detach.default}
-    )
-
     @staticmethod
     def __new__(cls, like: torch.Tensor) -> GradGuard:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+        return torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
         )
 
@@ -51,13 +46,14 @@ class GradGuard(torch.Tensor):
         return f"GradGuard(shape={tuple(self.shape)}: {GUIDANCE})"
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls,
         func: Any,
         types: Any,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        # `model.zero_grad(set_to_none=False)` zeroes the slot; autograd may detach it.
         if func is torch.ops.aten.zero_.default:
             return args[0]
         if func is torch.ops.aten.detach.default:
@@ -79,12 +75,16 @@ def install_grad_guards(groups: Sequence[FlatParamGroup], stage: int) -> None:
         if not g.trainable:
             continue
         views: Sequence[torch.Tensor | None] = (
-            slot_views(g.grad_buffer, g.layout) if g.grad_buffer is not None else [None] * len(g.params)
+            slot_views(g.grad_buffer, g.layout)
+            if g.grad_buffer is not None
+            else [None] * len(g.params)
         )
         for p, view in zip(g.params, views, strict=True):
             # Weakly, as the reducer's hooks: the hooks live in C++ where the cycle
             # collector cannot see a parameter -> hook -> view -> buffer cycle.
-            p.register_hook(_before_accumulate(weakref.ref(p), view))
+            # A leaf's tensor hook runs before autograd accumulates into `.grad`.
+            before = _before_accumulate(weakref.ref(p), view)
+            p.register_hook(before)  # type: ignore[no-untyped-call]  # untyped in torch
             register = p.register_post_accumulate_grad_hook  # untyped in torch
             register(_after_accumulate(view))  # type: ignore[no-untyped-call]
 
@@ -111,4 +111,3 @@ def _after_accumulate(view: torch.Tensor | None) -> Callable[[torch.Tensor], Non
         p.grad = GradGuard(p)
 
     return hook
-

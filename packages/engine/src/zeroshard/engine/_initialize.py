@@ -19,6 +19,7 @@ from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build
 from zeroshard.engine._grad_guard import install_grad_guards
 from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._materialize import ParamInit, is_meta, materialize_unit, reset_parameters
+from zeroshard.engine._module_state import install_state_dict_hooks
 from zeroshard.engine._offload import HostOffload, choose_offloaded
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._precision import install_precision_hooks
@@ -315,6 +316,7 @@ def initialize(
         offload.refresh(offload.groups)
     seconds = time.perf_counter() - start
     setattr(model, _ATTR, EngineState(cfg, world, replicate, groups, zopt, runtime, offload))
+    install_state_dict_hooks(model, engine_state(model))
     if everyone.rank == 0:
         tiers = sorted({g.tier.value for g in groups})
         log.info(
