@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="zeroshard-ckpt",
         description="Inspect and consolidate zeroshard and DeepSpeed ZeRO checkpoints.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "consolidate",
@@ -53,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("src", help="checkpoint directory or root (zeroshard or DeepSpeed)")
     _add_selector(i)
     return p
+
+
+def _version() -> str:
+    # The installed distribution's version: the one place it is written is pyproject.toml.
+    try:
+        return importlib.metadata.version("zeroshard-ckpt")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
 
 
 def _add_selector(p: argparse.ArgumentParser) -> None:
