@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import Group, make_hybrid_groups
+from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group, build_sharded_group
 from zeroshard.engine._grad_guard import install_grad_guards
@@ -337,11 +336,9 @@ def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:
     # On CPU tensors torch's foreach and for-loop optimizers run op by op with temporaries;
     # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) make one pass over memory.
     if any("fused" in pg and not pg["fused"] for pg in optimizer.param_groups):
-        warnings.warn(
+        warn_on_rank0(
             f"offload_optimizer: {type(optimizer).__name__} steps on the CPU without its "
-            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step",
-            UserWarning,
-            stacklevel=3,
+            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step"
         )
 
 
