@@ -150,7 +150,11 @@ def _hf_case(stage: int) -> None:
 
 
 def _all() -> None:
-    run_each(subtests({"stage": [1, 2, 3], "dtype": ["fp32", "bf16"]}), _plain_case)
+    # bf16 once, at stage 3: stages 1/2 keep the state dict torch makes (compute params).
+    run_each(
+        [*subtests({"stage": [1, 2, 3], "dtype": ["fp32"]}), {"stage": 3, "dtype": "bf16"}],
+        _plain_case,
+    )
     run_each(subtests({"stage": [1, 2, 3]}), _hf_case)
 
 

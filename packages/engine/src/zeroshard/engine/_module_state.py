@@ -7,7 +7,9 @@ model make both behave as on the module before `initialize()`:
 
 - `state_dict()` (stage 3) all-gathers the masters one flat group at a time and puts each
   parameter's full value, in its original dtype, under its names (tied parameters share
-  one tensor). It is then collective: call it on every rank. Inside
+  one tensor). It is then collective: call it on every rank. Stages 1/2 keep torch's
+  own (the parameters are whole; compute dtype), with no collective, so the DDP habit
+  `if rank == 0: torch.save(model.state_dict(), path)` still works there. Inside
   `state_dict_on_rank0(model)` only rank 0 keeps the values, on the CPU; the other ranks
   get an empty dict (FSDP's full state dict with `rank0_only` and `offload_to_cpu`).
   `state_dict(keep_vars=True)` returns the live (sharded) parameters, untouched.
