@@ -65,12 +65,12 @@ def _plain_case(stage: int, dtype: str) -> None:
         _assert_same(sd, full, "state_dict")
     with zs.state_dict_on_rank0(model):
         on0 = model.state_dict()
+    if rank == 0:
+        assert all(v.device.type == "cpu" for v in on0.values())
+        _assert_same(on0, sd, "state_dict on rank 0")
+    else:
+        assert on0 == {}, "other ranks get an empty dict"
     if stage == 3:
-        if rank == 0:
-            assert all(v.device.type == "cpu" for v in on0.values())
-            _assert_same(on0, full, "state_dict on rank 0")
-        else:
-            assert on0 == {}, "other ranks get an empty dict"
         with pytest.raises(RuntimeError, match=r"zs\.full_state_dict"):
             model.blocks[0].up.state_dict()
     assert model.state_dict(keep_vars=True)["l1.weight"] is model.l1.weight

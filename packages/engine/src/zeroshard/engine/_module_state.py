@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from zeroshard.comm import is_rank0
 from zeroshard.engine._flat_group import FlatParamGroup
 
 if TYPE_CHECKING:
@@ -40,12 +42,12 @@ _MODE_ATTR = "_zeroshard_state_dict_mode"
 GUIDANCE = "call state_dict() on the model returned by initialize(), or zs.full_state_dict(model)"
 
 
+@dataclass
 class _Mode:
-    """What `state_dict()` of one model produces; mutable, one per model."""
+    """What `state_dict()` of one model produces, and whether the model's call is under way."""
 
-    def __init__(self) -> None:
-        self.rank0_only = False
-        self.in_root = False
+    rank0_only: bool = False
+    in_root: bool = False
 
 
 def install_state_dict_hooks(model: nn.Module, state: EngineState) -> None:
@@ -147,29 +149,29 @@ def _gather(g: FlatParamGroup) -> torch.Tensor:
 def _fill_full(
     state: EngineState, module: nn.Module, state_dict: dict[str, Any], prefix: str, mode: _Mode
 ) -> None:
-    if state.stage3 is None:
-        return  # stages 1/2: the parameters are whole on every rank already
     names = _names_by_param(module, prefix)
     if any(isinstance(state_dict.get(n), nn.Parameter) for ns in names.values() for n in ns):
         return  # keep_vars=True asks for the live parameters themselves
-    keep = not mode.rank0_only or state.world.rank == 0
-    for g in state.groups:  # the same order on every rank keeps the gathers matched
-        full = _gather(g)
-        if not keep:
-            continue
-        for p, slot in zip(g.params, g.layout.slots, strict=True):
-            value = full[slot.offset : slot.end].view(slot.shape).to(g.key.dtype, copy=True)
-            if mode.rank0_only:
-                value = value.cpu()
-            for n in names.get(id(p), []):
-                state_dict[n] = value
-        del full  # one group's full buffer at a time
+    # Rank 0 of the job (under hybrid sharding every shard group has a rank 0 of its own).
+    keep = not mode.rank0_only or is_rank0()
+    if state.stage3 is not None:  # stages 1/2: the parameters are whole already
+        for g in state.groups:  # the same order on every rank keeps the gathers matched
+            full = _gather(g)
+            if keep:
+                for p, slot in zip(g.params, g.layout.slots, strict=True):
+                    value = full[slot.offset : slot.end].view(slot.shape)
+                    value = value.to(
+                        "cpu" if mode.rank0_only else value.device, g.key.dtype, copy=True
+                    )
+                    for n in names.get(id(p), []):
+                        state_dict[n] = value
+            del full  # one group's full buffer at a time
     if not keep:
         state_dict.clear()
     elif mode.rank0_only:
         for k, v in state_dict.items():
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                state_dict[k] = v.cpu()
+            if isinstance(v, torch.Tensor):
+                state_dict[k] = v.detach().cpu()
 
 
 @torch.no_grad()
