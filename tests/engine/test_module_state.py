@@ -105,6 +105,9 @@ def _plain_case(stage: int, dtype: str) -> None:
     bad["l1.bias"] = torch.zeros(3)
     with pytest.raises(RuntimeError, match=r"size mismatch for l1\.bias"):
         model.load_state_dict(bad)
+    # A dict on rank 0 only (as FSDP's rank0_only state dict is): refused on every rank.
+    with pytest.raises(ValueError, match="every rank must pass the whole state dict"):
+        model.load_state_dict(other.state_dict() if rank == 0 else {}, strict=False)
 
 
 def _hf_case(stage: int) -> None:

@@ -34,6 +34,7 @@ from torch import nn
 
 from zeroshard.comm import is_rank0
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.partition import Slot
 
 if TYPE_CHECKING:
     from zeroshard.engine._initialize import EngineState
@@ -185,8 +186,8 @@ def _scatter(
     """Copy this rank's range of each full parameter into the masters; return the keys taken."""
     names = _names_by_param(module, prefix)
     taken: set[str] = set()
+    copies: list[tuple[FlatParamGroup, Slot, torch.Tensor]] = []
     for g in state.groups:
-        lo, hi = g.shard_range
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             keys = names.get(id(p), [])
             present = [k for k in keys if k in state_dict]
@@ -203,12 +204,31 @@ def _scatter(
                     f"from checkpoint, the shape in current model is {slot.shape}."
                 )
                 continue
-            # The overlap of this parameter's slot with this rank's shard range.
-            start, end = max(slot.offset, lo), min(slot.end, hi)
-            if start < end:
-                piece = value.detach().reshape(-1)[start - slot.offset : end - slot.offset]
-                g.master[start - lo : end - lo].copy_(piece)
+            copies.append((g, slot, value))
+    # Before any master changes: a refused load leaves every rank as it was.
+    _check_same_on_every_rank(state, len(taken))
+    for g, slot, value in copies:
+        # The overlap of this parameter's slot with this rank's shard range.
+        lo, hi = g.shard_range
+        start, end = max(slot.offset, lo), min(slot.end, hi)
+        if start < end:
+            piece = value.detach().reshape(-1)[start - slot.offset : end - slot.offset]
+            g.master[start - lo : end - lo].copy_(piece)
     # Every group, on every rank: the publishes are collectives (stages 1/2), and
     # stage 3 drops what is gathered, which holds the old values.
     state.optimizer.republish()
     return taken
+
+
+def _check_same_on_every_rank(state: EngineState, keys: int) -> None:
+    """Each rank loads only its own part: a rank given fewer keys would silently keep old
+    values there (an FSDP-style dict on rank 0 only, say)."""
+    counts = torch.tensor([keys, -keys], dtype=torch.int64, device=state.world.device)
+    state.world.all_reduce(counts, op="max", label="load_state_dict key count").wait()
+    most, fewest = int(counts[0]), -int(counts[1])
+    if most != fewest:
+        raise ValueError(
+            f"load_state_dict: the ranks were given different state dicts ({fewest} to {most} "
+            "parameter keys): every rank must pass the whole state dict (broadcast it from "
+            "rank 0 first, or use zs.load_safetensors / zs.load_checkpoint)"
+        )
