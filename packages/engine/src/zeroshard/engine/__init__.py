@@ -10,17 +10,14 @@ model.state_dict() / model.load_state_dict(full)  # full tensors at every stage 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._gathered import gathered_parameters
-from zeroshard.engine._initialize import (
-    EngineState,
-    engine_state,
-    engine_stats,
-    full_state_dict,
-    initialize,
-)
+from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
+from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._module_state import state_dict_on_rank0
 from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
+from zeroshard.engine._stage3 import DivergentRanksError
+from zeroshard.engine._state import EngineState, engine_state, engine_stats
+from zeroshard.engine._stats import EngineStats
 
 __all__ = [
     "DivergentRanksError",

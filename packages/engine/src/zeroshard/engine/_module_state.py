@@ -27,17 +27,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from zeroshard.comm import is_rank0
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._masters import gather_masters
+from zeroshard.engine._state import EngineState
 from zeroshard.partition import Slot
-
-if TYPE_CHECKING:
-    from zeroshard.engine._initialize import EngineState
 
 _MODE_ATTR = "_zeroshard_state_dict_mode"
 GUIDANCE = "call state_dict() on the model returned by initialize(), or zs.full_state_dict(model)"
@@ -138,15 +137,6 @@ def _names_by_param(module: nn.Module, prefix: str) -> dict[int, list[str]]:
     return names
 
 
-@torch.no_grad()
-def _gather(g: FlatParamGroup) -> torch.Tensor:
-    # Offloaded masters live on the host: they travel from the group's device.
-    full = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=g.group.device)
-    send = g.master.detach().to(g.group.device)
-    g.group.all_gather_into(full, send, label=f"state_dict of group {g.index}").wait()
-    return full
-
-
 def _fill_full(
     state: EngineState, module: nn.Module, state_dict: dict[str, Any], prefix: str, mode: _Mode
 ) -> None:
@@ -157,7 +147,7 @@ def _fill_full(
     keep = not mode.rank0_only or is_rank0()
     if state.stage3 is not None:  # stages 1/2: the parameters are whole already
         for g in state.groups:  # the same order on every rank keeps the gathers matched
-            full = _gather(g)
+            (full,) = gather_masters([g], "state_dict")
             if keep:
                 for p, slot in zip(g.params, g.layout.slots, strict=True):
                     value = full[slot.offset : slot.end].view(slot.shape)
@@ -223,8 +213,8 @@ def _scatter(
 def _check_same_on_every_rank(state: EngineState, keys: int) -> None:
     """Each rank loads only its own part: a rank given fewer keys would silently keep old
     values there (an FSDP-style dict on rank 0 only, say)."""
-    counts = torch.tensor([keys, -keys], dtype=torch.int64, device=state.world.device)
-    state.world.all_reduce(counts, op="max", label="load_state_dict key count").wait()
+    counts = torch.tensor([keys, -keys], dtype=torch.int64, device=state.shard_group.device)
+    state.shard_group.all_reduce(counts, op="max", label="load_state_dict key count").wait()
     most, fewest = int(counts[0]), -int(counts[1])
     if most != fewest:
         raise ValueError(
