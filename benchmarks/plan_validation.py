@@ -2,7 +2,7 @@
 
 Reads benchmarks/results/scale_*.json (and the "Coalesced collectives" table of
 docs/benchmarks.md for the NVLink fit) and rewrites the generated sections of
-docs/planning.md. Runs on a CPU (the models are on the meta device). Rerun it after new
+docs/scaling.md. Runs on a CPU (the models are on the meta device). Rerun it after new
 GPU runs land in benchmarks/results/.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/plan_validation.py
@@ -28,7 +28,7 @@ from zeroshard.engine._plan_models import PRESETS, build
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOC = ROOT / "docs" / "planning.md"
+DOC = ROOT / "docs" / "scaling.md"
 GIB = 2**30
 ENGINES = {"zs2": 2, "zs3": 3, "zs2h": 2, "zs3h": 3}
 PREFETCH = 4 * GIB
