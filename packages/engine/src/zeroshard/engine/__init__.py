@@ -4,6 +4,7 @@ import zeroshard.engine as zs
 model, optimizer = zs.initialize(model, optimizer, {"stage": 2, "compute_dtype": "bf16"})
 loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 full = zs.full_state_dict(model)
+model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
@@ -15,10 +16,14 @@ from zeroshard.engine._deepspeed_config import (
     trainer_auto_values,
 )
 from zeroshard.engine._deepspeed_translate import AutoValues
+from zeroshard.engine._estimate import Estimate, estimate
+from zeroshard.engine._estimate_comm import Cluster, Link
+from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine._masters import full_state_dict
+from zeroshard.engine._module_state import state_dict_on_rank0
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._policies import (
     CommPolicy,
@@ -33,11 +38,15 @@ from zeroshard.engine._stats import EngineStats
 
 __all__ = [
     "AutoValues",
+    "Cluster",
     "CommPolicy",
+    "Compute",
     "DeepSpeedSettings",
     "DivergentRanksError",
     "EngineState",
     "EngineStats",
+    "Estimate",
+    "Link",
     "LoadReport",
     "LossScalePolicy",
     "OffloadPolicy",
@@ -48,6 +57,7 @@ __all__ = [
     "ZeroOptimizer",
     "engine_state",
     "engine_stats",
+    "estimate",
     "full_state_dict",
     "gathered_parameters",
     "hidden_size_of",
@@ -56,5 +66,6 @@ __all__ = [
     "load_safetensors",
     "read_deepspeed_config",
     "save_checkpoint",
+    "state_dict_on_rank0",
     "trainer_auto_values",
 ]
