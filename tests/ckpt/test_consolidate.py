@@ -14,15 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.ckpt._model import TinyNet, same_bits
-from zeroshard.ckpt import (
-    CheckpointError,
-    MissingShardError,
-    RangeSpec,
-    TensorSpec,
-    consolidate,
-    describe,
-    write_safetensors,
-)
+from zeroshard.ckpt import CheckpointError, MissingShardError, consolidate, describe
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec, write_safetensors
 from zeroshard.ckpt._cli import main
 
 

@@ -16,16 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.ckpt import (
-    MASTER,
-    CheckpointMeta,
-    GroupMeta,
-    SaveHandle,
-    buffer_key,
-    load,
-    save,
-    shard_key,
-)
+from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
+from zeroshard.ckpt._meta import MASTER
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._initialize import EngineState, engine_state
 
