@@ -3,12 +3,12 @@
 `FlatLayout` says which parameter lives at which offset of a flat buffer and which
 part of it each rank's shard holds; checkpoints store it as JSON. `group_parameters`
 decides which parameters share a buffer, `flatten_params` packs them (on the device,
-distributed over ranks, or via the CPU), and `ChunkLayout` / `ChunkedBuffer` cut a
+distributed over ranks, or via the CPU), and `ChunkLayout` cuts a
 buffer into evenly sharded fixed-size chunks; `empty_host` allocates host buffers,
 pinned when the platform allows it.
 """
 
-from zeroshard.partition._chunks import CHUNK_FORMAT_VERSION, ChunkedBuffer, ChunkLayout
+from zeroshard.partition._chunks import CHUNK_FORMAT_VERSION, ChunkLayout
 from zeroshard.partition._flatten import FlattenTier, flatten_params, flatten_shard, unflatten
 from zeroshard.partition._groups import GroupKey, group_parameters
 from zeroshard.partition._host import empty_host
@@ -25,7 +25,6 @@ __all__ = [
     "CHUNK_FORMAT_VERSION",
     "FORMAT_VERSION",
     "ChunkLayout",
-    "ChunkedBuffer",
     "FlatLayout",
     "FlattenTier",
     "GroupKey",
