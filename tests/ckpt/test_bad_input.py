@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from tests.ckpt._model import TinyNet, build
-from zeroshard.ckpt import CheckpointError, ChecksumError, FormatVersionError, MissingShardError, ModelMismatchError, OutputExistsError, consolidate, load, read_latest
+from zeroshard.ckpt import (
+    CheckpointError,
+    ChecksumError,
+    FormatVersionError,
+    MissingShardError,
+    ModelMismatchError,
+    OutputExistsError,
+    consolidate,
+    load,
+    read_latest,
+)
 from zeroshard.ckpt._cli import main
 from zeroshard.partition import FlatLayout
 

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.ckpt import CheckpointMeta, GroupMeta, list_checkpoints, load, read_latest, remove_checkpoint, save
+from zeroshard.ckpt import (
+    CheckpointMeta,
+    GroupMeta,
+    list_checkpoints,
+    load,
+    read_latest,
+    remove_checkpoint,
+    save,
+)
 from zeroshard.partition import FlatLayout
 
 N = 1 << 20  # elements per shard: 4 MB, two shards per checkpoint

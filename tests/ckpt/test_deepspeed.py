@@ -19,11 +19,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zeroshard.ckpt import CheckpointError, DeepSpeedCheckpoint, DeepSpeedCheckpointError, MissingRankFileError, MissingShardError, read_deepspeed_checkpoint
+from tests.ckpt._ds import deepspeed_specs
+from zeroshard.ckpt import (
+    CheckpointError,
+    DeepSpeedCheckpoint,
+    DeepSpeedCheckpointError,
+    MissingRankFileError,
+    MissingShardError,
+    read_deepspeed_checkpoint,
+)
 from zeroshard.ckpt._deepspeed_files import is_deepspeed_checkpoint
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._writer import RangeSpec
-from tests.ckpt._ds import deepspeed_specs
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3"]

@@ -17,10 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard.ckpt import CheckpointError, CorruptFileError, DeepSpeedCheckpointError, UnsafePickleError
+from tests.ckpt._ds import deepspeed_specs
+from zeroshard.ckpt import (
+    CheckpointError,
+    CorruptFileError,
+    DeepSpeedCheckpointError,
+    UnsafePickleError,
+)
 from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
 from zeroshard.ckpt._unpickle import FragmentAddress, LossScaler, ZeroStage, load_torch_file
-from tests.ckpt._ds import deepspeed_specs
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 TAG = "global_step2"

@@ -13,7 +13,17 @@ from safetensors.torch import load_file
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.ckpt._model import build, same_bits
 from tests.ckpt._roundtrip import STAGES, check_rank, round_trip, round_trip_body
-from zeroshard.ckpt import CheckpointError, CheckpointMeta, OutputExistsError, buffer_key, list_checkpoints, load, read_latest, save, shard_key
+from zeroshard.ckpt import (
+    CheckpointError,
+    CheckpointMeta,
+    OutputExistsError,
+    buffer_key,
+    list_checkpoints,
+    load,
+    read_latest,
+    save,
+    shard_key,
+)
 from zeroshard.comm import Group
 
 

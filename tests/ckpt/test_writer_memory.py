@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 from tests.ckpt._model import same_bits
 from zeroshard.ckpt import CheckpointError
+from zeroshard.ckpt._buffers import BufferPool
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._writer import RangeSpec, write_safetensors
-from zeroshard.ckpt._buffers import BufferPool
 
 MIB = 1024 * 1024
 

@@ -331,4 +331,3 @@ def read_deepspeed_checkpoint(
         buffers=frozenset(buffers & specs.keys()),
         frozen=frozenset(frozen & specs.keys()),
     )
-

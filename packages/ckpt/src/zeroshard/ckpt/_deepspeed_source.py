@@ -21,6 +21,7 @@ import torch
 from zeroshard.ckpt._stfile import pread_into
 from zeroshard.ckpt._unpickle import CorruptFileError
 
+
 class OpenFile:
     """A read-only descriptor on one checkpoint file, closed when no source needs it."""
 

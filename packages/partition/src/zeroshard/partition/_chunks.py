@@ -101,4 +101,3 @@ class ChunkLayout:
             return ChunkLayout(int(d["numel"]), int(d["chunk_numel"]), int(d["world_size"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed ChunkLayout: {e!r}") from e
-
