@@ -114,6 +114,16 @@ def test_consolidate_equals_dcp_to_torch_save(
         assert all(torch.equal(_bits(same[k]), _bits(v)) for k, v in ref.items())
 
 
+def test_inspect(
+    dcp_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = _reference(dcp_dirs["w3"], tmp_path)
+    assert main(["inspect", str(dcp_dirs["w3"])]) == 0
+    text = capsys.readouterr().out
+    assert "pytorch dcp" in text
+    assert f"{sum(t.numel() for t in ref.values()):,} in {len(ref)} tensors" in text
+
+
 def test_range_reads_assemble_every_tensor(dcp_dirs: dict[str, Path], tmp_path: Path) -> None:
     # The writer reads big tensors in pieces crossing chunk (rank) boundaries.
     ref = _reference(dcp_dirs["w3"], tmp_path)
