@@ -2,32 +2,20 @@
 
 `Group` wraps a process group; every collective returns a `Handle` whose `wait()`
 finishes it or raises `CollectiveTimeoutError` naming the operation and a label.
-`all_gather_coalesced` / `reduce_scatter_coalesced` move many tensors as few bucketed
-collectives, casting before communication. `make_hybrid_groups` builds shard and
-replicate subgroups.
+`make_hybrid_groups` builds shard and replicate subgroups.
 """
 
-from zeroshard.comm._coalesce import (
-    DEFAULT_BUCKET_BYTES,
-    all_gather_coalesced,
-    reduce_scatter_coalesced,
-    wait_all,
-)
 from zeroshard.comm._errors import CollectiveTimeoutError
 from zeroshard.comm._group import DEFAULT_TIMEOUT, Group, Handle, ReduceOp, completed_handle
 from zeroshard.comm._hybrid import HybridGroups, make_hybrid_groups
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
     "DEFAULT_TIMEOUT",
     "CollectiveTimeoutError",
     "Group",
     "Handle",
     "HybridGroups",
     "ReduceOp",
-    "all_gather_coalesced",
     "completed_handle",
     "make_hybrid_groups",
-    "reduce_scatter_coalesced",
-    "wait_all",
 ]
