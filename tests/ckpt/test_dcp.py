@@ -58,13 +58,20 @@ def _save(root: str, dtype_name: str, with_optimizer: bool) -> None:
     optimizer.step()
     state: dict[str, object] = dict(model.state_dict())
     if with_optimizer:
+        # A tensor-parallel style split of the second dimension: chunks that are not
+        # whole rows, read whole per tensor.
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        column = torch.arange(35, dtype=torch.float32).view(5, 7)
+        state["tp.weight"] = distribute_tensor(column, mesh, [Shard(1)])
         state = {"model": state, "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=root)
 
 
 @pytest.fixture(scope="module")
 def dcp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """`w2` (fp32, model and optimizer saved together) and `w3` (bf16, model only)."""
+    """`w2` (fp32, model, a column-split tensor and the optimizer saved together) and `w3`
+    (bf16, model only)."""
     root = tmp_path_factory.mktemp("dcp")
     run_ranks(_save, 2, str(root / "w2"), "float32", True)
     run_ranks(_save, 3, str(root / "w3"), "bfloat16", False)
@@ -122,6 +129,15 @@ def test_inspect(
     text = capsys.readouterr().out
     assert "pytorch dcp" in text
     assert f"{sum(t.numel() for t in ref.values()):,} in {len(ref)} tensors" in text
+
+
+def test_column_chunks_are_read_whole(dcp_dirs: dict[str, Path]) -> None:
+    specs = {s.name: s for s in dcp_specs(dcp_dirs["w2"])}
+    spec = specs["model.tp.weight"]
+    assert not isinstance(spec, RangeSpec)
+    out = torch.full((spec.numel,), float("nan"))
+    spec.read(out)
+    assert torch.equal(out.view(5, 7), torch.arange(35, dtype=torch.float32).view(5, 7))
 
 
 def test_range_reads_assemble_every_tensor(dcp_dirs: dict[str, Path], tmp_path: Path) -> None:
