@@ -73,7 +73,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
     _install(session, "numpy", "matplotlib")
-    for script in ("flatten", "leaf_fetch"):
+    for script in ("flatten", "leaf_fetch", "consolidate_dcp"):
         session.run("python", f"benchmarks/{script}.py", "--smoke", *session.posargs)
     session.run(
         "torchrun", "--standalone", "--nproc-per-node=2", "benchmarks/train_step.py", "--smoke"
