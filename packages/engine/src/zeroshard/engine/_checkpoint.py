@@ -19,7 +19,7 @@ from torch import nn
 from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._initialize import EngineState, engine_state
+from zeroshard.engine._state import EngineState, engine_state
 
 _OPTIM = "optim."
 
@@ -31,7 +31,9 @@ def _group_name(g: FlatParamGroup) -> str:
 def _check_one_group(state: EngineState) -> None:
     # The format gives every flat group the checkpoint's world size; parameters sharded
     # over a group of their own (experts) hold different values on different ranks.
-    own = sorted({n for g in state.groups if g.group.pg is not state.world.pg for n in g.names})
+    own = sorted(
+        {n for g in state.groups if g.process_group.pg is not state.shard_group.pg for n in g.names}
+    )
     if own:
         raise ValueError(
             f"parameters on a process group of their own ({own[:3]}...) cannot be "
@@ -140,11 +142,11 @@ def _save(
             )
         )
     buffers = _buffers(model)
-    if state.world.rank == 0:
+    if state.shard_group.rank == 0:
         tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     scaler = state.optimizer.scaler
     meta = CheckpointMeta(
-        world_size=state.world.size,
+        world_size=state.shard_group.size,
         groups=tuple(groups),
         stage=state.config.stage,
         compute_dtype=state.config.compute_dtype,
@@ -160,7 +162,7 @@ def _save(
         step,
         meta=meta,
         tensors=tensors,
-        group=state.world,
+        group=state.shard_group,
         tag=tag,
         async_save=async_save,
     )
@@ -185,7 +187,7 @@ def load_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
-    world = state.world
+    shard_group = state.shard_group
     expected = {
         n: tuple(int(d) for d in slot.shape)
         for g in state.groups
@@ -196,13 +198,13 @@ def load_checkpoint(
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
     loaded = load(
         Path(directory),
-        rank=world.rank,
-        world_size=world.size,
+        rank=shard_group.rank,
+        world_size=shard_group.size,
         tag=tag,
         step=step,
         expected=expected,
         layouts={_group_name(g): g.layout for g in state.groups},
-        device=world.device,
+        device=shard_group.device,
     )
     meta = loaded.meta
     inner = state.optimizer.inner
