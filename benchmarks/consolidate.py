@@ -1,7 +1,7 @@
 """Consolidating a DeepSpeed ZeRO-3 checkpoint: zeroshard vs DeepSpeed's zero_to_fp32.
 
-    PYTHONPATH=.site python benchmarks/consolidate.py       # 1.31 B GPT, 2 GPUs (NCCL)
-    python benchmarks/consolidate.py --smoke                # small GPT, 2 CPU ranks (gloo)
+    PYTHONPATH=.site python -m benchmarks.consolidate          # 1.31 B GPT, 2 GPUs (NCCL)
+    python -m benchmarks.consolidate --smoke                   # small GPT, 2 CPU ranks (gloo)
 
 Needs DeepSpeed (`DS_BUILD_OPS=0 pip install deepspeed==0.19.8`, plus huggingface_hub,
 which zero_to_fp32 needs for its default sharding). In one run:
@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks._report import markdown_table, write_section
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _report import markdown_table, write_section  # noqa: E402
 
 OUT = ROOT / "bench-out"
 GIB = 1024**3

@@ -1,7 +1,7 @@
 """Consolidating a PyTorch DCP checkpoint written by FSDP2: zeroshard vs `dcp_to_torch_save`.
 
-    python benchmarks/consolidate_dcp.py           # 1.31 B GPT, 2 GPUs (NCCL)
-    python benchmarks/consolidate_dcp.py --smoke   # small GPT, 2 CPU ranks (gloo)
+    python -m benchmarks.consolidate_dcp           # 1.31 B GPT, 2 GPUs (NCCL)
+    python -m benchmarks.consolidate_dcp --smoke   # small GPT, 2 CPU ranks (gloo)
 
 1. FSDP2 makes the checkpoint: the GPT of `consolidate.py` (fp32, head tied to the
    embedding), `fully_shard` per block and at the root, `dcp.save(model.state_dict())`.
@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, write_section
-from consolidate import (
+from benchmarks._report import markdown_table, write_section
+from benchmarks.consolidate import (
     GIB,
     GPT,
     OUT,
