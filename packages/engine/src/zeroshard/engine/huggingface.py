@@ -12,6 +12,7 @@ See [Note: which Trainer hooks ZeroTrainer replaces].
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._initialize import engine_state, full_state_dict, initialize
 from zeroshard.engine._optimizer import ZeroOptimizer
 
-__all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "save_pretrained"]
+__all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers", "save_pretrained"]
 
 CHECKPOINT_SUBDIR = "zeroshard"
 """Where a Trainer checkpoint (`checkpoint-N/`) keeps zeroshard's sharded model and optimizer."""
@@ -195,3 +196,40 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike[str], **kwarg
     full = full_state_dict(model)
     is_main = torch.distributed.get_rank() == 0
     model.save_pretrained(directory, state_dict=full, is_main_process=is_main, **kwargs)
+
+
+@torch.no_grad()
+def rebuild_meta_buffers(model: nn.Module, device: torch.device | str = "cpu") -> list[str]:
+    """Give a meta-device Hugging Face model's buffers storage and values; return their names.
+
+    Non-persistent buffers (rotary `inv_freq`) are in no checkpoint: `initialize` refuses
+    meta buffers, and loading cannot fill them. `model._init_weights` recomputes them; a
+    non-persistent float buffer it leaves unset is an error naming it.
+    """
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        raise ValueError(f"{type(model).__name__} has no _init_weights: not a transformers model")
+    rebuilt: list[str] = []
+    for path, module in model.named_modules():
+        names = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+        for name in names:
+            meta = getattr(module, name)
+            persistent = name not in module._non_persistent_buffers_set
+            real = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            if real.is_floating_point():
+                real.fill_(math.nan)  # what _init_weights leaves unset stays visible
+            module.register_buffer(name, real, persistent=persistent)
+            rebuilt.append(f"{path}.{name}" if path else name)
+        if names:
+            init(module)
+        unset = [
+            n
+            for n in names
+            if n in module._non_persistent_buffers_set and getattr(module, n).isnan().any()
+        ]
+        if unset:
+            raise ValueError(
+                f"{type(model).__name__}._init_weights does not set the non-persistent "
+                f"buffers {unset} of {path or 'the model'}: build the model on a real device"
+            )
+    return rebuilt
