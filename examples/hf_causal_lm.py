@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         import zeroshard.compile as zc
 
         forward = zc.compile(model, backend=args.compile_backend)
+    if tokenizer is None and model.config.vocab_size < 256:
+        raise SystemExit(f"byte tokens need vocab_size >= 256, the model has {model.config.vocab_size}")
     data = tokens(tokenizer)
     ckpts = args.output_dir / "checkpoints"
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step", file=sys.stdout)
