@@ -85,9 +85,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            os.environ.update(
-                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
-            )
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
             os.environ["MASTER_PORT"] = str(port)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -204,10 +202,14 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
 
         forward = zc.compile(model, backend=args.compile_backend)
     if tokenizer is None and model.config.vocab_size < 256:
-        raise SystemExit(f"byte tokens need vocab_size >= 256, the model has {model.config.vocab_size}")
+        raise SystemExit(
+            f"byte tokens need vocab_size >= 256, the model has {model.config.vocab_size}"
+        )
     data = tokens(tokenizer)
     ckpts = args.output_dir / "checkpoints"
-    bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step", file=sys.stdout)
+    bar = tqdm(
+        range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step", file=sys.stdout
+    )
     for step in bar:
         x = batch(data, step, args, rank, world).to(device)
         loss = forward(input_ids=x, labels=x).loss

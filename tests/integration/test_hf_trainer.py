@@ -2,7 +2,7 @@
 
 One spawn of 2 gloo ranks runs the example's `main` for the DDP baseline (stage 0),
 stages 1-3 and a stage-3 resume from checkpoint-4, all fp32 with gradient accumulation
-2, and compares what the Trainer logged; a second spawn of 1 rank resumes the 2-rank
+2, and compares what the Trainer logged (and a bf16 run at stage 2 against the fp32 curve); a second spawn of 1 rank resumes the 2-rank
 checkpoint (another world size, the same global batch).
 """
 
@@ -86,6 +86,15 @@ def _train_all_stages(root: str) -> None:
     want = {s: v for s, v in base.items() if s > SAVE}
     got = {s: v for s, v in _per_step(resumed.state.log_history).items() if s > SAVE}
     _assert_same_steps(got, want, "stage 3 resumed from checkpoint-4")
+    bf16 = _run(out / "bf16", 2, *accum, "--bf16")
+    import torch
+
+    import zeroshard.engine as zs
+
+    assert zs.engine_state(bf16.model).config.compute_dtype == torch.bfloat16
+    for step, (loss, _) in _per_step(bf16.state.log_history).items():
+        # bf16 compute (8-bit mantissa) against fp32: the same curve within 2%.
+        assert abs(loss - base[step][0]) <= 0.02 * base[step][0], (step, loss, base[step])
     dist.barrier()
     if dist.get_rank() == 0:
         for stage in (1, 2, 3):

@@ -18,16 +18,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
 from torch import nn
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig, as_config
-from zeroshard.engine._initialize import engine_state, full_state_dict, initialize
+from zeroshard.engine._initialize import full_state_dict, initialize
 from zeroshard.engine._optimizer import ZeroOptimizer
 
-__all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers", "save_pretrained"]
+__all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 
 CHECKPOINT_SUBDIR = "zeroshard"
 """Where a Trainer checkpoint (`checkpoint-N/`) keeps zeroshard's sharded model and optimizer."""
@@ -49,7 +49,7 @@ _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's file name for the LR scheduler
 # engine's flat gradient shards: a callback zeroes them right after each optimizer step.
 
 
-class _ZeroGradAfterStep(TrainerCallback):  # type: ignore[misc]
+class _ZeroGradAfterStep(TrainerCallback):
     """Zero the engine's gradient shards after every optimizer step."""
 
     def __init__(self, optimizer: ZeroOptimizer) -> None:
@@ -81,7 +81,7 @@ def _resolve_precision(config: ZeroConfig | Mapping[str, Any] | None, args: Any)
     return cfg
 
 
-class ZeroTrainer(Trainer):  # type: ignore[misc]
+class ZeroTrainer(Trainer):
     """A `transformers.Trainer` whose model and optimizer are sharded by zeroshard.
 
     `zero_config` is a `ZeroConfig` or its dict (default: stage 2). `TrainingArguments`
@@ -110,18 +110,32 @@ class ZeroTrainer(Trainer):  # type: ignore[misc]
     def _engine_ready(self) -> bool:
         return isinstance(getattr(self.optimizer, "optimizer", None), ZeroOptimizer)
 
+    @property
+    def _module(self) -> nn.Module:
+        if not isinstance(self.model, nn.Module):
+            raise RuntimeError("ZeroTrainer needs a model (model_init is not supported)")
+        return self.model
+
+    def _scheduler(self) -> Any:
+        if self.lr_scheduler is None:
+            raise RuntimeError("ZeroTrainer: no LR scheduler to save or load yet")
+        return self.lr_scheduler
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the Trainer's optimizer, then shard it and the model with zeroshard."""
-        if self._engine_ready():
-            return self.optimizer  # type: ignore[no-any-return]
-        optimizer = super().create_optimizer(model)
-        self.model, zopt = initialize(self.model, optimizer, self.zero_config)
+        if self._engine_ready() and self.optimizer is not None:
+            return self.optimizer
+        optimizer: torch.optim.Optimizer = super().create_optimizer(model)
+        module, zopt = initialize(self._module, optimizer, self.zero_config)
+        self.model = module
         # accelerate's wrapper (the Trainer reads its `step_was_skipped`), without moving
         # state; then accelerate's own mark of "already prepared", so that prepare()
         # leaves model and optimizer alone.
-        wrapped = AcceleratedOptimizer(zopt, device_placement=False, scaler=None)
-        self.model._is_accelerate_prepared = True
-        wrapped._is_accelerate_prepared = True
+        wrapped: torch.optim.Optimizer = AcceleratedOptimizer(
+            zopt, device_placement=False, scaler=None
+        )
+        module._is_accelerate_prepared = True  # type: ignore[assignment]
+        wrapped._is_accelerate_prepared = True  # type: ignore[attr-defined]
         self.optimizer = wrapped
         self.add_callback(_ZeroGradAfterStep(zopt))
         return wrapped
@@ -143,27 +157,31 @@ class ZeroTrainer(Trainer):  # type: ignore[misc]
         Collective: every rank must call it. Inside a Trainer checkpoint the sharded
         state is written instead (see `CHECKPOINT_SUBDIR`), unless `save_only_model`.
         """
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = output_dir if output_dir is not None else str(self.args.output_dir)
         if not self._engine_ready():
             super().save_model(output_dir, _internal_call)
             return
         if _internal_call and not self.args.save_only_model:
+            step = self.state.global_step
             save_checkpoint(
-                self.model, self.zero_optimizer, output_dir, step=self.state.global_step, tag=CHECKPOINT_SUBDIR
+                self._module, self.zero_optimizer, output_dir, step=step, tag=CHECKPOINT_SUBDIR
             )
-            if self.args.should_save:
-                self.model.config.save_pretrained(output_dir)
+            config = getattr(self._module, "config", None)
+            if self.args.should_save and config is not None:
+                config.save_pretrained(output_dir)
             return
-        full = full_state_dict(self.model)
+        full = full_state_dict(self._module)
         self._save(output_dir, state_dict=full)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The optimizer state went with the model into CHECKPOINT_SUBDIR (save_model).
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+            torch.save(self._scheduler().state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
     # -- loading -------------------------------------------------------------------------
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
         # On resume the Trainer calls this before the engine exists; the sharded state is
         # then loaded in _load_optimizer_and_scheduler, once it does.
         if self._engine_ready():
@@ -175,7 +193,7 @@ class ZeroTrainer(Trainer):  # type: ignore[misc]
         self._load_zeroshard(checkpoint)
         scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            self._scheduler().load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_zeroshard(self, checkpoint: str) -> None:
         directory = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
@@ -184,18 +202,7 @@ class ZeroTrainer(Trainer):  # type: ignore[misc]
                 f"ZeroTrainer: {checkpoint} holds no zeroshard state ({CHECKPOINT_SUBDIR}/): "
                 "it was not written by ZeroTrainer (or with save_only_model=True)"
             )
-        load_checkpoint(self.model, self.zero_optimizer, directory, tag=None)
-
-
-def save_pretrained(model: nn.Module, directory: str | os.PathLike[str], **kwargs: Any) -> None:
-    """`model.save_pretrained(directory)` of a zeroshard model with its full weights; collective.
-
-    The weights are gathered from the shards on every rank; rank 0 writes them.
-    """
-    engine_state(model)
-    full = full_state_dict(model)
-    is_main = torch.distributed.get_rank() == 0
-    model.save_pretrained(directory, state_dict=full, is_main_process=is_main, **kwargs)
+        load_checkpoint(self._module, self.zero_optimizer, directory)
 
 
 @torch.no_grad()
