@@ -78,7 +78,7 @@ def demo_hf(session: nox.Session) -> None:
     Checkpoints every 20 steps, consolidates into demo-hf-out/hf (from_pretrained loads it).
     """
     _install(session, *HF_DEPS)
-    args = session.posargs or ["--config", "llama", "--stage", "3", "--steps", "100"]
+    args = session.posargs or ["--config", "llama", "--stage", "3", "--steps", "300"]
     session.run(
         "torchrun",
         "--standalone",
