@@ -2,8 +2,9 @@
 
 One spawn of 2 gloo ranks runs the example's `main` for the DDP baseline (stage 0),
 stages 1-3 and a stage-3 resume from checkpoint-4, all fp32 with gradient accumulation
-2, and compares what the Trainer logged (and a bf16 run at stage 2 against the fp32 curve); a second spawn of 1 rank resumes the 2-rank
-checkpoint (another world size, the same global batch).
+2, and compares what the Trainer logged (and a bf16 run at stage 2 against the fp32
+curve); a second spawn of 1 rank resumes the 2-rank checkpoint (another world size, the
+same global batch).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def _train_all_stages(root: str) -> None:
     for step, (loss, _) in _per_step(bf16.state.log_history).items():
         # bf16 compute (8-bit mantissa) against fp32: the same curve within 2%.
         assert abs(loss - base[step][0]) <= 0.02 * base[step][0], (step, loss, base[step])
+    with pytest.raises(FileNotFoundError, match="holds no zeroshard state"):
+        _run(out / "bad", 3, "--resume-from-checkpoint", str(out / "stage0" / f"checkpoint-{SAVE}"))
     dist.barrier()
     if dist.get_rank() == 0:
         for stage in (1, 2, 3):
@@ -128,3 +131,21 @@ def _resume_on_one_rank(root: str) -> None:
 def test_trainer_stages_match_ddp_and_resume(tmp_path: Path) -> None:
     run_ranks(_train_all_stages, 2, str(tmp_path), timeout_s=300)
     run_ranks(_resume_on_one_rank, 1, str(tmp_path), timeout_s=120)
+
+
+def test_trainer_precision_arguments_checked() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from zeroshard.engine.huggingface import _resolve_precision
+
+    def args(bf16: bool = False, fp16: bool = False) -> Any:
+        return SimpleNamespace(bf16=bf16, fp16=fp16)
+
+    with pytest.raises(ValueError, match=r"fp16=True\) is not supported"):
+        _resolve_precision({"stage": 2}, args(fp16=True))
+    with pytest.raises(ValueError, match="make them agree"):
+        _resolve_precision({"stage": 2, "compute_dtype": "fp32"}, args(bf16=True))
+    assert _resolve_precision({"stage": 3}, args(bf16=True)).compute_dtype == torch.bfloat16
+    assert _resolve_precision(None, args()).compute_dtype == torch.float32
