@@ -207,9 +207,11 @@ def _meta_load_and_example(root: str) -> None:
         _assert_from_pretrained_equal(out / "hf", final, "example export")
 
 
+@pytest.mark.slow
 def test_hf_models_match_reference_and_round_trip(tmp_path: Path) -> None:
     run_ranks(_parity, 2, str(tmp_path), timeout_s=400)
 
 
+@pytest.mark.slow
 def test_pretrained_into_meta_shards_and_example(tmp_path: Path) -> None:
     run_ranks(_meta_load_and_example, 2, str(tmp_path), timeout_s=200)

@@ -128,6 +128,7 @@ def _resume_on_one_rank(root: str) -> None:
     _assert_same_weights(out / "resumed-world1", out / "stage0", "resumed on 1 rank")
 
 
+@pytest.mark.slow
 def test_trainer_stages_match_ddp_and_resume(tmp_path: Path) -> None:
     run_ranks(_train_all_stages, 2, str(tmp_path), timeout_s=300)
     run_ranks(_resume_on_one_rank, 1, str(tmp_path), timeout_s=120)
