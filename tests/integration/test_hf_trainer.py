@@ -76,6 +76,8 @@ def _train_all_stages(root: str) -> None:
     assert all(norm > 0 for _, norm in base.values())
     for stage in (1, 2, 3):
         trainer = _run(out / f"stage{stage}", stage, *accum)
+        # The engine reduces the gradients: nothing may wrap the model in DDP on top.
+        assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)
         _assert_same_steps(_per_step(trainer.state.log_history), base, f"stage {stage}")
     resumed = _run(
         out / "resumed",
