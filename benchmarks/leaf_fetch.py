@@ -7,7 +7,7 @@ The layer: 64 experts, each two Linear layers d -> 4d -> d with bias (256 parame
 d 1024 on GPU, 8.4 M parameters per expert, 537 M in all; d 32 with `--smoke`), under a
 root that holds the router. Every rank builds the same layer (same seed) three times:
 - leaf: zeroshard stage 3 with `leaf_modules=["MoELayer"]`; one fetch + release is the
-  engine's own `rt.gather(unit); rt.release(unit)` on the layer's unit (one flat group,
+  engine's own `unit.gather(); unit.release()` on the layer's unit (one flat group,
   one all-gather of the bf16 cast of the fp32 master shard);
 - per expert: stage 3 with `unit_modules=["Expert"]`; every expert gathered, then every
   expert released, through the same runtime (64 gathers);
@@ -246,14 +246,14 @@ def run(args: argparse.Namespace, device: torch.device, cuda: bool) -> list[Row]
     assert len(experts) == args.experts
 
     def fetch_leaf() -> None:
-        leaf_rt.gather(leaf)
-        leaf_rt.release(leaf)
+        leaf.gather()
+        leaf.release()
 
     def fetch_experts() -> None:
         for u in experts:
-            expert_rt.gather(u)
+            u.gather()
         for u in experts:
-            expert_rt.release(u)
+            u.release()
 
     def fetch_params() -> None:
         peer.fetch()
@@ -261,14 +261,14 @@ def run(args: argparse.Namespace, device: torch.device, cuda: bool) -> list[Row]
 
     # The same bits everywhere before anything is timed.
     peer.fetch()
-    leaf_rt.gather(leaf)
+    leaf.gather()
     _check_equal(leaf_model, peer, "leaf")
-    leaf_rt.release(leaf)
+    leaf.release()
     for u in experts:
-        expert_rt.gather(u)
+        u.gather()
     _check_equal(expert_model, peer, "per expert")
     for u in experts:
-        expert_rt.release(u)
+        u.release()
     peer.release()
 
     # On gloo the engine checks each gather's unit with a tiny all-reduce first (see
@@ -347,8 +347,8 @@ def report(rows: list[Row], world: int, args: argparse.Namespace, cuda: bool) ->
         "from the call until gather + release return; `device ms`: CUDA events around the "
         "same, the device synchronized at the end of each iteration; `device queued ms`: "
         "the host queued ahead, so only the device's own work counts. The leaf and "
-        "per-expert rows go through the engine's runtime (`rt.gather(unit); "
-        "rt.release(unit)`), which also casts its fp32 master shard to the compute dtype "
+        "per-expert rows go through the engine's units (`unit.gather(); "
+        "unit.release()`), which also casts its fp32 master shard to the compute dtype "
         "before each gather; the per-parameter row keeps resident compute-dtype shards, as "
         "per-tensor engines do, so it has no cast. `collectives` counts all-gathers, plus "
         "the engine's per-gather unit check on gloo. See the docstring of "

@@ -180,7 +180,7 @@ def _async_case(device: str, fuse_bytes: int) -> None:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     ops = torch.ops
-    stats = zc.GatherStats()
+    stats = zs.EngineStats()
     keys = [register_target(Group(), stats, f"test {i}") for i in range(3)]
     sizes, rs_sizes = [3, 5, 4], [6, 8]
     g = fx.Graph()
@@ -241,6 +241,7 @@ def _cases(device: str) -> None:
             _bf16_case(device)
         elif case == "async":
             _async_case(device, **kw)
+
         else:
             _fallback_case(device)
 

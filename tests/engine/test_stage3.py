@@ -13,6 +13,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn, make_model, make_optimizer
+from zeroshard.engine._unit import TrainingState, UnitState
 
 
 class Expert(nn.Module):
@@ -124,9 +125,17 @@ def _live_case(device: str, depth: int) -> None:
     bound = persistent + sum(others[: depth + 1])
     batches = global_batches(3, 1, dist.get_world_size(), 2)
     stats = zs.engine_stats(model)
+    trainable = sum(1 for u in units for g in u.groups if g.trainable)
     for step in range(3):
         stats.reset()
-        loss_fn(model, batches[step, 0, rank].to(device)).backward()
+        loss = loss_fn(model, batches[step, 0, rank].to(device))
+        # The life of each unit: after forward only the persistent ones stay gathered;
+        # after backward every group was reduce-scattered once and the rest released.
+        assert all(u.training_state is TrainingState.IDLE for u in units)
+        assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
+        loss.backward()
+        assert stats.reduce_scatters == trainable, (stats, trainable)
+        assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
         opt.step()
         opt.zero_grad()
         assert stats.peak_live_bytes <= bound, (depth, step, stats, bound)
@@ -135,12 +144,29 @@ def _live_case(device: str, depth: int) -> None:
     assert stats.live_bytes == 0, "after a step nothing stays gathered"
 
 
+def _profile_case(device: str) -> None:
+    """Each phase of a step shows in a profile under its zeroshard:: label."""
+    torch.manual_seed(0)
+    model = Deep([8, 8]).to(device)
+    cfg = {"stage": 3, "min_unit_params": 1, "persistence_threshold": 0}
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    batches = global_batches(1, 1, dist.get_world_size(), 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_fn(model, batches[0, 0, dist.get_rank()].to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    names = {e.name for e in prof.events()}
+    phases = {"gather", "release", "reduce_scatter", "optimizer_step"}
+    assert {f"zeroshard::{p}" for p in phases} <= names, sorted(names)
+
+
 def _live(device: str) -> None:
     run_each(subtests({"depth": [0, 1, 2]}), lambda depth: _live_case(device, depth))
+    _profile_case(device)
 
 
 @pytest.mark.gpu
-def test_live_gathered_bytes_bounded_by_prefetch_depth(device: str) -> None:
+def test_live_bytes_bounded_by_prefetch_depth_and_phases_labelled(device: str) -> None:
     world_fits(device, 2)
     run_ranks(_live, 2, device, device=device)
 

@@ -8,7 +8,6 @@ loss = compiled(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 from zeroshard.compile._async import issue_async
 from zeroshard.compile._compile import CompiledModel, compile
-from zeroshard.compile._ops import GatherStats
 from zeroshard.compile._passes import (
     default_pipeline,
     free_early,
@@ -22,7 +21,6 @@ from zeroshard.compile._pipeline import GraphPass, PassContext, Phase, Pipeline,
 
 __all__ = [
     "CompiledModel",
-    "GatherStats",
     "GraphPass",
     "PassContext",
     "Phase",

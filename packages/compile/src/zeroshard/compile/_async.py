@@ -9,7 +9,7 @@ asynchronously (on NCCL, on the communicator's own stream): the start stays wher
 `prefetch` put the gather, the wait goes just before the first use, so the compute in
 between overlaps the collective. A reduce-scatter is waited on just before the next one
 starts (one in flight: its full-size gradient input lives until the wait) or before its
-first use. `zeroshard::account` keeps `GatherStats` counting.
+first use. `zeroshard::account` keeps `EngineStats` counting.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.compile._ops import GatherStats, register_target
-from zeroshard.engine import EngineState
+from zeroshard.compile._ops import register_target
+from zeroshard.engine import EngineState, EngineStats
 
 _forwards = itertools.count()
 
@@ -48,31 +48,24 @@ class FlatSpec:
     slots: tuple[tuple[str, int, tuple[int, ...]], ...]
 
 
-def flat_specs(state: EngineState, stats: GatherStats) -> list[FlatSpec]:
+def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
     """One spec per flat group of `state`, each registered under a fresh op key."""
     specs = []
     for g in state.groups:
-        assert g.param_buffer is not None
-        key = register_target(g.group, stats, f"flat group {g.index}")
-        pieces: list[int] = []
-        slots = []
-        end = 0
-        for name, s in zip(g.names, g.layout.slots, strict=True):
-            if s.offset > end:
-                pieces.append(s.offset - end)
-            slots.append((name, len(pieces), tuple(s.shape)))
-            pieces.append(s.end - s.offset)
-            end = s.end
-        if g.layout.padded_numel > end:
-            pieces.append(g.layout.padded_numel - end)
+        key = register_target(g.process_group, stats, f"flat group {g.index}")
+        pieces, piece_of_slot = g.layout.split_sizes()
+        slots = tuple(
+            (name, piece, tuple(s.shape))
+            for name, piece, s in zip(g.names, piece_of_slot, g.layout.slots, strict=True)
+        )
         specs.append(
             FlatSpec(
                 key,
-                g.group.size,
+                g.process_group.size,
                 g.param_buffer.dtype,
                 state.config.grad_reduce_dtype,
-                tuple(pieces),
-                tuple(slots),
+                pieces,
+                slots,
             )
         )
     return specs

@@ -12,15 +12,13 @@ from torch import nn
 
 from zeroshard.compile._backend import Captures, capture_errors, make_backend
 from zeroshard.compile._capture import flat_specs, gathered_forward, route_grads
-from zeroshard.compile._ops import GatherStats, unregister_target
+from zeroshard.compile._ops import unregister_target
 from zeroshard.compile._passes import default_pipeline
 from zeroshard.compile._pipeline import Pipeline
-from zeroshard.engine import engine_state
+from zeroshard.engine import EngineState, EngineStats, engine_state
 
 log = logging.getLogger("zeroshard.compile")
 
-DEFAULT_PREFETCH_BYTES = 512 * 2**20
-DEFAULT_PERSIST_BYTES = 0
 # Gathers this small cost more in launch latency than in bytes: fuse adjacent ones.
 DEFAULT_FUSE_BYTES = 2**20
 
@@ -28,8 +26,9 @@ DEFAULT_FUSE_BYTES = 2**20
 class CompiledModel:
     """Call it like the model: runs the compiled graph (or the eager model after a fallback).
 
-    `stats` counts the compiled gathers and reduce-scatters; `compiles` counts captures
-    (Dynamo recompilations); `eager` is True once it fell back to the eager model.
+    `stats` (the engine's `EngineStats`) counts the compiled gathers and reduce-scatters;
+    `compiles` counts captures (Dynamo recompilations); `eager` is True once it fell back
+    to the eager model.
     """
 
     def __init__(
@@ -43,7 +42,7 @@ class CompiledModel:
         torch_compile_kwargs: dict[str, Any],
     ) -> None:
         self.module = model
-        self.stats = GatherStats()
+        self.stats = EngineStats()
         self._captures = Captures()
         self.eager = False
         state = engine_state(model)
@@ -97,10 +96,10 @@ class CompiledModel:
         runtime = self._state.stage3
         assert runtime is not None
         first = self.compiles == 0
-        # The compiled graph gathers and releases itself: the engine's hooks stand aside.
-        runtime.hooks_enabled = False
         try:
-            return self._compiled(self._shards, args, kwargs)
+            # The compiled graph gathers and releases itself: the engine's hooks stand aside.
+            with runtime.suspended():
+                return self._compiled(self._shards, args, kwargs)
         except capture_errors() as e:
             if not first:
                 raise
@@ -108,8 +107,6 @@ class CompiledModel:
             # the same), so no rank has issued a collective the others will not.
             self._fall_back(_reason(e))
             log.debug("zeroshard.compile: capture failed", exc_info=e)
-        finally:
-            runtime.hooks_enabled = True
         # Dynamo's failed trace is cyclic garbage that holds the model through references
         # the cycle collector does not traverse: a gc.collect() after the user drops the
         # model would free the trace but leave the model for the next one. Collected
@@ -140,17 +137,29 @@ def _unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def default_persist_bytes(state: EngineState) -> int:
+    """The engine's `persistence_threshold` (elements per unit) as compile's budget (bytes
+    in all): the gathered bytes of the units the eager engine keeps gathered from forward
+    into backward because they are small (the root, kept for the order of its hooks, not
+    for its size, is left out)."""
+    assert state.stage3 is not None
+    return sum(u.nbytes for u in state.stage3.units[1:] if u.persistent)
+
+
 def compile(
     model: nn.Module,
     *,
     pipeline: Pipeline | None = None,
-    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-    persist_bytes: int = DEFAULT_PERSIST_BYTES,
+    prefetch_bytes: int | None = None,
+    persist_bytes: int | None = None,
     fuse_bytes: int = DEFAULT_FUSE_BYTES,
     **torch_compile_kwargs: Any,
 ) -> CompiledModel:
     """Compile a zeroshard stage-3 model (from `zeroshard.engine.initialize`) into one graph.
 
+    Budgets are bytes. `prefetch_bytes` defaults to the engine's `prefetch_bytes`;
+    `persist_bytes` (gathered bytes kept from forward into backward) to
+    `default_persist_bytes`, the engine's `persistence_threshold` converted to bytes.
     `torch_compile_kwargs` go to `torch.compile`; `backend` is "inductor" (default) or
     "aot_eager"; `options` are inductor config patches; `fullgraph` defaults to True.
     """
@@ -159,6 +168,15 @@ def compile(
         raise ValueError(
             f"zeroshard.compile needs a stage-3 model; this one is stage {state.config.stage}"
         )
+    if state.offload is not None:
+        raise ValueError(
+            "zeroshard.compile does not support offload_optimizer: the compiled graph "
+            "gathers the masters on the device; compile without offload, or run eagerly"
+        )
+    if prefetch_bytes is None:
+        prefetch_bytes = state.config.prefetch_bytes
+    if persist_bytes is None:
+        persist_bytes = default_persist_bytes(state)
     if min(prefetch_bytes, persist_bytes, fuse_bytes) < 0:
         raise ValueError(
             f"budgets must be >= 0 bytes, got prefetch_bytes={prefetch_bytes}, "

@@ -9,7 +9,7 @@ AOTAutograd puts `zeroshard::reduce_scatter` into the backward graph by itself.
 them by shape alone.
 
 Ops carry an integer `key` rather than a process group (ops take only tensors and
-scalars): `register_target` maps it to the `Group` to talk on and the `GatherStats`
+scalars): `register_target` maps it to the `Group` to talk on and the engine's `EngineStats`
 to count into.
 """
 
@@ -22,29 +22,13 @@ from typing import Any
 import torch
 
 from zeroshard.comm import Group
-
-
-@dataclass
-class GatherStats:
-    """Per compiled model: gathers and bytes moved and the peak of gathered bytes live."""
-
-    gathers: int = 0
-    bytes_gathered: int = 0
-    reduce_scatters: int = 0
-    bytes_reduced: int = 0
-    live_bytes: int = 0
-    peak_live_bytes: int = 0
-
-    def reset(self) -> None:
-        """Zero every counter (between measured steps)."""
-        for name in self.__dataclass_fields__:
-            setattr(self, name, 0)
+from zeroshard.engine import EngineStats
 
 
 @dataclass(frozen=True)
 class _Target:
-    group: Group
-    stats: GatherStats
+    process_group: Group
+    stats: EngineStats
     label: str
 
 
@@ -52,10 +36,10 @@ _TARGETS: dict[int, _Target] = {}
 _next_key = itertools.count()
 
 
-def register_target(group: Group, stats: GatherStats, label: str) -> int:
-    """A fresh key under which the ops find `group` and count into `stats`."""
+def register_target(process_group: Group, stats: EngineStats, label: str) -> int:
+    """A fresh key under which the ops find `process_group` and count into `stats`."""
     key = next(_next_key)
-    _TARGETS[key] = _Target(group, stats, label)
+    _TARGETS[key] = _Target(process_group, stats, label)
     return key
 
 
@@ -80,12 +64,10 @@ def gather(
     # The cast before the collective: only `dtype` bytes travel (the fused downcast).
     send = shard.detach().to(dtype).contiguous()
     out = torch.empty(send.numel() * world, dtype=dtype, device=shard.device)
-    target.group.all_gather_into(out, send, label=f"compiled gather of {target.label}").wait()
-    stats = target.stats
-    stats.gathers += 1
-    stats.bytes_gathered += out.nbytes
-    stats.live_bytes += out.nbytes
-    stats.peak_live_bytes = max(stats.peak_live_bytes, stats.live_bytes)
+    target.process_group.all_gather_into(
+        out, send, label=f"compiled gather of {target.label}"
+    ).wait()
+    target.stats.gathered(out.nbytes)
     return out
 
 
@@ -102,11 +84,10 @@ def reduce_scatter(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
     target = _target(key)
     send = full.contiguous()
     out = torch.empty(send.numel() // world, dtype=send.dtype, device=send.device)
-    target.group.reduce_scatter(
+    target.process_group.reduce_scatter(
         out, send, op="avg", label=f"compiled reduce-scatter of {target.label}"
     ).wait()
-    target.stats.reduce_scatters += 1
-    target.stats.bytes_reduced += send.nbytes
+    target.stats.reduced(send.nbytes)
     return out
 
 
@@ -139,7 +120,7 @@ gather.register_autograd(_gather_backward, setup_context=_gather_setup)
 @torch.library.custom_op("zeroshard::release", mutates_args=())
 def release(buffer: torch.Tensor, key: int) -> None:
     """Account `buffer` as freed (it is dead after this op; see [Note: what release does])."""
-    _target(key).stats.live_bytes -= buffer.nbytes
+    _target(key).stats.released(buffer.nbytes)
 
 
 @torch.library.custom_op("zeroshard::account", mutates_args=())
@@ -148,13 +129,9 @@ def account(buffer: torch.Tensor, key: int, reduced: bool) -> None:
     functional collectives ran (see `issue_async`)."""
     stats = _target(key).stats
     if reduced:
-        stats.reduce_scatters += 1
-        stats.bytes_reduced += buffer.nbytes
-        return
-    stats.gathers += 1
-    stats.bytes_gathered += buffer.nbytes
-    stats.live_bytes += buffer.nbytes
-    stats.peak_live_bytes = max(stats.peak_live_bytes, stats.live_bytes)
+        stats.reduced(buffer.nbytes)
+    else:
+        stats.gathered(buffer.nbytes)
 
 
 @account.register_fake
@@ -164,7 +141,7 @@ def _account_fake(buffer: torch.Tensor, key: int, reduced: bool) -> None:
 
 def group_name(key: int) -> str:
     """The name torch's functional collectives know the process group of `key` by."""
-    pg = _target(key).group.pg or torch.distributed.group.WORLD
+    pg = _target(key).process_group.pg or torch.distributed.group.WORLD
     assert pg is not None
     return str(pg.group_name)
 

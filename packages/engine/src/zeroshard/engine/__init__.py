@@ -9,16 +9,13 @@ full = zs.full_state_dict(model)
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._gathered import gathered_parameters
-from zeroshard.engine._initialize import (
-    EngineState,
-    engine_state,
-    engine_stats,
-    full_state_dict,
-    initialize,
-)
+from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
+from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._stage3 import DivergentRanksError, EngineStats
+from zeroshard.engine._stage3 import DivergentRanksError
+from zeroshard.engine._state import EngineState, engine_state, engine_stats
+from zeroshard.engine._stats import EngineStats
 
 __all__ = [
     "DivergentRanksError",

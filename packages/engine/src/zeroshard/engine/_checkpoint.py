@@ -27,7 +27,7 @@ from zeroshard.ckpt import (
     shard_key,
 )
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._initialize import EngineState, engine_state
+from zeroshard.engine._state import EngineState, engine_state
 
 _OPTIM = "optim."
 
@@ -39,7 +39,9 @@ def _group_name(g: FlatParamGroup) -> str:
 def _check_one_group(state: EngineState) -> None:
     # The format gives every flat group the checkpoint's world size; parameters sharded
     # over a group of their own (experts) hold different values on different ranks.
-    own = sorted({n for g in state.groups if g.group.pg is not state.world.pg for n in g.names})
+    own = sorted(
+        {n for g in state.groups if g.process_group.pg is not state.shard_group.pg for n in g.names}
+    )
     if own:
         raise ValueError(
             f"parameters on a process group of their own ({own[:3]}...) cannot be "
@@ -148,11 +150,11 @@ def _save(
             )
         )
     buffers = _buffers(model)
-    if state.world.rank == 0:
+    if state.shard_group.rank == 0:
         tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     scaler = state.optimizer.scaler
     meta = CheckpointMeta(
-        world_size=state.world.size,
+        world_size=state.shard_group.size,
         groups=tuple(groups),
         stage=state.config.stage,
         compute_dtype=state.config.compute_dtype,
@@ -168,7 +170,7 @@ def _save(
         step,
         meta=meta,
         tensors=tensors,
-        group=state.world,
+        group=state.shard_group,
         tag=tag,
         async_save=async_save,
     )
@@ -193,7 +195,7 @@ def load_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
-    world = state.world
+    shard_group = state.shard_group
     expected = {
         n: tuple(int(d) for d in slot.shape)
         for g in state.groups
@@ -204,13 +206,13 @@ def load_checkpoint(
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
     loaded = load(
         Path(directory),
-        rank=world.rank,
-        world_size=world.size,
+        rank=shard_group.rank,
+        world_size=shard_group.size,
         tag=tag,
         step=step,
         expected=expected,
         layouts={_group_name(g): g.layout for g in state.groups},
-        device=world.device,
+        device=shard_group.device,
     )
     meta = loaded.meta
     inner = state.optimizer.inner

@@ -1,14 +1,16 @@
 """`FlatParamGroup`: parameters flattened into one buffer, with this rank's fp32 master shard.
 
-Stages 1 and 2 keep every parameter whole on every rank, as views of `param_buffer`
-(compute dtype); each rank owns one even shard of the fp32 master weights and of the
-fp32 gradient. The optimizer steps the master shards; the updated shards are cast to the
-compute dtype and all-gathered back into `param_buffer`.
+The core (index, key, names, parameters, layout, process group, master) is the same in
+every mode; the storage differs. Stages 1 and 2 (`ReplicatedStorage`) keep every
+parameter whole on every rank, as views of `param_buffer` (compute dtype); each rank
+owns one even shard of the fp32 master weights and of the fp32 gradient. The optimizer
+steps the master shards; the updated shards are cast to the compute dtype and
+all-gathered back into `param_buffer`.
 
-Stage 3 keeps only the fp32 master shard: each gather casts it to the compute dtype
-first, so only compute-dtype bytes travel (keeping a compute-dtype copy of the shard
-would save that small cast at the price of memory); `param_buffer` has storage only
-while the group's unit is gathered.
+Stage 3 (`ShardedStorage`) keeps only the fp32 master shard: each gather casts it to the
+compute dtype first, so only compute-dtype bytes travel (keeping a compute-dtype copy of
+the shard would save that small cast at the price of memory); `param_buffer` has storage
+only while the group's unit is gathered.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,24 +43,42 @@ class ComputeSource(Protocol):
 
 
 @dataclass(eq=False)
+class ReplicatedStorage:
+    """Stages 1/2: every parameter whole on every rank, as views of `param_buffer`."""
+
+    param_buffer: torch.Tensor
+    views: list[torch.Tensor]
+    # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
+    grad_buffer: torch.Tensor | None
+
+
+@dataclass(eq=False)
+class ShardedStorage:
+    """Stage 3: `param_buffer` has storage only while the group's unit is gathered.
+
+    One buffer for the group's whole life: only its storage is resized (see [Note:
+    released storage]), so the views, made once, stay valid across gathers.
+    """
+
+    param_buffer: torch.Tensor
+    views: list[torch.Tensor]
+
+
+@dataclass(eq=False)
 class FlatParamGroup:
-    """One flat group. `names[i]` is the canonical name of `params[i]`."""
+    """One flat group. `names[i]` is the canonical name of `params[i]`; `process_group`
+    is the process group it is sharded and reduced over."""
 
     index: int
     key: GroupKey
     names: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
     layout: FlatLayout
-    group: Group
+    process_group: Group
     master: torch.Tensor
     tier: FlattenTier
-    param_buffer: torch.Tensor | None = None
-    # Stage 3: parameters are sharded; `param_buffer` has storage only while gathered.
-    sharded: bool = False
+    storage: ReplicatedStorage | ShardedStorage
     grad_shard: torch.Tensor | None = None
-    # Stage 1 only: the full gradient, in the compute dtype; `params[i].grad` are views.
-    grad_buffer: torch.Tensor | None = None
-    views: list[torch.Tensor] = field(default_factory=list)
     # Offload: the master lives on the host; the gradient shard is this host view (kept
     # allocated between steps, overwritten by a window's first gradient), and gathers read
     # the compute-dtype shard `offload` keeps for the device.
@@ -71,9 +91,24 @@ class FlatParamGroup:
         return self.key.requires_grad
 
     @property
+    def sharded(self) -> bool:
+        """Whether the parameters are sharded (stage 3) rather than whole on every rank."""
+        return isinstance(self.storage, ShardedStorage)
+
+    @property
+    def param_buffer(self) -> torch.Tensor:
+        """The compute-dtype flat buffer the parameters are views of (when gathered)."""
+        return self.storage.param_buffer
+
+    @property
+    def grad_buffer(self) -> torch.Tensor | None:
+        """Stage 1: the full compute-dtype gradient buffer; None otherwise."""
+        return self.storage.grad_buffer if isinstance(self.storage, ReplicatedStorage) else None
+
+    @property
     def shard_range(self) -> tuple[int, int]:
         """This rank's [start, end) in the flat buffer."""
-        return self.layout.shard_range(self.group.rank)
+        return self.layout.shard_range(self.process_group.rank)
 
     def ensure_grad_shard(self) -> torch.Tensor:
         """The fp32 gradient shard, zeroed on first use since the last `zero_grad`, exposed as
@@ -104,30 +139,33 @@ class FlatParamGroup:
         values again. The parameters themselves point at an empty tensor while released,
         so reading one outside forward gives an empty tensor, never freed memory.
         """
-        assert self.sharded and self.param_buffer is not None
-        storage = self.param_buffer.untyped_storage()
-        storage.resize_(self.layout.padded_numel * self.param_buffer.element_size())
-        return self.group.all_gather_into(
-            self.param_buffer, self._send(), label=f"gather of group {self.index}"
+        buffer = self._sharded().param_buffer
+        buffer.untyped_storage().resize_(self.layout.padded_numel * buffer.element_size())
+        return self.process_group.all_gather_into(
+            buffer, self._send(), label=f"gather of group {self.index}"
         )
+
+    def _sharded(self) -> ShardedStorage:
+        if not isinstance(self.storage, ShardedStorage):
+            raise TypeError(f"flat group {self.index} is replicated: it is never gathered")
+        return self.storage
 
     def _send(self) -> torch.Tensor:
         # The downcast before the gather: `send` lives in the handle until wait().
-        assert self.param_buffer is not None
         if self.offload is not None:
             return self.offload.compute_shard(self)
         return self.master.detach().to(self.param_buffer.dtype)
 
     def expose(self) -> None:
         """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
-        for p, v in zip(self.params, self.views, strict=True):
+        for p, v in zip(self.params, self.storage.views, strict=True):
             p.data = v
 
     def release(self) -> None:
         """Stage 3: free the gathered buffer's memory (see [Note: released storage])."""
-        assert self.param_buffer is not None
-        self.param_buffer.untyped_storage().resize_(0)
-        empty = self.param_buffer.new_empty(0)
+        buffer = self._sharded().param_buffer
+        buffer.untyped_storage().resize_(0)
+        empty = buffer.new_empty(0)
         for p in self.params:
             p.data = empty
 
@@ -140,8 +178,7 @@ class FlatParamGroup:
         """
         if self.sharded:
             return completed_handle()
-        assert self.param_buffer is not None
-        return self.group.all_gather_into(
+        return self.process_group.all_gather_into(
             self.param_buffer, self._send(), label=f"params of group {self.index}"
         )
 
@@ -180,27 +217,28 @@ def build_flat_group(
     key: GroupKey,
     named: Sequence[tuple[str, nn.Parameter]],
     *,
-    group: Group,
+    process_group: Group,
     compute_dtype: torch.dtype,
+    stage: int,
     tier: FlattenTier,
-    keep_grad_buffer: bool,
 ) -> FlatParamGroup:
-    """Stages 1/2: flatten `named` (one GroupKey) whole, carve out the fp32 master shard."""
-    _check_params(named, group)
-    layout = _layout(named, key, group, compute_dtype)
+    """Flatten `named` (one GroupKey) and carve out this rank's fp32 master shard.
+
+    Stages 1/2 keep the parameters whole, as views of a compute-dtype buffer (stage 1 also
+    a full gradient buffer), flattened on `tier`; stage 3 keeps only the master shard and
+    frees the parameters' memory.
+    """
+    _check_params(named, process_group)
+    layout = _layout(named, key, process_group, compute_dtype)
     params = tuple(p for _, p in named)
     start = time.perf_counter()
-    flat, used = flatten_params(
-        params, layout, device=group.device, tier=tier, group=group if group.size > 1 else None
-    )
-    lo, hi = layout.shard_range(group.rank)
-    # The master is an optimizer "parameter": a leaf whose .grad is the gradient shard.
-    master = nn.Parameter(flat[lo:hi].detach().to(torch.float32, copy=True), key.requires_grad)
-    param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
-    del flat  # the full-precision copy is no longer needed once master and params exist
-    views = slot_views(param_buffer, layout)
-    for p, v in zip(params, views, strict=True):
-        p.data = v
+    storage: ReplicatedStorage | ShardedStorage
+    if stage == 3:
+        master, storage, used = _shard(params, layout, process_group, compute_dtype)
+    else:
+        master, storage, used = _replicate(
+            params, layout, process_group, compute_dtype, tier, stage == 1 and key.requires_grad
+        )
     log.debug(
         "group %d: %d params, %d elements, flattened on tier %s in %.3fs",
         index,
@@ -209,56 +247,63 @@ def build_flat_group(
         used.value,
         time.perf_counter() - start,
     )
-    fg = FlatParamGroup(
+    # The master is an optimizer "parameter": a leaf whose .grad is the gradient shard.
+    group = FlatParamGroup(
         index,
         key,
         tuple(n for n, _ in named),
         params,
         layout,
-        group,
-        master,
+        process_group,
+        nn.Parameter(master, key.requires_grad),
         used,
-        param_buffer=param_buffer,
-        views=views,
+        storage,
     )
-    if keep_grad_buffer and key.requires_grad:
-        fg.grad_buffer = torch.zeros_like(param_buffer)
-        for p, g in zip(params, slot_views(fg.grad_buffer, layout), strict=True):
+    if isinstance(storage, ShardedStorage):
+        group.release()
+        return group
+    group.expose()
+    if storage.grad_buffer is not None:
+        for p, g in zip(params, slot_views(storage.grad_buffer, layout), strict=True):
             p.grad = g
-    return fg
+    return group
 
 
-def build_sharded_group(
-    index: int,
-    key: GroupKey,
-    named: Sequence[tuple[str, nn.Parameter]],
-    *,
-    group: Group,
+def _replicate(
+    params: tuple[nn.Parameter, ...],
+    layout: FlatLayout,
+    process_group: Group,
     compute_dtype: torch.dtype,
-) -> FlatParamGroup:
-    """Stage 3: keep only this rank's fp32 master shard; free the parameters' memory."""
-    _check_params(named, group)
-    layout = _layout(named, key, group, compute_dtype)
-    params = tuple(p for _, p in named)
-    shard = flatten_shard(params, layout, group.rank, device=group.device)
-    master = nn.Parameter(shard.to(torch.float32, copy=True), key.requires_grad)
-    del shard
-    # One buffer for the group's whole life: only its storage is resized (see [Note:
-    # released storage]); the parameters point at its views while the unit is gathered.
-    param_buffer = torch.empty(layout.padded_numel, dtype=compute_dtype, device=group.device)
-    fg = FlatParamGroup(
-        index,
-        key,
-        tuple(n for n, _ in named),
+    tier: FlattenTier,
+    keep_grad_buffer: bool,
+) -> tuple[torch.Tensor, ReplicatedStorage, FlattenTier]:
+    flat, used = flatten_params(
         params,
         layout,
-        group,
-        master,
-        FlattenTier.DEVICE,
-        param_buffer=param_buffer,
-        sharded=True,
-        # Views stay valid across storage resizes: they are made once, here.
-        views=slot_views(param_buffer, layout),
+        device=process_group.device,
+        tier=tier,
+        group=process_group if process_group.size > 1 else None,
     )
-    fg.release()
-    return fg
+    lo, hi = layout.shard_range(process_group.rank)
+    master = flat[lo:hi].detach().to(torch.float32, copy=True)
+    param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
+    del flat  # the full-precision copy is no longer needed once master and params exist
+    grad_buffer = torch.zeros_like(param_buffer) if keep_grad_buffer else None
+    return (
+        master,
+        ReplicatedStorage(param_buffer, slot_views(param_buffer, layout), grad_buffer),
+        used,
+    )
+
+
+def _shard(
+    params: tuple[nn.Parameter, ...],
+    layout: FlatLayout,
+    process_group: Group,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, ShardedStorage, FlattenTier]:
+    shard = flatten_shard(params, layout, process_group.rank, device=process_group.device)
+    master = shard.to(torch.float32, copy=True)
+    del shard
+    buffer = torch.empty(layout.padded_numel, dtype=compute_dtype, device=process_group.device)
+    return master, ShardedStorage(buffer, slot_views(buffer, layout)), FlattenTier.DEVICE

@@ -29,8 +29,9 @@ from torch import nn
 
 from zeroshard.comm import Handle
 from zeroshard.engine._flat_group import FlatParamGroup, slot_views
-from zeroshard.engine._initialize import EngineState, engine_state
-from zeroshard.engine._stage3 import UnitState
+from zeroshard.engine._masters import gather_masters
+from zeroshard.engine._state import EngineState, engine_state
+from zeroshard.engine._unit import UnitState
 
 # Groups exposed by a live context (by id): a nested context over the same group would
 # restore the parameters under the outer one's feet.
@@ -110,29 +111,15 @@ def _select(state: EngineState, named: list[tuple[str, torch.Tensor]]) -> _Selec
 
 
 def _release_units(sel: _Selection) -> None:
-    """Stage 3: drop gathered units touching the selection, through the runtime, so its
-    unit states and live-byte counters stay true while the context owns the groups."""
+    """Stage 3: drop gathered units touching the selection, through the units, so their
+    states and the live-byte counters stay true while the context owns the groups."""
     runtime = sel.state.stage3
     if runtime is None:
         return
     wanted = {id(g) for g in sel.groups}
     for u in runtime.units:
         if u.state is not UnitState.RELEASED and any(id(g) in wanted for g in u.groups):
-            runtime.release(u)
-
-
-def _gather_full(sel: _Selection) -> list[torch.Tensor]:
-    handles: list[Handle] = []
-    fulls: list[torch.Tensor] = []
-    for g in sel.groups:
-        device = g.group.device
-        full = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=device)
-        send = g.master.detach().to(device)
-        handles.append(g.group.all_gather_into(full, send, label=f"gathered group {g.index}"))
-        fulls.append(full)
-    for h in handles:
-        h.wait()
-    return fulls
+            u.release()
 
 
 def _expose(g: FlatParamGroup, full: torch.Tensor) -> None:
@@ -155,7 +142,7 @@ def _restore(sel: _Selection) -> None:
 def _write_back(sel: _Selection, fulls: list[torch.Tensor], modifier_rank: int) -> None:
     """Broadcast the modifier's buffers, copy each rank's range into its master, publish."""
     handles = [
-        g.group.broadcast(full, modifier_rank, label=f"edits of group {g.index}")
+        g.process_group.broadcast(full, modifier_rank, label=f"edits of group {g.index}")
         for g, full in zip(sel.groups, fulls, strict=True)
     ]
     for h in handles:
@@ -187,7 +174,7 @@ def gathered_parameters(
     are discarded otherwise, and also when the block raises. See [Note: what the context holds].
     """
     state, named = _resolve(module_or_params, model)
-    size = state.world.size
+    size = state.shard_group.size
     if modifier_rank is not None and not 0 <= modifier_rank < size:
         raise ValueError(
             f"gathered_parameters: modifier_rank {modifier_rank} is outside the "
@@ -196,7 +183,7 @@ def gathered_parameters(
     sel = _select(state, named)
     _release_units(sel)
     with torch.no_grad():
-        fulls = _gather_full(sel)
+        fulls = gather_masters(sel.groups, "gathered")
         for g, full in zip(sel.groups, fulls, strict=True):
             _expose(g, full)
     _ACTIVE.update(id(g) for g in sel.groups)

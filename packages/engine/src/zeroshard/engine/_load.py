@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zeroshard.engine._initialize import engine_state
+from zeroshard.engine._state import engine_state
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -301,7 +301,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> LoadRepo
     try:
         for g in state.groups:
             master = g.master.detach()
-            for slot, piece in g.layout.slots_in_shard(g.group.rank):
+            for slot, piece in g.layout.slots_in_shard(g.process_group.rank):
                 for lo, chunk in reader.chunks(plan[slot.name], piece.slot_start, piece.numel):
                     at = piece.shard_start + lo
                     # From pageable host memory copy_ returns once the bytes are staged,
@@ -315,16 +315,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> LoadRepo
                 b.copy_(torch.cat(parts).view(b.shape))  # casts to the buffer's own dtype
     finally:
         reader.close()
-    if state.offload is not None:
-        # Offloaded masters changed on the host: recast and upload before publishing.
-        state.offload.refresh(state.offload.groups)
-    # Stages 1/2: the all-gathers of every group are in flight together; stage 3 drops
-    # gathered units, whose buffers now hold the old weights.
-    handles = [g.publish() for g in state.groups]
-    for h in handles:
-        h.wait()
-    if state.stage3 is not None:
-        state.stage3.release_all()
+    # Offloaded masters are recast and uploaded, stages 1/2 all-gather the parameters and
+    # stage 3 drops gathered units, whose buffers now hold the old weights.
+    state.optimizer.republish()
     return LoadReport(
         param_bytes=param_bytes,
         buffer_bytes=reader.bytes_read - param_bytes,

@@ -162,14 +162,14 @@ class HostOffload:
         self,
         groups: Sequence[FlatParamGroup],
         *,
-        world: Group,
+        shard_group: Group,
         compute_dtype: torch.dtype,
         chunk_bytes: int,
         pin: bool,
         offload_params: bool,
     ) -> None:
         self.groups = list(groups)
-        self.device = world.device
+        self.device = shard_group.device
         # Pinning only speeds up copies to a GPU; on the CPU there is no bus to cross.
         pin = pin and self.device.type == "cuda"
         self.offset: dict[int, int] = {}
@@ -178,7 +178,9 @@ class HostOffload:
             self.offset[g.index] = numel
             numel += g.layout.shard_numel
         per_rank = max(1, chunk_bytes // 4)
-        self.layout = ChunkLayout.build(numel * world.size, per_rank * world.size, world.size)
+        self.layout = ChunkLayout.build(
+            numel * shard_group.size, per_rank * shard_group.size, shard_group.size
+        )
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self.master = torch.zeros(n, s, dtype=torch.float32)
         self._pinned_bytes = 0

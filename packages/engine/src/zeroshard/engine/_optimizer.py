@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
@@ -29,31 +30,42 @@ def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch
     return out
 
 
+class StepHooks(Protocol):
+    """What stage 3 does around a step (`_stage3.Stage3Runtime`)."""
+
+    def before_step(self) -> None:
+        """Before the optimizer steps (stage 3: check every rank gathered the same units)."""
+        ...
+
+    def after_publish(self) -> None:
+        """After new shards were published (stage 3: drop the gathered parameters)."""
+        ...
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Steps master shards, then publishes them (stages 1/2 all-gather the parameters)."""
+    """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
+
+    `offload` (CPU offload) holds some masters, and so their optimizer state, on the host.
+    """
 
     def __init__(
         self,
         inner: torch.optim.Optimizer,
         groups: Sequence[FlatParamGroup],
         reducer: GradReducer,
-        world: Group,
+        shard_group: Group,
         scaler: LossScaler | None,
         allgather_bucket_bytes: int,
-        after_publish: Callable[[], None] | None = None,
-        before_step: Callable[[], None] | None = None,
+        *,
+        hooks: StepHooks | None = None,
         offload: HostOffload | None = None,
     ) -> None:
         self.inner = inner
-        # CPU offload: some masters (and so their optimizer state) live on the host.
         self.offload = offload
-        # Stage 3 drops gathered parameters once new shards are published.
-        self.after_publish = after_publish
-        # Stage 3 checks that every rank gathered the same units before stepping.
-        self.before_step = before_step
+        self.hooks = hooks
         self.flat_groups = list(groups)
         self.reducer = reducer
-        self.world = world
+        self.shard_group = shard_group
         self.scaler = scaler
         self.allgather_bucket_bytes = allgather_bucket_bytes
         self._unscaled = False
@@ -84,12 +96,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is None or self._unscaled:
             return
         shards = self._grad_shards()
-        local_bad = torch.zeros(1, device=self.world.device)
+        local_bad = torch.zeros(1, device=self.shard_group.device)
         for s in shards:
             bad = (~torch.isfinite(s)).any().float().reshape(1).to(local_bad.device)
             local_bad = torch.maximum(local_bad, bad)
         # Every rank must skip the same steps: take the max of the flags over ranks.
-        self.world.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
+        self.shard_group.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
         self._overflow = bool(local_bad.item())
         if not self._overflow:
             for same in _by_device(shards).values():
@@ -104,12 +116,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards = self._grad_shards()
         if self._overflow:
             return torch.tensor(math.inf)
-        local = torch.zeros(1, dtype=torch.float32, device=self.world.device)
+        local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
         # Offloaded shards are on the host, the others on the device: one norm per device.
         by_device = _by_device(shards)
         for same in by_device.values():
             local += torch.stack(torch._foreach_norm(same)).square().sum().to(local.device)
-        self.world.all_reduce(local, label="grad norm").wait()
+        self.shard_group.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -123,8 +135,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Step the master shards, then all-gather the parameters (skipped on fp16 overflow)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
-        if self.before_step is not None:
-            self.before_step()
+        if self.hooks is not None:
+            self.hooks.before_step()
         self._prepare_grads()
         overflow = self._overflow
         self._unscaled = False
@@ -134,12 +146,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if overflow:
             self.reducer.zero_grad()
             return None
-        self.inner.step()
+        with record_function("zeroshard::optimizer_step"):
+            self.inner.step()
         self._publish(g for g in self.flat_groups if g.trainable)
         return None
 
     def republish(self) -> None:
-        """Make every master shard what forward computes with, after it changed in place."""
+        """Make every master shard what forward computes with, after it changed in place
+        (a load): stage 3 drops what is gathered, stages 1/2 all-gather the parameters."""
         self._publish(self.flat_groups)
 
     def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
@@ -153,7 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pending = 0
         for g in groups:
             handle = g.publish()
-            nbytes = 0 if g.param_buffer is None else g.param_buffer.nbytes
+            nbytes = 0 if g.sharded else g.param_buffer.nbytes
             inflight.append((nbytes, handle))
             pending += nbytes
             while pending > self.allgather_bucket_bytes and len(inflight) > 1:
@@ -162,8 +176,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pending -= done
         for _, handle in inflight:
             handle.wait()
-        if self.after_publish is not None:
-            self.after_publish()
+        if self.hooks is not None:
+            self.hooks.after_publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradient shards (freed by default, as torch's optimizers do)."""
@@ -176,15 +190,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "inner": self.inner.state_dict(),
             "master": [g.master.detach().clone() for g in self.flat_groups],
             "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "world_size": self.world.size,
+            "world_size": self.shard_group.size,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()` output taken at the same world size, and re-gather params."""
-        if state_dict.get("world_size") != self.world.size:
+        if state_dict.get("world_size") != self.shard_group.size:
             raise ValueError(
                 f"optimizer state was saved at world size {state_dict.get('world_size')}, "
-                f"this run has {self.world.size}; use zeroshard checkpoints to reshard"
+                f"this run has {self.shard_group.size}; use zeroshard checkpoints to reshard"
             )
         masters = state_dict["master"]
         if len(masters) != len(self.flat_groups):

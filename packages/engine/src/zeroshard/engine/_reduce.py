@@ -24,18 +24,43 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._offload import HostOffload
+from zeroshard.engine._stats import EngineStats
+
+
+class BackwardEvents(Protocol):
+    """What stage 3 tells the reducer and hears from it (`_stage3.Stage3Runtime`)."""
+
+    def reduce_order(self) -> Sequence[FlatParamGroup]:
+        """The launch order for the next backward (a new object when it changed)."""
+        ...
+
+    def grads_ready(self, g: FlatParamGroup) -> None:
+        """All of `g`'s gradients are in its bucket (its reduction is queued)."""
+        ...
+
+    def backward_done(self) -> None:
+        """Every reduction of this backward was launched and waited."""
+        ...
 
 
 class GradReducer:
-    """Reduces gradients of `groups` (trainable ones, in launch order) into fp32 shards."""
+    """Reduces gradients of `groups` (trainable ones, in launch order) into fp32 shards.
+
+    `replicate` (hybrid sharding) is the group of ranks holding the same shards, averaged
+    over after each reduce-scatter; `offload` receives the offloaded groups' shards on the
+    host; `events` (stage 3) sets the launch order and hears when groups are complete;
+    `stats` counts the reduce-scatters.
+    """
 
     def __init__(
         self,
@@ -45,18 +70,17 @@ class GradReducer:
         reduce_dtype: torch.dtype,
         overlap: bool,
         max_inflight: int,
-        on_complete: Callable[[FlatParamGroup], None] | None = None,
-        on_backward_end: Callable[[], None] | None = None,
+        replicate: Group | None,
+        offload: HostOffload | None,
+        events: BackwardEvents | None = None,
+        stats: EngineStats | None = None,
     ) -> None:
         self.order = [g for g in groups if g.trainable]
-        # Stage 3 releases a unit once its gradients are all in, and the rest at the end.
-        self.on_complete = on_complete
-        self.on_backward_end = on_backward_end
-        # Hybrid sharding: the group of ranks holding the same shards, averaged over after
-        # each reduce-scatter (None: no replicas).
-        self.replicate: Group | None = None
-        # CPU offload: offloaded groups' reduced shards go to the host (see _offload.py).
-        self.offload: HostOffload | None = None
+        self._order_source: Sequence[FlatParamGroup] = groups
+        self.events = events
+        self.replicate = replicate
+        self.offload = offload
+        self.stats = stats
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.overlap = overlap
@@ -90,6 +114,8 @@ class GradReducer:
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            if self.events is not None:
+                self._follow(self.events.reduce_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.stage == 1:
             self._stage1_dirty = True
@@ -106,8 +132,8 @@ class GradReducer:
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
         self._ready[self._position[g.index]] += 1
-        if self.on_complete is not None and self._ready[self._position[g.index]] == len(g.params):
-            self.on_complete(g)
+        if self.events is not None and self._ready[self._position[g.index]] == len(g.params):
+            self.events.grads_ready(g)
         if self.overlap:
             self._launch_ready()
 
@@ -122,14 +148,24 @@ class GradReducer:
         bucket = self._buckets.pop(g.index, None)
         if bucket is None:
             bucket = torch.zeros(
-                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.group.device
+                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.process_group.device
             )
-        out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=bucket.device)
-        handle = g.group.reduce_scatter(out, bucket, op="avg", label=f"grads of group {g.index}")
+        out, handle = self._reduce_scatter(g, bucket)
         self._inflight.append((g, out, handle))
         self._next += 1
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
+
+    def _reduce_scatter(self, g: FlatParamGroup, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+        """Start averaging `full` over `g`'s process group into a new shard-sized tensor."""
+        out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
+        with record_function("zeroshard::reduce_scatter"):
+            handle = g.process_group.reduce_scatter(
+                out, full, op="avg", label=f"grads of group {g.index}"
+            )
+        if self.stats is not None:
+            self.stats.reduced(full.nbytes)
+        return out, handle
 
     def _finish_oldest(self) -> None:
         g, out, handle = self._inflight.popleft()
@@ -151,9 +187,13 @@ class GradReducer:
         else:
             g.grad_shard.add_(out)
 
-    def set_order(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Reduce in this order from the next backward on (same on every rank)."""
+    def _follow(self, groups: Sequence[FlatParamGroup]) -> None:
+        """At the start of a backward: reduce in `groups`' order if it changed (the same
+        on every rank: it is the recorded forward order, reversed)."""
+        if groups is self._order_source:
+            return
         assert not self._inflight and self._next == 0
+        self._order_source = groups
         self.order = [g for g in groups if g.trainable]
         self._position = {g.index: i for i, g in enumerate(self.order)}
         self._ready = [0] * len(self.order)
@@ -169,42 +209,31 @@ class GradReducer:
                 self.offload.drain()
             self._next = 0
             self._ready = [0] * len(self.order)
-        if self.on_backward_end is not None:
-            self.on_backward_end()
+        if self.events is not None:
+            self.events.backward_done()
 
     # -- step ----------------------------------------------------------------------------
     def reduce_pending(self) -> None:
         """Stage 1: reduce-scatter the accumulated full gradients into the fp32 shards."""
         if self.stage != 1 or not self._stage1_dirty:
             return
-        pending: list[tuple[FlatParamGroup, torch.Tensor, Handle]] = []
+        pending: list[tuple[FlatParamGroup, torch.Tensor, torch.Tensor, Handle]] = []
         for g in self.order:
-            assert g.grad_buffer is not None
-            self._repoint_stage1_grads(g)
-            send = g.grad_buffer.to(self.reduce_dtype)
-            out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=send.device)
-            pending.append(
-                (
-                    g,
-                    out,
-                    g.group.reduce_scatter(out, send, op="avg", label=f"grads of group {g.index}"),
-                )
-            )
-        for g, out, handle in pending:
+            buf = _grad_buffer(g)
+            self._repoint_stage1_grads(g, buf)
+            pending.append((g, buf, *self._reduce_scatter(g, buf.to(self.reduce_dtype))))
+        for g, buf, out, handle in pending:
             handle.wait()
             self._fold(g, out)
-            assert g.grad_buffer is not None
-            g.grad_buffer.zero_()
+            buf.zero_()
         if self.offload is not None:
             self.offload.drain()
         self._stage1_dirty = False
 
     @staticmethod
-    def _repoint_stage1_grads(g: FlatParamGroup) -> None:
+    def _repoint_stage1_grads(g: FlatParamGroup, buf: torch.Tensor) -> None:
         # A user who set `.grad = None` (model.zero_grad()) made autograd allocate fresh
         # gradients outside the buffer: fold them in so nothing is lost, and re-point.
-        assert g.grad_buffer is not None
-        buf = g.grad_buffer
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             view = buf[slot.offset : slot.end]
             grad = p.grad
@@ -225,3 +254,10 @@ class GradReducer:
             if g.grad_buffer is not None:
                 g.grad_buffer.zero_()
         self._stage1_dirty = False
+
+
+def _grad_buffer(g: FlatParamGroup) -> torch.Tensor:
+    buf = g.grad_buffer
+    if buf is None:
+        raise RuntimeError(f"flat group {g.index} has no stage-1 gradient buffer")
+    return buf

@@ -1,95 +1,38 @@
-"""Stage 3 at run time: gather each unit before it runs, release it after, prefetch ahead.
+"""Stage 3 at run time: the hooks that drive each `Unit` through a step, and prefetch.
 
-[Note: the life of a unit in one step]
-forward pre-hook: gather (or wait for a prefetch), expose the parameters as views of the
-gathered buffer, then prefetch the next units of the recorded forward order.
-forward post-hook: register a pre-backward hook on the outputs and release the unit
-(unless it is persistent: small, or the root, whose head runs first in backward).
-pre-backward hook (a gradient reached the unit's outputs): gather again, prefetch the
-next units of the backward order. When all of a unit's gradients have arrived (the
-reducer's `on_complete`), its reduction is queued and the unit is released; what is
-still gathered at the end of backward is released there. After the optimizer step,
-every gathered unit is dropped: its parameters changed.
+The runtime registers a forward pre- and post-hook on every unit's module and a
+pre-backward hook on its outputs, and calls the unit's lifecycle methods from them (see
+[Note: the life of a unit in one step] in _unit.py). It records the order units run in
+forward, prefetches the next units of that order (in forward) or of its reverse (in
+backward) within the byte budgets, gives the reducer its launch order, and checks that
+every rank gathers the same units. Activation checkpointing recomputes forward inside
+backward: there the forward hooks neither release nor re-record (the unit stays gathered
+until its gradients are in).
 
-Autograd may save parameters or views of them for backward; releasing only resizes the
-gathered buffer's storage to zero (see [Note: released storage] in _flat_group.py), so
-the memory is freed all the same, and backward re-gathers into the same storage before
-anything reads it, which the pre-backward hook guarantees. Activation checkpointing
-recomputes forward inside backward: there the forward hooks neither release nor
-re-record (the unit stays gathered until its gradients are in).
+It is the stage-3 side of the two small protocols the reducer and the optimizer take:
+`BackwardEvents` (launch order, reduction queued, end of backward) and `StepHooks`
+(before the optimizer step, after the new shards are published).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zeroshard.comm import Group, Handle
+from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._stats import EngineStats
+from zeroshard.engine._unit import Unit, UnitState
+from zeroshard.engine._unit_plan import UnitPlan
 
 log = logging.getLogger("zeroshard.engine")
-
-
-class UnitState(Enum):
-    """Where a unit's parameters are."""
-
-    RELEASED = "released"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-@dataclass
-class EngineStats:
-    """Counters for tests and benchmarks (stage 3); reset with `reset()`."""
-
-    gathers: int = 0
-    bytes_gathered: int = 0
-    live_bytes: int = 0
-    peak_live_bytes: int = 0
-    prefetches: int = 0
-    order_changes: int = 0
-
-    def reset(self) -> None:
-        """Zero every counter but the live bytes (which describe the present)."""
-        live = self.live_bytes
-        for name in self.__dataclass_fields__:
-            setattr(self, name, 0)
-        self.live_bytes = self.peak_live_bytes = live
-
-
-@dataclass(eq=False)
-class Unit:
-    """A module whose parameters are gathered and released together."""
-
-    index: int
-    name: str
-    module: nn.Module
-    groups: tuple[FlatParamGroup, ...]
-    persistent: bool
-    state: UnitState = UnitState.RELEASED
-    handles: list[Handle] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the gathered buffers."""
-        return sum(
-            g.layout.padded_numel * g.param_buffer.element_size()
-            for g in self.groups
-            if g.param_buffer is not None
-        )
-
-    @property
-    def label(self) -> str:
-        """How errors name this unit."""
-        return f"unit {self.index} ({self.name or '<root>'})"
 
 
 class DivergentRanksError(RuntimeError):
@@ -101,63 +44,83 @@ def _in_backward() -> bool:
 
 
 class Stage3Runtime:
-    """Hooks and prefetch for the units of one model; see [Note: the life of a unit]."""
+    """Hooks, order and prefetch for the units of one model."""
 
     def __init__(
         self,
-        units: Sequence[Unit],
+        plans: Sequence[tuple[UnitPlan, tuple[FlatParamGroup, ...]]],
         *,
-        world: Group,
+        shard_group: Group,
         prefetch_depth: int,
         prefetch_bytes: int,
         max_live_bytes: int,
-        on_new_order: Callable[[Sequence[Unit]], None],
+        persistence_threshold: int,
     ) -> None:
-        self.units = list(units)
-        # The engine re-orders gradient reduction by each newly recorded forward order.
-        self.on_new_order = on_new_order
+        self.stats = EngineStats()
+        self.units = [
+            Unit(
+                i,
+                plan.name,
+                plan.module,
+                groups,
+                # The root stays gathered: its forward wraps every other unit's, and its
+                # output layer is the first thing backward needs.
+                persistent=i == 0 or sum(g.layout.numel for g in groups) < persistence_threshold,
+                stats=self.stats,
+                check_gather=self._check_same_unit,
+            )
+            for i, (plan, groups) in enumerate(plans)
+        ]
         self.prefetch_depth = prefetch_depth
         self.prefetch_bytes = prefetch_bytes
         self.max_live_bytes = max_live_bytes
-        self.stats = EngineStats()
         self._unit_of_group = {g.index: u for u in self.units for g in u.groups}
         self._order: list[Unit] = []
         self._position: dict[int, int] = {}
         self._recording: list[Unit] = []
         self._order_valid = False
-        self._complete: dict[int, int] = {}
+        self._reduce_order = self._launch_order([])
         # [Note: divergent ranks] Ranks must gather the same units in the same order. On
         # gloo (CPU) every gather is preceded by a tiny check collective, so a rank that
         # diverged gets an error naming both units before a mismatched gather can abort
         # the process. On NCCL a per-gather check would cost a host sync each time, so the
         # ids are hashed locally and compared once per step, before the optimizer step:
         # a mismatch never reaches the weights.
-        self._world = world
-        self._check_each = world.backend != "nccl"
+        self._shard_group = shard_group
+        self._check_each = shard_group.backend != "nccl"
         # This step's gathers, for the error message only: bounded, since eval loops that
         # never step (and so never verify) gather forever.
         self._sequence: deque[str] = deque(maxlen=64)
         self._hash = 0
-        # False while something else (zeroshard.compile) gathers and releases: the hooks
-        # then do nothing.
-        self.hooks_enabled = True
+        self._suspended = False
         for u in self.units:
             u.module.register_forward_pre_hook(self._make_pre_forward(u))
             u.module.register_forward_hook(self._make_post_forward(u))
 
-    # -- gather and release --------------------------------------------------------------
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The hooks do nothing inside: something else (zeroshard.compile) gathers and
+        releases the parameters itself."""
+        was, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = was
+
+    # -- the order check -----------------------------------------------------------------
     def _check_same_unit(self, u: Unit) -> None:
         self._sequence.append(u.label)
         self._hash = (self._hash * 1_000_003 + u.index + 1) % (2**31 - 1)
-        if not self._check_each or self._world.size == 1:
+        group = self._shard_group
+        if not self._check_each or group.size == 1:
             return
-        ids = torch.tensor([u.index, -u.index], dtype=torch.int64, device=self._world.device)
-        self._world.all_reduce(ids, op="max", label=f"unit check before {u.label}").wait()
+        ids = torch.tensor([u.index, -u.index], dtype=torch.int64, device=group.device)
+        group.all_reduce(ids, op="max", label=f"unit check before {u.label}").wait()
         if int(ids[0]) != u.index or int(-ids[1]) != u.index:
             others = sorted({int(ids[0]), int(-ids[1])} - {u.index})
             names = ", ".join(self.units[i].label for i in others)
             raise DivergentRanksError(
-                f"rank {self._world.rank} is gathering {u.label} while another rank is "
+                f"rank {group.rank} is gathering {u.label} while another rank is "
                 f"gathering {names}: the ranks ran different modules (a skipped or extra module?)"
             )
 
@@ -166,80 +129,77 @@ class Stage3Runtime:
         sequence, digest = list(self._sequence), self._hash
         self._sequence.clear()
         self._hash = 0
-        if self._check_each or self._world.size == 1:
+        group = self._shard_group
+        if self._check_each or group.size == 1:
             return
-        t = torch.tensor([digest, -digest], dtype=torch.int64, device=self._world.device)
-        self._world.all_reduce(t, op="max", label="unit order check").wait()
+        t = torch.tensor([digest, -digest], dtype=torch.int64, device=group.device)
+        group.all_reduce(t, op="max", label="unit order check").wait()
         if int(t[0]) != digest or int(-t[1]) != digest:
             raise DivergentRanksError(
-                f"ranks gathered different units this step; rank {self._world.rank} gathered "
+                f"ranks gathered different units this step; rank {group.rank} gathered "
                 "(last 64): " + ", ".join(sequence)
             )
 
-    def _start(self, u: Unit, prefetch: bool) -> None:
-        self._check_same_unit(u)
-        u.handles = [g.start_gather() for g in u.groups]
-        u.state = UnitState.GATHERING
-        nbytes = u.nbytes
-        self.stats.gathers += 1
-        self.stats.prefetches += int(prefetch)
-        self.stats.bytes_gathered += nbytes
-        self.stats.live_bytes += nbytes
-        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
+    # -- StepHooks -----------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Before the optimizer step: every rank gathered the same units."""
+        self.verify_order()
 
-    def gather(self, u: Unit) -> None:
-        """Make `u`'s parameters whole (waiting for a prefetch in flight)."""
-        if u.state is UnitState.GATHERED:
-            return
-        if u.state is UnitState.RELEASED:
-            self._start(u, prefetch=False)
-        for h in u.handles:
-            h.wait()
-        u.handles = []
-        for g in u.groups:
-            g.expose()
-        u.state = UnitState.GATHERED
-
-    def release(self, u: Unit) -> None:
-        """Drop `u`'s gathered buffers (after finishing a gather still in flight)."""
-        if u.state is UnitState.RELEASED:
-            return
-        for h in u.handles:
-            h.wait()
-        u.handles = []
-        self.stats.live_bytes -= u.nbytes
-        for g in u.groups:
-            g.release()
-        u.state = UnitState.RELEASED
+    def after_publish(self) -> None:
+        """After new shards were published: drop every gathered unit (its values changed)."""
+        self.release_all()
 
     def release_all(self) -> None:
-        """Drop every gathered unit (after a step: the shards changed)."""
+        """Drop every gathered unit."""
         for u in self.units:
-            self.release(u)
+            u.release()
 
+    # -- BackwardEvents ------------------------------------------------------------------
+    def reduce_order(self) -> Sequence[FlatParamGroup]:
+        """The flat groups in the order backward completes them: the reverse of the last
+        recorded forward order, then units not seen there (the same object until the
+        order changes)."""
+        return self._reduce_order
+
+    def grads_ready(self, g: FlatParamGroup) -> None:
+        """All of `g`'s gradients are in its bucket: tell its unit."""
+        self._unit_of_group[g.index].grads_reduced(g)
+
+    def backward_done(self) -> None:
+        """End of backward: every unit releases what it still holds."""
+        for u in self.units:
+            u.backward_done()
+
+    def _launch_order(self, order: Sequence[Unit]) -> list[FlatParamGroup]:
+        seen: dict[int, FlatParamGroup] = {}
+        for u in [*reversed(order), *reversed(self.units)]:
+            for g in u.groups:
+                seen.setdefault(g.index, g)
+        return list(seen.values())
+
+    # -- prefetch ------------------------------------------------------------------------
     def _prefetch(self, candidates: Sequence[Unit]) -> None:
         in_flight = 0
         for u in candidates:
             if u.state is not UnitState.RELEASED:
                 continue
-            nbytes = u.nbytes
-            if in_flight + nbytes > self.prefetch_bytes:
+            if in_flight + u.nbytes > self.prefetch_bytes:
                 return
-            if self.stats.live_bytes + nbytes > self.max_live_bytes:
+            if self.stats.live_bytes + u.nbytes > self.max_live_bytes:
                 return
-            self._start(u, prefetch=True)
-            in_flight += nbytes
+            u.start_gather(prefetch=True)
+            in_flight += u.nbytes
 
     # -- forward -------------------------------------------------------------------------
     def _make_pre_forward(self, u: Unit) -> Any:
         def pre_forward(module: nn.Module, args: Any) -> None:
-            if not self.hooks_enabled:
+            if self._suspended:
                 return
             if _in_backward():
-                self.gather(u)  # recomputation under activation checkpointing
+                u.gather()  # recomputation under activation checkpointing
                 return
             self._record(u)
-            self.gather(u)
+            u.pre_forward()
             if self._order_valid:
                 pos = len(self._recording) - 1
                 self._prefetch(self._order[pos + 1 : pos + 1 + self.prefetch_depth])
@@ -259,7 +219,7 @@ class Stage3Runtime:
 
     def _make_post_forward(self, u: Unit) -> Any:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.hooks_enabled or _in_backward():
+            if self._suspended or _in_backward():
                 return
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
@@ -267,8 +227,7 @@ class Stage3Runtime:
                         t.register_hook(self._make_pre_backward(u))  # type: ignore[no-untyped-call]
             if u.index == 0:
                 self._end_of_forward()
-            if not u.persistent:
-                self.release(u)
+            u.post_forward()
 
         return post_forward
 
@@ -279,31 +238,16 @@ class Stage3Runtime:
             # A unit run twice keeps its last forward position (its first in backward).
             self._position = {u.index: i for i, u in enumerate(self._order)}
             self._order_valid = True
-            self.on_new_order(self._order)
+            self._reduce_order = self._launch_order(self._order)
         self._recording = []
 
     # -- backward ------------------------------------------------------------------------
     def _make_pre_backward(self, u: Unit) -> Any:
         def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-            self.gather(u)
+            u.pre_backward()
             pos = self._position.get(u.index) if self._order_valid else None
             if pos:
                 self._prefetch(self._order[max(0, pos - self.prefetch_depth) : pos][::-1])
             return grad
 
         return pre_backward
-
-    def on_group_complete(self, g: FlatParamGroup) -> None:
-        """All of `g`'s gradients are in: release its unit once all its groups are."""
-        u = self._unit_of_group[g.index]
-        done = self._complete.get(u.index, 0) + 1
-        self._complete[u.index] = done
-        if done == sum(1 for x in u.groups if x.trainable) and not u.persistent:
-            self.release(u)
-
-    def on_backward_end(self) -> None:
-        """Release what backward left gathered (units without gradients this step)."""
-        self._complete.clear()
-        for u in self.units:
-            if not u.persistent:
-                self.release(u)

@@ -200,6 +200,22 @@ class FlatLayout:
                     out.append((s, p))
         return tuple(out)
 
+    def split_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Consecutive sizes that split the padded buffer into every slot, alignment gap
+        and the padding (for one `Tensor.split`), and the index of each slot's piece."""
+        sizes: list[int] = []
+        piece_of_slot: list[int] = []
+        end = 0
+        for s in self.slots:
+            if s.offset > end:
+                sizes.append(s.offset - end)
+            piece_of_slot.append(len(sizes))
+            sizes.append(s.numel)
+            end = s.end
+        if self.padded_numel > end:
+            sizes.append(self.padded_numel - end)
+        return tuple(sizes), tuple(piece_of_slot)
+
     def resharded(self, world_size: int) -> FlatLayout:
         """The same slots padded for another world size (offsets unchanged)."""
         unit = world_size * self.alignment

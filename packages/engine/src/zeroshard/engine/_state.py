@@ -1,0 +1,60 @@
+"""`EngineState`: what `initialize` attaches to a model, and how the other modules find it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from zeroshard.comm import Group
+from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._offload import HostOffload
+from zeroshard.engine._optimizer import ZeroOptimizer
+from zeroshard.engine._stage3 import Stage3Runtime
+from zeroshard.engine._stats import EngineStats
+
+_ATTR = "_zeroshard_engine"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What `initialize` attached to a model: its config, flat groups and optimizer.
+
+    `shard_group` is the process group the flat groups are sharded over (the world, or
+    under hybrid sharding one shard group); `replicate` averages across shard groups.
+    """
+
+    config: ZeroConfig
+    shard_group: Group
+    replicate: Group | None
+    groups: tuple[FlatParamGroup, ...]
+    optimizer: ZeroOptimizer
+    stage3: Stage3Runtime | None
+    offload: HostOffload | None = None
+
+
+def is_initialized(model: nn.Module) -> bool:
+    """Whether `initialize` already attached an engine to `model`."""
+    return hasattr(model, _ATTR)
+
+
+def attach_state(model: nn.Module, state: EngineState) -> None:
+    """Attach `state` to `model` (once, at the end of `initialize`)."""
+    setattr(model, _ATTR, state)
+
+
+def engine_state(model: nn.Module) -> EngineState:
+    """The engine state `initialize` attached to `model`."""
+    state = getattr(model, _ATTR, None)
+    if not isinstance(state, EngineState):
+        raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
+    return state
+
+
+def engine_stats(model: nn.Module) -> EngineStats:
+    """Stage 3 counters (gathers, bytes gathered, live and peak gathered bytes, ...)."""
+    runtime = engine_state(model).stage3
+    if runtime is None:
+        raise ValueError("engine statistics are kept for stage 3 only (stages 1/2 gather nothing)")
+    return runtime.stats
