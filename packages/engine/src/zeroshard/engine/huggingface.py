@@ -22,10 +22,15 @@ from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-unt
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
-from zeroshard.engine._config import ZeroConfig, as_config
-from zeroshard.engine._initialize import full_state_dict, initialize
-from zeroshard.engine._optimizer import ZeroOptimizer
+from zeroshard.engine import (
+    ZeroConfig,
+    ZeroOptimizer,
+    full_state_dict,
+    initialize,
+    load_checkpoint,
+    save_checkpoint,
+)
+from zeroshard.engine._config import as_config
 
 __all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 
