@@ -47,20 +47,31 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
-def gpu(session: nox.Session) -> None:
-    """Tests marked `gpu` on NCCL (world sizes 1 and 2) in this interpreter, which must see CUDA."""
+@nox.parametrize("world", [1, 2, 4, 8])
+def gpu(session: nox.Session, world: int) -> None:
+    """The test matrix (tests/integration/test_matrix.py) at `world` ranks on NCCL, in this
+    interpreter, which must see CUDA; `world=1` also runs every other test marked `gpu`.
+
+    `nox -s gpu` runs every world; a world larger than the visible GPUs is skipped (nox
+    reports it as skipped, not as passed). docs/testing.md keeps the results.
+    """
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        session.log("gpu: torch is not installed in this interpreter; nothing run")
-        return
+        session.skip("gpu: torch is not installed in this interpreter")
     import torch
 
     if not torch.cuda.is_available():
-        session.log("gpu: no CUDA device here; nothing run (this is not a failure)")
-        return
+        session.skip("gpu: no CUDA device here")
+    visible = torch.cuda.device_count()
+    if world > visible:
+        session.skip(f"gpu: world {world} needs {world} GPUs, {visible} visible")
+    selected = f"world{world}-" + (" or not test_matrix" if world == 1 else "")
     env = {"PYTHONPATH": ":".join(f"packages/{p}/src" for p in PACKAGES)}
-    session.run("python", "-m", "pytest", "-m", "gpu", "--device", "cuda", "-q", env=env)
+    args = session.posargs or ["-q", "-rs"]
+    session.run(
+        "python", "-m", "pytest", "-m", "gpu", "--device", "cuda", "-k", selected, *args, env=env
+    )
 
 
 @nox.session
@@ -96,9 +107,9 @@ def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
     _install(session, "numpy", "matplotlib")
     for script in ("flatten", "comm", "leaf_fetch"):
-        session.run("python", f"benchmarks/{script}.py", "--smoke", *session.posargs)
+        session.run("python", "-m", f"benchmarks.{script}", "--smoke", *session.posargs)
     session.run(
-        "torchrun", "--standalone", "--nproc-per-node=2", "benchmarks/train_step.py", "--smoke"
+        "torchrun", "--standalone", "--nproc-per-node=2", "-m", "benchmarks.train_step", "--smoke"
     )
 
 

@@ -1,6 +1,6 @@
 """One part of benchmarks/offload.py, run in a process of its own.
 
-    python benchmarks/_offload_workers.py PART ARGS_JSON OUT_JSON
+    python -m benchmarks._offload_workers PART ARGS_JSON OUT_JSON
 
 PART is `train-zs`, `train-ds`, `adam-torch` or `adam-ds`. Each part runs alone so that
 a host or device out-of-memory, or a crash in a JIT-built extension, costs only its own
@@ -24,10 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-from gpt import GPT, GPTConfig, parameters_count  # noqa: E402
+from examples.gpt import GPT, GPTConfig, parameters_count
 
 LR = 1e-4
 GIB = 1024**3

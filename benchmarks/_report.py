@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
 # Smoke runs write here (ignored by git), never over the real figures in DOC.
-SMOKE_OUT = Path(__file__).resolve().parent.parent / "bench-out"
+SMOKE_OUT = ROOT / "bench-out"
 HEADER = (
     "# Benchmarks\n\n"
     "Every figure here is written by a script in `benchmarks/`; each section names the\n"
@@ -33,11 +34,27 @@ def environment() -> str:
     else:
         device = f"CPU ({platform.processor() or platform.machine()})"
         cuda = ""
-    cmd = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    cmd = command()
     return (
         f"Measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}"
         f"{cuda}, Python {platform.python_version()}. Command: `{cmd}`"
     )
+
+
+def entry_point() -> list[str]:
+    """How this process was started: `["-m", "benchmarks.train_step"]` for the benchmarks
+    (run with `python -m` or `torchrun -m` from the repository root), or the script's path
+    for a script run by its path (benchmarks/consolidate.py)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return ["-m", spec.name] if spec is not None else [sys.argv[0]]
+
+
+def command() -> str:
+    """The command line of this run, e.g. `-m benchmarks.train_step --model llama`."""
+    head = entry_point()
+    if head[0] != "-m":
+        head = [Path(head[0]).name]
+    return shlex.join([*head, *sys.argv[1:]])
 
 
 def write_section(name: str, title: str, body: str, *, measured: str | None = None) -> None:
@@ -84,7 +101,7 @@ def init_ranks(nproc: int, *, cuda: bool) -> torch.device:
 
     if "LOCAL_RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={nproc}", sys.argv[0], *sys.argv[1:]]
+        cmd += [f"--nproc-per-node={nproc}", *entry_point(), *sys.argv[1:]]
         raise SystemExit(subprocess.call(cmd))
     local = int(os.environ["LOCAL_RANK"])
     if cuda:

@@ -90,6 +90,20 @@ def setup_floor(model: nn.Module, s: Settings) -> Stepper:
     return _plain_step(model, _adamw(model.parameters(), s.device), s, autocast=False)
 
 
+def _compile_blocks(model: nn.Module) -> None:
+    """Replace every block of `model.blocks` by `torch.compile(block, fullgraph=True)`."""
+    blocks: Any = model.blocks
+    for i, block in enumerate(blocks):
+        blocks[i] = torch.compile(block, fullgraph=True)
+
+
+def setup_floorc(model: nn.Module, s: Settings) -> Stepper:
+    """The floor with every block under torch.compile: what the compiled engines (`zs3c`,
+    `fsdp2c`) would run at best, so their ratio to it is the cost of sharding alone."""
+    _compile_blocks(model)
+    return setup_floor(model, s)
+
+
 def setup_ddp(model: nn.Module, s: Settings) -> Stepper:
     """torch DistributedDataParallel (default buckets) with autocast."""
     from torch.nn.parallel import DistributedDataParallel
@@ -224,11 +238,12 @@ def _setup_ds(model: nn.Module, s: Settings, stage: int) -> Stepper:
 def setup_fsdp2c(model: nn.Module, s: Settings) -> Stepper:
     """FSDP2 as `fsdp2`, each block wrapped in torch.compile first (as torchtitan does):
     fully_shard then hooks the wrapper, so its gathers stay outside the compiled blocks."""
-    blocks: Any = model.blocks
-    for i, block in enumerate(blocks):
-        blocks[i] = torch.compile(block, fullgraph=True)
+    _compile_blocks(model)
     return _setup_fsdp2(model, s, reshard_after_forward=True)
 
+
+# The engines whose blocks run compiled: their floor is `floorc`, not `floor`.
+COMPILED = frozenset({"floorc", "zs3c", "zs3c-nofuse", "fsdp2c"})
 
 # Per-engine lines for the report (rank 0), e.g. the bytes a compiled step gathers.
 NOTES: dict[str, str] = {}
@@ -302,6 +317,13 @@ ENGINES: dict[str, Engine] = {
             "floor",
             "1 device, no communication, model in the compute dtype",
             setup_floor,
+            _always,
+            True,
+        ),
+        Engine(
+            "floorc",
+            "the floor with every block torch.compile'd",
+            setup_floorc,
             _always,
             True,
         ),

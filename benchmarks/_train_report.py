@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from _report import markdown_table
-from _trace import TraceSummary
-from _train_engines import Settings
-from gpt import GPTConfig, flops_per_token, parameters_count  # type: ignore[import-not-found, unused-ignore]
+from benchmarks._models import BenchModel
+from benchmarks._report import markdown_table
+from benchmarks._trace import TraceSummary
+from benchmarks._train_engines import COMPILED, Settings
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,10 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def report(
-    results: list[Result], cfg: GPTConfig, args: argparse.Namespace, settings: Settings, world: int
+    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
 ) -> str:
     """The markdown body: settings, the table, ratios, goals, and the profile summary."""
-    tokens = args.micro_batch * cfg.seq_len
+    tokens = args.micro_batch * bm.seq_len
     on_gpu = settings.device.type == "cuda"
     by = {r.engine: r for r in results if r.step_ms is not None}
     floor = by.get("floor")
@@ -54,7 +55,7 @@ def report(
             continue
         assert r.step_ms is not None
         tps = tokens / (r.step_ms / 1000)
-        mfu = 100 * flops_per_token(cfg) * tps / (args.peak_tflops * 1e12) if on_gpu else None
+        mfu = 100 * bm.flops_per_token * tps / (args.peak_tflops * 1e12) if on_gpu else None
         vs = _fmt(r.step_ms / floor.step_ms, ".3f") if floor and floor.step_ms else "-"
         rows.append(
             [
@@ -73,23 +74,23 @@ def report(
     ac = (
         " Activation checkpointing: every block recomputed in backward (non-reentrant "
         "torch.utils.checkpoint), for every engine."
-        if cfg.activation_checkpointing
+        if args.activation_checkpointing
         else ""
     )
     zs_extra = (
         "" if args.zs_config.strip() in ("", "{}") else f" zeroshard extras: `{args.zs_config}`."
     )
     head = (
-        f"GPT `{'smoke' if args.smoke else args.preset}`: {parameters_count(cfg) / 1e6:,.1f} M "
-        f"parameters (d {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, seq "
-        f"{cfg.seq_len}, vocab {cfg.vocab_size}, tied head); micro-batch {args.micro_batch} "
+        f"`{bm.name}` `{bm.preset}`: {bm.parameters / 1e6:,.1f} M parameters ({bm.shape}); "
+        f"micro-batch {args.micro_batch} "
         f"per rank, {world} ranks on {settings.device.type}, compute "
         f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
         f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
         "synchronized, on the slowest rank; `floor` runs alone on rank 0.\n"
-        f"- MFU: {flops_per_token(cfg) / 1e9:.2f} GFLOP/token (6N + 12 L d T, PaLM's "
-        f"convention, see examples/gpt.py) x tokens/s/GPU / {args.peak_tflops:g} TFLOP/s.\n"
+        f"- MFU: {bm.flops_per_token / 1e9:.2f} GFLOP/token (6N + 12 L d T, PaLM's "
+        f"convention, see examples/{bm.name.removeprefix('hf-')}.py) x tokens/s/GPU / "
+        f"{args.peak_tflops:g} TFLOP/s.\n"
         "- init: the wrapping call alone (DDP(), fully_shard, zs.initialize, "
         "deepspeed.initialize) on a model already built on the device, after an untimed "
         "first set-up of the same engine on a tiny model, so one-time costs (imports, "
@@ -122,30 +123,82 @@ def report(
         ]
     traced = [r for r in results if r.trace is not None]
     if traced:
-        prow: list[list[object]] = []
-        for r in traced:
-            t = r.trace
-            assert t is not None
-            prow.append(
-                [
-                    f"`{r.engine}`",
-                    f"{t.window_ms:.1f}",
-                    f"{t.compute_ms:.1f}",
-                    f"{t.comm_ms:.1f}",
-                    f"{t.exposed_comm_ms:.1f}",
-                    f"{t.idle_ms:.1f}",
-                ]
-            )
-        body += [
+        body += ["", *profile_tables(traced, by)]
+    return "\n".join(body)
+
+
+def profile_tables(traced: list[Result], by: dict[str, Result]) -> list[str]:
+    """The step split per engine, and each engine's gap to its floor split into (a) exposed
+    communication and (b) compute slowed by overlapping collectives (benchmarks/_trace.py)."""
+    split: list[list[object]] = []
+    gaps: list[list[object]] = []
+    for r in traced:
+        t = r.trace
+        assert t is not None
+        split.append(
+            [
+                f"`{r.engine}`",
+                f"{t.window_ms:.1f}",
+                f"{t.compute_only_ms:.1f}",
+                f"{t.optimizer_ms:.1f}",
+                f"{t.comm_ms:.1f}",
+                f"{t.exposed_comm_ms:.1f}",
+                f"{t.overlapped_compute_ms:.1f}",
+                f"{t.overlap_slowdown_ms:.1f}",
+                f"{t.idle_ms:.1f}",
+            ]
+        )
+        floor = by.get("floorc" if r.engine in COMPILED else "floor")
+        if r.engine in ("floor", "floorc") or floor is None or not floor.step_ms:
+            continue
+        assert r.step_ms is not None
+        gap = r.step_ms - floor.step_ms
+        rest = gap - t.exposed_comm_ms - t.overlap_slowdown_ms
+        gaps.append(
+            [
+                f"`{r.engine}`",
+                f"`{floor.engine}`",
+                f"{gap:.1f}",
+                f"{t.exposed_comm_ms:.1f}",
+                f"{t.overlap_slowdown_ms:.1f}",
+                f"{rest:.1f}",
+            ]
+        )
+    out = [
+        "Profile (rank 0, ms per step over 2 profiled steps; compute excludes the optimizer "
+        "step's kernels; exposed = NCCL kernel time with no compute kernel running; "
+        "overlapped = compute kernel time with NCCL running; slowdown = how much longer the "
+        "overlapped compute kernels ran than the same kernels in the floor's trace; idle = "
+        "no kernel at all):",
+        "",
+        markdown_table(
+            [
+                "engine",
+                "GPU window",
+                "compute",
+                "optimizer",
+                "NCCL",
+                "exposed NCCL",
+                "overlapped compute",
+                "slowdown",
+                "idle",
+            ],
+            split,
+        ),
+    ]
+    if gaps:
+        out += [
             "",
-            "Profile (rank 0, ms per step; exposed = NCCL kernel time with no compute "
-            "kernel running, idle = no kernel at all):",
+            "Gap to the floor (ms per step: median step time minus the floor's), split into "
+            "(a) exposed communication and (b) compute kernels slowed by overlapping "
+            "collectives; the rest is everything else (casts, copies, host overhead, idle):",
             "",
             markdown_table(
-                ["engine", "GPU window", "compute", "NCCL", "exposed NCCL", "idle"], prow
+                ["engine", "floor", "gap", "(a) exposed comm", "(b) overlap slowdown", "rest"],
+                gaps,
             ),
         ]
-    return "\n".join(body)
+    return out
 
 
 def ratios(by: dict[str, Result]) -> str:
@@ -172,7 +225,7 @@ def ratios(by: dict[str, Result]) -> str:
     if zc is not None and zc.step_ms:
         parts = [
             f"{p.step_ms / zc.step_ms:.3f}x the speed of `{name}`"
-            for name in ("zs3", "fsdp2c", "fsdp2", "floor")
+            for name in ("zs3", "fsdp2c", "fsdp2", "floorc", "floor")
             if (p := by.get(name)) is not None and p.step_ms
         ]
         eager = by.get("zs3")
@@ -214,14 +267,66 @@ def _goals(by: dict[str, Result]) -> list[str]:
     return out
 
 
-def plot(results: list[Result], path: Path) -> bool:
-    """Bar charts of step time and peak memory per engine; False if matplotlib is missing."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None if matplotlib is missing."""
     try:
         import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
+        return None
+    return plt
+
+
+def plot_split(results: list[Result], path: Path, title: str) -> bool:
+    """Stacked bars per profiled engine: compute, (b) compute slowed by overlapping
+    collectives, optimizer, (a) exposed communication and the rest of the median step time;
+    False if nothing was profiled or matplotlib is missing."""
+    traced = [r for r in results if r.trace is not None and r.step_ms]
+    plt = _pyplot()
+    if plt is None or not traced:
+        return False
+    names = [r.engine for r in traced]
+    parts: dict[str, list[float]] = {
+        "compute": [],
+        "(b) compute slowed by overlapping collectives": [],
+        "optimizer": [],
+        "(a) exposed communication": [],
+        "other (idle, host)": [],
+    }
+    for r in traced:
+        t = r.trace
+        assert t is not None and r.step_ms is not None
+        slowed = min(t.overlap_slowdown_ms, t.compute_only_ms)
+        parts["compute"].append(t.compute_only_ms - slowed)
+        parts["(b) compute slowed by overlapping collectives"].append(slowed)
+        parts["optimizer"].append(t.optimizer_ms)
+        parts["(a) exposed communication"].append(t.exposed_comm_ms)
+        busy = t.compute_ms + t.exposed_comm_ms
+        parts["other (idle, host)"].append(max(r.step_ms - busy, 0.0))
+    colors = ["tab:green", "tab:olive", "tab:purple", "tab:red", "tab:gray"]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(traced) + 2.4))
+    left = [0.0] * len(traced)
+    for (label, values), color in zip(parts.items(), colors, strict=True):
+        ax.barh(names, values, left=left, label=label, color=color)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlabel("ms per step (median step time, split by the profile of 2 steps, rank 0)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8)
+    ax.set_title(f"Step time split per engine ({title})", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot(results: list[Result], path: Path, title: str) -> bool:
+    """Bar charts of step time and peak memory per engine; False if matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return False
     ok = [r for r in results if r.error is None and r.step_ms is not None]
     if not ok:
@@ -247,7 +352,7 @@ def plot(results: list[Result], path: Path) -> bool:
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
         ax.margins(x=0.15)
-    fig.suptitle("GPT training step per engine (benchmarks/train_step.py)")
+    fig.suptitle(f"Training step per engine, {title} (benchmarks/train_step.py)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,7 +1,7 @@
 """Bus bandwidth of zeroshard's coalesced all-gather / reduce-scatter against raw collectives.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/comm.py
-    python benchmarks/comm.py --smoke      # relaunches itself on 2 CPU ranks (gloo)
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.comm
+    python -m benchmarks.comm --smoke      # relaunches itself on 2 CPU ranks (gloo)
 
 For every size S (1 MiB .. 1 GiB, bf16) the payload is the parameters of 4 transformer
 blocks (LayerNorms, QKV, projection, MLP up and down, their biases: 48 tensors of mixed
@@ -31,16 +31,15 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from benchmarks._report import init_ranks, markdown_table, publish
 from zeroshard.comm import (
     Group,
     Handle,
@@ -49,9 +48,6 @@ from zeroshard.comm import (
     wait_all,
 )
 from zeroshard.comm._coalesce import _buckets, _pack_gather_input, _pack_reduce_input
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import init_ranks, markdown_table, publish
 
 MIB = 1024**2
 BLOCKS = 4

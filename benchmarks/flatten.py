@@ -1,8 +1,8 @@
 """Time and peak memory of each flattening tier for the parameters of a ~1B GPT.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/flatten.py
-    python benchmarks/flatten.py --smoke      # relaunches itself on 2 CPU ranks (gloo)
-    python benchmarks/flatten.py --layers 8 --repeats 7 --section flatten_cpu   # CPU host
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.flatten
+    python -m benchmarks.flatten --smoke      # relaunches itself on 2 CPU ranks (gloo)
+    python -m benchmarks.flatten --layers 8 --repeats 7 --section flatten_cpu   # CPU host
 
 The parameter layout is a GPT-2-style model with d 2048 and 20 layers (1.11 B
 parameters, bf16); `--smoke` uses d 512 and 4 layers in fp32 on the CPU. Every rank
@@ -24,19 +24,15 @@ import ctypes
 import gc
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from benchmarks._report import init_ranks, markdown_table, publish
 from zeroshard.comm import Group
 from zeroshard.partition import FlatLayout, FlattenTier, flatten_params
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import init_ranks, markdown_table, publish
 
 GIB = 1024**3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

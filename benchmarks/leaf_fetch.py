@@ -1,7 +1,7 @@
 """Fetch + release of a 64-expert MoE layer: one leaf unit vs per-parameter gathering.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/leaf_fetch.py
-    python benchmarks/leaf_fetch.py --smoke      # relaunches itself on 2 CPU ranks (gloo)
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.leaf_fetch
+    python -m benchmarks.leaf_fetch --smoke      # relaunches itself on 2 CPU ranks (gloo)
 
 The layer: 64 experts, each two Linear layers d -> 4d -> d with bias (256 parameters;
 d 1024 on GPU, 8.4 M parameters per expert, 537 M in all; d 32 with `--smoke`), under a
@@ -31,11 +31,9 @@ import argparse
 import functools
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,11 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroshard.engine as zs
+from benchmarks._leaf_per_param import PerParameterGather
+from benchmarks._report import init_ranks, markdown_table, publish
 from zeroshard.comm import Group
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _leaf_per_param import PerParameterGather
-from _report import init_ranks, markdown_table, publish
 
 MIB = 1024**2
 GOAL = 0.3

@@ -1,7 +1,7 @@
 """The largest GPT one GPU trains with optimizer offload, and CPU AdamW throughput.
 
-    python benchmarks/offload.py                 # one GPU (H100 80 GB, 128 GiB host)
-    python benchmarks/offload.py --smoke         # tiny model on the CPU, gloo
+    python -m benchmarks.offload                 # one GPU (H100 80 GB, 128 GiB host)
+    python -m benchmarks.offload --smoke         # tiny model on the CPU, gloo
 
 Training rows: zeroshard with `offload_optimizer` (stage 2 by default) and DeepSpeed
 ZeRO-Offload (the same stage, `offload_optimizer: cpu`, DeepSpeedCPUAdam) on the same GPT
@@ -26,11 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks._report import markdown_table, publish
 
-from _report import markdown_table, publish
-
-WORKER = Path(__file__).resolve().parent / "_offload_workers.py"
+WORKER = "benchmarks._offload_workers"  # run with -m from the repository root
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,7 +81,7 @@ def run_part(part: str, args: dict[str, Any], limit: float) -> dict[str, Any]:
         start = time.perf_counter()
         try:
             proc = subprocess.run(
-                [sys.executable, str(WORKER), part, json.dumps(args), str(out)],
+                [sys.executable, "-m", WORKER, part, json.dumps(args), str(out)],
                 capture_output=True,
                 text=True,
                 timeout=limit,

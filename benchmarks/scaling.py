@@ -1,7 +1,7 @@
 """Scaling report: tokens/s/GPU, efficiency against the floor and memory, from train_step runs.
 
-    python benchmarks/scaling.py                      # every benchmarks/results/*.json
-    python benchmarks/scaling.py bench-out/a.json bench-out/b.json
+    python -m benchmarks.scaling                      # every benchmarks/results/*.json
+    python -m benchmarks.scaling bench-out/a.json bench-out/b.json
 
 Each input is the bench-out/<section>.json of one benchmarks/train_step.py run (one model,
 one world size). Runs of the same model (preset, sequence, micro-batch, dtype, activation
@@ -20,14 +20,12 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import SMOKE_OUT, markdown_table, publish
-from _scaling_plot import plot
+from benchmarks._report import SMOKE_OUT, markdown_table, publish
+from benchmarks._scaling_plot import plot
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -65,7 +63,8 @@ class Run:
         m = self.meta
         ac = ", activation checkpointing" if m["activation_checkpointing"] else ""
         return (
-            f"`{m['preset']}` ({_count(m['parameters'])} parameters), seq {m['seq_len']}, "
+            f"{m['model_name']} `{m['preset']}` ({_count(m['parameters'])} parameters), "
+            f"seq {m['seq_len']}, "
             f"micro-batch {m['micro_batch']}, {m['dtype']}{ac}"
         )
 
@@ -92,6 +91,7 @@ def load(path: Path) -> Run:
         if missing:
             raise KeyError(f"meta has no {missing}")
         meta.setdefault("activation_checkpointing", False)
+        meta.setdefault("model_name", "gpt")  # runs from before `--model` existed
         return Run(path, meta, {r["engine"]: r for r in rows})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(

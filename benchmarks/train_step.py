@@ -1,21 +1,45 @@
-"""Time one GPT training step under several engines in one torchrun launch.
+"""Time one training step of a model under several engines in one torchrun launch.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 benchmarks/train_step.py
-    torchrun --standalone --nproc-per-node=2 benchmarks/train_step.py --smoke   # CPU, gloo
+Run from the repository root (`-m` makes `benchmarks` and `examples` importable):
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step \
+        --model llama --preset 7b --profile
+    torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
+
+Models (`--model`, see benchmarks/_models.py): `gpt` (examples/gpt.py), `llama`
+(examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
+built from a config: no download), each at the presets `1.3b` and `7b`.
+transformers 5.23.0 goes to a machine without registry access (the GPU image: Python 3.12,
+x86_64) as wheels, 43.5 MiB with numpy, 28.5 MiB without; install them there with
+`pip install --no-index --find-links .whl transformers==5.23.0`. They are fetched by
+
+    pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+        transformers==5.23.0
+
+which brings its dependencies along: huggingface-hub, tokenizers, safetensors, regex,
+pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
 
 Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
-device with no communication, on rank 0 while the others wait), `ddp`, `fsdp2`,
+device with no communication, on rank 0 while the others wait), `floorc` (the floor with
+every block under `torch.compile`, the reference of the compiled engines), `ddp`, `fsdp2`,
 `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `ds1`-`ds3` (DeepSpeed, always run last) and the
 hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within `--shard-group-size` ranks, replicate across
-the rest). Each gets the same freshly built model (1.3B preset: d 2048, 24 layers, seq
-2048; `--activation-checkpointing` recomputes every block in backward, for every engine),
-the same random tokens and torch.optim.AdamW. Per engine: init time (wrapping, model
-construction excluded), median step time over `--steps` after `--warmup`
-(CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the memory
-kept between steps. An engine that fails gets a row saying why and the run goes on.
+the rest). Each gets the same freshly built model (`--activation-checkpointing` recomputes
+every block in backward, for every engine), the same random tokens and
+torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded), median
+step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
+tokens/s/GPU, MFU, peak memory and the memory kept between steps. An engine that fails
+gets a row saying why and the run goes on.
+`--profile` adds, per engine, the split of the step into compute, optimizer, exposed
+communication and idle time, and of its gap to the floor into (a) exposed communication
+and (b) compute kernels slowed by the collectives overlapping them (benchmarks/_trace.py).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling.py reads); full runs also write the "<section>" section of
-docs/benchmarks.md and docs/<section>.png, `--smoke` and `--no-write` only bench-out/.
+docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
+`_<preset>` for any preset but 1.3b) and docs/<section>.png, `--smoke` and `--no-write`
+only bench-out/.
 """
 
 from __future__ import annotations
@@ -25,30 +49,26 @@ import datetime
 import gc
 import json
 import os
-import shlex
 import statistics
-import sys
 import time
 import traceback
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-from _report import write_section  # noqa: E402
-from _trace import TraceSummary, summarize_chrome_trace  # noqa: E402
-from _train_engines import ENGINES, NOTES, Settings, Skipped  # noqa: E402
-from _train_report import Result, plot, report  # noqa: E402
-from gpt import GPT, GPTConfig, flops_per_token, parameters_count  # noqa: E402
+from benchmarks._models import MODELS, BenchModel, bench_model
+from benchmarks._report import ROOT, command, write_section
+from benchmarks._trace import TraceSummary
+from benchmarks._train_engines import ENGINES, NOTES, Settings, Skipped
+from benchmarks._train_profile import profile
+from benchmarks._train_report import Result, plot, plot_split, report
 
 OUT = ROOT / "bench-out"
-PNG = ROOT / "docs" / "train_step.png"
+DOCS = ROOT / "docs"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 1024**3
 
@@ -57,7 +77,8 @@ def parse_args() -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default=None, help="comma-separated; default: all importable")
-    p.add_argument("--preset", default="1.3b", help="GPTConfig preset (default 1.3b)")
+    p.add_argument("--model", default="gpt", choices=MODELS, help="model family (default gpt)")
+    p.add_argument("--preset", default="1.3b", help="the model's preset: 1.3b or 7b")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
@@ -91,32 +112,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
     p.add_argument(
         "--section",
-        default="train_step",
-        help="docs/benchmarks.md section to write (e.g. one per GPU count)",
+        default=None,
+        help="docs/benchmarks.md section (default: train_step[_<model>][_<preset>])",
     )
     args = p.parse_args()
     unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
+    try:
+        model_of(args)  # only shapes: an unknown preset or a bad --seq-len is an option error
+    except ValueError as e:
+        p.error(str(e))
+    if args.section is None:
+        model = "" if args.model == "gpt" else f"_{args.model}"
+        preset = "" if args.preset == "1.3b" else f"_{args.preset}"
+        args.section = f"train_step{model}{preset}".replace("-", "_").replace(".", "_")
     if args.shard_group_size < 1:
         p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
     return args
 
 
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The benchmarked shape: the preset, or a tiny model under --smoke."""
-    ac = args.activation_checkpointing
-    if args.smoke:
-        return GPTConfig(
-            vocab_size=512,
-            d_model=128,
-            n_layer=2,
-            n_head=4,
-            seq_len=64,
-            activation_checkpointing=ac,
-        )
-    overrides = {"seq_len": args.seq_len} if args.seq_len else {}
-    return GPTConfig.preset(args.preset, activation_checkpointing=ac, **overrides)
+def model_of(args: argparse.Namespace) -> BenchModel:
+    """The benchmarked model: `--model` at `--preset`, or a tiny one under --smoke."""
+    return bench_model(
+        args.model,
+        args.preset,
+        smoke=args.smoke,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -158,7 +182,7 @@ class Measured(NamedTuple):
 
 def _measure(
     name: str,
-    cfg: GPTConfig,
+    bm: BenchModel,
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
@@ -173,7 +197,7 @@ def _measure(
     # process (imports, DeepSpeed's accelerator and communication set-up, kernel caches),
     # so `init_s` is the cost of wrapping THIS model whichever engine runs first.
     with torch.device(device):
-        throwaway = GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=1, seq_len=8))
+        throwaway = bm.tiny()
     ENGINES[name].setup(throwaway, settings)
     del throwaway
     _free(device)
@@ -185,7 +209,7 @@ def _measure(
     # what every engine's wrapping starts from.
     t0 = time.perf_counter()
     with torch.device(device):
-        model = GPT(cfg)
+        model = bm.build()
     _sync(device)
     build_s = time.perf_counter() - t0
     if cuda:
@@ -205,14 +229,14 @@ def _measure(
     # Between steps an engine keeps its model states (parameters, optimizer state, any
     # persistent gradient shards): what the 16 psi / N bound is about.
     states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
-    trace = profile(name, step, data, device) if args.profile else None
+    trace = profile(name, step, data, device, OUT / args.section) if args.profile else None
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
     return Measured(build_s, init_s, times, peak, states, trace)
 
 
 def run_engine(
     name: str,
-    cfg: GPTConfig,
+    bm: BenchModel,
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
@@ -229,7 +253,7 @@ def run_engine(
     dist.barrier()
     if rank == 0 or not engine.rank0_only:
         try:
-            m = _measure(name, cfg, settings, args, data)
+            m = _measure(name, bm, settings, args, data)
         except Skipped as e:  # the same on every rank: the world decides it
             skipped = str(e)
         except Exception as e:  # OOM, import error, engine bug: a row, not the end
@@ -263,46 +287,25 @@ def run_engine(
     )
 
 
-def profile(
-    name: str, step: Any, data: tuple[torch.Tensor, torch.Tensor], device: torch.device
-) -> TraceSummary | None:
-    """Profile two steps; on rank 0 write the Chrome trace to bench-out/ and summarize it."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities) as prof:
-        for _ in range(2):
-            step(*data)
-        _sync(device)
-    if dist.get_rank() != 0:
-        return None  # rank 0's trace is the one summarized; the others need no files
-    OUT.mkdir(exist_ok=True)
-    path = OUT / f"train_step_{name}.trace.json"
-    prof.export_chrome_trace(str(path))
-    return summarize_chrome_trace(path, steps=2)
-
-
 def save_json(
-    results: list[Result], cfg: GPTConfig, args: argparse.Namespace, settings: Settings, world: int
+    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
 ) -> Path:
     """bench-out/<section>.json: every row plus what it was measured on and with."""
     cuda = settings.device.type == "cuda"
-    tokens = args.micro_batch * cfg.seq_len
+    tokens = args.micro_batch * bm.seq_len
     meta = {
         "section": args.section,
-        "preset": "smoke" if args.smoke else args.preset,
-        "model": asdict(cfg),
-        "parameters": parameters_count(cfg),
-        "flops_per_token": flops_per_token(cfg),
+        "model_name": bm.name,
+        "preset": bm.preset,
+        "model": bm.config,
+        "parameters": bm.parameters,
+        "flops_per_token": bm.flops_per_token,
         "world": world,
         "micro_batch": args.micro_batch,
-        "seq_len": cfg.seq_len,
+        "seq_len": bm.seq_len,
         "tokens_per_step_per_gpu": tokens,
         "dtype": str(settings.dtype).removeprefix("torch."),
-        "activation_checkpointing": cfg.activation_checkpointing,
+        "activation_checkpointing": args.activation_checkpointing,
         "shard_group_size": settings.shard_group_size,
         "clip": args.clip,
         "warmup": args.warmup,
@@ -312,7 +315,7 @@ def save_json(
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,
         "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["train_step.py", *sys.argv[1:]]),
+        "command": command(),
     }
     rows = []
     for r in results:
@@ -358,8 +361,15 @@ def main() -> None:
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
     if args.smoke:
         args.micro_batch, args.warmup, args.steps = 2, 1, 2
-    cfg = model_config(args)
-    settings = Settings(device, dtype, args.clip, args.micro_batch, json.loads(args.zs_config))
+    bm = model_of(args)
+    settings = Settings(
+        device,
+        dtype,
+        args.clip,
+        args.micro_batch,
+        json.loads(args.zs_config),
+        args.shard_group_size,
+    )
     names = (
         args.engines.split(",")
         if args.engines
@@ -368,18 +378,18 @@ def main() -> None:
     # DeepSpeed last (a stable sort keeps the order otherwise): see the note on ENGINES.
     names.sort(key=lambda n: n.startswith("ds"))
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=g)
+    tokens = torch.randint(0, bm.vocab_size, (args.micro_batch, bm.seq_len + 1), generator=g)
     data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
     warm_up_process(device)
     results = []
     for name in names:
         t0 = time.perf_counter()
-        r = run_engine(name, cfg, settings, args, data)
+        r = run_engine(name, bm, settings, args, data)
         results.append(r)
         if rank == 0:
             # Saved after every engine: a run cut short by a time limit keeps what it measured.
-            save_json(results, cfg, args, settings, world)
+            save_json(results, bm, args, settings, world)
             state = (
                 r.error
                 or (r.skipped and f"skipped: {r.skipped}")
@@ -392,17 +402,25 @@ def main() -> None:
             print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if rank == 0:
-        body = report(results, cfg, args, settings, world)
+        body = report(results, bm, args, settings, world)
         if NOTES:
             body += "\n\n" + "\n".join(f"- `{name}`: {note}." for name, note in NOTES.items())
         print(body)
+        title = f"{bm.name} {bm.preset}: {args.section}"
         if args.smoke or args.no_write:
-            plot(results, OUT / "train_step.png")
+            plot(results, OUT / f"{args.section}.png", title)
+            plot_split(results, OUT / f"{args.section}_split.png", title)
         else:
-            png = PNG.with_name(f"{args.section}.png")
-            if plot(results, png):
+            png = DOCS / f"{args.section}.png"
+            if plot(results, png, title):
                 body += f"\n\n![step time and peak memory per engine]({png.name})"
-            title = "Training step: zeroshard vs DDP, FSDP2, DeepSpeed"
+            split = DOCS / f"{args.section}_split.png"
+            if plot_split(results, split, title):
+                body += (
+                    "\n\n![step time split into compute, optimizer, exposed communication "
+                    f"and the rest, per engine]({split.name})"
+                )
+            title = f"Training step ({bm.name}): zeroshard vs DDP, FSDP2, DeepSpeed"
             if args.section != "train_step":
                 title += f" ({args.section})"
             write_section(args.section, title, body)

@@ -1,0 +1,144 @@
+"""The models benchmarks/train_step.py times (`--model`), each behind one `BenchModel`.
+
+- `gpt`: examples/gpt.py (LayerNorm, GELU MLP, learned positions, tied head);
+- `llama`: examples/llama.py (RMSNorm, SwiGLU, rotary, grouped-query SDPA, untied head);
+- `hf-llama`: `transformers.LlamaForCausalLM` built from the same shapes as `llama` (no
+  download), behind `HFCausalLM` so that every engine sees `model(x, y) -> loss` and
+  `model.blocks`.
+
+Every engine gets a model from `BenchModel.build()`, built fresh on the current default
+device, so all engines start from the same fp32 weights for one seed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples import gpt, llama
+
+MODELS = ("gpt", "llama", "hf-llama")
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """One benchmarked model: how to build it, its size, its FLOPs and a one-line shape."""
+
+    name: str
+    preset: str
+    build: Callable[[], nn.Module]
+    tiny: Callable[[], nn.Module]  # a one-block model for untimed first set-ups
+    parameters: int
+    flops_per_token: int
+    vocab_size: int
+    seq_len: int
+    shape: str  # for the report's first line
+    config: dict[str, Any]
+
+
+class HFCausalLM(nn.Module):
+    """A `transformers` causal LM called like examples/gpt.py: `(idx, targets) -> loss`.
+
+    The loss is computed here from the logits (HF's `labels` would shift them again), in
+    fp32 as the other models do. `blocks` is the decoder's layer list, which the engines
+    shard (FSDP2) or compile (floorc, fsdp2c) block by block.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers, in order."""
+        decoder: Any = self.model
+        return cast(nn.ModuleList, decoder.model.layers)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `idx`; the mean cross-entropy against `targets` if given."""
+        logits: torch.Tensor = self.model(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _hf_llama(cfg: llama.LlamaConfig) -> nn.Module:
+    transformers: Any = importlib.import_module("transformers")
+    hf_cfg = transformers.LlamaConfig(**llama.hf_config(cfg), attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return HFCausalLM(model)
+
+
+SMOKE_GPT = gpt.GPTConfig(vocab_size=512, d_model=128, n_layer=2, n_head=4, seq_len=64)
+SMOKE_LLAMA = llama.LlamaConfig(
+    vocab_size=512, d_model=128, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=344, seq_len=64
+)
+
+
+def bench_model(
+    name: str, preset: str, *, smoke: bool, seq_len: int | None, activation_checkpointing: bool
+) -> BenchModel:
+    """The model `name` at `preset` (a tiny one under `smoke`), with optional overrides."""
+    overrides: dict[str, Any] = {"activation_checkpointing": activation_checkpointing}
+    if seq_len:
+        overrides["seq_len"] = seq_len
+    if name == "gpt":
+        g = (
+            gpt.GPTConfig(**{**asdict(SMOKE_GPT), **overrides})
+            if smoke
+            else gpt.GPTConfig.preset(preset, **overrides)
+        )
+        tiny_g = gpt.GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=1, seq_len=8)
+        return BenchModel(
+            name="gpt",
+            preset="smoke" if smoke else preset,
+            build=lambda: gpt.GPT(g),
+            tiny=lambda: gpt.GPT(tiny_g),
+            parameters=gpt.parameters_count(g),
+            flops_per_token=gpt.flops_per_token(g),
+            vocab_size=g.vocab_size,
+            seq_len=g.seq_len,
+            shape=(
+                f"d {g.d_model}, {g.n_layer} layers, {g.n_head} heads, seq {g.seq_len}, "
+                f"vocab {g.vocab_size}, LayerNorm, GELU MLP, tied head"
+            ),
+            config=asdict(g),
+        )
+    if name not in ("llama", "hf-llama"):
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    c = (
+        llama.LlamaConfig(**{**asdict(SMOKE_LLAMA), **overrides})
+        if smoke
+        else llama.LlamaConfig.preset(preset, **overrides)
+    )
+    tiny_c = llama.LlamaConfig(
+        vocab_size=64, d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_hidden=64, seq_len=8
+    )
+    make: Callable[[llama.LlamaConfig], nn.Module] = (
+        _hf_llama if name == "hf-llama" else llama.Llama
+    )
+    source = "transformers.LlamaForCausalLM" if name == "hf-llama" else "examples/llama.py"
+    return BenchModel(
+        name=name,
+        preset="smoke" if smoke else preset,
+        build=lambda: make(c),
+        tiny=lambda: make(tiny_c),
+        parameters=llama.parameters_count(c),
+        flops_per_token=llama.flops_per_token(c),
+        vocab_size=c.vocab_size,
+        seq_len=c.seq_len,
+        shape=(
+            f"{source}: d {c.d_model}, {c.n_layer} layers, {c.n_head} heads ({c.n_kv_head} "
+            f"k/v), SwiGLU {c.ffn_hidden}, seq {c.seq_len}, vocab {c.vocab_size}, RMSNorm, "
+            "rotary, SDPA, untied head"
+        ),
+        config=asdict(c),
+    )
