@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, make_hybrid_groups
+from zeroshard.engine._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine._checks import check_model, check_module_paths, param_group_index
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group
@@ -174,6 +175,7 @@ def initialize(
     check_module_paths(model, process_groups or {})
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
     shard_group, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -197,6 +199,7 @@ def initialize(
     scaler = None
     if cfg.compute_dtype == torch.float16:
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
+        scaler.log_skips = everyone.rank == 0
     runtime = None
     if cfg.stage == 3:
         units = _shard_stage3(model, cfg, place, param_group_of, param_init, init_seed)
