@@ -16,17 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.ckpt import (
-    MASTER,
-    CheckpointMeta,
-    GroupMeta,
-    SaveHandle,
-    agreed,
-    buffer_key,
-    load,
-    save,
-    shard_key,
-)
+from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
+from zeroshard.ckpt._agree import agreed
+from zeroshard.ckpt._meta import MASTER
 from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._state import EngineState, engine_state
