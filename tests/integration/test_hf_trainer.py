@@ -94,7 +94,7 @@ def _train_all_stages(root: str) -> None:
 
     import zeroshard.engine as zs
 
-    assert zs.engine_state(bf16.model).config.compute_dtype == torch.bfloat16
+    assert zs.engine_state(bf16.model).config.precision.compute_dtype == torch.bfloat16
     for step, (loss, _) in _per_step(bf16.state.log_history).items():
         # bf16 compute (8-bit mantissa) against fp32: the same curve within 2%.
         assert abs(loss - base[step][0]) <= 0.02 * base[step][0], (step, loss, base[step])

@@ -78,10 +78,10 @@ def _resolve_precision(config: ZeroConfig | Mapping[str, Any] | None, args: Any)
     if args.bf16 and config is None:
         config = {"compute_dtype": "bf16"}
     cfg = as_config(config)
-    if args.bf16 and cfg.compute_dtype != torch.bfloat16:
+    if args.bf16 and cfg.precision.compute_dtype != torch.bfloat16:
         raise ValueError(
             f"ZeroTrainer: TrainingArguments(bf16=True) but zero_config computes in "
-            f"{cfg.compute_dtype}; make them agree"
+            f"{cfg.precision.compute_dtype}; make them agree"
         )
     return cfg
 
