@@ -150,5 +150,7 @@ def test_trainer_precision_arguments_checked() -> None:
         _resolve_precision({"stage": 2}, args(fp16=True))
     with pytest.raises(ValueError, match="make them agree"):
         _resolve_precision({"stage": 2, "compute_dtype": "fp32"}, args(bf16=True))
-    assert _resolve_precision({"stage": 3}, args(bf16=True)).compute_dtype == torch.bfloat16
-    assert _resolve_precision(None, args()).compute_dtype == torch.float32
+    assert (
+        _resolve_precision({"stage": 3}, args(bf16=True)).precision.compute_dtype == torch.bfloat16
+    )
+    assert _resolve_precision(None, args()).precision.compute_dtype == torch.float32
