@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +27,9 @@ DEFAULT_FUSE_BYTES = 2**20
 class CompiledModel:
     """Call it like the model: runs the compiled graph (or the eager model after a fallback).
 
-    `stats` (the engine's `EngineStats`) counts the compiled gathers and reduce-scatters;
+    It stands for the model everywhere: the engine's functions (`full_state_dict`,
+    `save_checkpoint`, ...) take it through `zeroshard_module`, and `state_dict()`,
+    `parameters()`, `train()`, ... are the wrapped module's. `stats` (the engine's `EngineStats`) counts the compiled gathers and reduce-scatters;
     `compiles` counts captures (Dynamo recompilations); `eager` is True once it fell back
     to the eager model.
     """
@@ -70,6 +73,40 @@ class CompiledModel:
         )
         if reason is not None:
             self._fall_back(reason)
+
+    @property
+    def zeroshard_module(self) -> nn.Module:
+        """The initialized model (`zeroshard.engine.WrapsEngineModel`): what the engine's
+        functions work on when given this wrapper."""
+        return self.module
+
+    # The module's own API, as on a torch.compile'd module: the graph reads the same
+    # parameters, so these need no compiled counterpart.
+    @property
+    def training(self) -> bool:
+        """Whether the wrapped module is in training mode."""
+        return self.module.training
+
+    def train(self, mode: bool = True) -> CompiledModel:
+        """Set the wrapped module's training mode (the graph is recaptured for a new mode)."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> CompiledModel:
+        """The wrapped module in evaluation mode."""
+        return self.train(False)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's `state_dict()` (full tensors at stage 3, as the engine's)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The wrapped module's parameters."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's named parameters."""
+        return self.module.named_parameters(*args, **kwargs)
 
     @property
     def compiles(self) -> int:
@@ -130,10 +167,6 @@ def _reason(e: BaseException) -> str:
 def _unsupported(model: nn.Module) -> str | None:
     """Why a stage-3 model cannot be captured yet, or None."""
     state = engine_state(model)
-    if state.config.compute_dtype == torch.float16:
-        return "fp16 loss scaling is not captured; use bf16 or fp32"
-    if state.replicate is not None:
-        return "hybrid sharding (shard_group_size) is not captured"
     return None
 
 

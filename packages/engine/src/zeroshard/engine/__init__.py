@@ -14,15 +14,23 @@ from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safete
 from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._stage3 import DivergentRanksError
-from zeroshard.engine._state import EngineState, engine_state, engine_stats
+from zeroshard.engine._state import (
+    EngineModel,
+    EngineState,
+    WrapsEngineModel,
+    engine_state,
+    engine_stats,
+)
 from zeroshard.engine._stats import EngineStats
 
 __all__ = [
     "DivergentRanksError",
+    "EngineModel",
     "EngineState",
     "EngineStats",
     "LoadReport",
     "SafetensorsLoadError",
+    "WrapsEngineModel",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",

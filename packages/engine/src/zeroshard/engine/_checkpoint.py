@@ -27,7 +27,7 @@ from zeroshard.ckpt import (
     shard_key,
 )
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._state import EngineState, engine_state
+from zeroshard.engine._state import EngineModel, EngineState, engine_module, engine_state
 
 _OPTIM = "optim."
 
@@ -93,7 +93,7 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    model: nn.Module,
+    model: EngineModel,
     optimizer: torch.optim.Optimizer,
     directory: str | os.PathLike[str],
     *,
@@ -109,6 +109,7 @@ def save_checkpoint(
     hold the same shards) and the others get None; a synchronous save returns on every
     rank only once the checkpoint is committed.
     """
+    model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
@@ -178,7 +179,7 @@ def _save(
 
 @torch.no_grad()
 def load_checkpoint(
-    model: nn.Module,
+    model: EngineModel,
     optimizer: torch.optim.Optimizer,
     directory: str | os.PathLike[str],
     *,
@@ -191,6 +192,7 @@ def load_checkpoint(
     model (names or shapes) raises `zeroshard.ckpt.ModelMismatchError` listing the
     differences. Call on every rank.
     """
+    model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
