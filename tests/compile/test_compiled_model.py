@@ -82,7 +82,7 @@ def _wrapper(directory: str) -> None:
     _exact(zs.full_state_dict(compiled), weights)
     assert compiled.compiles == 1
 
-    with pytest.raises(ValueError, match="initialized with zeroshard.engine.initialize"):
+    with pytest.raises(ValueError, match=r"initialized with zeroshard\.engine\.initialize"):
         zs.full_state_dict(object())  # type: ignore[arg-type]
 
 

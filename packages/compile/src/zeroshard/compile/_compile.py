@@ -29,9 +29,9 @@ class CompiledModel:
 
     It stands for the model everywhere: the engine's functions (`full_state_dict`,
     `save_checkpoint`, ...) take it through `zeroshard_module`, and `state_dict()`,
-    `parameters()`, `train()`, ... are the wrapped module's. `stats` (the engine's `EngineStats`) counts the compiled gathers and reduce-scatters;
-    `compiles` counts captures (Dynamo recompilations); `eager` is True once it fell back
-    to the eager model.
+    `parameters()`, `train()`, ... are the wrapped module's. `stats` (the engine's
+    `EngineStats`) counts the compiled gathers and reduce-scatters; `compiles` counts
+    captures (Dynamo recompilations); `eager` is True once it fell back to the eager model.
     """
 
     def __init__(
@@ -55,9 +55,8 @@ class CompiledModel:
         inner = kwargs.pop("backend", "inductor")
         options = kwargs.pop("options", None)
         fullgraph = kwargs.pop("fullgraph", True)
-        reason = _unsupported(model)
         self._specs = flat_specs(state, self.stats)
-        self._grad_hooks = route_grads(state) if reason is None else []
+        self._grad_hooks = route_grads(state)
 
         backend = make_backend(
             pipeline,
@@ -71,8 +70,6 @@ class CompiledModel:
         self._compiled = torch.compile(
             gathered_forward(model, self._specs), backend=backend, fullgraph=fullgraph, **kwargs
         )
-        if reason is not None:
-            self._fall_back(reason)
 
     @property
     def zeroshard_module(self) -> nn.Module:
@@ -162,12 +159,6 @@ def _reason(e: BaseException) -> str:
     cause = getattr(e, "inner_exception", None) or e.__cause__ or e
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[0] if text else ''}"
-
-
-def _unsupported(model: nn.Module) -> str | None:
-    """Why a stage-3 model cannot be captured yet, or None."""
-    state = engine_state(model)
-    return None
 
 
 def default_persist_bytes(state: EngineState) -> int:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from zeroshard.engine._state import EngineModel, engine_module, engine_state
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from zeroshard.comm import Handle
 from zeroshard.engine._flat_group import FlatParamGroup
