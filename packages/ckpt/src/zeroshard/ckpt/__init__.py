@@ -26,7 +26,7 @@ from zeroshard.ckpt._errors import (
     OutputExistsError,
 )
 from zeroshard.ckpt._inspect import Summary, describe, format_summary
-from zeroshard.ckpt._load import LoadedShards, load
+from zeroshard.ckpt._load import GroupPlacement, LoadedShards, load
 from zeroshard.ckpt._meta import (
     FORMAT_VERSION,
     MASTER,
@@ -70,6 +70,7 @@ __all__ = [
     "FileMeta",
     "FormatVersionError",
     "GroupMeta",
+    "GroupPlacement",
     "LoadedShards",
     "MissingRankFileError",
     "MissingShardError",

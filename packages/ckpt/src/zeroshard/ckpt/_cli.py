@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--exclude-frozen", action="store_true", help="leave frozen parameters out")
     c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     c.add_argument(
+        "--instance",
+        type=int,
+        help="which instance of parameters on their own process group (experts) to write",
+    )
+    c.add_argument(
         "--verify", action="store_true", help="re-read the output and compare it with the source"
     )
     _add_selector(c)
@@ -82,6 +87,7 @@ def _consolidate(a: argparse.Namespace) -> int:
         overwrite=a.overwrite,
         verify=a.verify,
         progress=not a.quiet and sys.stderr.isatty(),
+        instance=a.instance,
     )
     if not a.quiet:
         rate = r.bytes / max(r.seconds, 1e-9) / 1e9

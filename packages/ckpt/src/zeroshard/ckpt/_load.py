@@ -4,6 +4,8 @@ Resharding needs no data movement between ranks: a target rank's shard is a rang
 the padded flat buffer (offsets do not depend on the world size), so it reads exactly
 that range from the one or two source rank files that hold it. With target layouts
 whose offsets differ (another alignment), each slot is copied on its own instead.
+A group on a process group of its own (experts) is read for the instance and the rank
+in that group that `placements` names (see `GroupMeta.rank_sets`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +30,16 @@ from zeroshard.ckpt._meta import (
 )
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.partition import FlatLayout
+
+
+class GroupPlacement(NamedTuple):
+    """Where the loading rank sits in a group sharded over a process group of its own:
+    it holds instance `instance` of `instances` (e.g. its expert-parallel index), as
+    rank `rank` of that group (whose size is the target layout's world size)."""
+
+    instance: int
+    instances: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -67,10 +80,37 @@ def checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _placements(
+    meta: CheckpointMeta, rank: int, given: Mapping[str, GroupPlacement]
+) -> dict[str, GroupPlacement]:
+    """Every group's placement of this rank (a group on the whole world: instance 0, as
+    rank `rank`); ModelMismatchError when the numbers of instances differ."""
+    out = {}
+    for g in meta.groups:
+        place = given.get(g.name, GroupPlacement(0, 1, rank))
+        if place.instances != g.instances:
+            raise ModelMismatchError(
+                f"group {g.name!r} was saved with {g.instances} instance(s) (sets of ranks "
+                f"holding different values, e.g. experts), this run has {place.instances}"
+            )
+        if not 0 <= place.instance < place.instances:
+            raise ValueError(f"group {g.name!r}: bad placement {place}")
+        out[g.name] = place
+    unknown = sorted(set(given) - set(out))
+    if unknown:
+        raise ModelMismatchError(f"placements name groups the checkpoint lacks: {unknown}")
+    return out
+
+
 def _target_layouts(
-    meta: CheckpointMeta, world_size: int, layouts: Mapping[str, FlatLayout] | None
+    meta: CheckpointMeta,
+    world_size: int,
+    layouts: Mapping[str, FlatLayout] | None,
+    placed: Collection[str],
 ) -> dict[str, FlatLayout]:
     if layouts is None:
+        if placed:
+            raise ValueError("placements need the target layouts (layouts=...)")
         return {g.name: g.layout.resharded(world_size) for g in meta.groups}
     have, want = {g.name for g in meta.groups}, set(layouts)
     if have != want:
@@ -79,7 +119,7 @@ def _target_layouts(
         )
     for g in meta.groups:
         dst = layouts[g.name]
-        if dst.world_size != world_size:
+        if g.name not in placed and dst.world_size != world_size:
             raise CheckpointError(
                 f"layout of group {g.name!r} is for world size {dst.world_size}, not {world_size}"
             )
@@ -114,6 +154,7 @@ def load(
     step: int | None = None,
     expected: Mapping[str, Sequence[int]] | None = None,
     layouts: Mapping[str, FlatLayout] | None = None,
+    placements: Mapping[str, GroupPlacement] | None = None,
     kinds: Collection[str] | None = None,
     device: torch.device | str = "cpu",
     verify: bool = True,
@@ -124,8 +165,10 @@ def load(
     `path` is a checkpoint directory or a root (then `tag`, `step` or `latest`).
     `expected` (name -> shape, as the model's state_dict() has them) raises
     ModelMismatchError listing every difference. `layouts` gives target layouts per
-    group (default: the saved ones resharded). `kinds` limits which shard kinds are
-    read. `verify` checks the size and checksum of every file read. No collectives.
+    group (default: the saved ones resharded). `placements` places this rank in the
+    groups on a process group of their own (experts; their layouts give that group's
+    size). `kinds` limits which shard kinds are read. `verify` checks the size and
+    checksum of every file read. No collectives.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world size {world_size}")
@@ -134,7 +177,8 @@ def load(
         reader.check_present()
         if expected is not None:
             check_names_shapes(checkpoint_shapes(reader), expected, f"checkpoint {reader.path}")
-        targets = _target_layouts(meta, world_size, layouts)
+        places = _placements(meta, rank, placements or {})
+        targets = _target_layouts(meta, world_size, layouts, set(placements or {}))
         if kinds is not None:
             unknown = set(kinds) - {k for g in meta.groups for k in g.shards}
             if unknown:
@@ -142,10 +186,12 @@ def load(
         plan: list[tuple[GroupMeta, str, list[tuple[int, int, int]]]] = []
         needed = {0}
         for g in meta.groups:
-            copies = _copies(g.layout, targets[g.name], rank)
+            place = places[g.name]
+            copies = _copies(g.layout, targets[g.name], place.rank)
             n = g.layout.shard_numel
             for lo, hi, _ in copies:
-                needed.update(range(lo // n, (hi - 1) // n + 1))
+                pieces = range(lo // n, (hi - 1) // n + 1)
+                needed.update(g.file_rank(place.instance, r) for r in pieces)
             plan += [(g, k, copies) for k in g.shards if kinds is None or k in kinds]
         if verify:
             reader.verify(needed, workers)
@@ -155,7 +201,7 @@ def load(
             dst = targets[g.name]
             out = torch.zeros(dst.shard_numel, dtype=g.shards[kind])
             for lo, hi, at in copies:
-                reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo])
+                reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo], places[g.name].instance)
             return out
 
         with ThreadPoolExecutor(max(1, workers)) as pool:

@@ -4,6 +4,11 @@ Each flat group is stored under `group{index}` with its layout: the fp32 master 
 and every optimizer state tensor shaped like it (`optim.exp_avg`, ...); per-group
 optimizer scalars (Adam's `step`) go into the metadata. Loading works at any world size:
 `zeroshard.ckpt.load` reads each rank's new shard ranges straight from the files.
+
+Parameters on a process group of their own (`initialize(..., process_groups=...)`,
+experts) hold different values on different sets of ranks: their groups record those
+sets (`GroupMeta.rank_sets`, ordered by first rank), and a rank loads the instance whose
+place its own group has in the same order, at any size of that group.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.ckpt import (
     MASTER,
     CheckpointMeta,
     GroupMeta,
+    GroupPlacement,
     SaveHandle,
     buffer_key,
     load,
@@ -36,17 +43,42 @@ def _group_name(g: FlatParamGroup) -> str:
     return f"group{g.index}"
 
 
-def _check_one_group(state: EngineState) -> None:
-    # The format gives every flat group the checkpoint's world size; parameters sharded
-    # over a group of their own (experts) hold different values on different ranks.
-    own = sorted(
-        {n for g in state.groups if g.process_group.pg is not state.shard_group.pg for n in g.names}
-    )
-    if own:
-        raise ValueError(
-            f"parameters on a process group of their own ({own[:3]}...) cannot be "
-            "checkpointed yet: save them with full_state_dict per expert group"
+RankSets = tuple[tuple[int, ...], ...]
+
+
+def _rank_sets(state: EngineState) -> dict[int, RankSets]:
+    """For each flat group on a process group of its own: the ranks (of the shard group,
+    the checkpoint's numbering) of every instance of it, ordered by first rank.
+    Collective over the shard group when there are such groups."""
+    own = [g for g in state.groups if g.process_group.pg is not state.shard_group.pg]
+    if not own:
+        return {}
+    shard_pg = state.shard_group.pg
+
+    def numbered(global_rank: int) -> int:
+        return global_rank if shard_pg is None else dist.get_group_rank(shard_pg, global_rank)
+
+    mine = {
+        g.index: tuple(
+            numbered(g.process_group.global_rank(r)) for r in range(g.process_group.size)
         )
+        for g in own
+    }
+    everyone: list[dict[int, tuple[int, ...]] | None] = [None] * state.shard_group.size
+    dist.all_gather_object(everyone, mine, group=shard_pg)
+    return {g.index: tuple(sorted({m[g.index] for m in everyone if m})) for g in own}
+
+
+def _placements(state: EngineState) -> dict[str, GroupPlacement]:
+    """Where this rank sits in each group on a process group of its own (collective)."""
+    me = state.shard_group.rank
+    out = {}
+    by_index = {g.index: g for g in state.groups}
+    for index, sets in _rank_sets(state).items():
+        g = by_index[index]
+        (instance,) = [i for i, ranks in enumerate(sets) if me in ranks]
+        out[_group_name(g)] = GroupPlacement(instance, len(sets), g.process_group.rank)
+    return out
 
 
 def _json_value(value: Any) -> Any:
@@ -113,7 +145,6 @@ def save_checkpoint(
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
-    _check_one_group(state)
     writes = state.replicate is None or state.replicate.rank == 0
     handle = _save(model, state, directory, step, tag, async_save) if writes else None
     if state.replicate is not None and not async_save:
@@ -132,6 +163,7 @@ def _save(
     inner = state.optimizer.inner
     groups: list[GroupMeta] = []
     tensors: dict[str, torch.Tensor] = {}
+    rank_sets = _rank_sets(state)
     for g in state.groups:
         name = _group_name(g)
         shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
@@ -148,6 +180,7 @@ def _save(
                 param_group=g.key.param_group if g.trainable else None,
                 requires_grad=g.trainable,
                 scalars=scalars,
+                rank_sets=rank_sets.get(g.index),
             )
         )
     buffers = _buffers(model)
@@ -196,8 +229,8 @@ def load_checkpoint(
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
-    _check_one_group(state)
     shard_group = state.shard_group
+    placements = _placements(state)
     expected = {
         n: tuple(int(d) for d in slot.shape)
         for g in state.groups
@@ -214,6 +247,7 @@ def load_checkpoint(
         step=step,
         expected=expected,
         layouts={_group_name(g): g.layout for g in state.groups},
+        placements=placements,
         device=shard_group.device,
     )
     meta = loaded.meta
