@@ -8,6 +8,7 @@ zeroshard or a DeepSpeed ZeRO checkpoint (`read_deepspeed_checkpoint` and
 The on-disk format is described in docs/checkpoint-format.md.
 """
 
+from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._consolidate import consolidate, is_zeroshard_checkpoint
 from zeroshard.ckpt._deepspeed import (
     DeepSpeedCheckpoint,
@@ -82,6 +83,7 @@ __all__ = [
     "TensorSpec",
     "UnsafePickleError",
     "WriteResult",
+    "agreed",
     "buffer_key",
     "checkpoint_specs",
     "consolidate",

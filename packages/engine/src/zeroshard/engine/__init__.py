@@ -4,6 +4,7 @@ import zeroshard.engine as zs
 model, optimizer = zs.initialize(model, optimizer, {"stage": 2, "compute_dtype": "bf16"})
 loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 full = zs.full_state_dict(model)
+model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
@@ -12,6 +13,7 @@ from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine._masters import full_state_dict
+from zeroshard.engine._module_state import state_dict_on_rank0
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._stage3 import DivergentRanksError
 from zeroshard.engine._state import (
@@ -41,4 +43,5 @@ __all__ = [
     "load_checkpoint",
     "load_safetensors",
     "save_checkpoint",
+    "state_dict_on_rank0",
 ]

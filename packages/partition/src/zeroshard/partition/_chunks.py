@@ -9,11 +9,11 @@ rank moves the same number of bytes and no rank waits on a larger peer.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 
 import torch
 
+from zeroshard.comm import warn_on_rank0, warn_tagged
 from zeroshard.partition._host import empty_host
 
 CHUNK_FORMAT_VERSION = 1
@@ -143,12 +143,13 @@ class ChunkedBuffer:
             flat, self.pinned = empty_host(n * s, dtype, pin=pin)
             self.host = flat.view(n, s)
             if pin and not self.pinned:
+                # No CUDA is the same on every rank (warn once); a failed pin may not be.
+                warn = warn_on_rank0 if not torch.cuda.is_available() else warn_tagged
                 why = "no CUDA" if not torch.cuda.is_available() else "pinning failed"
-                warnings.warn(
+                warn(
                     f"ChunkedBuffer: host copies use pageable memory ({why}); "
                     "host<->device copies will be synchronous and slower",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
 
     def shard(self, i: int) -> torch.Tensor:
