@@ -59,6 +59,9 @@ def _wrapper(directory: str) -> None:
     _exact(saved, zs.full_state_dict(model))
     # Full tensors, not shards, through the wrapper as from the engine's model.
     _exact({k: v.detach().cpu() for k, v in compiled.state_dict().items()}, saved)
+    with zs.state_dict_on_rank0(compiled):
+        on_rank0 = compiled.state_dict()
+    _exact(on_rank0, saved if rank == 0 else {})
     with zs.gathered_parameters(compiled):
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
@@ -82,6 +85,8 @@ def _wrapper(directory: str) -> None:
     dist.barrier()
     assert zs.load_safetensors(compiled, file).param_bytes > 0
     _exact(zs.full_state_dict(compiled), weights)
+    compiled.load_state_dict(saved)
+    _exact(zs.full_state_dict(compiled), saved)
     assert compiled.compiles == 1
 
     with pytest.raises(ValueError, match=r"initialized with zeroshard\.engine\.initialize"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -96,6 +96,10 @@ class CompiledModel:
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's `state_dict()` (full tensors at stage 3, as the engine's)."""
         return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """The wrapped module's `load_state_dict()` (full tensors, as the engine's takes)."""
+        return self.module.load_state_dict(state_dict, strict)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The wrapped module's parameters."""
