@@ -30,7 +30,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests
 from tests.engine._models import VOCAB, global_batches
-from zeroshard.ckpt import CheckpointError, consolidate
+from zeroshard.ckpt import CheckpointError, ModelMismatchError, consolidate
 from zeroshard.ckpt._cli import main as cli_main
 from zeroshard.comm import Group
 
@@ -159,6 +159,11 @@ def _load_at_world2(root: str) -> None:
         ref_opt.load_state_dict(state["opt"])
         _train_both(model, zopt, reference, global_batches(4, 1, 2, 2)[3:])
         _matches_reference(model, ref, experts[rank])
+    # Both experts' parameters on one group of both ranks: one instance where the
+    # checkpoint has two is refused, naming the mismatch.
+    model, zopt = _engine(3, 0, Group())
+    with pytest.raises(ModelMismatchError, match="saved with 2 instance"):
+        zs.load_checkpoint(model, zopt, f"{root}/s3")
 
 
 def test_expert_checkpoint_loads_at_another_world_size(world4_checkpoints: Path) -> None:
