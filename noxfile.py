@@ -99,7 +99,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
     _install(session, "numpy", "matplotlib")
-    for script in ("flatten", "comm", "leaf_fetch"):
+    for script in ("flatten", "leaf_fetch", "consolidate_dcp"):
         session.run("python", "-m", f"benchmarks.{script}", "--smoke", *session.posargs)
     session.run(
         "torchrun", "--standalone", "--nproc-per-node=2", "-m", "benchmarks.train_step", "--smoke"
@@ -115,4 +115,4 @@ def peers(session: nox.Session) -> None:
     _install(session, "huggingface_hub", "numpy")
     session.install("deepspeed==0.19.8", env={"DS_BUILD_OPS": "0"})
     session.run("python", "tests/ckpt/fixtures/deepspeed/make_fixtures.py", *session.posargs)
-    session.run("python", "benchmarks/consolidate.py", "--smoke")
+    session.run("python", "-m", "benchmarks.consolidate", "--smoke")

@@ -19,21 +19,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.ckpt._ds import deepspeed_specs
 from zeroshard.ckpt import (
     CheckpointError,
     DeepSpeedCheckpoint,
     DeepSpeedCheckpointError,
     MissingRankFileError,
     MissingShardError,
-    RangeSpec,
-    TensorSpec,
-    deepspeed_specs,
-    is_deepspeed_checkpoint,
     read_deepspeed_checkpoint,
 )
+from zeroshard.ckpt._deepspeed_files import is_deepspeed_checkpoint
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
-CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3"]
+CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3", "stage2_fp16", "stage3_fp16"]
 TAG = "global_step2"
 FROZEN = {"frozen.weight", "frozen.bias", "spare.empty"}
 
@@ -111,11 +111,12 @@ def test_layout_facts(case: str) -> None:
     # ZeRO 1 checkpoints record no frozen parameters, so zero_to_fp32 has none either.
     assert ckpt.frozen == (set() if stage == 1 else FROZEN)
     if stage > 1:
-        compute = torch.bfloat16 if case in ("stage2", "stage3") else torch.float32
+        compute = {"stage2": torch.bfloat16, "stage3": torch.bfloat16}.get(case, torch.float32)
+        compute = torch.float16 if case.endswith("_fp16") else compute
         assert {dtypes[n] for n in FROZEN} == {compute}
 
 
-@pytest.mark.parametrize("case", ["stage2", "stage3", "stage3_w3"])
+@pytest.mark.parametrize("case", ["stage2", "stage3", "stage3_w3", "stage3_fp16"])
 def test_frozen_params_equal_the_untrained_model(case: str) -> None:
     # An independent reference: the frozen layer never trains, so it must equal a fresh
     # model built from the same seed (cast to the compute dtype DeepSpeed kept it in).

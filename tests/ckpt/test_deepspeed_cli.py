@@ -20,12 +20,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.ckpt._ds import digest
 from zeroshard.ckpt import consolidate, describe
 from zeroshard.ckpt._cli import main
 from zeroshard.ckpt._unpickle import load_torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
-CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3"]
+CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3", "stage2_fp16", "stage3_fp16"]
 FROZEN = {"frozen.weight", "frozen.bias", "spare.empty"}
 
 
@@ -39,21 +40,26 @@ def _load_with_tied(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
     return load_file(path), tied
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_consolidate_equals_zero_to_fp32(case: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "case,flag",
+    [(case, "fp32") for case in CASES]
+    + [("stage3", "bf16"), ("stage2_fp16", "fp16"), ("stage1_bf16", "fp16")],
+)
+def test_consolidate_equals_zero_to_fp32(case: str, flag: str, tmp_path: Path) -> None:
+    # The reference is what DeepSpeed's converter writes with dtype=flag (fp32 is both
+    # its default and ours): every floating tensor in that dtype, frozen ones included.
     root = FIXTURES / case
     out = tmp_path / "out"
-    assert main(["consolidate", str(root), str(out), "--quiet", "--workers", "2"]) == 0
+    argv = ["consolidate", str(root), str(out), "--quiet", "--workers", "2"]
+    assert main(argv + ([] if flag == "fp32" else ["--dtype", flag])) == 0
     got, tied = _load_with_tied(out / "model.safetensors")
-    want = load_file(root / "reference.safetensors")
-    shared = json.loads((root / "reference.json").read_text())["shared"]
+    meta = json.loads((root / "reference.json").read_text())
+    want, shared = meta["converted"][flag], meta["shared"]
 
     assert tied == shared
     assert set(got) == set(want) - set(shared)  # each tied tensor once
     for name, expected in want.items():
-        actual = got[shared.get(name, name)]
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-        assert torch.equal(_bits(actual), _bits(expected)), name
+        assert digest(got[shared.get(name, name)]) == expected, name
 
 
 @pytest.mark.parametrize("case", ["stage2", "stage3_w3"])
@@ -72,20 +78,6 @@ def test_consolidate_exclude_frozen(case: str, tmp_path: Path) -> None:
     for name, actual in got.items():
         assert torch.equal(_bits(actual), _bits(want[name])), name
     assert describe(root).frozen == len(FROZEN)
-
-
-def test_consolidate_cast_matches_zero_to_fp32_cast(tmp_path: Path) -> None:
-    # zero_to_fp32 --dtype casts floating tensors with `.to(dtype)` and keeps the rest.
-    root = FIXTURES / "stage3"
-    out = tmp_path / "model.safetensors"
-    assert main(["consolidate", str(root), str(out), "--dtype", "bf16", "--quiet"]) == 0
-    got = load_file(out)
-    for name, expected in load_file(root / "reference.safetensors").items():
-        if name == "head.weight":
-            continue
-        cast = expected.to(torch.bfloat16) if expected.is_floating_point() else expected
-        assert got[name].dtype == cast.dtype, name
-        assert torch.equal(_bits(got[name]), _bits(cast)), name
 
 
 def test_consolidate_refuses_a_malicious_checkpoint(tmp_path: Path) -> None:

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.ckpt._ds import deepspeed_specs
 from zeroshard.ckpt import (
     CheckpointError,
     CorruptFileError,
     DeepSpeedCheckpointError,
     UnsafePickleError,
-    deepspeed_specs,
 )
 from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
 from zeroshard.ckpt._unpickle import FragmentAddress, LossScaler, ZeroStage, load_torch_file

@@ -14,15 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zeroshard.ckpt import (
-    MASTER,
-    CheckpointError,
-    CheckpointMeta,
-    CheckpointReader,
-    consolidate,
-    describe,
-    load,
-)
+from zeroshard.ckpt import CheckpointError, CheckpointMeta, consolidate, describe, load
+from zeroshard.ckpt._meta import MASTER
+from zeroshard.ckpt._reader import CheckpointReader
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zeroshard_v1"
 EXPECTED = Path(__file__).parent / "fixtures" / "zeroshard_v1-expected.safetensors"

@@ -22,8 +22,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.ckpt._model import same_bits
-from zeroshard.ckpt import CheckpointError, RangeSpec, TensorSpec, write_safetensors
+from zeroshard.ckpt import CheckpointError
 from zeroshard.ckpt._buffers import BufferPool
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec, write_safetensors
 
 MIB = 1024 * 1024
 
@@ -161,7 +163,7 @@ def test_pool_reuses_frees_and_refuses_a_bad_bound() -> None:
 
 _RSS_SCRIPT = """
 import os, sys, torch
-from zeroshard.ckpt import RangeSpec, write_safetensors
+from zeroshard.ckpt._writer import RangeSpec, write_safetensors
 from zeroshard.ckpt._stfile import pread_into
 
 src, out, bound = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -15,12 +15,7 @@ import torch
 
 from tests._dist import run_ranks, world_fits
 from tests.comm._data import rank_device
-from zeroshard.comm import (
-    Group,
-    all_gather_coalesced,
-    reduce_scatter_coalesced,
-    wait_all,
-)
+from zeroshard.comm import Group
 
 DELAY_S = 1.0
 N = 1 << 20
@@ -51,20 +46,21 @@ def _wait_does_not_block_host(group: Group, dev: torch.device, delay: float) -> 
 
 def _side_stream_memory_not_reused_early(group: Group, dev: torch.device, delay: float) -> None:
     side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
-    tensors = [torch.full((N,), group.rank + 1.0, device=dev), torch.ones(N // 2, device=dev)]
     _late_peer(group, delay)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
-        # Prefetch-style: packed and issued on the side stream, buffers allocated there.
-        outs, handles = all_gather_coalesced(group, tensors, label="prefetch")
-    wait_all(handles)  # on the default stream
-    first = outs[0].clone()  # read on the default stream, after its wait
-    nbytes = outs[0].untyped_storage().nbytes()
+        # Prefetch-style: buffers allocated and the gather issued on the side stream.
+        shard = torch.full((N,), group.rank + 1.0, device=dev)
+        gathered = torch.empty(group.size * N, device=dev)
+        handle = group.all_gather_into(gathered, shard, label="prefetch")
+    handle.wait()  # on the default stream
+    first = gathered.clone()  # read on the default stream, after its wait
+    nbytes = gathered.untyped_storage().nbytes()
     if group.rank == 0 and delay:
         # Rank 1 has not joined yet, so the collective still owns its buffers: the check
         # below is only meaningful while that holds.
         assert not torch.cuda.current_stream(dev).query(), "the peer was not late"
-    del outs, handles
+    del shard, gathered, handle
     with torch.cuda.stream(side):
         # Runs at once (the side stream waits on nothing): if the allocator handed out a
         # buffer NCCL still writes, the gathered values would land in `probe` later.
@@ -78,18 +74,23 @@ def _side_stream_memory_not_reused_early(group: Group, dev: torch.device, delay:
 
 def _no_memory_left_behind(group: Group, dev: torch.device) -> None:
     side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
-    tensors = [torch.randn(n, device=dev) for n in (N, 3, N // 3, 4096)]
+    sizes = (N, 3 * group.size, N // 3 * group.size, 4096)
+    tensors = [torch.randn(n, device=dev) for n in sizes]
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     for _ in range(10):
         side.wait_stream(torch.cuda.current_stream(dev))
+        handles = []
         with torch.cuda.stream(side):
-            outs, h1 = all_gather_coalesced(
-                group, tensors, dtype=torch.bfloat16, bucket_bytes=1 << 20
-            )
-            parts, h2 = reduce_scatter_coalesced(group, tensors, bucket_bytes=1 << 20)
-        wait_all(h1 + h2)
-        del outs, parts, h1, h2
+            # Outputs allocated on the side stream, waited on the default one.
+            for t in tensors:
+                full = torch.empty(t.numel() * group.size, device=dev)
+                part = torch.empty(t.numel() // group.size, device=dev)
+                handles.append(group.all_gather_into(full, t))
+                handles.append(group.reduce_scatter(part, t[: part.numel() * group.size]))
+        for h in handles:
+            h.wait()
+        del full, part, handles
     torch.cuda.synchronize(dev)
     # torch's watchdog drops its copy of a finished work within ~0.1 s: allow it 2 s.
     deadline = time.monotonic() + 2.0

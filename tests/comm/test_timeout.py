@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests._dist import run_ranks, world_fits
 from tests.comm._data import rank_device
-from zeroshard.comm import CollectiveTimeoutError, Group, all_gather_coalesced, wait_all
+from zeroshard.comm import CollectiveTimeoutError, Group
 
 TIMEOUT_S = 1.5
 # The error must come at the timeout, not at torch's own (much longer) group timeout.
@@ -35,17 +35,17 @@ def _fresh_group(blocking_wait: bool) -> Group:
 def _skipped_collective() -> None:
     group, dev = _fresh_group(blocking_wait=True), rank_device()
     if group.rank == 0:
-        tensors = [torch.ones(5, device=dev), torch.ones(3, device=dev)]
+        out = torch.empty(2 * 8, device=dev)
         start = time.monotonic()
-        _, handles = all_gather_coalesced(group, tensors, label="layers.7")
+        handle = group.all_gather_into(out, torch.ones(8, device=dev), label="layers.7")
         with pytest.raises(CollectiveTimeoutError) as info:
-            wait_all(handles)
+            handle.wait()
         elapsed = time.monotonic() - start
         err = info.value
-        assert err.op == "all_gather" and err.label == "layers.7[bucket 0]", str(err)
+        assert err.op == "all_gather" and err.label == "layers.7", str(err)
         assert err.timed_out, str(err)
         msg = str(err)
-        assert "all_gather for 'layers.7[bucket 0]'" in msg and "within 1.5s" in msg, msg
+        assert "all_gather for 'layers.7'" in msg and "within 1.5s" in msg, msg
         assert 0.9 * TIMEOUT_S <= elapsed <= TIMEOUT_S + SLACK_S, elapsed
     # Rank 1 skipped it and is alive meanwhile, waiting here on the world group.
     Group().barrier(label="after timeout")
@@ -82,7 +82,7 @@ def _body(device: str) -> None:
 
 @pytest.mark.gpu
 def test_skipped_collective_times_out_with_label(device: str) -> None:
-    """Rank 1 skips a coalesced all-gather: rank 0 fails at ~1.5 s naming op and bucket;
+    """Rank 1 skips an all-gather: rank 0 fails at ~1.5 s naming the op and its label;
     on gloo, a peer that left the group makes the next collective fail at once."""
     world_fits(device, 2)
     run_ranks(_body, 2, device, device=device)

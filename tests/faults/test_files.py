@@ -18,15 +18,15 @@ from zeroshard.ckpt import (
     CheckpointError,
     CheckpointMeta,
     GroupMeta,
-    TensorSpec,
     consolidate,
     list_checkpoints,
     load,
-    resolve,
     save,
-    write_safetensors,
 )
 from zeroshard.ckpt._cli import main
+from zeroshard.ckpt._paths import resolve
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import write_safetensors
 from zeroshard.partition import FlatLayout
 
 REPO = Path(__file__).resolve().parents[2]

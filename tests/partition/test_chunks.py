@@ -1,9 +1,8 @@
-"""ChunkLayout and ChunkedBuffer: even shards, exact coverage, JSON, host copies, real gathers."""
+"""ChunkLayout: even shards, exact coverage, JSON, and shards that gather into chunks."""
 
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 from tests._dist import run_each, run_ranks, subtests
 from tests.partition._helpers import bitwise_equal, random_bits
 from zeroshard.comm import Group
-from zeroshard.partition import CHUNK_FORMAT_VERSION, ChunkedBuffer, ChunkLayout
+from zeroshard.partition import CHUNK_FORMAT_VERSION, ChunkLayout
 
 SETTINGS = settings(max_examples=80, deadline=None)
 sizes = st.tuples(st.integers(0, 5000), st.integers(1, 700), st.integers(1, 8))
@@ -75,41 +74,6 @@ def test_bad_chunk_input() -> None:
     ):
         with pytest.raises(ValueError):
             ChunkLayout.from_json(bad)
-    with pytest.raises(ValueError, match="rank 2 out of range"):
-        ChunkedBuffer(lay, 2, dtype=torch.float32, device=torch.device("cpu"))
-
-
-def test_buffer_load_and_host_round_trip() -> None:
-    lay = ChunkLayout.build(37, 8, 4)  # 5 chunks of 8, the last one part padding
-    flat = random_bits((37,), torch.bfloat16, torch.Generator().manual_seed(3))
-    padded = torch.cat([flat, torch.zeros(lay.padded_numel - 37, dtype=flat.dtype)])
-    for rank in range(4):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            buf = ChunkedBuffer(
-                lay, rank, dtype=torch.bfloat16, device=torch.device("cpu"), host_copies=True
-            )
-        pinned_possible = torch.cuda.is_available()
-        # No CUDA here: one warning for the whole buffer, not one per chunk.
-        assert len(caught) == (0 if pinned_possible else 1)
-        assert buf.pinned == pinned_possible
-        buf.load(flat)
-        for i in range(lay.num_chunks):
-            lo, hi = lay.shard_range(i, rank)
-            assert bitwise_equal(buf.shard(i), padded[lo:hi])
-            host = buf.to_host(i)
-            assert bitwise_equal(host, padded[lo:hi])
-            buf.shard(i).fill_(0)
-            assert bitwise_equal(buf.to_device(i), padded[lo:hi])
-        assert bitwise_equal(buf.data.reshape(-1), buf.host.reshape(-1))  # type: ignore[union-attr]
-    quiet = ChunkedBuffer(lay, 0, dtype=torch.float32, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="no host copies"):
-        quiet.to_host(0)
-    with pytest.raises(ValueError, match="at most 40"):
-        quiet.load(torch.zeros(41))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # pin=False: pageable on purpose, no warning
-        ChunkedBuffer(lay, 0, dtype=torch.float32, device="cpu", host_copies=True, pin=False)
 
 
 def _gather_case(numel: int, chunk: int, dtype: torch.dtype) -> None:
@@ -120,11 +84,11 @@ def _gather_case(numel: int, chunk: int, dtype: torch.dtype) -> None:
     flat = random_bits((numel,), dtype, torch.Generator().manual_seed(numel + chunk))
     padded = torch.zeros(lay.padded_numel, dtype=dtype)
     padded[:numel] = flat
-    buf = ChunkedBuffer(lay, group.rank, dtype=dtype, device=device)
-    buf.load(flat.to(device))
+    device_flat = padded.to(device)
     for i in range(lay.num_chunks):
+        lo, hi = lay.shard_range(i, group.rank)
         out = torch.empty(lay.chunk_numel, dtype=dtype, device=device)
-        group.all_gather_into(out, buf.shard(i), label=f"chunk {i}").wait()
+        group.all_gather_into(out, device_flat[lo:hi], label=f"chunk {i}").wait()
         lo, hi = lay.chunk_range(i)
         assert bitwise_equal(out, padded[lo:hi]), f"chunk {i}"
 

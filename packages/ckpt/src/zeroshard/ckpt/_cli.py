@@ -32,7 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("src", help="checkpoint directory or root (zeroshard or DeepSpeed)")
     c.add_argument("out", help="output directory, or a .safetensors file")
-    c.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: keep)")
+    c.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="dtype of every floating tensor, as zero_to_fp32 writes them (default: fp32)",
+    )
     c.add_argument(
         "--max-shard-size",
         help="largest output file, e.g. 5GB, 500MB, 2GiB "
@@ -86,7 +91,7 @@ def _consolidate(a: argparse.Namespace) -> int:
     r = consolidate(
         a.src,
         a.out,
-        dtype=DTYPES[a.dtype] if a.dtype else None,
+        dtype=DTYPES[a.dtype],
         max_shard_size=size,
         workers=a.workers,
         low_memory=a.low_memory,

@@ -1,4 +1,5 @@
-"""`consolidate`: a zeroshard or DeepSpeed ZeRO checkpoint -> one full safetensors state dict.
+"""`consolidate`: a zeroshard, DeepSpeed ZeRO or PyTorch DCP checkpoint -> one safetensors
+state dict.
 
 Tied parameters are written once, under the canonical name (the one the model's
 `named_parameters()` yields first; Hugging Face loaders expect the shared tensor once
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.ckpt._dcp import dcp_specs, is_dcp_checkpoint
 from zeroshard.ckpt._deepspeed import (
     DeepSpeedCheckpoint,
     is_deepspeed_checkpoint,
@@ -56,7 +58,7 @@ def deepspeed_checkpoint(
         return read_deepspeed_checkpoint(src, ds_tag, exclude_frozen=exclude_frozen)
     raise CheckpointError(
         f"{src} is neither a zeroshard checkpoint (no {METADATA}, no 'latest' naming one) "
-        "nor a DeepSpeed ZeRO checkpoint"
+        "nor a DeepSpeed ZeRO checkpoint nor a PyTorch DCP checkpoint (no .metadata)"
     )
 
 
@@ -69,7 +71,8 @@ def source_specs(
     verify_input: bool,
     instance: int | None = None,
 ) -> tuple[list[TensorSpec], dict[str, str], CheckpointReader | None]:
-    """Specs and tied aliases of a zeroshard or DeepSpeed checkpoint (and our reader to close)."""
+    """Specs and tied aliases of a zeroshard, DeepSpeed or DCP checkpoint (and our reader to
+    close)."""
     if not src.exists():
         raise CheckpointError(f"{src} does not exist")
     if is_zeroshard_checkpoint(src, tag, step):
@@ -85,6 +88,8 @@ def source_specs(
             reader.close()
             raise
         return specs, aliases, reader
+    if is_dcp_checkpoint(src):
+        return dcp_specs(src), {}, None
     ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=exclude_frozen)
     return list(ds.specs), dict(ds.aliases), None
 
@@ -93,7 +98,7 @@ def consolidate(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype = torch.float32,
     max_shard_size: int | None = None,
     workers: int | None = None,
     low_memory: bool = False,
@@ -108,6 +113,8 @@ def consolidate(
 ) -> WriteResult:
     """Write the full state dict of checkpoint `src` as safetensors at `out`.
 
+    Every floating tensor is written in `dtype`, fp32 by default (frozen parameters and
+    buffers included), as DeepSpeed's `zero_to_fp32` does; other tensors keep theirs.
     `out` ending in `.safetensors` is one file; otherwise a directory holding
     `model.safetensors`, or shards of at most `max_shard_size` bytes with
     `model.safetensors.index.json`. `instance` picks which instance of the groups on a

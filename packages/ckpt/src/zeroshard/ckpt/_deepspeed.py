@@ -49,7 +49,6 @@ __all__ = [
     "DeepSpeedCheckpointError",
     "MissingRankFileError",
     "UnsafePickleError",
-    "deepspeed_specs",
     "is_deepspeed_checkpoint",
     "read_deepspeed_checkpoint",
 ]
@@ -332,14 +331,3 @@ def read_deepspeed_checkpoint(
         buffers=frozenset(buffers & specs.keys()),
         frozen=frozenset(frozen & specs.keys()),
     )
-
-
-def deepspeed_specs(
-    path: Path, tag: str | None = None, *, exclude_frozen: bool = False
-) -> tuple[list[TensorSpec], dict[str, str]]:
-    """The full fp32 state dict of a DeepSpeed ZeRO checkpoint as specs, plus tied aliases.
-
-    Aliases map each shared parameter's name to the name whose spec holds its data.
-    """
-    ckpt = read_deepspeed_checkpoint(path, tag, exclude_frozen=exclude_frozen)
-    return list(ckpt.specs), dict(ckpt.aliases)

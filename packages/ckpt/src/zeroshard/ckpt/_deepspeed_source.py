@@ -12,17 +12,14 @@ output buffer that is not a contiguous CPU tensor of the same dtype) we copy fro
 
 from __future__ import annotations
 
-import ctypes
 import os
 import weakref
 from pathlib import Path
 
 import torch
 
+from zeroshard.ckpt._stfile import pread_into
 from zeroshard.ckpt._unpickle import CorruptFileError
-
-# preadv is capped per call (Linux: 0x7ffff000 bytes); read in chunks below that.
-_MAX_READ = 1 << 30
 
 
 class OpenFile:
@@ -72,19 +69,6 @@ def _file_mappings(fd: int) -> list[tuple[int, int, int]]:
     return maps
 
 
-def _pread_into(fd: int, target: torch.Tensor, offset: int, path: Path) -> None:
-    """Fill the contiguous CPU tensor `target` with the bytes of the file at `offset`."""
-    nbytes = target.numel() * target.element_size()
-    buf = (ctypes.c_char * nbytes).from_address(target.data_ptr())
-    view = memoryview(buf).cast("B")
-    done = 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[done : done + min(nbytes - done, _MAX_READ)]], offset + done)
-        if n <= 0:
-            raise CorruptFileError(f"{path}: unexpected end of file at byte {offset + done}")
-        done += n
-
-
 class FlatSource:
     """A 1-D tensor stored in a checkpoint file, read piecewise into output buffers."""
 
@@ -124,7 +108,7 @@ class FlatSource:
             and target.is_contiguous()
         ):
             start = self._offset + src * self.tensor.element_size()
-            _pread_into(self._file.fd, target, start, self._file.path)
+            pread_into(self._file.fd, target, start, self._file.path, CorruptFileError)
         else:
             target.copy_(self.tensor[src : src + count])
 

@@ -1,4 +1,4 @@
-"""`inspect`: what a checkpoint holds, as a small table (zeroshard or DeepSpeed)."""
+"""`inspect`: what a checkpoint holds, as a small table (zeroshard, DeepSpeed or DCP)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroshard.ckpt._consolidate import deepspeed_checkpoint, is_zeroshard_checkpoint
+from zeroshard.ckpt._dcp import DCP_METADATA, dcp_specs, is_dcp_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import FORMAT_NAME
 from zeroshard.ckpt._reader import CheckpointReader
@@ -80,6 +81,8 @@ def describe(
                 len(m.buffers),
                 groups,
             )
+    if is_dcp_checkpoint(src):
+        return _describe_dcp(src)
     ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=False)
     files = [p for p in src.rglob("*.pt") if p.is_file()]
     params = [s for s in ds.specs if s.name not in ds.buffers]
@@ -96,6 +99,28 @@ def describe(
         len(ds.frozen),
         len(ds.aliases),
         len(ds.buffers),
+    )
+
+
+def _describe_dcp(src: Path) -> Summary:
+    # DCP records neither the world size nor which tensors are buffers, frozen or tied:
+    # every model tensor counts as a parameter here.
+    specs = dcp_specs(src)
+    files = [p for p in src.iterdir() if p.is_file() and p.suffix == ".distcp"]
+    files.append(src / DCP_METADATA)
+    return Summary(
+        src,
+        "pytorch dcp (model tensors, buffers included)",
+        None,
+        None,
+        None,
+        sum(s.numel for s in specs),
+        len(specs),
+        sum(p.stat().st_size for p in files),
+        len(files),
+        0,
+        0,
+        0,
     )
 
 

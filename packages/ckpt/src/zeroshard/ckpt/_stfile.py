@@ -44,6 +44,7 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 _IO_CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
+_MAX_READ = 1 << 30
 
 
 def st_code(dtype: torch.dtype) -> str:
@@ -52,6 +53,14 @@ def st_code(dtype: torch.dtype) -> str:
         return _CODES[dtype]
     except KeyError:
         raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def st_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code ('F32' -> torch.float32)."""
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise CheckpointError(f"unsupported safetensors dtype {code!r}") from None
 
 
 @dataclass(frozen=True)
@@ -129,14 +138,21 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def pread_into(fd: int, out: torch.Tensor, offset: int, path: Path | str) -> None:
-    """Fill contiguous CPU tensor `out` with the bytes at `offset`; error on a short file."""
+def pread_into(
+    fd: int,
+    out: torch.Tensor,
+    offset: int,
+    path: Path | str,
+    error: type[CheckpointError] = CheckpointError,
+) -> None:
+    """Fill contiguous CPU tensor `out` with the bytes at `offset`; `error` on a short file."""
     view = tensor_bytes(out)
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        # preadv is capped per call (Linux: 0x7ffff000 bytes); ask for at most _MAX_READ.
+        n = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
         if n == 0:
-            raise CheckpointError(
+            raise error(
                 f"{path}: ends at byte {offset + done}, expected data up to byte "
                 f"{offset + len(view)} (truncated file?)"
             )
@@ -178,7 +194,8 @@ def write_file(
 
 
 def read_header(fd: int, path: Path | str) -> Header:
-    """Parse a safetensors header; CheckpointError naming the file when it is not one."""
+    """Parse and check a safetensors header; CheckpointError naming the file (and the
+    tensor) when it is not one, or when a tensor's bytes do not fit inside the file."""
     size = os.fstat(fd).st_size
     raw = os.pread(fd, 8, 0)
     if len(raw) < 8:
@@ -188,20 +205,41 @@ def read_header(fd: int, path: Path | str) -> Header:
         raise CheckpointError(f"{path}: bad safetensors header length {n} (file has {size} bytes)")
     try:
         fields = json.loads(os.pread(fd, n, 8))
-        metadata = {str(k): str(v) for k, v in fields.pop("__metadata__", {}).items()}
-        entries: dict[str, Entry] = {}
-        end = 8 + n
-        for name, f in fields.items():
-            lo, hi = (int(x) for x in f["data_offsets"])
-            dtype = _DTYPES[f["dtype"]]
-            shape = tuple(int(d) for d in f["shape"])
-            entries[name] = Entry(dtype, shape, 8 + n + lo, hi - lo)
-            if entries[name].numel * dtype.itemsize != hi - lo:
-                raise ValueError(f"tensor {name!r}: offsets disagree with its shape")
-            end = max(end, 8 + n + hi)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: malformed safetensors header: {e!r}") from e
-    return Header(entries, metadata, 8 + n, end)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from e
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    raw_meta = fields.pop("__metadata__", None) or {}
+    if not isinstance(raw_meta, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not a JSON object")
+    metadata = {str(k): str(v) for k, v in raw_meta.items()}
+    base = 8 + n
+    entries = {name: _entry(path, name, f, base, size) for name, f in fields.items()}
+    end = max((e.offset + e.nbytes for e in entries.values()), default=base)
+    return Header(entries, metadata, base, end)
+
+
+def _entry(path: Path | str, name: str, info: object, base: int, size: int) -> Entry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{where}: needs dtype, shape and data_offsets")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if code not in _DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {code!r}; supported: {sorted(_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: bad shape {shape!r}")
+    pair = isinstance(offsets, list) and len(offsets) == 2
+    if not pair or not all(isinstance(o, int) for o in offsets):
+        raise CheckpointError(f"{where}: bad data_offsets {offsets!r}")
+    dtype = _DTYPES[code]
+    entry = Entry(dtype, tuple(shape), base + offsets[0], offsets[1] - offsets[0])
+    expected = entry.numel * dtype.itemsize
+    if not base <= entry.offset <= entry.offset + entry.nbytes <= size or entry.nbytes != expected:
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets} do not hold {expected} bytes of "
+            f"{code}{shape} inside the file ({size} bytes): truncated or corrupt"
+        )
+    return entry
 
 
 def file_digest(path: Path, algorithm: str = CHECKSUM_ALGORITHM) -> FileMeta:

@@ -2,38 +2,26 @@
 
 `Group` wraps a process group; every collective returns a `Handle` whose `wait()`
 finishes it or raises `CollectiveTimeoutError` naming the operation and a label.
-`all_gather_coalesced` / `reduce_scatter_coalesced` move many tensors as few bucketed
-collectives, casting before communication. `make_hybrid_groups` builds shard and
-replicate subgroups. `warn_on_rank0` / `warn_tagged` warn once per job (or per
-rank, naming it) at the user's line.
+`make_hybrid_groups` builds shard and replicate subgroups. `warn_on_rank0` /
+`warn_tagged` warn once per job (or per rank, naming it) at the user's line.
 """
 
-from zeroshard.comm._coalesce import (
-    DEFAULT_BUCKET_BYTES,
-    all_gather_coalesced,
-    reduce_scatter_coalesced,
-    wait_all,
-)
 from zeroshard.comm._errors import CollectiveTimeoutError
 from zeroshard.comm._group import DEFAULT_TIMEOUT, Group, Handle, ReduceOp, completed_handle
 from zeroshard.comm._hybrid import HybridGroups, make_hybrid_groups
 from zeroshard.comm._warn import is_rank0, process_rank, warn_on_rank0, warn_tagged
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
     "DEFAULT_TIMEOUT",
     "CollectiveTimeoutError",
     "Group",
     "Handle",
     "HybridGroups",
     "ReduceOp",
-    "all_gather_coalesced",
     "completed_handle",
     "is_rank0",
     "make_hybrid_groups",
     "process_rank",
-    "reduce_scatter_coalesced",
-    "wait_all",
     "warn_on_rank0",
     "warn_tagged",
 ]

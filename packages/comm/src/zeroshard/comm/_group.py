@@ -214,16 +214,7 @@ class Group:
         self, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
     ) -> Handle:
         """Gather every rank's `input` into `output` (size x input.numel(), rank-major)."""
-        if output.numel() != input.numel() * self.size:
-            raise ValueError(
-                f"all_gather_into {label!r}: output has {output.numel()} elements, "
-                f"expected {self.size} x {input.numel()}"
-            )
-        if output.dtype != input.dtype:
-            raise ValueError(
-                f"all_gather_into {label!r}: output dtype {output.dtype} != input {input.dtype}"
-            )
-        _check_contiguous("all_gather_into", label, output, input)
+        _check_flat_pair("all_gather_into", label, output, input, "output", self.size)
         work = _all_gather_flat(output, input, group=self.pg, async_op=True)
         return self._handle(work, "all_gather", label, (output, input))
 
@@ -236,16 +227,7 @@ class Group:
         label: str = "",
     ) -> Handle:
         """Reduce `input` (size x output.numel()) over ranks; keep this rank's part in `output`."""
-        if input.numel() != output.numel() * self.size:
-            raise ValueError(
-                f"reduce_scatter {label!r}: input has {input.numel()} elements, "
-                f"expected {self.size} x {output.numel()}"
-            )
-        if output.dtype != input.dtype:
-            raise ValueError(
-                f"reduce_scatter {label!r}: output dtype {output.dtype} != input {input.dtype}"
-            )
-        _check_contiguous("reduce_scatter", label, output, input)
+        _check_flat_pair("reduce_scatter", label, input, output, "input", self.size)
         if self.backend == "gloo":
             return self._reduce_scatter_gloo(output, input, op, label)
         work = _reduce_scatter_flat(
@@ -312,6 +294,21 @@ class Group:
             out.div_(size)
 
         return divide
+
+
+def _check_flat_pair(
+    op: str, label: str, full: torch.Tensor, part: torch.Tensor, full_name: str, size: int
+) -> None:
+    """`full` must hold `size` x `part`'s elements, of the same dtype, both contiguous."""
+    if full.numel() != part.numel() * size:
+        raise ValueError(
+            f"{op} {label!r}: {full_name} has {full.numel()} elements, "
+            f"expected {size} x {part.numel()}"
+        )
+    if full.dtype != part.dtype:
+        output, input = (full, part) if full_name == "output" else (part, full)
+        raise ValueError(f"{op} {label!r}: output dtype {output.dtype} != input {input.dtype}")
+    _check_contiguous(op, label, full, part)
 
 
 def _check_contiguous(op: str, label: str, *tensors: torch.Tensor) -> None:

@@ -9,6 +9,9 @@ model.state_dict() / model.load_state_dict(full)  # full tensors at every stage 
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._estimate import Estimate, estimate
+from zeroshard.engine._estimate_comm import Cluster, Link
+from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
@@ -26,10 +29,14 @@ from zeroshard.engine._state import (
 from zeroshard.engine._stats import EngineStats
 
 __all__ = [
+    "Cluster",
+    "Compute",
     "DivergentRanksError",
     "EngineModel",
     "EngineState",
     "EngineStats",
+    "Estimate",
+    "Link",
     "LoadReport",
     "SafetensorsLoadError",
     "WrapsEngineModel",
@@ -37,6 +44,7 @@ __all__ = [
     "ZeroOptimizer",
     "engine_state",
     "engine_stats",
+    "estimate",
     "full_state_dict",
     "gathered_parameters",
     "initialize",

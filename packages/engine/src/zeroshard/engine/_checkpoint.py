@@ -23,17 +23,17 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.ckpt import (
-    MASTER,
     CheckpointMeta,
     GroupMeta,
     GroupPlacement,
     SaveHandle,
-    agreed,
     buffer_key,
     load,
     save,
     shard_key,
 )
+from zeroshard.ckpt._agree import agreed
+from zeroshard.ckpt._meta import MASTER
 from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._state import EngineModel, EngineState, engine_module, engine_state

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,29 +27,15 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.ckpt._errors import CheckpointError
+from zeroshard.ckpt._stfile import pread_into, st_code, st_dtype
+from zeroshard.ckpt._stfile import read_header as st_read_header
 from zeroshard.engine._state import EngineModel, engine_module, engine_state
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Larger pieces are read and converted this many bytes at a time.
 CHUNK_BYTES = 64 * 2**20
-_MAX_HEADER = 100 * 2**20
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-for _st, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
-    if hasattr(torch, _name):  # older torch builds lack fp8
-        _DTYPES[_st] = getattr(torch, _name)
 
 
 class SafetensorsLoadError(ValueError):
@@ -76,7 +61,7 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of the stored data."""
-        return _DTYPES[self.dtype]
+        return st_dtype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -99,55 +84,20 @@ class LoadReport:
 def read_header(path: Path) -> tuple[dict[str, TensorEntry], int]:
     """Parse one safetensors file's header: its tensors, and the header's size in bytes."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb", buffering=0) as f:
-            raw = f.read(8)
-            length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if not 0 < length <= min(size - 8, _MAX_HEADER):
-                raise SafetensorsLoadError(
-                    f"{path}: not a safetensors file (header length {length}, file {size} bytes)"
-                )
-            text = f.read(length)
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise SafetensorsLoadError(f"cannot read {path}: {e}") from e
     try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsLoadError(f"{path}: the header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise SafetensorsLoadError(f"{path}: the header is not a JSON object")
-    base = 8 + length
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _entry(path, name, info, base, size)
-    return entries, base
-
-
-def _entry(path: Path, name: str, info: object, base: int, size: int) -> TensorEntry:
-    where = f"{path}: tensor {name!r}"
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise SafetensorsLoadError(f"{where}: needs dtype, shape and data_offsets")
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _DTYPES:
-        raise SafetensorsLoadError(
-            f"{where}: unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}"
-        )
-    ints = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-    if not ints:
-        raise SafetensorsLoadError(f"{where}: bad shape {shape!r}")
-    pair = isinstance(offsets, list) and len(offsets) == 2
-    if not pair or not all(isinstance(o, int) for o in offsets):
-        raise SafetensorsLoadError(f"{where}: bad data_offsets {offsets!r}")
-    entry = TensorEntry(name, path, dtype, tuple(shape), base + offsets[0], base + offsets[1])
-    expected = entry.numel * entry.torch_dtype.itemsize
-    if not base <= entry.start <= entry.end <= size or entry.end - entry.start != expected:
-        raise SafetensorsLoadError(
-            f"{where}: data_offsets {offsets} do not hold {expected} bytes of "
-            f"{dtype}{list(shape)} inside the file ({size} bytes): truncated or corrupt"
-        )
-    return entry
+        header = st_read_header(fd, path)
+    except CheckpointError as e:
+        raise SafetensorsLoadError(str(e)) from e
+    finally:
+        os.close(fd)
+    entries = {
+        name: TensorEntry(name, path, st_code(e.dtype), e.shape, e.offset, e.offset + e.nbytes)
+        for name, e in header.entries.items()
+    }
+    return entries, header.data_start
 
 
 def index_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, TensorEntry], int]:
@@ -194,23 +144,8 @@ class _RangeReader:
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
-
-    def _read_into(self, path: Path, view: memoryview, offset: int) -> None:
-        fd, done = self._fd(path), 0
-        while done < len(view):
-            if hasattr(os, "preadv"):
-                got = os.preadv(fd, [view[done:]], offset + done)
-            else:  # Windows: no positioned reads; seek, then read
-                os.lseek(fd, offset + done, os.SEEK_SET)
-                data = os.read(fd, len(view) - done)
-                view[done : done + len(data)] = data
-                got = len(data)
-            if got == 0:
-                raise SafetensorsLoadError(f"{path}: file ended at byte {offset + done}")
-            done += got
-        self.bytes_read += done
 
     def chunks(
         self, entry: TensorEntry, first: int, numel: int
@@ -220,9 +155,14 @@ class _RangeReader:
         step = max(1, CHUNK_BYTES // itemsize)
         for lo in range(0, numel, step):
             n = min(step, numel - lo)
-            buf = bytearray(n * itemsize)
-            self._read_into(entry.file, memoryview(buf), entry.start + (first + lo) * itemsize)
-            yield lo, torch.frombuffer(buf, dtype=entry.torch_dtype)
+            buf = torch.empty(n, dtype=entry.torch_dtype)
+            offset = entry.start + (first + lo) * itemsize
+            try:
+                pread_into(self._fd(entry.file), buf, offset, entry.file)
+            except CheckpointError as e:
+                raise SafetensorsLoadError(str(e)) from e
+            self.bytes_read += n * itemsize
+            yield lo, buf
 
     def close(self) -> None:
         """Close every file opened."""

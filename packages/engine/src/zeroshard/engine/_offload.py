@@ -54,7 +54,7 @@ from torch import nn
 
 from zeroshard.comm import Group, warn_tagged
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.partition import ChunkLayout
+from zeroshard.partition import ChunkLayout, empty_host
 
 _warned_pageable = False
 # Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
@@ -65,19 +65,16 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Ten
     """A zeroed 1-D host tensor and whether it is pinned; pageable (warned once) if pinning
     fails."""
     global _warned_pageable
-    if pin:
-        try:
-            return torch.zeros(numel, dtype=dtype, pin_memory=True), True
-        except RuntimeError as e:
-            if not _warned_pageable:
-                _warned_pageable = True
-                # Pinning may fail on some ranks only: each says so, naming itself.
-                warn_tagged(
-                    f"zeroshard offload: pinned host memory could not be allocated ({e}); "
-                    "using pageable memory: host<->device copies will be synchronous and slower",
-                    RuntimeWarning,
-                )
-    return torch.zeros(numel, dtype=dtype), False
+    t, pinned = empty_host(numel, dtype, pin=pin)
+    if pin and not pinned and not _warned_pageable:
+        _warned_pageable = True
+        # Pinning may fail on some ranks only: each says so, naming itself.
+        warn_tagged(
+            "zeroshard offload: pinned host memory could not be allocated; using pageable "
+            "memory: host<->device copies will be synchronous and slower",
+            RuntimeWarning,
+        )
+    return t.zero_(), pinned
 
 
 def choose_offloaded(groups: Sequence[FlatParamGroup], ratio: float) -> list[FlatParamGroup]:

@@ -11,11 +11,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
-
-from zeroshard.comm import warn_on_rank0, warn_tagged
-from zeroshard.partition._host import empty_host
-
 CHUNK_FORMAT_VERSION = 1
 
 
@@ -106,87 +101,3 @@ class ChunkLayout:
             return ChunkLayout(int(d["numel"]), int(d["chunk_numel"]), int(d["world_size"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed ChunkLayout: {e!r}") from e
-
-
-class ChunkedBuffer:
-    """One rank's shards of every chunk on `device`, with optional host copies.
-
-    `shard(i)` is chunk i's shard on the device; `to_host(i)` / `to_device(i)` copy it
-    to / from its host copy (pinned when CUDA allows, else pageable with one warning).
-    With `non_blocking=True` and pinned memory the copy is queued on the current CUDA
-    stream: synchronize (or wait on an event) before reading the destination or
-    reusing the source.
-    """
-
-    def __init__(
-        self,
-        layout: ChunkLayout,
-        rank: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        host_copies: bool = False,
-        pin: bool = True,
-    ) -> None:
-        if not 0 <= rank < layout.world_size:
-            raise ValueError(f"rank {rank} out of range for world size {layout.world_size}")
-        self.layout = layout
-        self.rank = rank
-        self.dtype = dtype
-        self.device = torch.device(device)
-        n, s = layout.num_chunks, layout.shard_numel
-        # One allocation for all chunks: chunk i is row i, so chunk moves are views.
-        self.data = torch.zeros(n, s, dtype=dtype, device=self.device)
-        self.host: torch.Tensor | None = None
-        self.pinned = False
-        if host_copies:
-            flat, self.pinned = empty_host(n * s, dtype, pin=pin)
-            self.host = flat.view(n, s)
-            if pin and not self.pinned:
-                # No CUDA is the same on every rank (warn once); a failed pin may not be.
-                warn = warn_on_rank0 if not torch.cuda.is_available() else warn_tagged
-                why = "no CUDA" if not torch.cuda.is_available() else "pinning failed"
-                warn(
-                    f"ChunkedBuffer: host copies use pageable memory ({why}); "
-                    "host<->device copies will be synchronous and slower",
-                    RuntimeWarning,
-                )
-
-    def shard(self, i: int) -> torch.Tensor:
-        """Chunk i's shard on the device (a view; shard_numel elements)."""
-        self.layout._check_chunk(i)
-        return self.data[i]
-
-    def _host(self, i: int) -> torch.Tensor:
-        self.layout._check_chunk(i)
-        if self.host is None:
-            raise ValueError("this ChunkedBuffer has no host copies (host_copies=False)")
-        return self.host[i]
-
-    def to_host(self, i: int, *, non_blocking: bool = False) -> torch.Tensor:
-        """Copy chunk i's device shard to its host copy; return the host copy."""
-        dst = self._host(i)
-        dst.copy_(self.data[i], non_blocking=non_blocking and self.pinned)
-        return dst
-
-    def to_device(self, i: int, *, non_blocking: bool = False) -> torch.Tensor:
-        """Copy chunk i's host copy to its device shard; return the device shard."""
-        src = self._host(i)
-        self.data[i].copy_(src, non_blocking=non_blocking and self.pinned)
-        return self.data[i]
-
-    @torch.no_grad()
-    def load(self, flat: torch.Tensor) -> None:
-        """Fill this rank's shards from a full flat buffer (at most padded_numel long)."""
-        lay = self.layout
-        if flat.dim() != 1 or flat.numel() > lay.padded_numel:
-            raise ValueError(
-                f"ChunkedBuffer.load: expected a 1-D buffer of at most {lay.padded_numel} "
-                f"elements, got shape {tuple(flat.shape)}"
-            )
-        self.data.zero_()
-        for i in range(lay.num_chunks):
-            lo, hi = lay.shard_range(i, self.rank)
-            hi = min(hi, flat.numel())
-            if lo < hi:
-                self.data[i, : hi - lo].copy_(flat[lo:hi])
