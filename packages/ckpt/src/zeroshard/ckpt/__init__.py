@@ -5,7 +5,9 @@ atomically; `load` returns one rank's shards for any world size; `consolidate` (
 the `zeroshard-ckpt` command) writes the full state dict as safetensors, from a
 zeroshard checkpoint, a DeepSpeed ZeRO checkpoint (`read_deepspeed_checkpoint` reads
 DeepSpeed's files without DeepSpeed, refusing unsafe pickles) or a PyTorch DCP
-directory. The on-disk format is described in docs/checkpoint-format.md.
+directory; `read_deepspeed_training_state` reads a DeepSpeed run's optimizer state and
+loss scale by parameter name, to resume it. The on-disk format is described in
+docs/checkpoint-format.md.
 """
 
 from zeroshard.ckpt._consolidate import consolidate
@@ -15,6 +17,8 @@ from zeroshard.ckpt._deepspeed import (
     MissingRankFileError,
     read_deepspeed_checkpoint,
 )
+from zeroshard.ckpt._deepspeed_files import is_deepspeed_checkpoint
+from zeroshard.ckpt._deepspeed_optim import read_deepspeed_training_state
 from zeroshard.ckpt._errors import (
     CheckpointError,
     ChecksumError,
@@ -26,6 +30,7 @@ from zeroshard.ckpt._errors import (
 from zeroshard.ckpt._inspect import Summary, describe
 from zeroshard.ckpt._load import LoadedShards, load
 from zeroshard.ckpt._meta import CheckpointMeta, GroupMeta, buffer_key, shard_key
+from zeroshard.ckpt._named_state import LossScaleState, NamedParamGroup, NamedTrainingState
 from zeroshard.ckpt._paths import list_checkpoints, read_latest, remove_checkpoint
 from zeroshard.ckpt._save import SaveHandle, save
 from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
@@ -41,9 +46,12 @@ __all__ = [
     "FormatVersionError",
     "GroupMeta",
     "LoadedShards",
+    "LossScaleState",
     "MissingRankFileError",
     "MissingShardError",
     "ModelMismatchError",
+    "NamedParamGroup",
+    "NamedTrainingState",
     "OutputExistsError",
     "SaveHandle",
     "Summary",
@@ -52,9 +60,11 @@ __all__ = [
     "buffer_key",
     "consolidate",
     "describe",
+    "is_deepspeed_checkpoint",
     "list_checkpoints",
     "load",
     "read_deepspeed_checkpoint",
+    "read_deepspeed_training_state",
     "read_latest",
     "remove_checkpoint",
     "save",

@@ -16,9 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
+from zeroshard.ckpt import (
+    CheckpointMeta,
+    GroupMeta,
+    SaveHandle,
+    buffer_key,
+    is_deepspeed_checkpoint,
+    load,
+    read_deepspeed_training_state,
+    save,
+    shard_key,
+)
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._named_load import load_named_state
 from zeroshard.engine._state import EngineState, engine_state
 
 _OPTIM = "optim."
@@ -179,14 +190,18 @@ def load_checkpoint(
 ) -> int:
     """Restore model and optimizer from a checkpoint saved at any world size; return its step.
 
-    `directory` is a checkpoint or the root holding `latest`. A checkpoint of another
-    model (names or shapes) raises `zeroshard.ckpt.ModelMismatchError` listing the
-    differences. Call on every rank.
+    `directory` is a checkpoint or the root holding `latest`, ours or DeepSpeed's ZeRO
+    1/2/3 (docs/deepspeed.md). A checkpoint of another model (names or shapes) raises
+    `zeroshard.ckpt.ModelMismatchError` listing the differences. Call on every rank.
     """
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
+    if is_deepspeed_checkpoint(Path(directory)):
+        ds_tag = tag if step is None else f"global_step{step}"
+        named = read_deepspeed_training_state(Path(directory), ds_tag)
+        return load_named_state(model, state, named, _aliases(model, state))
     shard_group = state.shard_group
     expected = {
         n: tuple(int(d) for d in slot.shape)
