@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 import zeroshard.engine as zs
 from tests._dist import run_ranks
 from zeroshard.ckpt import ModelMismatchError
+from zeroshard.ckpt._cli import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "ckpt" / "fixtures" / "deepspeed"
 CASES = ["resume_stage1", "resume_stage2", "resume_stage3", "resume_stage2_fp16"]
@@ -65,11 +66,11 @@ def _build(case: str) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
     return model, opt, mf
 
 
-def _resume(case: str) -> None:
+def _resume(case: str, source: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
     model, opt, mf = _build(case)
-    assert zs.load_checkpoint(model, opt, FIXTURES / case) == 2
+    assert zs.load_checkpoint(model, opt, source) == 2
     assert all(pg["lr"] == 1e-2 for pg in opt.param_groups), "lr comes from the checkpoint"
     fp16 = case.endswith("_fp16")
     if fp16:
@@ -102,15 +103,27 @@ def _resume(case: str) -> None:
         )
 
 
-def _resume_all(cases: list[str]) -> None:
-    for case in cases:
-        _resume(case)
+def _resume_all(runs: list[tuple[str, str]]) -> None:
+    for case, source in runs:
+        _resume(case, Path(source))
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_resume_matches_deepspeed(world: int) -> None:
     # One spawn per world size runs every case (stages 1, 2, 3 in fp32, ZeRO-2 fp16).
-    run_ranks(_resume_all, world, CASES)
+    run_ranks(_resume_all, world, [(case, str(FIXTURES / case)) for case in CASES])
+
+
+def test_convert_then_resume_matches_deepspeed(tmp_path: Path) -> None:
+    # `zeroshard-ckpt convert` (here into 3 rank files, DeepSpeed's were 2), then a
+    # resume from the zeroshard checkpoint at world 3, without reading DeepSpeed's files.
+    runs = []
+    for case in CASES:
+        assert (
+            main(["convert", str(FIXTURES / case), str(tmp_path / case), "--world-size", "3"]) == 0
+        )
+        runs.append((case, str(tmp_path / case)))
+    run_ranks(_resume_all, 3, runs)
 
 
 class _Records(logging.Handler):

@@ -141,6 +141,8 @@ def read_deepspeed_training_state(path: Path, tag: str | None = None) -> NamedTr
     return NamedTrainingState(
         source=f"DeepSpeed ZeRO-{ckpt.stage} checkpoint {ckpt.directory} "
         f"(world size {ckpt.world_size}, deepspeed {ckpt.ds_version})",
+        stage=ckpt.stage,
+        world_size=ckpt.world_size,
         step=_global_step(ckpt, files.model_states[0]),
         masters=_masters(ckpt, model0, files.model_states[0]),
         aliases=dict(ckpt.aliases),

@@ -47,10 +47,12 @@ class NamedTrainingState:
     canonical name; `aliases` maps tied names to canonical ones; `optimizer_state`
     maps a state key (`exp_avg`) to each trainable parameter's tensor of it;
     `not_carried` names what the source holds that cannot be carried over (a
-    scheduler's state), each with why.
+    scheduler's state), each with why. `stage` and `world_size` are the source run's.
     """
 
     source: str
+    stage: int
+    world_size: int
     step: int
     masters: Mapping[str, RangeSpec]
     aliases: Mapping[str, str]

@@ -21,9 +21,11 @@ from zeroshard.ckpt import (
     GroupMeta,
     SaveHandle,
     buffer_key,
+    is_converted_checkpoint,
     is_deepspeed_checkpoint,
     load,
     read_deepspeed_training_state,
+    read_named_state,
     save,
     shard_key,
 )
@@ -201,6 +203,9 @@ def load_checkpoint(
     if is_deepspeed_checkpoint(Path(directory)):
         ds_tag = tag if step is None else f"global_step{step}"
         named = read_deepspeed_training_state(Path(directory), ds_tag)
+        return load_named_state(model, state, named, _aliases(model, state))
+    if is_converted_checkpoint(directory, tag, step):
+        named = read_named_state(directory, tag, step)
         return load_named_state(model, state, named, _aliases(model, state))
     shard_group = state.shard_group
     expected = {
