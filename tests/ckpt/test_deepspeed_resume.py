@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from zeroshard.ckpt import (
     CorruptFileError,
     OutputExistsError,
+    consolidate,
     convert_deepspeed,
     is_converted_checkpoint,
     read_deepspeed_training_state,
@@ -103,6 +105,12 @@ def test_convert_keeps_every_tensor_bit_identical(case: str, world: int, tmp_pat
     assert [pg.names for pg in ours.param_groups] == [pg.names for pg in ds.param_groups]
     assert [pg.scalars for pg in ours.param_groups] == [pg.scalars for pg in ds.param_groups]
     assert ours.loss_scale == ds.loss_scale
+    # Consolidating the converted checkpoint gives what consolidating DeepSpeed's gives.
+    consolidate(tmp_path, tmp_path / "ours.safetensors")
+    consolidate(FIXTURES / case, tmp_path / "ds.safetensors")
+    mine, theirs = load_file(tmp_path / "ours.safetensors"), load_file(tmp_path / "ds.safetensors")
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_convert_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:

@@ -6,9 +6,11 @@ steps at world size 2 and saved, then trained 2 more steps on stored batches; it
 losses and fp32 weights after them are the reference. Here zeroshard loads the
 checkpoint at world 2 and 3 into a model initialised differently (and an optimizer
 with another lr), trains the same 2 steps on the same global batches, and must agree:
-fp32 losses to rtol 1e-5 and weights to atol 2e-6 (the gradient reduction order differs
-from DeepSpeed's); fp16 (DeepSpeed's loss-scaled ZeRO-2) to atol 2e-3 on the weights,
-as fp16 gradients are rounded and reduced differently.
+fp32 losses to rtol 1e-6 and weights to atol 1e-6 (measured on CPU: identical at world 2,
+2.4e-7 at world 3, where the gradient reduction order differs from DeepSpeed's); fp16
+(DeepSpeed's loss-scaled ZeRO-2) losses to rtol 1e-4 and weights to atol 1e-3
+(measured: 1.9e-5 and 1.7e-4 at world 3; fp16 gradients are rounded and reduced
+differently).
 """
 
 from __future__ import annotations
@@ -88,11 +90,11 @@ def _resume(case: str, source: Path) -> None:
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     torch.testing.assert_close(
-        torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-3 if fp16 else 1e-5, atol=0
+        torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-4 if fp16 else 1e-6, atol=0
     )
     want = load_file(FIXTURES / case / "continued.safetensors")
     got = zs.full_state_dict(model)
-    atol = 2e-3 if fp16 else 2e-6
+    atol = 1e-3 if fp16 else 1e-6
     for name, value in want.items():
         assert name in got, f"{case}: {name} missing"
         if name in ("scale", "seen"):
