@@ -31,7 +31,7 @@ from zeroshard.ckpt import (
 )
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._named_load import load_named_state
+from zeroshard.engine._named_load import apply_named_shards, read_named_shards
 from zeroshard.engine._state import EngineState, engine_state
 
 _OPTIM = "optim."
@@ -203,10 +203,13 @@ def load_checkpoint(
     if is_deepspeed_checkpoint(Path(directory)):
         ds_tag = tag if step is None else f"global_step{step}"
         named = read_deepspeed_training_state(Path(directory), ds_tag)
-        return load_named_state(model, state, named, _aliases(model, state))
-    if is_converted_checkpoint(directory, tag, step):
+    elif is_converted_checkpoint(directory, tag, step):
         named = read_named_state(directory, tag, step)
-        return load_named_state(model, state, named, _aliases(model, state))
+    else:
+        named = None
+    if named is not None:
+        shards = read_named_shards(model, state, named, _aliases(model, state))
+        return apply_named_shards(model, state, named, shards)
     shard_group = state.shard_group
     expected = {
         n: tuple(int(d) for d in slot.shape)

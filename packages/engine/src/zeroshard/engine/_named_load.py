@@ -3,6 +3,8 @@
 Each rank fills its own master shard and optimizer state shard slot by slot: for every
 parameter slice in the shard it reads the same elements of that parameter's tensors in
 the checkpoint (`RangeSpec.read_range`), so no rank reads or holds more than its shard.
+Everything is read and checked (`read_named_shards`) before anything changes
+(`apply_named_shards`), as `zeroshard.ckpt.load` does for our own checkpoints.
 Hyperparameters (lr, betas, eps, weight_decay...) are taken from the checkpoint's
 param groups, as DeepSpeed's own resume restores them; implementation switches
 (foreach, fused, capturable, differentiable) stay the user's.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -121,46 +124,76 @@ def _hyperparameters(
     return notes
 
 
-@torch.no_grad()
-def load_named_state(
+@dataclass
+class NamedShards:
+    """What this rank reads before anything is changed: its shards and the buffers."""
+
+    masters: dict[int, torch.Tensor] = field(default_factory=dict)
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    mapping: dict[int, int] = field(default_factory=dict)
+
+
+def read_named_shards(
     model: nn.Module, state: EngineState, named: NamedTrainingState, aliases: Mapping[str, str]
-) -> int:
-    """Restore weights, optimizer state, hyperparameters and loss scale; return the step.
+) -> NamedShards:
+    """Check the checkpoint against model and optimizer, and read this rank's shards of it
+    (on the host; no collective, nothing changed yet, so a failure leaves the run as it was).
 
     `aliases` maps the model's tied parameter names to the canonical ones of its groups.
     """
     _check_names(model, state, named, aliases)
-    inner = state.optimizer.inner
-    _check_optimizer(inner, named)
+    _check_optimizer(state.optimizer.inner, named)
     canonical = dict(named.aliases)
-    mapping = _group_of(state, named, canonical)
+    out = NamedShards(mapping=_group_of(state, named, canonical))
     for g in state.groups:
-        masters = {n: named.masters[canonical.get(n, n)] for n in g.names}
         host = torch.empty(g.master.numel(), dtype=torch.float32)
-        _fill(g, masters, host)
-        g.master.copy_(host)
+        _fill(g, {n: named.masters[canonical.get(n, n)] for n in g.names}, host)
+        out.masters[g.index] = host
         if not g.trainable:
             continue
-        opt_state: dict[str, Any] = {}
+        opt_state = {}
         for key, specs in named.optimizer_state.items():
-            by_name = {n: specs[canonical.get(n, n)] for n in g.names}
-            _fill(g, by_name, host)
-            opt_state[key] = host.to(g.master.device, copy=True)
+            host = torch.empty(g.master.numel(), dtype=torch.float32)
+            _fill(g, {n: specs[canonical.get(n, n)] for n in g.names}, host)
+            opt_state[key] = host
+        out.optimizer_state[g.index] = opt_state
+    buffers = dict(model.named_buffers())
+    for name, spec in named.buffers.items():
+        if name in buffers:
+            host = torch.empty(spec.numel, dtype=spec.dtype)
+            spec.read(host)
+            out.buffers[name] = host.view(spec.shape)
+    return out
+
+
+@torch.no_grad()
+def apply_named_shards(
+    model: nn.Module, state: EngineState, named: NamedTrainingState, shards: NamedShards
+) -> int:
+    """Install what `read_named_shards` read, then republish the parameters (collective);
+    return the checkpoint's step."""
+    inner = state.optimizer.inner
+    for g in state.groups:
+        g.master.copy_(shards.masters[g.index])
+        if not g.trainable:
+            continue
+        # Offloaded groups keep their optimizer state beside their master, on the host.
+        opt_state: dict[str, Any] = {
+            k: v.to(g.master.device, copy=True) for k, v in shards.optimizer_state[g.index].items()
+        }
         pg = inner.param_groups[g.key.param_group]
         on_device = bool(pg.get("fused") or pg.get("capturable"))
-        for key, value in named.param_groups[mapping[g.key.param_group]].scalars.items():
+        for key, value in named.param_groups[shards.mapping[g.key.param_group]].scalars.items():
             # torch keeps Adam's step as a float32 tensor, on the device when fused.
             device = g.master.device if on_device else torch.device("cpu")
             opt_state[key] = torch.tensor(value, dtype=torch.float32, device=device)
         inner.state[g.master] = opt_state
-    notes = _hyperparameters(inner, named, mapping)
-    dropped = list(named.not_carried)
+    notes = _hyperparameters(inner, named, shards.mapping)
     buffers = dict(model.named_buffers())
-    for name, spec in named.buffers.items():
-        if name in buffers:
-            host_buffer = torch.empty(spec.numel, dtype=spec.dtype)
-            spec.read(host_buffer)
-            buffers[name].copy_(host_buffer.view(spec.shape))
+    for name, loaded in shards.buffers.items():
+        buffers[name].copy_(loaded)
+    dropped = list(named.not_carried)
     scaler = state.optimizer.scaler
     if scaler is not None and named.loss_scale is not None:
         scaler.load_state_dict(
