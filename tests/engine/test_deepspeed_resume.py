@@ -54,24 +54,26 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def _build(case: str) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
+def _build(case: str, stage: int | None = None) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
+    """TinyLM under zeroshard at the case's ZeRO stage (or `stage`)."""
     mf = _fixture_module()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
     torch.manual_seed(99)  # not DeepSpeed's seed: every weight must come from the checkpoint
     model = mf.TinyLM()
-    cfg: dict[str, Any] = {"stage": ref["stage"]}
+    stage = ref["stage"] if stage is None else stage
+    cfg: dict[str, Any] = {"stage": stage}
     if case.endswith("_fp16"):
         cfg.update(compute_dtype="fp16", initial_loss_scale=2.0**16)
-    if ref["stage"] == 3:
+    if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, _optimizer(model), cfg)
     return model, opt, mf
 
 
-def _resume(case: str, source: Path) -> None:
+def _resume(case: str, source: Path, stage: int | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
-    model, opt, mf = _build(case)
+    model, opt, mf = _build(case, stage)
     assert zs.load_checkpoint(model, opt, source) == 2
     assert all(pg["lr"] == 1e-2 for pg in opt.param_groups), "lr comes from the checkpoint"
     fp16 = case.endswith("_fp16")
@@ -105,26 +107,30 @@ def _resume(case: str, source: Path) -> None:
         )
 
 
-def _resume_all(runs: list[tuple[str, str]]) -> None:
-    for case, source in runs:
-        _resume(case, Path(source))
+def _resume_all(runs: list[tuple[str, str, int | None]]) -> None:
+    for case, source, stage in runs:
+        _resume(case, Path(source), stage)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_resume_matches_deepspeed(world: int) -> None:
-    # One spawn per world size runs every case (stages 1, 2, 3 in fp32, ZeRO-2 fp16).
-    run_ranks(_resume_all, world, [(case, str(FIXTURES / case)) for case in CASES])
+    # One spawn per world size runs every case (stages 1, 2, 3 in fp32, ZeRO-2 fp16) at
+    # DeepSpeed's stage, and a ZeRO-3 checkpoint at our stage 1 and a ZeRO-1 one at 3.
+    runs = [(case, str(FIXTURES / case), None) for case in CASES]
+    runs += [("resume_stage3", str(FIXTURES / "resume_stage3"), 1)]
+    runs += [("resume_stage1", str(FIXTURES / "resume_stage1"), 3)]
+    run_ranks(_resume_all, world, runs)
 
 
 def test_convert_then_resume_matches_deepspeed(tmp_path: Path) -> None:
     # `zeroshard-ckpt convert` (here into 3 rank files, DeepSpeed's were 2), then a
     # resume from the zeroshard checkpoint at world 3, without reading DeepSpeed's files.
-    runs = []
+    runs: list[tuple[str, str, int | None]] = []
     for case in CASES:
         assert (
             main(["convert", str(FIXTURES / case), str(tmp_path / case), "--world-size", "3"]) == 0
         )
-        runs.append((case, str(tmp_path / case)))
+        runs.append((case, str(tmp_path / case), None))
     run_ranks(_resume_all, 3, runs)
 
 
