@@ -5,19 +5,22 @@ The output holds one flat group per DeepSpeed param group (`ds_group{i}`: fp32 m
 parameters (`ds_frozen`), the buffers, tied names, hyperparameters and the fp16 loss
 scale, with `extra["converted_from"]` naming the source. Its groups are not the ones an
 engine builds, so `load_checkpoint` reads it by parameter name (`read_named_state`),
-at any world size and stage. Rank files are written in parallel, each filled by reading
-only its element ranges from DeepSpeed's files (memory: one rank file per worker), and
-committed like `save`: a temp directory renamed into place, `latest` moved last.
+at any world size and stage. Rank files are written in parallel, streamed: each worker
+reads only its element ranges from DeepSpeed's files, one chunk of `CHUNK_ELEMENTS` at
+a time (16 MiB of fp32), and the files are committed like `save`'s: a temp directory
+renamed into place, `latest` moved last.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,7 +39,7 @@ from zeroshard.ckpt._meta import (
 from zeroshard.ckpt._named_state import NamedTrainingState
 from zeroshard.ckpt._paths import checkpoint_name, temp_dir
 from zeroshard.ckpt._save import _prepare, _publish
-from zeroshard.ckpt._stfile import fsync_dir, write_file
+from zeroshard.ckpt._stfile import fsync_dir, plan_header, tensor_bytes
 from zeroshard.ckpt._writer import RangeSpec, default_workers
 from zeroshard.partition import FlatLayout
 
@@ -80,12 +83,57 @@ def _groups(named: NamedTrainingState, world_size: int) -> list[tuple[GroupMeta,
     return out
 
 
-def _shard(g: GroupMeta, specs: Mapping[str, RangeSpec], rank: int) -> torch.Tensor:
-    out = torch.zeros(g.layout.shard_numel, dtype=torch.float32)
-    for slot, piece in g.layout.slots_in_shard(rank):
-        at = piece.shard_start
-        specs[slot.name].read_range(piece.slot_start, out[at : at + piece.numel])
-    return out
+# Elements per write: each worker holds one chunk of one tensor, never a whole shard.
+CHUNK_ELEMENTS = 4 * 2**20
+
+
+class _Entry(NamedTuple):
+    """One tensor of a rank file: `fill(start, out)` writes its elements [start, ...)."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fill: Callable[[int, torch.Tensor], None]
+
+
+def _shard_filler(
+    g: GroupMeta, specs: Mapping[str, RangeSpec], rank: int
+) -> Callable[[int, torch.Tensor], None]:
+    """Fill elements [start, start + out.numel()) of rank `rank`'s shard of `g` (padding 0)."""
+    pieces = g.layout.slots_in_shard(rank)
+
+    def fill(start: int, out: torch.Tensor) -> None:
+        out.zero_()
+        end = start + out.numel()
+        for slot, piece in pieces:
+            lo = max(start, piece.shard_start)
+            hi = min(end, piece.shard_start + piece.numel)
+            if lo < hi:
+                at = piece.slot_start + lo - piece.shard_start
+                specs[slot.name].read_range(at, out[lo - start : hi - start])
+
+    return fill
+
+
+def _write_streamed(path: Path, entries: Sequence[_Entry]) -> FileMeta:
+    """Write a safetensors file chunk by chunk (the layout `write_file` gives); fsync it."""
+    head, plan = plan_header(((e.key, e.dtype, e.shape) for e in entries), {"format": "pt"})
+    crc = zlib.crc32(head)
+    with open(path, "wb") as f:
+        f.write(head)
+        for e in entries:
+            numel = math.prod(e.shape)
+            chunk = torch.empty(min(CHUNK_ELEMENTS, numel), dtype=e.dtype)
+            for start in range(0, numel, CHUNK_ELEMENTS):
+                out = chunk[: min(CHUNK_ELEMENTS, numel - start)]
+                e.fill(start, out)
+                view = tensor_bytes(out)
+                crc = zlib.crc32(view, crc)
+                f.write(view)
+                del view
+        f.flush()
+        os.fsync(f.fileno())
+    return FileMeta(plan.size, f"{crc:08x}")
 
 
 def convert_deepspeed(
@@ -128,16 +176,22 @@ def convert_deepspeed(
     tmp = temp_dir(root, name)
 
     def write_rank(rank: int) -> FileMeta:
-        tensors: dict[str, torch.Tensor] = {}
-        for g, sources in groups:
-            for kind, specs in sources.items():
-                tensors[shard_key(g.name, kind)] = _shard(g, specs, rank)
+        entries = [
+            _Entry(
+                shard_key(g.name, kind),
+                torch.float32,
+                (g.layout.shard_numel,),
+                _shard_filler(g, specs, rank),
+            )
+            for g, sources in groups
+            for kind, specs in sources.items()
+        ]
         if rank == 0:
-            for b, spec in named.buffers.items():
-                value = torch.empty(spec.numel, dtype=spec.dtype)
-                spec.read(value)
-                tensors[buffer_key(b)] = value.view(spec.shape)
-        return write_file(tmp / rank_file(rank), tensors)
+            entries += [
+                _Entry(buffer_key(b), spec.dtype, spec.shape, spec.read_range)
+                for b, spec in named.buffers.items()
+            ]
+        return _write_streamed(tmp / rank_file(rank), entries)
 
     try:
         with ThreadPoolExecutor(max(1, min(workers or default_workers(), size))) as pool:
