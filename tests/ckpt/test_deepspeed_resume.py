@@ -7,8 +7,10 @@ continuation is tests/engine/test_deepspeed_resume.py.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from safetensors.torch import load_file
 from zeroshard.ckpt import (
     CorruptFileError,
     OutputExistsError,
+    UnsafePickleError,
     _convert,
     consolidate,
     convert_deepspeed,
@@ -134,3 +137,29 @@ def test_convert_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
         convert_deepspeed(bad, tmp_path, overwrite=True)
     assert (tmp_path / "step-2" / "metadata.json").read_bytes() == before
     assert not list(tmp_path.glob(".*"))
+
+
+class _Payload:
+    """Pickles as a call of `func(*args)`; unpickling it runs the call."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.func, self.args
+
+
+def test_a_malicious_pickle_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "resume_stage2", src)
+    target = src / "global_step2" / "mp_rank_00_model_states.pt"
+    state = load_torch_file(target, mmap=False)
+    marker = tmp_path / "pwned"
+    state["client_state"] = _Payload(os.system, f"touch {marker}")
+    torch.save(state, target)
+    with pytest.raises(UnsafePickleError, match="refused to unpickle"):
+        read_deepspeed_training_state(src)
+    with pytest.raises(UnsafePickleError, match="refused to unpickle"):
+        convert_deepspeed(src, tmp_path / "out")
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
