@@ -16,22 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.ckpt import (
-    CheckpointMeta,
-    GroupMeta,
-    SaveHandle,
-    buffer_key,
-    is_converted_checkpoint,
-    is_deepspeed_checkpoint,
-    load,
-    read_deepspeed_training_state,
-    read_named_state,
-    save,
-    shard_key,
-)
+from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._named_load import apply_named_shards, read_named_shards
+from zeroshard.engine._named_load import is_named_checkpoint, load_named
 from zeroshard.engine._state import EngineState, engine_state
 
 _OPTIM = "optim."
@@ -200,16 +188,8 @@ def load_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
-    if is_deepspeed_checkpoint(Path(directory)):
-        ds_tag = tag if step is None else f"global_step{step}"
-        named = read_deepspeed_training_state(Path(directory), ds_tag)
-    elif is_converted_checkpoint(directory, tag, step):
-        named = read_named_state(directory, tag, step)
-    else:
-        named = None
-    if named is not None:
-        shards = read_named_shards(model, state, named, _aliases(model, state))
-        return apply_named_shards(model, state, named, shards)
+    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
+        return load_named(model, state, Path(directory), tag, step, _aliases(model, state))
     shard_group = state.shard_group
     expected = {
         n: tuple(int(d) for d in slot.shape)

@@ -15,12 +15,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from zeroshard.ckpt import ModelMismatchError
+from zeroshard.ckpt import (
+    ModelMismatchError,
+    is_converted_checkpoint,
+    is_deepspeed_checkpoint,
+    read_deepspeed_training_state,
+    read_named_state,
+)
 from zeroshard.ckpt._meta import check_names_shapes
 from zeroshard.ckpt._named_state import NamedTrainingState
 from zeroshard.ckpt._writer import RangeSpec
@@ -209,3 +216,25 @@ def apply_named_shards(
         for what in dropped:
             log.warning("not carried over from %s: %s", named.source, what)
     return named.step
+
+
+def is_named_checkpoint(path: Path, tag: str | None, step: int | None) -> bool:
+    """Whether `path` is read by parameter name: DeepSpeed's, or converted from DeepSpeed."""
+    return is_deepspeed_checkpoint(path) or is_converted_checkpoint(path, tag, step)
+
+
+def load_named(
+    model: nn.Module,
+    state: EngineState,
+    path: Path,
+    tag: str | None,
+    step: int | None,
+    aliases: Mapping[str, str],
+) -> int:
+    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`)."""
+    if is_deepspeed_checkpoint(path):
+        named = read_deepspeed_training_state(path, tag if step is None else f"global_step{step}")
+    else:
+        named = read_named_state(path, tag, step)
+    shards = read_named_shards(model, state, named, aliases)
+    return apply_named_shards(model, state, named, shards)
