@@ -6,6 +6,9 @@ Sessions install `torch==2.13.0` first: a CPU build that satisfies every package
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests", "typecheck", "lint"]
@@ -42,6 +45,18 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.5")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """Build every wheel and sdist, then check their metadata and LICENSE (.ci/check_dists.py)."""
+    session.install("build>=1.2", "hatchling>=1.27")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for src in [".", *(f"packages/{p}" for p in PACKAGES)]:
+        # No isolation: hatchling is installed here once, not in a fresh env per build.
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), src)
+    session.run("python", ".ci/check_dists.py", str(dist))
 
 
 @nox.session(venv_backend="none")

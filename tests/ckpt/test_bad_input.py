@@ -121,7 +121,9 @@ def test_output_exists(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert "exists; pass --overwrite" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert main(["consolidate", str(ckpt), str(out), "--overwrite", "--quiet"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    # --overwrite replaces the weights only: files it never writes stay.
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "model.safetensors"]
+    assert (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "root"]  # no leftovers
 
 

@@ -130,7 +130,7 @@ def test_consolidate_summary_and_buffer_bound(
     assert main(argv) == 0
     line = capsys.readouterr().out.strip()
     m = re.fullmatch(
-        r"wrote (\d+) tensors, ([\d.]+) GB in 1 file\(s\) to (\S+) in [\d.]+ s "
+        r"wrote (\d+) tensors, ([\d.]+) GB in 1 safetensors file\(s\) to (\S+) in [\d.]+ s "
         r"\([\d.]+ GB/s; buffers peaked at ([\d.]+) MiB\)",
         line,
     )

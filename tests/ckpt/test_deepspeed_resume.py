@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from zeroshard.ckpt import (
+    CheckpointError,
     CorruptFileError,
     OutputExistsError,
     UnsafePickleError,
@@ -97,10 +98,11 @@ def test_convert_keeps_every_tensor_bit_identical(
 ) -> None:
     # Small chunks make every shard span several writes, boundaries inside parameters.
     monkeypatch.setattr(_convert, "CHUNK_ELEMENTS", chunk)
-    out = convert_deepspeed(FIXTURES / case, tmp_path, world_size=world, workers=2)
-    assert out == tmp_path / "step-2" and is_converted_checkpoint(tmp_path)
+    zs = tmp_path / "zs"
+    out = convert_deepspeed(FIXTURES / case, zs, world_size=world, workers=2)
+    assert out == zs / "step-2" and is_converted_checkpoint(zs)
     ds = read_deepspeed_training_state(FIXTURES / case)
-    ours = read_named_state(tmp_path)
+    ours = read_named_state(zs)
     assert ours.step == ds.step and ours.world_size == world
     assert set(ours.masters) == set(ds.masters) and dict(ours.aliases) == dict(ds.aliases)
     for name, spec in ds.masters.items():
@@ -115,7 +117,7 @@ def test_convert_keeps_every_tensor_bit_identical(
     assert [pg.scalars for pg in ours.param_groups] == [pg.scalars for pg in ds.param_groups]
     assert ours.loss_scale == ds.loss_scale
     # Consolidating the converted checkpoint gives what consolidating DeepSpeed's gives.
-    consolidate(tmp_path, tmp_path / "ours.safetensors")
+    consolidate(zs, tmp_path / "ours.safetensors")
     consolidate(FIXTURES / case, tmp_path / "ds.safetensors")
     mine, theirs = load_file(tmp_path / "ours.safetensors"), load_file(tmp_path / "ds.safetensors")
     assert mine.keys() == theirs.keys()
@@ -123,10 +125,11 @@ def test_convert_keeps_every_tensor_bit_identical(
 
 
 def test_convert_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
-    convert_deepspeed(FIXTURES / "resume_stage1", tmp_path)
-    before = (tmp_path / "step-2" / "metadata.json").read_bytes()
+    zs = tmp_path / "zs"
+    convert_deepspeed(FIXTURES / "resume_stage1", zs)
+    before = (zs / "step-2" / "metadata.json").read_bytes()
     with pytest.raises(OutputExistsError, match="step-2"):
-        convert_deepspeed(FIXTURES / "resume_stage2", tmp_path)
+        convert_deepspeed(FIXTURES / "resume_stage2", zs)
     # A truncated DeepSpeed file: an error naming it; the earlier output is untouched
     # and no temp directory is left behind.
     bad = tmp_path / "bad"
@@ -134,9 +137,16 @@ def test_convert_is_atomic_and_refuses_to_overwrite(tmp_path: Path) -> None:
     victim = bad / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[:2000])
     with pytest.raises(CorruptFileError, match="zero_pp_rank_1"):
-        convert_deepspeed(bad, tmp_path, overwrite=True)
-    assert (tmp_path / "step-2" / "metadata.json").read_bytes() == before
-    assert not list(tmp_path.glob(".*"))
+        convert_deepspeed(bad, zs, overwrite=True)
+    assert (zs / "step-2" / "metadata.json").read_bytes() == before
+    assert not list(zs.glob(".*"))
+    # Into the DeepSpeed checkpoint itself: refused (our `latest` would replace its own).
+    latest = (bad / "latest").read_bytes()
+    with pytest.raises(CheckpointError, match="inside the source"):
+        convert_deepspeed(FIXTURES / "resume_stage1", FIXTURES / "resume_stage1" / "zs")
+    with pytest.raises(CheckpointError, match="is the source"):
+        convert_deepspeed(bad, bad)
+    assert (bad / "latest").read_bytes() == latest and not (bad / "step-2").exists()
 
 
 class _Payload:

@@ -50,8 +50,9 @@ def _case(device: str) -> None:
                 o.step()
                 o.zero_grad()
     ours = [str(w.message) for w in caught if "zeroshard.compile" in str(w.message)]
-    assert len(ours) == 1, ours
-    assert "cannot capture" in ours[0] and "still had" in ours[0], ours[0]
+    # Every rank falls back alike; rank 0 alone says so.
+    assert len(ours) == (torch.distributed.get_rank() == 0), ours
+    assert all("cannot capture" in m and "still had" in m for m in ours), ours
     assert compiled.eager
     for a, b in zip(
         zs.full_state_dict(eager).values(), zs.full_state_dict(model).values(), strict=True

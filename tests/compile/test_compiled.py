@@ -124,8 +124,9 @@ def _fallback_case(device: str) -> None:
                 o.step()
                 o.zero_grad()
     ours = [w for w in caught if "zeroshard.compile" in str(w.message)]
-    assert len(ours) == 1, [str(w.message) for w in caught]
-    assert "cannot capture" in str(ours[0].message)
+    # Every rank falls back alike; rank 0 alone says so.
+    assert len(ours) == (torch.distributed.get_rank() == 0), [str(w.message) for w in caught]
+    assert all("cannot capture" in str(w.message) for w in ours)
     assert compiled.eager
     for a, b in zip(
         zs.full_state_dict(eager).values(), zs.full_state_dict(model).values(), strict=True

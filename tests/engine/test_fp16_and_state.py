@@ -36,6 +36,8 @@ def _fp16_overflow(device: str, stage: int) -> None:
     opt.zero_grad()
     assert not torch.isfinite(norm), "every rank must see the overflow"
     assert opt.scaler is not None and opt.scaler.scale == 512.0, "scale halves on every rank"
+    assert opt.scaler.skipped_steps == 1, "the skipped step is counted on every rank"
+    assert opt.scaler.log_skips == (rank == 0), "and logged on rank 0 only"
     after = _params(model)
     for k in before:
         assert torch.equal(before[k], after[k]), f"{k} changed in a skipped step"
@@ -45,7 +47,7 @@ def _fp16_overflow(device: str, stage: int) -> None:
     loss_fn(model, batches[1, 0, rank].to(device)).backward()
     opt.step()
     opt.zero_grad()
-    assert opt.scaler.scale == 512.0
+    assert opt.scaler.scale == 512.0 and opt.scaler.skipped_steps == 1
     moved = _params(model)
     assert not torch.equal(moved["l1.weight"], after["l1.weight"]), "a good step must update"
 

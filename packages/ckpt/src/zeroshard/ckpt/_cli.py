@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -10,7 +11,7 @@ from zeroshard.ckpt._consolidate import DTYPES, consolidate
 from zeroshard.ckpt._convert import convert_deepspeed
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._inspect import describe, format_summary
-from zeroshard.ckpt._plan import parse_size
+from zeroshard.ckpt._plan import INDEX_FILE, parse_size
 from zeroshard.ckpt._writer import default_workers
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="zeroshard-ckpt",
         description="Inspect and consolidate zeroshard and DeepSpeed ZeRO checkpoints.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "consolidate",
@@ -74,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    # The installed distribution's version: the one place it is written is pyproject.toml.
+    try:
+        return importlib.metadata.version("zeroshard-ckpt")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def _add_selector(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--tag", help="checkpoint tag under SRC (default: the 'latest' pointer)")
@@ -105,8 +115,12 @@ def _consolidate(a: argparse.Namespace) -> int:
     if not a.quiet:
         rate = r.bytes / max(r.seconds, 1e-9) / 1e9
         checked = ", verified" if r.verified else ""
+        # `files` ends with the index when there is one: it holds no tensors.
+        weights = [f for f in r.files if f.name != INDEX_FILE]
+        index = " and an index" if len(weights) < len(r.files) else ""
         print(
-            f"wrote {r.tensors} tensors, {r.bytes / 1e9:.3f} GB in {len(r.files)} file(s) to "
+            f"wrote {r.tensors} tensors, {r.bytes / 1e9:.3f} GB in {len(weights)} safetensors "
+            f"file(s){index} to "
             f"{r.path} in {r.seconds:.2f} s ({rate:.2f} GB/s{checked}; "
             f"buffers peaked at {r.peak_buffer_bytes / 2**20:.1f} MiB)"
         )

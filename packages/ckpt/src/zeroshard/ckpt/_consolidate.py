@@ -24,6 +24,7 @@ from zeroshard.ckpt._deepspeed import (
 from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
 from zeroshard.ckpt._paths import (
     METADATA,
+    check_output_apart,
     checkpoint_name,
     list_checkpoints,
     old_dir,
@@ -110,6 +111,7 @@ def consolidate(
     `model.safetensors.index.json`. See `write_safetensors` for the other options.
     """
     src, out = Path(src), Path(out)
+    check_output_apart(src, out)
     if out.exists() and not overwrite:  # before reading a byte of the input
         raise OutputExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it")
     specs, aliases, reader = source_specs(

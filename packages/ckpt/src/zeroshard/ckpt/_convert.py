@@ -37,7 +37,7 @@ from zeroshard.ckpt._meta import (
     shard_key,
 )
 from zeroshard.ckpt._named_state import NamedTrainingState
-from zeroshard.ckpt._paths import checkpoint_name, temp_dir
+from zeroshard.ckpt._paths import check_output_apart, checkpoint_name, temp_dir
 from zeroshard.ckpt._save import _prepare, _publish
 from zeroshard.ckpt._stfile import fsync_dir, plan_header, tensor_bytes
 from zeroshard.ckpt._writer import RangeSpec, default_workers
@@ -147,6 +147,8 @@ def convert_deepspeed(
 ) -> Path:
     """Write DeepSpeed checkpoint `src` as zeroshard checkpoint `dst/step-{step}` (with
     `latest`) of `world_size` rank files (default: DeepSpeed's); return its directory."""
+    # Writing into the DeepSpeed checkpoint would replace its `latest` with ours.
+    check_output_apart(src, dst)
     named = read_deepspeed_training_state(Path(src), tag)
     size = world_size or named.world_size
     if size < 1:

@@ -4,6 +4,13 @@ Resharding needs no data movement between ranks: a target rank's shard is a rang
 the padded flat buffer (offsets do not depend on the world size), so it reads exactly
 that range from the one or two source rank files that hold it. With target layouts
 whose offsets differ (another alignment), each slot is copied on its own instead.
+
+[Note: names and shapes are the contract]
+Target layouts may also group the parameters differently from the checkpoint (saved at
+another ZeRO stage, `reduce_bucket_bytes` or `min_unit_params`): then each target slot
+is read from whichever checkpoint group holds that parameter name. Only the kinds of
+state must match: a target group whose parameters come from checkpoint groups that
+store different kinds (a frozen and a trainable one) is an error saying so.
 """
 
 from __future__ import annotations
@@ -11,12 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from zeroshard.ckpt._errors import CheckpointError, ModelMismatchError
+from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import (
     BUFFER_PREFIX,
     CheckpointMeta,
@@ -43,6 +50,8 @@ class LoadedShards:
     world_size: int
     layouts: Mapping[str, FlatLayout]
     tensors: Mapping[str, torch.Tensor]
+    # Target group -> the checkpoint group that gave it its kinds and optimizer scalars.
+    sources: Mapping[str, GroupMeta] = field(default_factory=dict)
 
     def shard(self, group: str, kind: str) -> torch.Tensor:
         """This rank's shard of `group` of one kind ('master', 'param', 'optim.exp_avg')."""
@@ -72,36 +81,68 @@ def _target_layouts(
 ) -> dict[str, FlatLayout]:
     if layouts is None:
         return {g.name: g.layout.resharded(world_size) for g in meta.groups}
-    have, want = {g.name for g in meta.groups}, set(layouts)
-    if have != want:
-        raise ModelMismatchError(
-            f"checkpoint groups {sorted(have)} differ from the given layouts' {sorted(want)}"
-        )
-    for g in meta.groups:
-        dst = layouts[g.name]
+    for name, dst in layouts.items():
         if dst.world_size != world_size:
             raise CheckpointError(
-                f"layout of group {g.name!r} is for world size {dst.world_size}, not {world_size}"
+                f"layout of group {name!r} is for world size {dst.world_size}, not {world_size}"
             )
+    have = {g.name: g for g in meta.groups}
+    if have.keys() == layouts.keys():
+        for g in meta.groups:
+            check_names_shapes(
+                {s.name: s.shape for s in g.layout.slots},
+                {s.name: s.shape for s in layouts[g.name].slots},
+                f"group {g.name!r} of the checkpoint",
+            )
+    else:  # grouped differently: see [Note: names and shapes are the contract]
         check_names_shapes(
-            {s.name: s.shape for s in g.layout.slots},
-            {s.name: s.shape for s in dst.slots},
-            f"group {g.name!r} of the checkpoint",
+            {s.name: s.shape for g in meta.groups for s in g.layout.slots},
+            {s.name: s.shape for dst in layouts.values() for s in dst.slots},
+            "the checkpoint's parameters",
         )
     return dict(layouts)
 
 
-def _copies(src: FlatLayout, dst: FlatLayout, rank: int) -> list[tuple[int, int, int]]:
-    """(src_lo, src_hi, dst_start) element ranges that make up `dst`'s shard of `rank`."""
+_Copy = tuple[GroupMeta, int, int, int]  # source group, src_lo, src_hi, dst_start
+
+
+def _sources(meta: CheckpointMeta, targets: Mapping[str, FlatLayout]) -> dict[str, list[GroupMeta]]:
+    """Target group -> the checkpoint groups its parameters come from (same kinds)."""
+    by_name = {g.name: g for g in meta.groups}
+    owner = {s.name: g for g in meta.groups for s in g.layout.slots}
+    out: dict[str, list[GroupMeta]] = {}
+    for name, dst in targets.items():
+        names = {s.name for s in dst.slots}
+        if name in by_name and names == {s.name for s in by_name[name].layout.slots}:
+            groups = [by_name[name]]
+        else:
+            groups = list({owner[n].name: owner[n] for n in sorted(names)}.values())
+        kinds = {g.name: dict(g.shards) for g in groups}
+        if len({tuple(sorted(k.items(), key=str)) for k in kinds.values()}) > 1:
+            raise CheckpointError(
+                f"group {name!r} takes parameters from checkpoint groups that store "
+                f"different state: {kinds} (a frozen and a trainable group?)"
+            )
+        out[name] = groups
+    return out
+
+
+def _copies(sources: Sequence[GroupMeta], dst: FlatLayout, rank: int) -> list[_Copy]:
+    """Element ranges of the source groups that make up `dst`'s shard of `rank`."""
     a, b = dst.shard_range(rank)
-    if [(s.name, s.offset) for s in src.slots] == [(s.name, s.offset) for s in dst.slots]:
+    src = sources[0]
+    if len(sources) == 1 and [(s.name, s.offset) for s in src.layout.slots] == [
+        (s.name, s.offset) for s in dst.slots
+    ]:
         # Same offsets: the shard is one range of the flat buffer, alignment gaps included.
-        hi = min(b, src.padded_numel)
-        return [(a, hi, 0)] if a < hi else []
+        hi = min(b, src.layout.padded_numel)
+        return [(src, a, hi, 0)] if a < hi else []
+    owner = {s.name: g for g in sources for s in g.layout.slots}
     out = []
     for slot, piece in dst.slots_in_shard(rank):
-        lo = src.slot(slot.name).offset + piece.slot_start
-        out.append((lo, lo + piece.numel, piece.shard_start))
+        g = owner[slot.name]
+        lo = g.layout.slot(slot.name).offset + piece.slot_start
+        out.append((g, lo, lo + piece.numel, piece.shard_start))
     return out
 
 
@@ -139,29 +180,31 @@ def load(
             unknown = set(kinds) - {k for g in meta.groups for k in g.shards}
             if unknown:
                 raise CheckpointError(f"no group stores shard kind(s) {sorted(unknown)}")
-        plan: list[tuple[GroupMeta, str, list[tuple[int, int, int]]]] = []
+        sources = _sources(meta, targets)
+        plan: list[tuple[str, GroupMeta, str, list[_Copy]]] = []
         needed = {0}
-        for g in meta.groups:
-            copies = _copies(g.layout, targets[g.name], rank)
-            n = g.layout.shard_numel
-            for lo, hi, _ in copies:
+        for name, groups in sources.items():
+            copies = _copies(groups, targets[name], rank)
+            for g, lo, hi, _ in copies:
+                n = g.layout.shard_numel
                 needed.update(range(lo // n, (hi - 1) // n + 1))
-            plan += [(g, k, copies) for k in g.shards if kinds is None or k in kinds]
+            first = groups[0]
+            plan += [(name, first, k, copies) for k in first.shards if kinds is None or k in kinds]
         if verify:
             reader.verify(needed, workers)
 
-        def read(item: tuple[GroupMeta, str, list[tuple[int, int, int]]]) -> torch.Tensor:
-            g, kind, copies = item
-            dst = targets[g.name]
-            out = torch.zeros(dst.shard_numel, dtype=g.shards[kind])
-            for lo, hi, at in copies:
+        def read(item: tuple[str, GroupMeta, str, list[_Copy]]) -> torch.Tensor:
+            name, first, kind, copies = item
+            out = torch.zeros(targets[name].shard_numel, dtype=first.shards[kind])
+            for g, lo, hi, at in copies:
                 reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo])
             return out
 
         with ThreadPoolExecutor(max(1, workers)) as pool:
             shards = list(pool.map(read, plan))
-        tensors = {shard_key(g.name, k): t for (g, k, _), t in zip(plan, shards, strict=True)}
+        tensors = {shard_key(n, k): t for (n, _, k, _), t in zip(plan, shards, strict=True)}
         tensors.update({buffer_key(b): reader.read_buffer(b) for b in meta.buffers})
     if torch.device(device).type != "cpu":
         tensors = {k: t.to(device) for k, t in tensors.items()}
-    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors)
+    firsts = {name: groups[0] for name, groups in sources.items()}
+    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts)

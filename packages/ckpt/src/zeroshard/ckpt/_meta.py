@@ -139,8 +139,9 @@ class CheckpointMeta:
     `param_groups` are the optimizer's hyperparameters per param group (JSON values,
     e.g. `{"lr": 1e-3, "betas": [0.9, 0.999]}`); `tied` maps each alias of a shared
     parameter to its canonical name (the one in a layout); `buffers` names the module
-    buffers stored in rank 0's file; `extra` is free JSON for the caller (scheduler
-    state, engine config).
+    buffers stored in rank 0's file and `buffer_shapes` their shapes (`save` fills it;
+    empty in checkpoints written before it existed); `extra` is free JSON for the caller
+    (scheduler state, engine config).
     """
 
     world_size: int
@@ -154,6 +155,7 @@ class CheckpointMeta:
     files: Mapping[str, FileMeta] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    buffer_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -163,6 +165,7 @@ class CheckpointMeta:
         set_(self, "buffers", tuple(self.buffers))
         set_(self, "files", dict(self.files))
         set_(self, "extra", dict(self.extra))
+        set_(self, "buffer_shapes", {k: tuple(v) for k, v in self.buffer_shapes.items()})
         if self.version != FORMAT_VERSION:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
@@ -244,9 +247,14 @@ class CheckpointMeta:
             for kind in g.shards:
                 yield g, kind, shard_key(g.name, kind)
 
-    def with_files(self, step: int, files: Mapping[str, FileMeta]) -> CheckpointMeta:
-        """A copy with the step and the file checksums set (what `save` writes)."""
-        return replace(self, step=step, files=dict(files))
+    def with_files(
+        self,
+        step: int,
+        files: Mapping[str, FileMeta],
+        buffer_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> CheckpointMeta:
+        """A copy with the step, file checksums and buffer shapes set (what `save` writes)."""
+        return replace(self, step=step, files=dict(files), buffer_shapes=buffer_shapes or {})
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -262,6 +270,7 @@ class CheckpointMeta:
             "tied": dict(self.tied),
             "frozen": list(self.frozen),
             "buffers": list(self.buffers),
+            "buffer_shapes": {k: list(v) for k, v in self.buffer_shapes.items()},
             "files": {
                 n: {"bytes": f.size, "algorithm": f.algorithm, "digest": f.digest}
                 for n, f in sorted(self.files.items())
@@ -305,6 +314,10 @@ class CheckpointMeta:
                 param_groups=tuple(dict(p) for p in d["param_groups"]),
                 tied={str(a): str(c) for a, c in d["tied"].items()},
                 buffers=tuple(str(b) for b in d["buffers"]),
+                buffer_shapes={
+                    str(b): tuple(int(x) for x in shape)
+                    for b, shape in d.get("buffer_shapes", {}).items()
+                },
                 files={
                     str(n): FileMeta(int(f["bytes"]), str(f["digest"]), str(f["algorithm"]))
                     for n, f in d["files"].items()

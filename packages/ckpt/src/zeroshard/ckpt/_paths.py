@@ -46,7 +46,16 @@ def read_latest(root: Path) -> str | None:
         name = (root / LATEST).read_text().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return name or None
+    if not name:
+        return None
+    # `latest` names a directory of this root; anything else would read or (through
+    # overwrite and remove) touch files outside it.
+    if name.startswith((".", "/", "\\")) or "/" in name or "\\" in name or name == LATEST:
+        raise CheckpointError(
+            f"{root / LATEST} holds {name!r}, which is not a checkpoint name of this root "
+            "(an absolute path, '..' or a hidden name); fix or delete that file"
+        )
+    return name
 
 
 def write_latest(root: Path, name: str) -> None:
@@ -60,8 +69,9 @@ def write_latest(root: Path, name: str) -> None:
     fsync_dir(root)
 
 
-def list_checkpoints(root: Path) -> list[str]:
+def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     """Committed checkpoint names under `root`, steps in numeric order, then tags."""
+    root = Path(root)
 
     def order(name: str) -> tuple[int, int, str]:
         num = name.removeprefix("step-")
@@ -125,3 +135,18 @@ def remove_checkpoint(root: str | os.PathLike[str], name: str) -> None:
     os.rename(target, doomed)
     fsync_dir(root)
     shutil.rmtree(doomed)
+
+
+def check_output_apart(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """Refuse an output that is, holds or lies inside the source (symlinks followed).
+
+    Consolidating into the checkpoint (or a folder that holds it) with overwrite would
+    replace the very files being read: checked before anything is read or written.
+    """
+    s, o = Path(src).resolve(), Path(out).resolve()
+    if o == s or o.is_relative_to(s) or s.is_relative_to(o):
+        where = "is" if o == s else "lies inside" if o.is_relative_to(s) else "contains"
+        raise CheckpointError(
+            f"output {out} {where} the source {src} (resolved: {o} vs {s}); "
+            "choose an output outside the checkpoint"
+        )

@@ -142,8 +142,16 @@ class CheckpointReader:
             raise CheckpointError(f"{path} disagrees with metadata.json: " + "; ".join(problems))
 
     def buffer_entry(self, name: str) -> Entry:
-        """Dtype and shape of a buffer (from rank 0's header)."""
-        return self.header(0).entries[buffer_key(name)]
+        """Dtype and shape of a buffer (from rank 0's header, checked against metadata.json)."""
+        entry = self.header(0).entries[buffer_key(name)]
+        want = self.meta.buffer_shapes.get(name)
+        # A reshape that keeps the element count would otherwise pass every size check.
+        if want is not None and tuple(entry.shape) != want:
+            raise CheckpointError(
+                f"{self.file(0)}: buffer {name!r} has shape {tuple(entry.shape)}, "
+                f"metadata.json says {want}"
+            )
+        return entry
 
     def read_entry(self, rank: int, key: str, start: int, out: torch.Tensor) -> None:
         """Elements [start, start + out.numel()) of tensor `key` of a rank file, into `out`."""

@@ -21,13 +21,17 @@ thread writes the file (step 2). The thread does no collective: on one process g
 collectives must be issued in the same order on every rank, and a thread racing the
 training loop's collectives would break that. The commit (step 3) therefore runs on
 the main thread, in `SaveHandle.wait()` or at the start of the next `save`; call
-either on every rank at the same point of the program.
+either on every rank at the same point of the program. A save still pending when the
+interpreter exits is committed by an `atexit` hook (every rank exits through it); if
+that fails (the process group is gone already) the exit status is 1, with a message.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,31 +140,47 @@ class SaveHandle:
             self._thread = None
         ag = self._agreement
         f = self._file
-        failed = self._error is not None or f is None
-        size, crc = (0, 0) if f is None else (f.size, int(f.digest, 16))
-        rows = ag.gather([int(failed), size, crc], f"save {self._name}: files written")
-        bad = [r for r, row in enumerate(rows) if row[0]]
-        tmp = temp_dir(self._root, self._name)
-        if bad:
+        error = self._error
+        if error is None and f is None:
+            error = CheckpointError(f"rank {ag.rank} wrote no file")
+        try:  # every rank raises the same error (see [Note: one outcome] in _agree)
+            ag.outcome(error, f"save of {self._name!r}: writing the shards")
+        except CheckpointError:
             if ag.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if self._error is not None:
-                raise self._error
-            raise CheckpointError(f"save of {self._name!r} aborted: rank(s) {bad} failed to write")
+                shutil.rmtree(temp_dir(self._root, self._name), ignore_errors=True)
+            raise
+        size, crc = (0, 0) if f is None else (f.size, int(f.digest, 16))
+        rows = ag.gather([size, crc], f"save {self._name}: files written")
         problem: BaseException | None = None
         if ag.rank == 0:
-            files = {rank_file(r): FileMeta(row[1], f"{row[2]:08x}") for r, row in enumerate(rows)}
+            files = {rank_file(r): FileMeta(row[0], f"{row[1]:08x}") for r, row in enumerate(rows)}
             try:
-                _publish(self._root, self._name, self._meta.with_files(self._meta.step, files))
+                meta = self._meta.with_files(self._meta.step, files, self._meta.buffer_shapes)
+                _publish(self._root, self._name, meta)
             except BaseException as e:
                 problem = e
-        failed_commit = ag.failed_ranks(problem is not None, f"save {self._name}: commit")
-        if problem is not None:
-            raise problem
-        if failed_commit:
-            raise CheckpointError(f"rank 0 failed to commit checkpoint {self._name!r}")
+        ag.outcome(problem, f"save of {self._name!r}: commit")
         self._committed = True
         return self.path
+
+
+@atexit.register
+def _commit_pending_at_exit() -> None:
+    """Commit a pending async save before the interpreter exits, or fail the exit loudly."""
+    if _pending is None:
+        return
+    name = _pending._name
+    try:
+        _pending.wait()
+    except BaseException as e:
+        print(
+            f"zeroshard: async save {name!r} could not be committed at exit ({e}); the "
+            "checkpoint was NOT saved: call handle.wait() on every rank before "
+            "destroy_process_group()",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)  # an exception in an atexit hook would not change the exit status
 
 
 def _snapshot(
@@ -287,7 +307,12 @@ def save(
     ag = Agreement(group)
     root = Path(root)
     name = checkpoint_name(step, tag)
-    meta = meta.with_files(step, {})
+    shapes = {}
+    if ag.rank == 0:  # rank 0 holds the buffers and writes the metadata
+        shapes = {
+            b: tuple(tensors[k].shape) for b in meta.buffers if (k := buffer_key(b)) in tensors
+        }
+    meta = meta.with_files(step, {}, shapes)
     problem: BaseException | None = None
     ordered: dict[str, torch.Tensor] = {}
     try:
@@ -296,13 +321,12 @@ def save(
             _prepare(root, name, overwrite)
     except (CheckpointError, OSError) as e:
         problem = e
-    bad = ag.failed_ranks(problem is not None, f"save {name}: prepare")
-    if bad and ag.rank == 0:
-        shutil.rmtree(temp_dir(root, name), ignore_errors=True)
-    if problem is not None:
-        raise problem
-    if bad:
-        raise CheckpointError(f"save of {name!r} aborted before writing: rank(s) {bad} failed")
+    try:
+        ag.outcome(problem, f"save of {name!r}: before writing")
+    except CheckpointError:
+        if ag.rank == 0:
+            shutil.rmtree(temp_dir(root, name), ignore_errors=True)
+        raise
     handle = SaveHandle(ag, root, name, meta)
     handle._start(ordered, async_save)
     if async_save:

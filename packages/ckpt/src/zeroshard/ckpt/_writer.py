@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import sys
 import threading
@@ -342,7 +343,9 @@ def _commit(tmp: Path, out: Path, single: bool, overwrite: bool) -> Path:
         fsync_dir(out.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         return out
-    if out.exists():
+    if out.is_dir():
+        _replace_weights(tmp, out)
+    elif out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
         os.rename(tmp, out)
@@ -351,3 +354,25 @@ def _commit(tmp: Path, out: Path, single: bool, overwrite: bool) -> Path:
         os.rename(tmp, out)
     fsync_dir(out.parent)
     return out
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+
+
+def _replace_weights(tmp: Path, out: Path) -> None:
+    """Overwrite into an existing folder: replace only weight files, keep everything else.
+
+    A model folder also holds config.json, tokenizer files and the like, which we never
+    wrote and must not delete. Each new file is renamed over its old name (atomic per
+    file), the index last, so a crash part way leaves complete files the old index can
+    still read; old weight files the new output does not have go only after that.
+    """
+    new = sorted(p.name for p in tmp.iterdir())
+    for name in sorted(new, key=lambda n: n.endswith(".json")):
+        os.replace(tmp / name, out / name)
+    fsync_dir(out)
+    for stale in out.iterdir():
+        if stale.name not in new and _WEIGHT_FILE.fullmatch(stale.name):
+            stale.unlink()
+    fsync_dir(out)
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -26,11 +26,14 @@ CPU. On gloo the same calls run on gloo's worker threads; `wait()` blocks the ho
 until the data is there, so the API is synchronous in effect and streams do not exist.
 
 Timeouts. On gloo, `wait()` gives up after the group's `timeout` and raises
-`CollectiveTimeoutError` naming the op and label. On NCCL, passing a timeout to torch's
-wait would busy-wait the host, so by default the process group's own timeout (the one
-given to init_process_group / new_group) applies, enforced by torch's NCCL watchdog,
-which names the op but cannot know our label. ``blocking_wait=True`` trades overlap for
-the labelled error on NCCL (a debugging aid; the communicator is aborted after it).
+`CollectiveTimeoutError` naming the op and label. `with_timeout` also sets the process
+group's own timeout (gloo's per-op timeout, NCCL's watchdog), so an abandoned collective
+ends there too and the process can exit while a peer is still alive. On NCCL, passing a
+timeout to torch's wait would busy-wait the host, so by default the process group's own
+timeout (set by `with_timeout`, else the one given to init_process_group / new_group)
+applies, enforced by torch's NCCL watchdog, which names the op but cannot know our label.
+``blocking_wait=True`` trades overlap for the labelled error on NCCL (a debugging aid;
+the communicator is aborted after it).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from zeroshard.comm._errors import CollectiveTimeoutError
 ReduceOp = Literal["sum", "avg", "max"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_WAIT_GRACE = datetime.timedelta(seconds=0.5)
 
 # torch 2.13 renamed the flat-tensor collectives and warns on the old names; older
 # torch (2.6-2.12) has only the old ones.
@@ -108,7 +112,10 @@ class Handle:
             start = time.monotonic()
             try:
                 if self._blocking:
-                    work.wait(self._timeout)
+                    # The grace lets the process group's own timeout (the same, set by
+                    # `with_timeout`) end the op first, so no worker thread is still
+                    # inside it when we raise (an exit then would abort the process).
+                    work.wait(self._timeout + _WAIT_GRACE)
                 else:
                     # Stream-ordered only: the current stream waits, the host does not.
                     work.wait()
@@ -181,7 +188,14 @@ class Group:
         return dist.get_global_rank(self.pg, group_rank)
 
     def with_timeout(self, timeout: datetime.timedelta) -> Group:
-        """The same process group with another wait timeout."""
+        """The same process group with another timeout, for our waits and torch's own.
+
+        torch's process-group timeout bounds what our wait cannot: gloo's worker thread
+        (else stuck in an abandoned collective until the peer exits, and the interpreter
+        exit with it) and NCCL's watchdog (non-blocking waits). Setting it changes the
+        process group for every caller, as asked: one timeout for every collective.
+        """
+        dist.distributed_c10d._set_pg_timeout(timeout, self.pg)
         return dataclasses.replace(self, timeout=timeout)
 
     def _handle(
@@ -214,10 +228,32 @@ class Group:
     ) -> Handle:
         """Reduce `input` (size x output.numel()) over ranks; keep this rank's part in `output`."""
         _check_flat_pair("reduce_scatter", label, input, output, "input", self.size)
+        if self.backend == "gloo":
+            return self._reduce_scatter_gloo(output, input, op, label)
         work = _reduce_scatter_flat(
             output, input, op=self._torch_op(op), group=self.pg, async_op=True
         )
         return self._handle(work, "reduce_scatter", label, (output, input), self._avg(op, output))
+
+    def _reduce_scatter_gloo(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, label: str
+    ) -> Handle:
+        """[Note: gloo reduce-scatter] gloo's reduce-scatter work ignores the timeout given
+        to wait() (it blocks until the peer answers or exits, and reports no completion to
+        poll), so on gloo it is an all-reduce of a copy, whose wait honours the timeout,
+        and this rank's part is copied out after it. CPU only: twice the bytes moved."""
+        summed = input.clone()
+        work = dist.all_reduce(summed, op=self._torch_op(op), group=self.pg, async_op=True)
+        n = output.numel()
+        part = summed[self.rank * n : (self.rank + 1) * n]
+        avg = self._avg(op, output)
+
+        def copy_out() -> None:
+            output.copy_(part.view_as(output))
+            if avg is not None:
+                avg()
+
+        return self._handle(work, "reduce_scatter", label, (output, summed), copy_out)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", label: str = "") -> Handle:
         """Reduce `tensor` in place over ranks."""

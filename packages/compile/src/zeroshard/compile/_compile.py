@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import gc
 import logging
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from zeroshard.comm import warn_on_rank0
 from zeroshard.compile._backend import Captures, capture_errors, make_backend
 from zeroshard.compile._capture import flat_specs, gathered_forward, route_grads
 from zeroshard.compile._ops import unregister_target
@@ -82,11 +82,11 @@ class CompiledModel:
             h.remove()
         self._grad_hooks = []
         # Once: every later call goes straight to the eager model.
-        warnings.warn(
+        # Every rank falls back alike (the same model code): rank 0 says so.
+        warn_on_rank0(
             f"zeroshard.compile: cannot capture this model ({reason}); "
             "running the eager zeroshard model instead",
             RuntimeWarning,
-            stacklevel=3,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

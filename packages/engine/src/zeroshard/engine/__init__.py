@@ -4,33 +4,44 @@ import zeroshard.engine as zs
 model, optimizer = zs.initialize(model, optimizer, {"stage": 2, "compute_dtype": "bf16"})
 loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 full = zs.full_state_dict(model)
+model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._estimate import Estimate, estimate
+from zeroshard.engine._estimate_comm import Cluster, Link
+from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine._masters import full_state_dict
+from zeroshard.engine._module_state import state_dict_on_rank0
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._stage3 import DivergentRanksError
 from zeroshard.engine._state import EngineState, engine_state, engine_stats
 from zeroshard.engine._stats import EngineStats
 
 __all__ = [
+    "Cluster",
+    "Compute",
     "DivergentRanksError",
     "EngineState",
     "EngineStats",
+    "Estimate",
+    "Link",
     "LoadReport",
     "SafetensorsLoadError",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",
     "engine_stats",
+    "estimate",
     "full_state_dict",
     "gathered_parameters",
     "initialize",
     "load_checkpoint",
     "load_safetensors",
     "save_checkpoint",
+    "state_dict_on_rank0",
 ]

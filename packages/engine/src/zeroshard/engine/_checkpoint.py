@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
+from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import MASTER
+from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._named_load import is_named_checkpoint, load_named
 from zeroshard.engine._state import EngineState, engine_state
@@ -93,23 +95,24 @@ def save_checkpoint(
     step: int,
     tag: str | None = None,
     async_save: bool = False,
+    overwrite: bool = False,
 ) -> SaveHandle | None:
     """Save model and optimizer as `directory/step-{step}` (or `/{tag}`); call on every rank.
 
     Atomic: a crash leaves the previous checkpoint intact. With `async_save` the files
     are written in the background and the returned handle's `wait()` (or the next save)
-    commits them. Under hybrid sharding only the first shard group writes (the others
-    hold the same shards) and the others get None; a synchronous save returns on every
-    rank only once the checkpoint is committed.
+    commits them. `overwrite` replaces an existing checkpoint of that name. Under hybrid
+    sharding only the first shard group writes (the others hold the same shards) and the
+    others get None; a synchronous save returns on every rank only once committed.
     """
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _check_one_group(state)
     writes = state.replicate is None or state.replicate.rank == 0
-    handle = _save(model, state, directory, step, tag, async_save) if writes else None
+    handle = _save(model, state, directory, step, tag, async_save, overwrite) if writes else None
     if state.replicate is not None and not async_save:
-        torch.distributed.barrier()
+        Group(timeout=state.shard_group.timeout).barrier(label="save_checkpoint: all replicas")
     return handle
 
 
@@ -120,6 +123,7 @@ def _save(
     step: int,
     tag: str | None,
     async_save: bool,
+    overwrite: bool,
 ) -> SaveHandle:
     inner = state.optimizer.inner
     groups: list[GroupMeta] = []
@@ -166,6 +170,7 @@ def _save(
         group=state.shard_group,
         tag=tag,
         async_save=async_save,
+        overwrite=overwrite,
     )
 
 
@@ -199,26 +204,32 @@ def load_checkpoint(
     expected.update({alias: expected[name] for alias, name in _aliases(model, state).items()})
     buffers = _buffers(model)
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
-    loaded = load(
-        Path(directory),
-        rank=shard_group.rank,
-        world_size=shard_group.size,
-        tag=tag,
-        step=step,
-        expected=expected,
-        layouts={_group_name(g): g.layout for g in state.groups},
-        device=shard_group.device,
+    # One outcome on every rank (a file bad on one rank fails the load everywhere).
+    loaded = agreed(
+        shard_group,
+        f"load_checkpoint({str(directory)!r})",
+        lambda: load(
+            Path(directory),
+            rank=shard_group.rank,
+            world_size=shard_group.size,
+            tag=tag,
+            step=step,
+            expected=expected,
+            layouts={_group_name(g): g.layout for g in state.groups},
+            device=shard_group.device,
+        ),
     )
     meta = loaded.meta
     inner = state.optimizer.inner
     for g in state.groups:
-        gm = meta.group(_group_name(g))
-        g.master.copy_(loaded.shard(gm.name, MASTER))
+        name = _group_name(g)
+        gm = loaded.sources[name]  # its kinds and scalars (the groups may be regrouped)
+        g.master.copy_(loaded.shard(name, MASTER))
         if not g.trainable:
             continue
         opt_state: dict[str, Any] = {
             # Offloaded groups keep their optimizer state beside their master, on the host.
-            k[len(_OPTIM) :]: loaded.shard(gm.name, k).to(g.master.device, copy=True)
+            k[len(_OPTIM) :]: loaded.shard(name, k).to(g.master.device, copy=True)
             for k in gm.shards
             if k.startswith(_OPTIM)
         }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,12 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import Group, make_hybrid_groups
+from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
+from zeroshard.engine._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine._checks import check_model, check_module_paths, param_group_index
 from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group
+from zeroshard.engine._grad_guard import install_grad_guards
 from zeroshard.engine._loss_scale import LossScaler
 from zeroshard.engine._materialize import ParamInit, is_meta, materialize_unit, reset_parameters
+from zeroshard.engine._module_state import install_state_dict_hooks
 from zeroshard.engine._offload import HostOffload, choose_offloaded
 from zeroshard.engine._optimizer import ZeroOptimizer
 from zeroshard.engine._precision import install_precision_hooks
@@ -174,6 +176,7 @@ def initialize(
     check_module_paths(model, process_groups or {})
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
     shard_group, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -197,6 +200,7 @@ def initialize(
     scaler = None
     if cfg.compute_dtype == torch.float16:
         scaler = LossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.min_loss_scale)
+        scaler.log_skips = everyone.rank == 0
     runtime = None
     if cfg.stage == 3:
         units = _shard_stage3(model, cfg, place, param_group_of, param_init, init_seed)
@@ -234,6 +238,7 @@ def initialize(
         events=runtime,
         stats=None if runtime is None else runtime.stats,
     )
+    install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
     zopt = ZeroOptimizer(
         optimizer,
         groups,
@@ -249,7 +254,9 @@ def initialize(
         # then after every step.
         offload.refresh(offload.groups)
     seconds = time.perf_counter() - start
-    attach_state(model, EngineState(cfg, shard_group, replicate, groups, zopt, runtime, offload))
+    state = EngineState(cfg, shard_group, replicate, groups, zopt, runtime, offload)
+    attach_state(model, state)
+    install_state_dict_hooks(model, state)
     if everyone.rank == 0:
         tiers = sorted({g.tier.value for g in groups})
         log.info(
@@ -270,9 +277,7 @@ def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:
     # On CPU tensors torch's foreach and for-loop optimizers run op by op with temporaries;
     # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) make one pass over memory.
     if any("fused" in pg and not pg["fused"] for pg in optimizer.param_groups):
-        warnings.warn(
+        warn_on_rank0(
             f"offload_optimizer: {type(optimizer).__name__} steps on the CPU without its "
-            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step",
-            UserWarning,
-            stacklevel=3,
+            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step"
         )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+log = logging.getLogger("zeroshard.engine")
 
 
 @dataclass
@@ -11,16 +14,28 @@ class LossScaler:
 
     The caller decides overflow collectively (every rank must see the same answer, or
     ranks would skip different steps and their shards would drift apart).
+    `skipped_steps` counts the steps skipped for overflow since initialize (or load);
+    `log_skips` (rank 0) logs each one.
     """
 
     scale: float
     window: int
     min_scale: float
     good_steps: int = 0
+    skipped_steps: int = 0
+    log_skips: bool = False
 
     def update(self, overflow: bool) -> None:
         """Record one step's outcome."""
         if overflow:
+            self.skipped_steps += 1
+            if self.log_skips:
+                log.warning(
+                    "fp16 overflow: step skipped (%d so far), loss scale %g -> %g",
+                    self.skipped_steps,
+                    self.scale,
+                    max(self.scale / 2.0, self.min_scale),
+                )
             self.scale = max(self.scale / 2.0, self.min_scale)
             self.good_steps = 0
             return

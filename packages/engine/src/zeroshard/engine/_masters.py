@@ -42,7 +42,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     full: dict[int, torch.Tensor] = {}
     for g in engine_state(model).groups:
         # One group at a time: at most one full fp32 group lives on the device.
-        (out,) = gather_masters([g], "state dict")
+        (out,) = gather_masters([g], "full_state_dict")
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             full[id(p)] = out[slot.offset : slot.end].view(slot.shape).cpu().clone()
     result: dict[str, torch.Tensor] = {}

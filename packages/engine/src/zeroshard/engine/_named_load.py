@@ -28,6 +28,7 @@ from zeroshard.ckpt import (
     read_deepspeed_training_state,
     read_named_state,
 )
+from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import check_names_shapes
 from zeroshard.ckpt._named_state import NamedTrainingState
 from zeroshard.ckpt._writer import RangeSpec
@@ -232,9 +233,16 @@ def load_named(
     aliases: Mapping[str, str],
 ) -> int:
     """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`)."""
-    if is_deepspeed_checkpoint(path):
-        named = read_deepspeed_training_state(path, tag if step is None else f"global_step{step}")
-    else:
-        named = read_named_state(path, tag, step)
-    shards = read_named_shards(model, state, named, aliases)
+
+    def read() -> tuple[NamedTrainingState, NamedShards]:
+        if is_deepspeed_checkpoint(path):
+            ds_tag = tag if step is None else f"global_step{step}"
+            named = read_deepspeed_training_state(path, ds_tag)
+        else:
+            named = read_named_state(path, tag, step)
+        return named, read_named_shards(model, state, named, aliases)
+
+    # One outcome on every rank (a file bad on one rank fails the load everywhere), and
+    # nothing is changed unless every rank read its shards.
+    named, shards = agreed(state.shard_group, f"load_checkpoint({str(path)!r})", read)
     return apply_named_shards(model, state, named, shards)

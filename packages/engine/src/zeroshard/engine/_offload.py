@@ -44,7 +44,6 @@ and are complete when they return.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.comm import Group
+from zeroshard.comm import Group, warn_tagged
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.partition import ChunkLayout, empty_host
 
@@ -69,11 +68,11 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Ten
     t, pinned = empty_host(numel, dtype, pin=pin)
     if pin and not pinned and not _warned_pageable:
         _warned_pageable = True
-        warnings.warn(
+        # Pinning may fail on some ranks only: each says so, naming itself.
+        warn_tagged(
             "zeroshard offload: pinned host memory could not be allocated; using pageable "
             "memory: host<->device copies will be synchronous and slower",
             RuntimeWarning,
-            stacklevel=2,
         )
     return t.zero_(), pinned
 

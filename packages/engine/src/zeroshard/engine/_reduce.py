@@ -33,6 +33,7 @@ from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._grad_guard import is_guard
 from zeroshard.engine._offload import HostOffload
 from zeroshard.engine._stats import EngineStats
 
@@ -236,7 +237,7 @@ class GradReducer:
         # gradients outside the buffer: fold them in so nothing is lost, and re-point.
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             view = buf[slot.offset : slot.end]
-            grad = p.grad
+            grad = None if is_guard(p.grad) else p.grad  # guarded: its values are in `view`
             if grad is None or grad.data_ptr() != view.data_ptr():
                 if grad is not None:
                     view.add_(grad.reshape(-1))

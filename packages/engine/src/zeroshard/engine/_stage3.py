@@ -118,7 +118,10 @@ class Stage3Runtime:
         group.all_reduce(ids, op="max", label=f"unit check before {u.label}").wait()
         if int(ids[0]) != u.index or int(-ids[1]) != u.index:
             others = sorted({int(ids[0]), int(-ids[1])} - {u.index})
-            names = ", ".join(self.units[i].label for i in others)
+            # Another rank may hold more units than this one (an extra layer): name it by index.
+            names = ", ".join(
+                self.units[i].label if 0 <= i < len(self.units) else f"unit {i}" for i in others
+            )
             raise DivergentRanksError(
                 f"rank {group.rank} is gathering {u.label} while another rank is "
                 f"gathering {names}: the ranks ran different modules (a skipped or extra module?)"

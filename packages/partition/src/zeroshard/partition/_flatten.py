@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zeroshard.comm import Group
+from zeroshard.comm import Group, is_rank0, process_rank
 from zeroshard.partition._host import empty_host
 from zeroshard.partition._layout import FlatLayout
 
@@ -185,7 +185,10 @@ def _flatten_cpu(
 ) -> torch.Tensor:
     host, pinned = empty_host(layout.padded_numel, layout.dtype, pin=device.type == "cuda")
     if device.type == "cuda" and not pinned:
-        logger.info("CPU flatten tier: pinning failed; packing in pageable memory")
+        logger.info(
+            "CPU flatten tier: pinning failed on rank %s; packing in pageable memory",
+            process_rank(),
+        )
     _pack_range(params, layout, 0, layout.padded_numel, host)
     if device.type == "cpu":
         return host
@@ -225,7 +228,8 @@ def flatten_params(
     else:
         flat = _flatten_cpu(params, layout, device)
     _repoint(params, layout, flat)
-    if logger.isEnabledFor(logging.INFO):
+    # Every rank flattens the same layouts: rank 0 speaks for them.
+    if logger.isEnabledFor(logging.INFO) and is_rank0():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         logger.info(

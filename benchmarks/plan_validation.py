@@ -1,0 +1,349 @@
+"""Validate `zeroshard.engine.estimate` against the committed GPU runs; project to 1,024 GPUs.
+
+Reads benchmarks/results/scale_*.json (and the "Coalesced collectives" table of
+docs/benchmarks.md for the NVLink fit) and rewrites the generated sections of
+docs/scaling.md. Runs on a CPU (the models are on the meta device). Rerun it after new
+GPU runs land in benchmarks/results/.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/plan_validation.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from zeroshard.engine import ZeroConfig, estimate
+from zeroshard.engine import _plan_cli as plan_cli
+from zeroshard.engine._estimate_comm import Cluster, Link, fit_link
+from zeroshard.engine._estimate_layout import plan_groups
+from zeroshard.engine._estimate_step import Compute
+from zeroshard.engine._plan_models import PRESETS, build
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "scaling.md"
+GIB = 2**30
+ENGINES = {"zs2": 2, "zs3": 3, "zs2h": 2, "zs3h": 3}
+PREFETCH = 4 * GIB
+WORLDS = (8, 16, 64, 256, 1024)
+
+
+def nvlink_fit() -> Link:
+    """alpha and bandwidth fitted to the raw 2-GPU all-gather/reduce-scatter curves."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = text.split("<!-- comm:start -->")[1].split("<!-- comm:end -->")[0]
+    sizes, seconds = [], []
+    for line in section.splitlines():
+        m = re.match(r"\| (\d+) MiB \| (all_gather|reduce_scatter) \| \d+ \| ([\d.]+) \|", line)
+        if m:
+            moved = int(m[1]) * 2**20 / 2  # (n-1)/n of the size at n = 2
+            sizes.append(int(moved))
+            seconds.append(moved / (float(m[3]) * 1e9))
+    return fit_link(sizes, seconds)
+
+
+def _write(name: str, body: str) -> None:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOC.read_text()
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    DOC.write_text(f"{before}{start}\n{body.rstrip()}\n{end}{after}")
+
+
+def _pct(est: float, meas: float) -> str:
+    return f"{(est - meas) / meas * 100:+.1f}%"
+
+
+def validation() -> str:
+    rows = [
+        "| run (file) | engine | GPUs | kept GiB est / meas | peak GiB est / meas | "
+        "step ms est / meas |",
+        "|---|---|---|---|---|---|",
+    ]
+    sources = set()
+    for path in sorted(RESULTS.glob("scale_*.json")):
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        sources.add(f"{meta['device']}, {meta['date']}, torch {meta['torch']}")
+        by = {r["engine"]: r for r in data["results"]}
+        single = _one_gpu_steps(meta["preset"])
+        ac = bool(meta["activation_checkpointing"])
+        model = build(meta["preset"], activation_checkpointing=ac)
+        for engine, stage in ENGINES.items():
+            r = by.get(engine)
+            if r is None or r.get("error") or r.get("skipped"):
+                continue
+            shard = meta["shard_group_size"] if engine.endswith("h") else None
+            step_s = single[engine.removesuffix("h")]
+            cfg = ZeroConfig(stage=stage, compute_dtype="bf16", shard_group_size=shard)
+            e = estimate(
+                model,
+                cfg,
+                meta["world"],
+                meta["micro_batch"],
+                meta["seq_len"],
+                compute=Compute(step_s=step_s, recompute=ac),
+            )
+            assert e.step is not None
+            kept, peak, ms = e.states_total / GIB, e.peak / GIB, e.step.total_s * 1e3
+            label = " (input)" if meta["world"] == 1 else ""
+            rows.append(
+                f"| {path.name} | `{engine}` | {meta['world']} | "
+                f"{kept:.1f} / {r['states_gib']:.1f} ({_pct(kept, r['states_gib'])}) | "
+                f"{peak:.1f} / {r['peak_gib']:.1f} ({_pct(peak, r['peak_gib'])}) | "
+                f"{ms:.0f} / {r['step_ms']:.0f} ({_pct(ms, r['step_ms'])}){label} |"
+            )
+    head = (
+        "Measured: " + "; ".join(sorted(sources)) + " (benchmarks/results/scale_*.json, an "
+        "earlier commit of the engine, AdamW, bf16). Estimated on a CPU by this tree. The "
+        "compute figure of every row is the same engine's measured 1-GPU step "
+        "(scale_<preset>_1gpu.json), so the 1-GPU step times are inputs, not predictions; "
+        "memory is predicted in every row. Validation against the current "
+        "tree on GPUs is still to be run; no 8-GPU machine was lent, so there are no "
+        "8-GPU rows.\n\n"
+    )
+    return head + "\n".join(rows)
+
+
+def offload_validation() -> str:
+    """GPU and host memory of the offload runs in docs/benchmarks.md (no step time: the
+    one-GPU compute figure of those models on that device was not measured)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [
+        "| section (docs/benchmarks.md) | measured on | params | GPU peak GiB est / meas | "
+        "host GiB est / meas (RSS) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("offload", "offload_4b"):
+        body = text.split(f"<!-- {name}:start -->")[1].split(f"<!-- {name}:end -->")[0]
+        on = re.search(r"Measured (\S+) on 1 x ([^;]+);", body)
+        shape = re.search(r"(\d+) blocks, seq (\d+), micro-batch (\d+)", body)
+        row = re.search(
+            r"\| zeroshard offload_optimizer \(stage (\d)\) \| ([\d.]+B) \| "
+            r"[\d.]+ \| [\d,]+ \| ([\d.]+) \| ([\d.]+) \|",
+            body,
+        )
+        if not (on and shape and row):
+            continue
+        layers, seq, mb = (int(x) for x in shape.groups())
+        model = build("7b", activation_checkpointing=True, n_layer=layers)
+        cfg = ZeroConfig(stage=int(row[1]), compute_dtype="bf16", offload_optimizer=True)
+        e = estimate(model, cfg, 1, mb, seq)
+        gpu, host = float(row[3]), float(row[4])
+        rows.append(
+            f"| {name} | 1 x {on[2]}, {on[1]} | {row[2]} | "
+            f"{e.peak / GIB:.1f} / {gpu:.1f} ({_pct(e.peak / GIB, gpu)}) | "
+            f"{e.host / GIB:.1f} / {host:.1f} |"
+        )
+    return (
+        "Offload, stage 2, one GPU, GPT `7b` width, activation checkpointing, bf16. The "
+        "host figure measured is the process's peak resident memory (ru_maxrss: CUDA and "
+        "torch libraries, the model built for initialization and allocator slack included), "
+        "so only the estimate's host buffers are comparable, not equal.\n\n" + "\n".join(rows)
+    )
+
+
+def _one_gpu_steps(preset: str) -> dict[str, float]:
+    """Seconds per step of each engine measured on one GPU for `preset`."""
+    data = json.loads((RESULTS / f"scale_{preset}_1gpu.json").read_text())
+    return {r["engine"]: r["step_ms"] / 1e3 for r in data["results"] if r.get("step_ms")}
+
+
+def _flops_per_token(name: str, seq: int) -> float:
+    """6 N (matmul parameters, head included, lookups excluded) + 12 n_layer d seq (PaLM)."""
+    s = PRESETS[name]
+    model = build(name, activation_checkpointing=True)
+    n = sum(p.numel() for p in model.parameters())
+    # gpt: the tied embedding counts once, as the head; the position lookup is free.
+    # llama: the token lookup is free, the untied head is a matmul.
+    n -= s.seq_len * s.d_model if s.family == "gpt" else s.vocab_size * s.d_model
+    return 6 * n + 12 * s.n_layer * s.d_model * seq
+
+
+@dataclass(frozen=True)
+class _Point:
+    model: str
+    world: int
+    sharding: str
+    peak_gib: float
+    step_ms: float
+    tokens: float
+    bound: str
+
+
+def _largest_unit_gib(model: nn.Module) -> float:
+    plan = plan_groups(model, ZeroConfig(stage=3, compute_dtype="bf16"), 1)
+    return max(u.gathered_bytes for u in plan.units if not u.persistent) / GIB
+
+
+def projections() -> str:
+    base = json.loads((RESULTS / "scale_7b_1gpu.json").read_text())
+    meta = base["meta"]
+    zs3 = next(r for r in base["results"] if r["engine"] == "zs3")
+    tokens = meta["micro_batch"] * meta["seq_len"]
+    rate = meta["flops_per_token"] * tokens / (zs3["step_ms"] / 1e3)
+    points: list[_Point] = []
+    block = 0.0
+    for name, mb, seq, shards in (
+        ("7b", 4, 2048, (None, 8)),
+        ("llama-70b", 1, 4096, (None, 8, 32)),
+    ):
+        model = build(name, activation_checkpointing=True)
+        block = max(block, _largest_unit_gib(model))
+        compute = Compute(
+            flops_per_step=_flops_per_token(name, seq) * mb * seq, flops_per_s=rate, recompute=True
+        )
+        for world in WORLDS:
+            for shard in shards:
+                if shard is not None and shard >= world:
+                    continue
+                cfg = ZeroConfig(
+                    stage=3, compute_dtype="bf16", shard_group_size=shard, prefetch_bytes=PREFETCH
+                )
+                e = estimate(model, cfg, world, mb, seq, compute=compute, cluster=Cluster())
+                assert e.step is not None and e.tokens_per_s_per_gpu is not None
+                what = "full" if shard is None else f"hybrid {shard}"
+                points.append(
+                    _Point(
+                        name,
+                        world,
+                        what,
+                        e.peak / GIB,
+                        e.step.total_s * 1e3,
+                        e.tokens_per_s_per_gpu,
+                        e.step.bound,
+                    )
+                )
+    head = (
+        f"Compute: achieved {rate / 1e12:.0f} TFLOP/s per GPU, from the `zs3` row of "
+        f"scale_7b_1gpu.json ({meta['device']}, {meta['date']}: 7b, micro-batch "
+        f"{meta['micro_batch']} x {meta['seq_len']}, activation checkpointing), applied to "
+        "both models' FLOPs (6 N + 12 L d s per token). Links: NVLink as fitted, 8 GPUs per "
+        "node, 50 GB/s (400 Gb/s) and 5 us per hop between nodes. Stage 3, bf16, AdamW, "
+        f"activation checkpointing, prefetch_bytes {PREFETCH // GIB} GiB (a llama-70b "
+        f"block gathers {block:.2f} GiB: the default 1 GiB would turn prefetch "
+        "off), micro-batch 4 x 2048 (7b) and 1 x 4096 (llama-70b). `hybrid k`: shard "
+        "within k consecutive GPUs, replicate across the rest.\n\n"
+    )
+    rows = [
+        "| model | GPUs | sharding | peak GiB | step ms | tokens/s/GPU | bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows += [
+        f"| {p.model} | {p.world} | {p.sharding} | {p.peak_gib:.1f} | {p.step_ms:.0f} | "
+        f"{p.tokens:,.0f} | {p.bound} |"
+        for p in points
+    ]
+    _plot(points)
+    return (
+        head
+        + "\n".join(rows)
+        + "\n\n"
+        + _where_it_stops(points)
+        + ("\n\n![projected tokens/s/GPU against GPUs](planning.png)")
+    )
+
+
+def _where_it_stops(points: list[_Point]) -> str:
+    """One line per model and sharding: where the projection leaves compute-bound."""
+    lines = ["Where each stops scaling (from the table above):", ""]
+    for key in dict.fromkeys((p.model, p.sharding) for p in points):
+        run = [p for p in points if (p.model, p.sharding) == key]
+        first = next((p for p in run if p.bound != "compute"), None)
+        mem = f"peak {run[0].peak_gib:.1f} -> {run[-1].peak_gib:.1f} GiB per GPU"
+        if first is None:
+            lines.append(f"- {key[0]}, {key[1]}: compute-bound up to {run[-1].world} GPUs; {mem}.")
+        else:
+            lines.append(
+                f"- {key[0]}, {key[1]}: {first.bound}-bound from {first.world} GPUs "
+                f"({first.tokens:,.0f} tokens/s/GPU there, {run[-1].tokens:,.0f} at "
+                f"{run[-1].world}); {mem}."
+            )
+    return "\n".join(lines)
+
+
+def _plot(points: list[_Point]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for i, model in enumerate(dict.fromkeys(p.model for p in points)):
+        for sharding in dict.fromkeys(p.sharding for p in points if p.model == model):
+            run = [p for p in points if p.model == model and p.sharding == sharding]
+            label = f"{sharding} (peak {run[0].peak_gib:.0f} -> {run[-1].peak_gib:.0f} GiB)"
+            ax[i].plot([p.world for p in run], [p.tokens for p in run], "o-", label=label)
+        ax[i].set(xscale="log", xlabel="GPUs", ylabel="projected tokens/s/GPU", title=model)
+        ax[i].set_ylim(bottom=0)
+        ax[i].legend()
+    fig.tight_layout()
+    fig.savefig(DOC.with_name("planning.png"), dpi=90)
+
+
+def _cpu_adam_rate() -> tuple[float, str]:
+    """Params/s of torch's fused CPU AdamW from the offload section of docs/benchmarks.md."""
+    body = (ROOT / "docs" / "benchmarks.md").read_text().split("<!-- offload:start -->")[1]
+    on = re.search(r"Measured (\S+) on 1 x ([^;]+);", body)
+    m = re.search(r"\| torch AdamW fused=True \(CPU\) \| [^|]+ \| ([\d,]+)M \|", body)
+    assert on and m, "the offload section of docs/benchmarks.md changed shape"
+    return float(m[1].replace(",", "")) * 1e6, f"host of 1 x {on[2]}, {on[1]}"
+
+
+def recommendation() -> str:
+    """The CLI's own output for llama-70b on 64 GPUs within an 80 GiB limit."""
+    base = json.loads((RESULTS / "scale_7b_1gpu.json").read_text())
+    meta = base["meta"]
+    zs3 = next(r for r in base["results"] if r["engine"] == "zs3")
+    rate = meta["flops_per_token"] * meta["micro_batch"] * meta["seq_len"] / (zs3["step_ms"] / 1e3)
+    cpu, where = _cpu_adam_rate()
+    argv = [
+        "llama-70b",
+        "--world",
+        "64",
+        "--micro-batch",
+        "1",
+        "--seq",
+        "4096",
+        "--activation-checkpointing",
+        "--memory-limit-gib",
+        "80",
+        "--achieved-tflops",
+        f"{rate / 1e12:.1f}",
+        "--flops-per-token",
+        f"{_flops_per_token('llama-70b', 4096):.4g}",
+        "--cpu-adam-params-per-s",
+        f"{cpu:.4g}",
+    ]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_cli.main(argv) == 0
+    return (
+        f"`zeroshard-plan {' '.join(argv)}` (achieved TFLOP/s as in the projection; CPU "
+        f"AdamW rate from the offload section of docs/benchmarks.md, {where}; 80 GiB is an "
+        "example limit):\n\n```\n" + out.getvalue().rstrip() + "\n```"
+    )
+
+
+def main() -> None:
+    link = nvlink_fit()
+    _write(
+        "fit",
+        f"Fitted NVLink: {link.gbps:.1f} GB/s bus bandwidth, {link.latency_us:.1f} us "
+        "per ring step (from the `raw` column of the Coalesced collectives table of "
+        "docs/benchmarks.md, 2 x NVIDIA H200, 2026-11-22).",
+    )
+    _write("validation", validation() + "\n\n" + offload_validation())
+    _write("projection", projections())
+    _write("recommendation", recommendation())
+
+
+if __name__ == "__main__":
+    main()

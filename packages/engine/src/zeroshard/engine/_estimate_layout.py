@@ -1,0 +1,204 @@
+"""The flat groups `initialize()` would build, planned without building them.
+
+Everything here is metadata: a model on the meta device is enough. The engine's own rules
+are called where they are functions (`plan_units`, `group_parameters`, `_split_by_bytes`,
+`_layout`); where a rule is one line inside `initialize()` (the stage-1/2 bucket order,
+the stage-3 persistence rule, `choose_offloaded`'s walk) it is restated here, and
+`tests/engine/test_estimate_states.py` compares the result with real engines so the two
+cannot drift apart unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Group
+from zeroshard.engine._config import ZeroConfig
+from zeroshard.engine._flat_group import _layout
+from zeroshard.engine._initialize import _split_by_bytes
+from zeroshard.engine._unit_plan import plan_units
+from zeroshard.partition import ChunkLayout, FlatLayout, GroupKey, group_parameters
+
+
+@dataclass(frozen=True)
+class _WorldSize:
+    """`_layout` reads only the size of the process group; planning has no group."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """One flat group as `initialize()` would lay it out on every rank."""
+
+    index: int
+    key: GroupKey
+    layout: FlatLayout
+    unit: int | None  # stage 3: the unit owning it
+    persistent: bool  # stage 3: its unit stays gathered for the whole step
+    offloaded: bool
+
+    @property
+    def trainable(self) -> bool:
+        """Whether its parameters take gradients."""
+        return self.key.requires_grad
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """Stage 3: a unit's name, gathered bytes and whether it stays gathered."""
+
+    name: str
+    gathered_bytes: int
+    persistent: bool
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Host state of the offloaded groups, as `HostOffload` allocates it on one rank."""
+
+    chunks: int
+    chunk_shard_numel: int
+    host_bytes: int
+    pinned_bytes: int
+    device_compute_bytes: int  # compute-dtype shards kept on the device (not offload_params)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """All flat groups (and stage-3 units) of a model under one config and shard-group size."""
+
+    groups: tuple[PlannedGroup, ...]
+    units: tuple[PlannedUnit, ...]
+    offload: OffloadPlan | None
+    shard_size: int
+
+
+def _stage12(
+    model: nn.Module, cfg: ZeroConfig, size: int, param_group_of: Mapping[int, int] | None
+) -> list[tuple[GroupKey, FlatLayout]]:
+    """The stage-1/2 flat groups, in the order `_flatten_stage12` builds them."""
+    grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
+    registration = {id(p): i for i, p in enumerate(model.parameters())}
+    chunks = []
+    for key, named in grouped.items():
+        for run in _split_by_bytes(
+            named[::-1], cfg.reduce_bucket_bytes, cfg.compute_dtype.itemsize
+        ):
+            chunks.append((max(registration[id(p)] for _, p in run), key, run))
+    chunks.sort(key=lambda c: -c[0])
+    world = cast(Group, _WorldSize(size))
+    return [(key, _layout(run, key, world, cfg.compute_dtype)) for _, key, run in chunks]
+
+
+def plan_groups(
+    model: nn.Module,
+    cfg: ZeroConfig,
+    shard_size: int,
+    param_group_of: Mapping[int, int] | None = None,
+) -> GroupPlan:
+    """The flat groups one rank holds when `model` is sharded over `shard_size` ranks.
+
+    `param_group_of` maps id(parameter) to its optimizer param group (None: all in one).
+    """
+    world = cast(Group, _WorldSize(shard_size))
+    planned: list[tuple[GroupKey, FlatLayout, int | None, bool]] = []
+    units: list[PlannedUnit] = []
+    if cfg.stage == 3:
+        plans = plan_units(
+            model,
+            unit_modules=cfg.unit_modules,
+            leaf_modules=cfg.leaf_modules,
+            min_unit_params=cfg.min_unit_params,
+            leaf_params_per_module=cfg.leaf_params_per_module,
+        )
+        for ui, plan in enumerate(plans):
+            grouped = group_parameters(plan.params, param_group_of=param_group_of)
+            layouts = [
+                (k, _layout(named, k, world, cfg.compute_dtype)) for k, named in grouped.items()
+            ]
+            numel = sum(lay.numel for _, lay in layouts)
+            # The same rule as `_shard_stage3`: the root and small units stay gathered.
+            persistent = ui == 0 or numel < cfg.persistence_threshold
+            planned += [(k, lay, ui, persistent) for k, lay in layouts]
+            gathered = sum(lay.padded_numel for _, lay in layouts) * cfg.compute_dtype.itemsize
+            units.append(PlannedUnit(plan.name, gathered, persistent))
+    else:
+        planned = [
+            (k, lay, None, False) for k, lay in _stage12(model, cfg, shard_size, param_group_of)
+        ]
+    offloaded = _offloaded([lay.shard_numel for _, lay, _, _ in planned], cfg)
+    groups = tuple(
+        PlannedGroup(i, k, lay, unit, persistent, i in offloaded)
+        for i, (k, lay, unit, persistent) in enumerate(planned)
+    )
+    return GroupPlan(groups, tuple(units), _offload_plan(groups, cfg, shard_size), shard_size)
+
+
+def _offloaded(shard_numels: list[int], cfg: ZeroConfig) -> set[int]:
+    """Indices `choose_offloaded` picks: groups in order until `offload_ratio` is covered."""
+    if not cfg.offload_optimizer:
+        return set()
+    total, taken, chosen = sum(shard_numels), 0, set()
+    for i, n in enumerate(shard_numels):
+        if taken < cfg.offload_ratio * total:
+            chosen.add(i)
+            taken += n
+    return chosen
+
+
+def _offload_plan(
+    groups: tuple[PlannedGroup, ...], cfg: ZeroConfig, size: int
+) -> OffloadPlan | None:
+    """What `HostOffload.__init__` allocates (pinning assumed to succeed, on a GPU)."""
+    moved = [g for g in groups if g.offloaded]
+    if not moved:
+        return None
+    numel = sum(g.layout.shard_numel for g in moved)
+    per_rank = max(1, cfg.offload_chunk_bytes // 4)
+    chunks = ChunkLayout.build(numel * size, per_rank * size, size)
+    n, s = chunks.num_chunks, chunks.shard_numel
+    compute = cfg.compute_dtype.itemsize
+    master, grad = n * s * 4, n * s * 4
+    biggest = max(g.layout.shard_numel for g in moved)
+    grad_slots = 2 * biggest * 4
+    if cfg.offload_params:
+        pinned, device = grad + n * s * compute + grad_slots, 0
+    else:
+        pinned, device = grad + 2 * s * compute + grad_slots, n * s * compute
+    return OffloadPlan(n, s, master + pinned, pinned, device)
+
+
+def state_bytes(
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int
+) -> dict[str, int]:
+    """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad)."""
+    compute = cfg.compute_dtype.itemsize
+    out = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0, "offload_compute": 0}
+    for g in plan.groups:
+        if cfg.stage != 3:
+            out["parameters"] += g.layout.padded_numel * compute
+            if cfg.stage == 1 and g.trainable:
+                out["grad_buffer"] += g.layout.padded_numel * compute
+        if not g.offloaded:
+            out["master"] += g.layout.shard_numel * 4
+            if g.trainable:
+                out["optimizer"] += g.layout.shard_numel * optimizer_bytes_per_element
+    if plan.offload is not None:
+        out["offload_compute"] = plan.offload.device_compute_bytes
+    return out
+
+
+def grad_shard_bytes(plan: GroupPlan) -> int:
+    """Device bytes of the fp32 gradient shards during a step (offloaded ones live on the host)."""
+    return sum(g.layout.shard_numel * 4 for g in plan.groups if g.trainable and not g.offloaded)
+
+
+def reduce_dtype_bytes(cfg: ZeroConfig) -> int:
+    """Bytes per element of a gradient bucket."""
+    return torch.empty(0, dtype=cfg.grad_reduce_dtype).element_size()

@@ -1,0 +1,112 @@
+"""The planned model states equal what the engine really allocates, rank by rank.
+
+World 1-4 on gloo ranks, stages 1-3, with and without offload (and a hybrid run): the
+flat layouts, the stage-3 units, and the bytes of parameter buffers, masters, stage-1
+grad buffers, AdamW state after a step and the offload host buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zeroshard.engine as zs
+from tests._dist import run_each, run_ranks
+from tests.engine._models import VOCAB, make_model, make_optimizer
+from zeroshard.engine._estimate import estimate
+from zeroshard.engine._estimate_layout import plan_groups
+
+# Small buckets and thresholds so a tiny model still has many groups, units, persistence
+# and several offload chunks.
+SMALL = {
+    "reduce_bucket_bytes": 2048,
+    "min_unit_params": 100,
+    "persistence_threshold": 1000,
+    "offload_chunk_bytes": 1024,
+}
+
+
+def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> None:
+    world = dist.get_world_size()
+    cfg = zs.ZeroConfig.from_dict(
+        {"stage": stage, "compute_dtype": dtype, "shard_group_size": shard, **SMALL, **extra}
+    )
+    with torch.device("meta"):
+        meta = make_model()
+    meta_opt = make_optimizer(meta)
+    groups_of = {id(p): k for k, pg in enumerate(meta_opt.param_groups) for p in pg["params"]}
+    plan = plan_groups(meta, cfg, shard or world, groups_of)
+    est = estimate(meta, cfg, world, 2, 5, optimizer=meta_opt)
+
+    model = make_model()
+    model, opt = zs.initialize(model, make_optimizer(model), cfg)
+    state = zs.engine_state(model)
+    assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
+    assert [g.key for g in state.groups] == [g.key for g in plan.groups]
+    assert [g.offload is not None for g in state.groups] == [g.offloaded for g in plan.groups]
+    if stage == 3:
+        assert state.stage3 is not None
+        real_units = [(u.name, u.nbytes, u.persistent) for u in state.stage3.units]
+        assert real_units == [(u.name, u.gathered_bytes, u.persistent) for u in plan.units]
+
+    idx = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+    real: dict[str, int] = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0}
+    for g in state.groups:
+        if stage != 3:
+            assert g.param_buffer is not None
+            real["parameters"] += g.param_buffer.nbytes
+        if g.grad_buffer is not None:
+            real["grad_buffer"] += g.grad_buffer.nbytes
+        if g.offload is None:
+            real["master"] += g.master.nbytes
+            real["optimizer"] += sum(t.nbytes for t in opt.state[g.master].values() if t.dim() > 0)
+    real["offload_compute"] = 0
+    if state.offload is not None:
+        if state.offload.compute_dev is not None:
+            real["offload_compute"] = state.offload.compute_dev.nbytes
+        moved = [g for g in state.groups if g.offload is not None]
+        host_opt = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
+        # On the CPU nothing is pinned; the same buffers are allocated pageable.
+        assert est.host == state.offload.nbytes().host + host_opt
+        assert plan.offload is not None and plan.offload.chunks == state.offload.nbytes().chunks
+    else:
+        assert est.host == 0
+    assert dict(est.states) == real
+    trainable = [g for g in state.groups if g.trainable and g.offload is None]
+    assert est.grad_shards == sum(g.master.nbytes for g in trainable)
+
+
+# Every stage, both dtypes and each offload mode on two ranks; at 1, 3 and 4 ranks one
+# case per stage (three ranks: padding that 2 and 4 do not need), and hybrid at 4.
+CORE: list[dict[str, Any]] = [
+    {"stage": 1, "dtype": "bf16"},
+    {"stage": 2, "dtype": "bf16", "offload_optimizer": True},
+    {"stage": 3, "dtype": "bf16", "offload_optimizer": True, "offload_params": True},
+    {"stage": 3, "dtype": "fp32", "offload_optimizer": True, "offload_ratio": 0.4},
+]
+MORE: list[dict[str, Any]] = [
+    {"stage": 2, "dtype": "fp32"},
+    {"stage": 3, "dtype": "bf16"},
+    {"stage": 1, "dtype": "fp32", "offload_optimizer": True, "offload_ratio": 0.5},
+]
+HYBRID: list[dict[str, Any]] = [
+    {"stage": 3, "dtype": "bf16", "shard": 2},
+    {"stage": 2, "dtype": "fp32", "shard": 2},
+]
+
+
+def _all_cases() -> None:
+    world = dist.get_world_size()
+    run_each(CORE + (MORE if world == 2 else []) + (HYBRID if world == 4 else []), _case)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_planned_states_match_the_engine(world_size: int) -> None:
+    run_ranks(_all_cases, world_size)

@@ -1,0 +1,102 @@
+"""Every collective honours `collective_timeout_s`, and a rank that timed out can exit.
+
+A peer that stops answering (alive, elsewhere) at each stage's step, and the common
+mistake of calling a collective API on rank 0 only: rank 0 gets `CollectiveTimeoutError`
+naming the call within the timeout. Each case runs on a fresh subgroup, which the
+abandoned collective leaves unusable, while the peer waits on the world group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import zeroshard.engine as zs
+from tests._dist import free_port, run_each, run_ranks
+from tests.faults._engine import SLACK_S, TIMEOUT_S, build, train_step
+from zeroshard.comm import CollectiveTimeoutError, Group
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
+    group = Group(dist.new_group([0, 1]))
+    model, opt = build(stage, group=group)
+    if dist.get_rank() == 0:
+        actions: dict[str, Callable[[], object]] = {
+            "step": lambda: train_step(model, opt, 0),
+            "save": lambda: zs.save_checkpoint(model, opt, root, step=10 + stage),
+            "full_state_dict": lambda: zs.full_state_dict(model),
+        }
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            actions[call]()
+        elapsed = time.monotonic() - start
+        msg = str(info.value)
+        assert info.value.timed_out and f"within {TIMEOUT_S:g}s" in msg, msg
+        assert expect in msg, msg
+        assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
+    # The peer is alive meanwhile, here, on the world group.
+    Group().barrier(label="case done")
+
+
+def _cases(root: str) -> None:
+    # Stage 3's step is covered by tests/engine (it honoured the timeout before).
+    cases = [
+        {"stage": 1, "call": "step", "expect": "reduce_scatter for 'grads of group"},
+        {"stage": 2, "call": "step", "expect": "reduce_scatter for 'grads of group"},
+        {"stage": 2, "call": "save", "expect": "save of 'step-12'"},
+        {"stage": 1, "call": "full_state_dict", "expect": "'full_state_dict of group 0'"},
+    ]
+    run_each([dict(c, root=root) for c in cases], _rank0_alone)
+
+
+def test_rank0_alone_times_out_naming_the_call(tmp_path: Path) -> None:
+    run_ranks(_cases, 2, str(tmp_path), timeout_s=240)
+
+
+def _peer(mode: str, rank: int, port: int) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.faults._peer", mode, str(rank), str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_rank_crash_or_stall_mid_step_then_prompt_exit() -> None:
+    """Rank 1 dies mid-step (crash) or stops answering (stall): rank 0 raises promptly and
+    its normal interpreter exit does not wait for the live peer."""
+    procs = {}
+    for mode in ("crash", "stall"):
+        port = free_port()
+        procs[mode] = (_peer(mode, 0, port), _peer(mode, 1, port))
+    try:
+        for mode, (p0, p1) in procs.items():
+            out, _ = p0.communicate(timeout=120)
+            assert p0.returncode == 0, out
+            line = next(x for x in out.splitlines() if x.startswith(("ERROR", "NO ERROR")))
+            assert line.startswith("ERROR"), out
+            elapsed = float(line.split()[1])
+            assert elapsed <= TIMEOUT_S + SLACK_S, line
+            assert "reduce_scatter for 'grads of group" in line, line
+            if mode == "crash":
+                assert p1.wait(timeout=30) == 3
+            else:  # rank 0 exited while its peer still sleeps
+                assert p1.poll() is None, "the stalled peer exited first: nothing measured"
+    finally:
+        for p0, p1 in procs.values():
+            for p in (p0, p1):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()

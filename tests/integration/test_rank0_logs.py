@@ -1,0 +1,98 @@
+"""On 2 ranks: warnings and INFO logs appear once, on rank 0, pointing at the user's line;
+a warning about a per-rank condition appears on each rank that meets it, naming the rank.
+
+Captured per rank: the unfused-optimizer warning of `initialize` (offload), the flatten
+INFO log of `zeroshard.partition`, compile's fallback warning (an fp16 model, which is
+not captured), and the pageable-memory warning of offload (pinning fails without CUDA).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import zeroshard.compile as zc
+import zeroshard.engine as zs
+from tests._dist import run_ranks
+from tests.engine._models import make_model
+from zeroshard.engine._offload import host_tensor
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _line() -> int:
+    """The caller's line number."""
+    frame = inspect.currentframe()
+    assert frame is not None and frame.f_back is not None
+    return frame.f_back.f_lineno
+
+
+def _ours(caught: list[warnings.WarningMessage], text: str) -> list[warnings.WarningMessage]:
+    return [w for w in caught if text in str(w.message)]
+
+
+def _ranks() -> None:
+    rank = dist.get_rank()
+    records = _Records()
+    partition_log = logging.getLogger("zeroshard.partition")
+    partition_log.addHandler(records)
+    partition_log.setLevel(logging.INFO)
+
+    model = make_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
+    config = {"stage": 2, "offload_optimizer": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        zs.initialize(model, opt, config)
+    unfused = _ours(caught, "fused=True")
+    flattened = [m for m in records.messages if m.startswith("flattened")]
+    if rank == 0:
+        assert len(unfused) == 1, [str(w.message) for w in caught]
+        assert (unfused[0].filename, unfused[0].lineno) == (__file__, line), unfused[0]
+        assert flattened, records.messages
+    else:
+        assert unfused == [], [str(w.message) for w in unfused]
+        assert flattened == [], flattened
+
+    model = make_model(seed=0)
+    model, _ = zs.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {"stage": 3, "compute_dtype": "fp16"},
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        zc.compile(model)
+    fallback = _ours(caught, "zeroshard.compile: cannot capture")
+    if rank == 0:
+        assert len(fallback) == 1, [str(w.message) for w in caught]
+        assert (fallback[0].filename, fallback[0].lineno) == (__file__, line), fallback[0]
+    else:
+        assert fallback == [], [str(w.message) for w in fallback]
+
+    if not torch.cuda.is_available():  # pinning fails: every rank says so, naming itself
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = _line() + 1
+            host_tensor(8, torch.float32, pin=True)
+        pageable = _ours(caught, "pageable")
+        assert len(pageable) == 1, [str(w.message) for w in caught]
+        assert str(pageable[0].message).startswith(f"[rank {rank}] ")
+        assert (pageable[0].filename, pageable[0].lineno) == (__file__, line), pageable[0]
+
+
+def test_warnings_and_info_logs_once_on_rank0_at_the_users_line() -> None:
+    run_ranks(_ranks, 2)
