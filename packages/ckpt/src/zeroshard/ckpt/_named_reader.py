@@ -70,6 +70,8 @@ def read_named_state(
     meta = reader.meta
     reader.check_present()
     reader.verify()
+    # The specs returned outlive this call and read through `reader`: its rank files
+    # close when the last of them is dropped (its own fd table, closed by value).
     weakref.finalize(reader, _close, reader._fds)
     masters: dict[str, RangeSpec] = {}
     optimizer_state: dict[str, dict[str, RangeSpec]] = {}
