@@ -18,6 +18,8 @@ TORCH = "torch==2.13.0"
 PACKAGES = ["comm", "partition", "ckpt", "engine", "compile"]
 EDITABLE = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
+# The versions tests/integration/test_hf_*.py and zeroshard.engine.huggingface are checked with.
+HF_DEPS = ["transformers==5.23.0", "accelerate==1.15.0"]
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -28,14 +30,14 @@ def _install(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite on CPU ranks over gloo."""
-    _install(session, *TEST_DEPS)
+    _install(session, *TEST_DEPS, *HF_DEPS)
     session.run("pytest", *(session.posargs or ["-q"]))
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package's src/."""
-    _install(session, "mypy>=1.10")
+    _install(session, "mypy>=1.10", *HF_DEPS)
     session.run("mypy", *(f"-p=zeroshard.{p}" for p in PACKAGES))
 
 
@@ -93,6 +95,26 @@ def demo(session: nox.Session) -> None:
     _install(session)
     args = session.posargs or ["--stage", "2", "--steps", "300"]
     session.run("torchrun", "--standalone", "--nproc-per-node=2", "examples/train_gpt.py", *args)
+
+
+@nox.session(name="demo-hf")
+def demo_hf(session: nox.Session) -> None:
+    """Train a small transformers Llama (from a config) with zeroshard stage 3 on 2 CPU ranks.
+
+    Checkpoints every 20 steps, consolidates into demo-hf-out/hf (from_pretrained loads it).
+    """
+    _install(session, *HF_DEPS)
+    args = session.posargs or ["--config", "llama", "--stage", "3", "--steps", "300"]
+    session.run(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node=2",
+        "examples/hf_causal_lm.py",
+        "--output-dir",
+        "demo-hf-out",
+        *args,
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 @nox.session

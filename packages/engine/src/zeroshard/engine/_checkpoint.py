@@ -36,6 +36,7 @@ from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine._named_load import is_named_checkpoint, load_named
 from zeroshard.engine._state import EngineModel, EngineState, engine_module, engine_state
 
 _OPTIM = "optim."
@@ -226,14 +227,30 @@ def load_checkpoint(
 ) -> int:
     """Restore model and optimizer from a checkpoint saved at any world size; return its step.
 
-    `directory` is a checkpoint or the root holding `latest`. A checkpoint of another
-    model (names or shapes) raises `zeroshard.ckpt.ModelMismatchError` listing the
-    differences. Call on every rank.
+    `directory` is a checkpoint or the root holding `latest`, ours or DeepSpeed's ZeRO
+    1/2/3 (docs/deepspeed.md). A checkpoint of another model (names or shapes) raises
+    `zeroshard.ckpt.ModelMismatchError` listing the differences. Call on every rank.
     """
     model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
+        own = sorted(
+            {
+                n
+                for g in state.groups
+                if g.process_group.pg is not state.shard_group.pg
+                for n in g.names
+            }
+        )
+        if own:
+            # A named checkpoint holds one value per name: which instance would get it?
+            raise ValueError(
+                f"parameters on a process group of their own ({own[:3]}...) load from "
+                "zeroshard checkpoints only, not from a DeepSpeed (named) one"
+            )
+        return load_named(model, state, Path(directory), tag, step, _aliases(model, state))
     shard_group = state.shard_group
     placements = _placements(state)
     expected = {

@@ -139,9 +139,12 @@ def _expose(g: FlatParamGroup, full: torch.Tensor) -> None:
 
 def _restore(sel: _Selection) -> None:
     """Put the parameters back as the engine keeps them between steps (no collective)."""
+    # A forward inside the context (generate) gathers units again: release them through
+    # the runtime, or it would believe them gathered over released parameters.
+    _release_units(sel)
     for g in sel.groups:
         if g.sharded:
-            g.release()  # stage 3: the unit is RELEASED in the runtime already
+            g.release()  # stage 3: the unit is RELEASED in the runtime now
         else:
             g.expose()
 

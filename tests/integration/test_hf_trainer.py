@@ -1,0 +1,154 @@
+"""`transformers.Trainer` on zeroshard (examples/hf_trainer.py) against the Trainer's own DDP.
+
+One spawn of 2 gloo ranks runs the example's `main` for the DDP baseline (stage 0),
+stages 1-3 and a stage-3 resume from checkpoint-4, all fp32 with gradient accumulation
+2, and compares what the Trainer logged (and a bf16 run at stage 2 against the fp32
+curve); a second spawn of 1 rank resumes the 2-rank checkpoint (another world size, the
+same global batch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._dist import run_ranks
+
+pytest.importorskip("transformers")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS, SAVE = 8, 4
+LOSS_ATOL = 2e-4  # the Trainer logs the loss rounded to 4 decimals
+NORM_RTOL = 1e-4  # fp32, reduction order differs between DDP and reduce-scatter
+WEIGHT_ATOL = 2e-5  # 8 AdamW steps at lr 3e-3 in fp32
+
+
+def _run(out: Path, stage: int, *extra: str) -> Any:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import hf_trainer  # type: ignore[import-not-found]
+
+    argv = ["--stage", str(stage), "--max-steps", str(STEPS), "--save-steps", str(SAVE)]
+    return hf_trainer.main([*argv, "--output-dir", str(out), *extra])
+
+
+def _per_step(log_history: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in log_history if "loss" in e}
+
+
+def _assert_same_steps(
+    got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], what: str
+) -> None:
+    assert sorted(got) == sorted(want), f"{what}: logged steps {sorted(got)} != {sorted(want)}"
+    for step, (loss, norm) in want.items():
+        g_loss, g_norm = got[step]
+        assert abs(g_loss - loss) <= LOSS_ATOL, f"{what} step {step}: loss {g_loss} != {loss}"
+        assert math.isclose(g_norm, norm, rel_tol=NORM_RTOL), (
+            f"{what} step {step}: grad_norm {g_norm} != {norm}"
+        )
+
+
+def _assert_same_weights(a: Path, b: Path, what: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_a, info = AutoModelForCausalLM.from_pretrained(a, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], f"{what}: {info}"
+    model_b = AutoModelForCausalLM.from_pretrained(b)
+    sa, sb = model_a.state_dict(), model_b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=WEIGHT_ATOL, rtol=0, msg=f"{what}: {k}")
+
+
+def _train_all_stages(root: str) -> None:
+    import torch.distributed as dist
+
+    out = Path(root)
+    accum = ["--per-device-batch", "1", "--grad-accum", "2"]
+    base = _per_step(_run(out / "stage0", 0, *accum).state.log_history)
+    assert sorted(base) == list(range(1, STEPS + 1))
+    assert all(norm > 0 for _, norm in base.values())
+    for stage in (1, 2, 3):
+        trainer = _run(out / f"stage{stage}", stage, *accum)
+        # The engine reduces the gradients: nothing may wrap the model in DDP on top.
+        assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)
+        _assert_same_steps(_per_step(trainer.state.log_history), base, f"stage {stage}")
+    resumed = _run(
+        out / "resumed",
+        3,
+        *accum,
+        "--resume-from-checkpoint",
+        str(out / "stage3" / f"checkpoint-{SAVE}"),
+    )
+    want = {s: v for s, v in base.items() if s > SAVE}
+    got = {s: v for s, v in _per_step(resumed.state.log_history).items() if s > SAVE}
+    _assert_same_steps(got, want, "stage 3 resumed from checkpoint-4")
+    bf16 = _run(out / "bf16", 2, *accum, "--bf16")
+    import torch
+
+    import zeroshard.engine as zs
+
+    assert zs.engine_state(bf16.model).config.compute_dtype == torch.bfloat16
+    for step, (loss, _) in _per_step(bf16.state.log_history).items():
+        # bf16 compute (8-bit mantissa) against fp32: the same curve within 2%.
+        assert abs(loss - base[step][0]) <= 0.02 * base[step][0], (step, loss, base[step])
+    with pytest.raises(FileNotFoundError, match="holds no zeroshard state"):
+        _run(out / "bad", 3, "--resume-from-checkpoint", str(out / "stage0" / f"checkpoint-{SAVE}"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for stage in (1, 2, 3):
+            _assert_same_weights(out / f"stage{stage}", out / "stage0", f"stage {stage} save_model")
+        _assert_same_weights(out / "resumed", out / "stage0", "resumed save_model")
+        ckpt = out / "stage3" / f"checkpoint-{SAVE}"
+        assert (ckpt / "zeroshard" / "metadata.json").is_file()
+        logged = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
+        assert [e["step"] for e in logged if "loss" in e and "grad_norm" in e] == [1, 2, 3, 4]
+
+
+def _resume_on_one_rank(root: str) -> None:
+    out = Path(root)
+    resumed = _run(
+        out / "resumed-world1",
+        3,
+        "--per-device-batch",
+        "2",
+        "--grad-accum",
+        "2",
+        "--resume-from-checkpoint",
+        str(out / "stage3" / f"checkpoint-{SAVE}"),
+    )
+    base = json.loads((out / "stage0" / "trainer_state.json").read_text())["log_history"]
+    want = {s: v for s, v in _per_step(base).items() if s > SAVE}
+    got = {s: v for s, v in _per_step(resumed.state.log_history).items() if s > SAVE}
+    _assert_same_steps(got, want, "2-rank checkpoint resumed on 1 rank")
+    _assert_same_weights(out / "resumed-world1", out / "stage0", "resumed on 1 rank")
+
+
+@pytest.mark.slow
+def test_trainer_stages_match_ddp_and_resume(tmp_path: Path) -> None:
+    run_ranks(_train_all_stages, 2, str(tmp_path), timeout_s=300)
+    run_ranks(_resume_on_one_rank, 1, str(tmp_path), timeout_s=120)
+
+
+def test_trainer_precision_arguments_checked() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from zeroshard.engine.huggingface import _resolve_precision
+
+    def args(bf16: bool = False, fp16: bool = False) -> Any:
+        return SimpleNamespace(bf16=bf16, fp16=fp16)
+
+    with pytest.raises(ValueError, match=r"fp16=True\) is not supported"):
+        _resolve_precision({"stage": 2}, args(fp16=True))
+    with pytest.raises(ValueError, match="make them agree"):
+        _resolve_precision({"stage": 2, "compute_dtype": "fp32"}, args(bf16=True))
+    assert _resolve_precision({"stage": 3}, args(bf16=True)).compute_dtype == torch.bfloat16
+    assert _resolve_precision(None, args()).compute_dtype == torch.float32
