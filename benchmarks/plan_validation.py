@@ -1,7 +1,7 @@
 """Validate `zeroshard.engine.estimate` against the committed GPU runs; project to 1,024 GPUs.
 
-Reads benchmarks/results/scale_*.json (and the "Coalesced collectives" table of
-docs/benchmarks.md for the NVLink fit) and rewrites the generated sections of
+Reads benchmarks/results/scale_*.json (and nccl_raw_2gpu.json, the raw NCCL curves, for
+the NVLink fit) and rewrites the generated sections of
 docs/scaling.md. Runs on a CPU (the models are on the meta device). Rerun it after new
 GPU runs land in benchmarks/results/.
 
@@ -37,15 +37,12 @@ WORLDS = (8, 16, 64, 256, 1024)
 
 def nvlink_fit() -> Link:
     """alpha and bandwidth fitted to the raw 2-GPU all-gather/reduce-scatter curves."""
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = text.split("<!-- comm:start -->")[1].split("<!-- comm:end -->")[0]
+    data = json.loads((RESULTS / "nccl_raw_2gpu.json").read_text())
     sizes, seconds = [], []
-    for line in section.splitlines():
-        m = re.match(r"\| (\d+) MiB \| (all_gather|reduce_scatter) \| \d+ \| ([\d.]+) \|", line)
-        if m:
-            moved = int(m[1]) * 2**20 / 2  # (n-1)/n of the size at n = 2
-            sizes.append(int(moved))
-            seconds.append(moved / (float(m[3]) * 1e9))
+    for row in data["results"]:
+        moved = row["size_mib"] * 2**20 / 2  # (n-1)/n of the size at n = 2
+        sizes.append(int(moved))
+        seconds.append(moved / (row["raw_bus_gbps"] * 1e9))
     return fit_link(sizes, seconds)
 
 
@@ -346,8 +343,8 @@ def main() -> None:
     _write(
         "fit",
         f"Fitted NVLink: {link.gbps:.1f} GB/s bus bandwidth, {link.latency_us:.1f} us "
-        "per ring step (from the `raw` column of the Coalesced collectives table of "
-        "docs/benchmarks.md, 2 x NVIDIA H200, 2026-11-22).",
+        "per ring step (fitted to the raw NCCL all-gather / reduce-scatter curves of "
+        "benchmarks/results/nccl_raw_2gpu.json, 2 x NVIDIA H200, 2026-11-22).",
     )
     _write("validation", validation() + "\n\n" + offload_validation())
     _write("projection", projections())

@@ -2,8 +2,9 @@
 a warning about a per-rank condition appears on each rank that meets it, naming the rank.
 
 Captured per rank: the unfused-optimizer warning of `initialize` (offload), the flatten
-INFO log of `zeroshard.partition`, compile's fallback warning (an fp16 model, which is
-not captured), and the pageable-memory warning of offload (pinning fails without CUDA).
+INFO log of `zeroshard.partition`, compile's fallback warning (a model with data-dependent
+control flow, at its first call), and the pageable-memory warning of offload (pinning
+fails without CUDA).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import zeroshard.compile as zc
 import zeroshard.engine as zs
 from tests._dist import run_ranks
+from tests.compile.test_compiled import Branchy
 from tests.engine._models import make_model
 from zeroshard.engine._offload import host_tensor
 
@@ -66,16 +68,15 @@ def _ranks() -> None:
         assert unfused == [], [str(w.message) for w in unfused]
         assert flattened == [], flattened
 
-    model = make_model(seed=0)
-    model, _ = zs.initialize(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        {"stage": 3, "compute_dtype": "fp16"},
-    )
+    torch.manual_seed(0)
+    branchy = Branchy()
+    config = {"stage": 3, "min_unit_params": 1}
+    model, _ = zs.initialize(branchy, torch.optim.SGD(branchy.parameters(), lr=0.1), config)
+    compiled = zc.compile(model, backend="aot_eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = _line() + 1
-        zc.compile(model)
+        compiled(torch.randn(3, 6))
     fallback = _ours(caught, "zeroshard.compile: cannot capture")
     if rank == 0:
         assert len(fallback) == 1, [str(w.message) for w in caught]

@@ -1,4 +1,4 @@
-"""The `zeroshard-ckpt` command: `consolidate SRC OUT` and `inspect SRC`."""
+"""The `zeroshard-ckpt` command: `consolidate SRC OUT`, `convert SRC DST` and `inspect SRC`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from zeroshard.ckpt._consolidate import DTYPES, consolidate
+from zeroshard.ckpt._convert import convert_deepspeed
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._inspect import describe, format_summary
 from zeroshard.ckpt._plan import INDEX_FILE, parse_size
@@ -52,10 +53,28 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--exclude-frozen", action="store_true", help="leave frozen parameters out")
     c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     c.add_argument(
+        "--instance",
+        type=int,
+        help="which instance of parameters on their own process group (experts) to write",
+    )
+    c.add_argument(
         "--verify", action="store_true", help="re-read the output and compare it with the source"
     )
     _add_selector(c)
     c.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    v = sub.add_parser(
+        "convert",
+        help="write a DeepSpeed ZeRO checkpoint as a zeroshard checkpoint",
+        description="Rewrite a DeepSpeed ZeRO 1/2/3 checkpoint (weights, Adam state, loss "
+        "scale, step) as a zeroshard checkpoint DST/step-N, so that load_checkpoint resumes "
+        "from it at any world size without DeepSpeed.",
+    )
+    v.add_argument("src", help="DeepSpeed checkpoint directory (with 'latest') or tag folder")
+    v.add_argument("dst", help="zeroshard checkpoint root to write into")
+    v.add_argument("--tag", help="DeepSpeed tag under SRC (default: the 'latest' pointer)")
+    v.add_argument("--world-size", type=int, help="rank files to write (default: DeepSpeed's)")
+    v.add_argument("--workers", type=int, help=f"threads (default: all cores, {default_workers()})")
+    v.add_argument("--overwrite", action="store_true", help="replace DST/step-N if it exists")
     i = sub.add_parser("inspect", help="print what a checkpoint holds")
     i.add_argument("src", help="checkpoint directory or root (zeroshard or DeepSpeed)")
     _add_selector(i)
@@ -97,6 +116,7 @@ def _consolidate(a: argparse.Namespace) -> int:
         overwrite=a.overwrite,
         verify=a.verify,
         progress=not a.quiet and sys.stderr.isatty(),
+        instance=a.instance,
     )
     if not a.quiet:
         rate = r.bytes / max(r.seconds, 1e-9) / 1e9
@@ -119,6 +139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if a.command == "consolidate":
             return _consolidate(a)
+        if a.command == "convert":
+            out = convert_deepspeed(
+                a.src,
+                a.dst,
+                tag=a.tag,
+                world_size=a.world_size,
+                workers=a.workers,
+                overwrite=a.overwrite,
+            )
+            print(f"wrote {out}")
+            return 0
         print(format_summary(describe(a.src, tag=a.tag, step=a.step)))
         return 0
     except (CheckpointError, ValueError, OSError) as e:

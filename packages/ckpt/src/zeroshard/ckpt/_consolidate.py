@@ -63,7 +63,13 @@ def deepspeed_checkpoint(
 
 
 def source_specs(
-    src: Path, *, tag: str | None, step: int | None, exclude_frozen: bool, verify_input: bool
+    src: Path,
+    *,
+    tag: str | None,
+    step: int | None,
+    exclude_frozen: bool,
+    verify_input: bool,
+    instance: int | None = None,
 ) -> tuple[list[TensorSpec], dict[str, str], CheckpointReader | None]:
     """Specs and tied aliases of a zeroshard, DeepSpeed or DCP checkpoint (and our reader to
     close)."""
@@ -75,7 +81,9 @@ def source_specs(
             reader.check_present()
             if verify_input:
                 reader.verify()
-            specs, aliases = checkpoint_specs(reader, exclude_frozen=exclude_frozen)
+            specs, aliases = checkpoint_specs(
+                reader, exclude_frozen=exclude_frozen, instance=instance
+            )
         except BaseException:
             reader.close()
             raise
@@ -101,6 +109,7 @@ def consolidate(
     overwrite: bool = False,
     verify: bool = False,
     progress: bool = False,
+    instance: int | None = None,
 ) -> WriteResult:
     """Write the full state dict of checkpoint `src` as safetensors at `out`.
 
@@ -108,14 +117,21 @@ def consolidate(
     buffers included), as DeepSpeed's `zero_to_fp32` does; other tensors keep theirs.
     `out` ending in `.safetensors` is one file; otherwise a directory holding
     `model.safetensors`, or shards of at most `max_shard_size` bytes with
-    `model.safetensors.index.json`. See `write_safetensors` for the other options.
+    `model.safetensors.index.json`. `instance` picks which instance of the groups on a
+    process group of their own (experts) to write (required when they have several).
+    See `write_safetensors` for the other options.
     """
     src, out = Path(src), Path(out)
     check_output_apart(src, out)
     if out.exists() and not overwrite:  # before reading a byte of the input
         raise OutputExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it")
     specs, aliases, reader = source_specs(
-        src, tag=tag, step=step, exclude_frozen=exclude_frozen, verify_input=True
+        src,
+        tag=tag,
+        step=step,
+        exclude_frozen=exclude_frozen,
+        verify_input=True,
+        instance=instance,
     )
     metadata = {"zeroshard.tied": json.dumps(aliases, sort_keys=True)} if aliases else {}
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 from zeroshard.ckpt._consolidate import deepspeed_checkpoint, is_zeroshard_checkpoint
 from zeroshard.ckpt._dcp import DCP_METADATA, dcp_specs, is_dcp_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._meta import FORMAT_NAME, FORMAT_VERSION
+from zeroshard.ckpt._meta import FORMAT_NAME
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.partition import dtype_name
 
@@ -68,7 +68,7 @@ def describe(
             )
             return Summary(
                 r.path,
-                f"{FORMAT_NAME} v{FORMAT_VERSION}",
+                f"{FORMAT_NAME} v{m.version}",
                 m.world_size,
                 m.stage,
                 m.step,

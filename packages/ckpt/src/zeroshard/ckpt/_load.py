@@ -4,6 +4,8 @@ Resharding needs no data movement between ranks: a target rank's shard is a rang
 the padded flat buffer (offsets do not depend on the world size), so it reads exactly
 that range from the one or two source rank files that hold it. With target layouts
 whose offsets differ (another alignment), each slot is copied on its own instead.
+A group on a process group of its own (experts) is read for the instance and the rank
+in that group that `placements` names (see `GroupMeta.rank_sets`).
 
 [Note: names and shapes are the contract]
 Target layouts may also group the parameters differently from the checkpoint (saved at
@@ -20,10 +22,11 @@ from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from zeroshard.ckpt._errors import CheckpointError
+from zeroshard.ckpt._errors import CheckpointError, ModelMismatchError
 from zeroshard.ckpt._meta import (
     BUFFER_PREFIX,
     CheckpointMeta,
@@ -34,6 +37,16 @@ from zeroshard.ckpt._meta import (
 )
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.partition import FlatLayout
+
+
+class GroupPlacement(NamedTuple):
+    """Where the loading rank sits in a group sharded over a process group of its own:
+    it holds instance `instance` of `instances` (e.g. its expert-parallel index), as
+    rank `rank` of that group (whose size is the target layout's world size)."""
+
+    instance: int
+    instances: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -76,13 +89,41 @@ def checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _placements(
+    sources: Mapping[str, Sequence[GroupMeta]], rank: int, given: Mapping[str, GroupPlacement]
+) -> dict[str, GroupPlacement]:
+    """Every target group's placement of this rank (a group on the whole world: instance
+    0 of 1, as rank `rank`); ModelMismatchError when the numbers of instances differ."""
+    unknown = sorted(set(given) - set(sources))
+    if unknown:
+        raise ModelMismatchError(f"placements name groups the target layouts lack: {unknown}")
+    out = {}
+    for name, groups in sources.items():
+        place = given.get(name, GroupPlacement(0, 1, rank))
+        for g in groups:
+            if g.instances != place.instances:
+                raise ModelMismatchError(
+                    f"group {g.name!r} was saved with {g.instances} instance(s) (sets of ranks "
+                    f"holding different values, e.g. experts), this run has {place.instances}"
+                )
+        if not 0 <= place.instance < place.instances:
+            raise ValueError(f"group {name!r}: bad placement {place}")
+        out[name] = place
+    return out
+
+
 def _target_layouts(
-    meta: CheckpointMeta, world_size: int, layouts: Mapping[str, FlatLayout] | None
+    meta: CheckpointMeta,
+    world_size: int,
+    layouts: Mapping[str, FlatLayout] | None,
+    placed: Collection[str],
 ) -> dict[str, FlatLayout]:
     if layouts is None:
+        if placed:
+            raise ValueError("placements need the target layouts (layouts=...)")
         return {g.name: g.layout.resharded(world_size) for g in meta.groups}
     for name, dst in layouts.items():
-        if dst.world_size != world_size:
+        if name not in placed and dst.world_size != world_size:
             raise CheckpointError(
                 f"layout of group {name!r} is for world size {dst.world_size}, not {world_size}"
             )
@@ -155,6 +196,7 @@ def load(
     step: int | None = None,
     expected: Mapping[str, Sequence[int]] | None = None,
     layouts: Mapping[str, FlatLayout] | None = None,
+    placements: Mapping[str, GroupPlacement] | None = None,
     kinds: Collection[str] | None = None,
     device: torch.device | str = "cpu",
     verify: bool = True,
@@ -165,8 +207,10 @@ def load(
     `path` is a checkpoint directory or a root (then `tag`, `step` or `latest`).
     `expected` (name -> shape, as the model's state_dict() has them) raises
     ModelMismatchError listing every difference. `layouts` gives target layouts per
-    group (default: the saved ones resharded). `kinds` limits which shard kinds are
-    read. `verify` checks the size and checksum of every file read. No collectives.
+    group (default: the saved ones resharded). `placements` places this rank in the
+    groups on a process group of their own (experts; their layouts give that group's
+    size). `kinds` limits which shard kinds are read. `verify` checks the size and
+    checksum of every file read. No collectives.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world size {world_size}")
@@ -175,19 +219,22 @@ def load(
         reader.check_present()
         if expected is not None:
             check_names_shapes(checkpoint_shapes(reader), expected, f"checkpoint {reader.path}")
-        targets = _target_layouts(meta, world_size, layouts)
+        targets = _target_layouts(meta, world_size, layouts, set(placements or {}))
         if kinds is not None:
             unknown = set(kinds) - {k for g in meta.groups for k in g.shards}
             if unknown:
                 raise CheckpointError(f"no group stores shard kind(s) {sorted(unknown)}")
         sources = _sources(meta, targets)
+        places = _placements(sources, rank, placements or {})
         plan: list[tuple[str, GroupMeta, str, list[_Copy]]] = []
         needed = {0}
         for name, groups in sources.items():
-            copies = _copies(groups, targets[name], rank)
+            place = places[name]
+            copies = _copies(groups, targets[name], place.rank)
             for g, lo, hi, _ in copies:
                 n = g.layout.shard_numel
-                needed.update(range(lo // n, (hi - 1) // n + 1))
+                pieces = range(lo // n, (hi - 1) // n + 1)
+                needed.update(g.file_rank(place.instance, r) for r in pieces)
             first = groups[0]
             plan += [(name, first, k, copies) for k in first.shards if kinds is None or k in kinds]
         if verify:
@@ -197,7 +244,7 @@ def load(
             name, first, kind, copies = item
             out = torch.zeros(targets[name].shard_numel, dtype=first.shards[kind])
             for g, lo, hi, at in copies:
-                reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo])
+                reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo], places[name].instance)
             return out
 
         with ThreadPoolExecutor(max(1, workers)) as pool:

@@ -4,6 +4,9 @@ A checkpoint's rank files hold flat shards under keys `"{group}.{kind}"` (`kind`
 `master`, `param` or `optim.{state}`) and, in rank 0's file only, buffers under
 `"buffer.{name}"`. The metadata holds what is needed to interpret them without model
 code: the layouts, dtypes, optimizer hyperparameters, tied aliases and per-file checksums.
+
+Format version 2 added `GroupMeta.rank_sets` (groups sharded over a process group of
+their own, such as experts); version 1 checkpoints, which have none, are still read.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from zeroshard.ckpt._errors import CheckpointError, FormatVersionError, ModelMis
 from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world).
+READABLE_VERSIONS = (1, 2)
 MASTER = "master"
 PARAM = "param"
 OPTIM_PREFIX = "optim."
@@ -67,6 +72,12 @@ class GroupMeta:
     values are read from `master` when present, else from `param`. A group with
     `requires_grad=False` holds frozen parameters (`param_group` is then usually None).
     `scalars` are per-group optimizer state scalars such as Adam's `step`.
+
+    `rank_sets` is None for a group sharded over the checkpoint's whole world (rank file
+    r holds shard r). A group sharded over a process group of its own (experts under
+    expert parallelism) holds different values on different sets of ranks: one tuple per
+    such set (an *instance*, ordered by its first rank), listing the rank files that hold
+    its shards 0, 1, ... (`layout.world_size` of them).
     """
 
     name: str
@@ -75,6 +86,7 @@ class GroupMeta:
     param_group: int | None = 0
     requires_grad: bool = True
     scalars: Mapping[str, Any] = field(default_factory=dict)
+    rank_sets: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -96,6 +108,34 @@ class GroupMeta:
         _check_json(f"group {self.name!r} scalars", dict(self.scalars))
         object.__setattr__(self, "shards", dict(self.shards))
         object.__setattr__(self, "scalars", dict(self.scalars))
+        if self.rank_sets is not None:
+            sets = tuple(tuple(int(r) for r in s) for s in self.rank_sets)
+            object.__setattr__(self, "rank_sets", sets)
+            flat = [r for s in sets for r in s]
+            if not sets or any(len(s) != self.layout.world_size for s in sets):
+                raise CheckpointError(
+                    f"group {self.name!r}: every rank set must list {self.layout.world_size} "
+                    f"ranks (the layout's world size), got {list(sets)}"
+                )
+            if len(set(flat)) != len(flat) or min(flat) < 0:
+                raise CheckpointError(
+                    f"group {self.name!r}: rank sets overlap or name a negative rank: {list(sets)}"
+                )
+            if [s[0] for s in sets] != sorted(s[0] for s in sets):
+                raise CheckpointError(f"group {self.name!r}: rank sets not ordered by first rank")
+
+    @property
+    def instances(self) -> int:
+        """How many different sets of values the group has (1 unless on its own group)."""
+        return 1 if self.rank_sets is None else len(self.rank_sets)
+
+    def file_rank(self, instance: int, shard: int) -> int:
+        """The rank file holding shard `shard` of instance `instance`."""
+        if not 0 <= instance < self.instances:
+            raise CheckpointError(
+                f"group {self.name!r} has {self.instances} instance(s), not instance {instance}"
+            )
+        return shard if self.rank_sets is None else self.rank_sets[instance][shard]
 
     @property
     def value_kind(self) -> str:
@@ -116,12 +156,14 @@ class GroupMeta:
             "requires_grad": self.requires_grad,
             "shards": {k: dtype_name(d) for k, d in self.shards.items()},
             "scalars": dict(self.scalars),
+            **({} if self.rank_sets is None else {"rank_sets": [list(s) for s in self.rank_sets]}),
         }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> GroupMeta:
         """Read `to_dict()` output."""
         pg = d["param_group"]
+        sets = d.get("rank_sets")
         return GroupMeta(
             name=str(d["name"]),
             layout=FlatLayout.from_dict(dict(d["layout"])),
@@ -129,6 +171,7 @@ class GroupMeta:
             param_group=None if pg is None else int(pg),
             requires_grad=bool(d["requires_grad"]),
             scalars=dict(d.get("scalars", {})),
+            rank_sets=None if sets is None else tuple(tuple(s) for s in sets),
         )
 
 
@@ -166,11 +209,13 @@ class CheckpointMeta:
         set_(self, "files", dict(self.files))
         set_(self, "extra", dict(self.extra))
         set_(self, "buffer_shapes", {k: tuple(v) for k, v in self.buffer_shapes.items()})
-        if self.version != FORMAT_VERSION:
+        if self.version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
-                f"(this build reads version {FORMAT_VERSION})"
+                f"(this build reads versions {READABLE_VERSIONS})"
             )
+        if self.version == 1 and any(g.rank_sets is not None for g in self.groups):
+            raise CheckpointError("format version 1 has no rank sets: metadata is malformed")
         if self.world_size < 1:
             raise CheckpointError(f"world_size must be >= 1, got {self.world_size}")
         if self.stage not in (0, 1, 2, 3):
@@ -189,10 +234,15 @@ class CheckpointMeta:
             if g.name in seen_groups:
                 raise CheckpointError(f"group name {g.name!r} appears twice")
             seen_groups.add(g.name)
-            if g.layout.world_size != self.world_size:
+            if g.rank_sets is None and g.layout.world_size != self.world_size:
                 raise CheckpointError(
                     f"group {g.name!r}: layout is for world size {g.layout.world_size}, "
                     f"the checkpoint for {self.world_size}"
+                )
+            if g.rank_sets is not None and max(max(s) for s in g.rank_sets) >= self.world_size:
+                raise CheckpointError(
+                    f"group {g.name!r}: a rank set names a rank outside the "
+                    f"checkpoint's {self.world_size}"
                 )
             pg = g.param_group
             if pg is not None and self.param_groups and not 0 <= pg < len(self.param_groups):
@@ -298,10 +348,10 @@ class CheckpointMeta:
                 f"not a {FORMAT_NAME} metadata file (format field is {d.get('format')!r})"
             )
         version = d.get("version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {version!r} is not supported "
-                f"(this build of zeroshard-ckpt reads version {FORMAT_VERSION}); "
+                f"(this build of zeroshard-ckpt reads versions {READABLE_VERSIONS}); "
                 "upgrade zeroshard-ckpt to read it"
             )
         try:
@@ -323,6 +373,7 @@ class CheckpointMeta:
                     for n, f in d["files"].items()
                 },
                 extra=dict(d.get("extra", {})),
+                version=int(version),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed checkpoint metadata: missing or bad {e}") from e

@@ -161,15 +161,24 @@ class CheckpointReader:
         offset = entry.offset + start * entry.dtype.itemsize
         pread_into(self._fds[rank], out, offset, self.file(rank))
 
-    def read_flat(self, group: GroupMeta, kind: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Elements [lo, hi) of a group's padded flat buffer of one kind, into `out`."""
+    def read_flat(
+        self,
+        group: GroupMeta,
+        kind: str,
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+        instance: int = 0,
+    ) -> None:
+        """Elements [lo, hi) of a group's padded flat buffer of one kind (of one instance,
+        for a group on its own process group: see `GroupMeta.rank_sets`), into `out`."""
         n = group.layout.shard_numel
         key = shard_key(group.name, kind)
         if hi <= lo:
             return
         for r in range(lo // n, (hi - 1) // n + 1):
             a, b = max(lo, r * n), min(hi, (r + 1) * n)
-            self.read_entry(r, key, a - r * n, out[a - lo : b - lo])
+            self.read_entry(group.file_rank(instance, r), key, a - r * n, out[a - lo : b - lo])
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A module buffer, whole."""

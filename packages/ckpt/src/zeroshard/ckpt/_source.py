@@ -1,13 +1,17 @@
 """Consolidation specs from a zeroshard checkpoint: one `RangeSpec` per parameter and buffer.
 
 A parameter's values come from its group's `master` shards when saved, else `param`;
-each spec reads its slot's pieces straight from the rank files that hold them.
+each spec reads its slot's pieces straight from the rank files that hold them. Groups on
+a process group of their own (experts) hold several instances under the same names: one
+full state dict is one instance of each (`instance`), as `full_state_dict` gives on the
+ranks holding it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import GroupMeta, buffer_key
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._spec import TensorSpec
@@ -15,12 +19,12 @@ from zeroshard.ckpt._writer import RangeSpec
 from zeroshard.partition import Slot
 
 
-def _param_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot) -> RangeSpec:
+def _param_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot, instance: int) -> RangeSpec:
     kind = group.value_kind
 
     def read_range(start: int, out: torch.Tensor) -> None:
         lo = slot.offset + start
-        reader.read_flat(group, kind, lo, lo + out.numel(), out)
+        reader.read_flat(group, kind, lo, lo + out.numel(), out, instance)
 
     def read(out: torch.Tensor) -> None:
         read_range(0, out)
@@ -42,16 +46,28 @@ def _buffer_spec(reader: CheckpointReader, name: str) -> RangeSpec:
 
 
 def checkpoint_specs(
-    reader: CheckpointReader, *, exclude_frozen: bool = False
+    reader: CheckpointReader, *, exclude_frozen: bool = False, instance: int | None = None
 ) -> tuple[list[TensorSpec], dict[str, str]]:
     """Specs of the full state dict (parameters in layout order, then buffers) and the
-    tied aliases {alias: canonical}; aliases are not specs (their tensor is written once)."""
+    tied aliases {alias: canonical}; aliases are not specs (their tensor is written once).
+    `instance` picks one instance of the groups that have several (required then)."""
     meta = reader.meta
+    several = {g.name: g.instances for g in meta.groups if g.instances > 1}
+    if several and instance is None:
+        raise CheckpointError(
+            f"groups {sorted(several)} hold {max(several.values())} instances each (parameters "
+            "on a process group of their own, e.g. experts, with different values on "
+            "different ranks): consolidate one instance at a time (instance=k, --instance k)"
+        )
+    count = max(several.values(), default=1)
+    if instance is not None and not 0 <= instance < count:
+        raise CheckpointError(f"instance {instance} out of range: the checkpoint has {count}")
     specs: list[TensorSpec] = []
     for g in meta.groups:
         if exclude_frozen and not g.requires_grad:
             continue
-        specs += [_param_spec(reader, g, s) for s in g.layout.slots]
+        which = 0 if g.instances == 1 or instance is None else instance
+        specs += [_param_spec(reader, g, s, which) for s in g.layout.slots]
     specs += [_buffer_spec(reader, b) for b in meta.buffers]
     kept = {s.name for s in specs}
     aliases = {a: c for a, c in meta.tied.items() if c in kept}

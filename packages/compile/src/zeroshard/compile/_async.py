@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from zeroshard.compile._graph import gathers, is_reduce_scatter, nbytes, order, refresh_val
-from zeroshard.compile._ops import group_name
+from zeroshard.compile._ops import group_name, replicate_of
 from zeroshard.compile._pipeline import PassContext
 
 _c10d = torch.ops._c10d_functional
@@ -121,9 +121,18 @@ def issue_async(graph: fx.Graph, context: PassContext) -> None:
             done = _call(graph, _c10d.wait_tensor.default, (start,))
             counted = graph.call_function(_ACCOUNT, (full, key, True))
             mean = _call(graph, torch.ops.aten.div.Scalar, (done, world))
+            tail = [done, counted, mean]
+            replicate = replicate_of(key)
+            if replicate is not None:
+                # Hybrid sharding: then averaged over the ranks holding the same shard.
+                name, size = replicate
+                summed = _call(graph, _c10d.all_reduce.default, (mean, "sum", name))
+                summed_done = _call(graph, _c10d.wait_tensor.default, (summed,))
+                mean = _call(graph, torch.ops.aten.div.Scalar, (summed_done, size))
+                tail += [summed, summed_done, mean]
         rs.replace_all_uses_with(mean)
         graph.erase_node(rs)
-        finished.append((start, [done, counted, mean]))
+        finished.append((start, tail))
     # One reduce-scatter in flight: each is finished before the next starts, so its
     # full-size gradient input is freed there (see [Note: start and wait]).
     for (_, tail), (start, _) in itertools.pairwise(finished):

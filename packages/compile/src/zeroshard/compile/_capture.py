@@ -52,7 +52,10 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
     """One spec per flat group of `state`, each registered under a fresh op key."""
     specs = []
     for g in state.groups:
-        key = register_target(g.process_group, stats, f"flat group {g.index}")
+        # Under hybrid sharding the groups shard over `shard_group` and their gradients
+        # are then averaged over `replicate`, as the eager reducer does.
+        replicate = state.replicate if g.process_group is state.shard_group else None
+        key = register_target(g.process_group, stats, f"flat group {g.index}", replicate)
         pieces, piece_of_slot = g.layout.split_sizes()
         slots = tuple(
             (name, piece, tuple(s.shape))

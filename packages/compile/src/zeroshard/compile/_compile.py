@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -26,9 +27,11 @@ DEFAULT_FUSE_BYTES = 2**20
 class CompiledModel:
     """Call it like the model: runs the compiled graph (or the eager model after a fallback).
 
-    `stats` (the engine's `EngineStats`) counts the compiled gathers and reduce-scatters;
-    `compiles` counts captures (Dynamo recompilations); `eager` is True once it fell back
-    to the eager model.
+    It stands for the model everywhere: the engine's functions (`full_state_dict`,
+    `save_checkpoint`, ...) take it through `zeroshard_module`, and `state_dict()`,
+    `parameters()`, `train()`, ... are the wrapped module's. `stats` (the engine's
+    `EngineStats`) counts the compiled gathers and reduce-scatters; `compiles` counts
+    captures (Dynamo recompilations); `eager` is True once it fell back to the eager model.
     """
 
     def __init__(
@@ -52,9 +55,8 @@ class CompiledModel:
         inner = kwargs.pop("backend", "inductor")
         options = kwargs.pop("options", None)
         fullgraph = kwargs.pop("fullgraph", True)
-        reason = _unsupported(model)
         self._specs = flat_specs(state, self.stats)
-        self._grad_hooks = route_grads(state) if reason is None else []
+        self._grad_hooks = route_grads(state)
 
         backend = make_backend(
             pipeline,
@@ -68,8 +70,44 @@ class CompiledModel:
         self._compiled = torch.compile(
             gathered_forward(model, self._specs), backend=backend, fullgraph=fullgraph, **kwargs
         )
-        if reason is not None:
-            self._fall_back(reason)
+
+    @property
+    def zeroshard_module(self) -> nn.Module:
+        """The initialized model (`zeroshard.engine.WrapsEngineModel`): what the engine's
+        functions work on when given this wrapper."""
+        return self.module
+
+    # The module's own API, as on a torch.compile'd module: the graph reads the same
+    # parameters, so these need no compiled counterpart.
+    @property
+    def training(self) -> bool:
+        """Whether the wrapped module is in training mode."""
+        return self.module.training
+
+    def train(self, mode: bool = True) -> CompiledModel:
+        """Set the wrapped module's training mode (the graph is recaptured for a new mode)."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> CompiledModel:
+        """The wrapped module in evaluation mode."""
+        return self.train(False)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's `state_dict()` (full tensors at stage 3, as the engine's)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """The wrapped module's `load_state_dict()` (full tensors, as the engine's takes)."""
+        return self.module.load_state_dict(state_dict, strict)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The wrapped module's parameters."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's named parameters."""
+        return self.module.named_parameters(*args, **kwargs)
 
     @property
     def compiles(self) -> int:
@@ -125,16 +163,6 @@ def _reason(e: BaseException) -> str:
     cause = getattr(e, "inner_exception", None) or e.__cause__ or e
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[0] if text else ''}"
-
-
-def _unsupported(model: nn.Module) -> str | None:
-    """Why a stage-3 model cannot be captured yet, or None."""
-    state = engine_state(model)
-    if state.config.precision.compute_dtype == torch.float16:
-        return "fp16 loss scaling is not captured; use bf16 or fp32"
-    if state.replicate is not None:
-        return "hybrid sharding (shard_group_size) is not captured"
-    return None
 
 
 def default_persist_bytes(state: EngineState) -> int:

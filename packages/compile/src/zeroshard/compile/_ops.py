@@ -9,8 +9,9 @@ AOTAutograd puts `zeroshard::reduce_scatter` into the backward graph by itself.
 them by shape alone.
 
 Ops carry an integer `key` rather than a process group (ops take only tensors and
-scalars): `register_target` maps it to the `Group` to talk on and the engine's `EngineStats`
-to count into.
+scalars): `register_target` maps it to the `Group` to talk on, the engine's `EngineStats`
+to count into and, under hybrid sharding, the `replicate` group a reduce-scatter's result
+is then averaged over (the ranks holding the same shard).
 """
 
 from __future__ import annotations
@@ -30,16 +31,20 @@ class _Target:
     process_group: Group
     stats: EngineStats
     label: str
+    replicate: Group | None
 
 
 _TARGETS: dict[int, _Target] = {}
 _next_key = itertools.count()
 
 
-def register_target(process_group: Group, stats: EngineStats, label: str) -> int:
-    """A fresh key under which the ops find `process_group` and count into `stats`."""
+def register_target(
+    process_group: Group, stats: EngineStats, label: str, replicate: Group | None = None
+) -> int:
+    """A fresh key under which the ops find `process_group` (and `replicate`, under hybrid
+    sharding) and count into `stats`."""
     key = next(_next_key)
-    _TARGETS[key] = _Target(process_group, stats, label)
+    _TARGETS[key] = _Target(process_group, stats, label, replicate)
     return key
 
 
@@ -80,7 +85,8 @@ def _gather_fake(
 
 @torch.library.custom_op("zeroshard::reduce_scatter", mutates_args=())
 def reduce_scatter(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
-    """Average `full` over ranks and return this rank's 1/world part of it."""
+    """Average `full` over ranks and return this rank's 1/world part of it (then averaged
+    over the replicas under hybrid sharding)."""
     target = _target(key)
     send = full.contiguous()
     out = torch.empty(send.numel() // world, dtype=send.dtype, device=send.device)
@@ -88,6 +94,10 @@ def reduce_scatter(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
         out, send, op="avg", label=f"compiled reduce-scatter of {target.label}"
     ).wait()
     target.stats.reduced(send.nbytes)
+    if target.replicate is not None:
+        target.replicate.all_reduce(
+            out, op="avg", label=f"compiled replica average of {target.label}"
+        ).wait()
     return out
 
 
@@ -141,7 +151,17 @@ def _account_fake(buffer: torch.Tensor, key: int, reduced: bool) -> None:
 
 def group_name(key: int) -> str:
     """The name torch's functional collectives know the process group of `key` by."""
-    pg = _target(key).process_group.pg or torch.distributed.group.WORLD
+    return _name(_target(key).process_group)
+
+
+def replicate_of(key: int) -> tuple[str, int] | None:
+    """The replicate group of `key` (hybrid sharding) as (name, size), or None."""
+    replicate = _target(key).replicate
+    return None if replicate is None else (_name(replicate), replicate.size)
+
+
+def _name(group: Group) -> str:
+    pg = group.pg or torch.distributed.group.WORLD
     assert pg is not None
     return str(pg.group_name)
 

@@ -33,7 +33,13 @@ from zeroshard.engine._policies import (
     Stage3Policy,
 )
 from zeroshard.engine._stage3 import DivergentRanksError
-from zeroshard.engine._state import EngineState, engine_state, engine_stats
+from zeroshard.engine._state import (
+    EngineModel,
+    EngineState,
+    WrapsEngineModel,
+    engine_state,
+    engine_stats,
+)
 from zeroshard.engine._stats import EngineStats
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "Compute",
     "DeepSpeedSettings",
     "DivergentRanksError",
+    "EngineModel",
     "EngineState",
     "EngineStats",
     "Estimate",
@@ -53,6 +60,7 @@ __all__ = [
     "PrecisionPolicy",
     "SafetensorsLoadError",
     "Stage3Policy",
+    "WrapsEngineModel",
     "ZeroConfig",
     "ZeroOptimizer",
     "engine_state",

@@ -4,6 +4,11 @@ Each flat group is stored under `group{index}` with its layout: the fp32 master 
 and every optimizer state tensor shaped like it (`optim.exp_avg`, ...); per-group
 optimizer scalars (Adam's `step`) go into the metadata. Loading works at any world size:
 `zeroshard.ckpt.load` reads each rank's new shard ranges straight from the files.
+
+Parameters on a process group of their own (`initialize(..., process_groups=...)`,
+experts) hold different values on different sets of ranks: their groups record those
+sets (`GroupMeta.rank_sets`, ordered by first rank), and a rank loads the instance whose
+place its own group has in the same order, at any size of that group.
 """
 
 from __future__ import annotations
@@ -14,14 +19,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from zeroshard.ckpt import CheckpointMeta, GroupMeta, SaveHandle, buffer_key, load, save, shard_key
+from zeroshard.ckpt import (
+    CheckpointMeta,
+    GroupMeta,
+    GroupPlacement,
+    SaveHandle,
+    buffer_key,
+    load,
+    save,
+    shard_key,
+)
 from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.comm import Group
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._state import EngineState, engine_state
+from zeroshard.engine._named_load import is_named_checkpoint, load_named
+from zeroshard.engine._state import EngineModel, EngineState, engine_module, engine_state
 
 _OPTIM = "optim."
 
@@ -30,17 +46,42 @@ def _group_name(g: FlatParamGroup) -> str:
     return f"group{g.index}"
 
 
-def _check_one_group(state: EngineState) -> None:
-    # The format gives every flat group the checkpoint's world size; parameters sharded
-    # over a group of their own (experts) hold different values on different ranks.
-    own = sorted(
-        {n for g in state.groups if g.process_group.pg is not state.shard_group.pg for n in g.names}
-    )
-    if own:
-        raise ValueError(
-            f"parameters on a process group of their own ({own[:3]}...) cannot be "
-            "checkpointed yet: save them with full_state_dict per expert group"
+RankSets = tuple[tuple[int, ...], ...]
+
+
+def _rank_sets(state: EngineState) -> dict[int, RankSets]:
+    """For each flat group on a process group of its own: the ranks (of the shard group,
+    the checkpoint's numbering) of every instance of it, ordered by first rank.
+    Collective over the shard group when there are such groups."""
+    own = [g for g in state.groups if g.process_group.pg is not state.shard_group.pg]
+    if not own:
+        return {}
+    shard_pg = state.shard_group.pg
+
+    def numbered(global_rank: int) -> int:
+        return global_rank if shard_pg is None else dist.get_group_rank(shard_pg, global_rank)
+
+    mine = {
+        g.index: tuple(
+            numbered(g.process_group.global_rank(r)) for r in range(g.process_group.size)
         )
+        for g in own
+    }
+    everyone: list[dict[int, tuple[int, ...]] | None] = [None] * state.shard_group.size
+    dist.all_gather_object(everyone, mine, group=shard_pg)
+    return {g.index: tuple(sorted({m[g.index] for m in everyone if m})) for g in own}
+
+
+def _placements(state: EngineState) -> dict[str, GroupPlacement]:
+    """Where this rank sits in each group on a process group of its own (collective)."""
+    me = state.shard_group.rank
+    out = {}
+    by_index = {g.index: g for g in state.groups}
+    for index, sets in _rank_sets(state).items():
+        g = by_index[index]
+        (instance,) = [i for i, ranks in enumerate(sets) if me in ranks]
+        out[_group_name(g)] = GroupPlacement(instance, len(sets), g.process_group.rank)
+    return out
 
 
 def _json_value(value: Any) -> Any:
@@ -87,7 +128,7 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    model: nn.Module,
+    model: EngineModel,
     optimizer: torch.optim.Optimizer,
     directory: str | os.PathLike[str],
     *,
@@ -104,10 +145,10 @@ def save_checkpoint(
     sharding only the first shard group writes (the others hold the same shards) and the
     others get None; a synchronous save returns on every rank only once committed.
     """
+    model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
-    _check_one_group(state)
     writes = state.replicate is None or state.replicate.rank == 0
     handle = _save(model, state, directory, step, tag, async_save, overwrite) if writes else None
     if state.replicate is not None and not async_save:
@@ -127,6 +168,7 @@ def _save(
     inner = state.optimizer.inner
     groups: list[GroupMeta] = []
     tensors: dict[str, torch.Tensor] = {}
+    rank_sets = _rank_sets(state)
     for g in state.groups:
         name = _group_name(g)
         shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
@@ -143,6 +185,7 @@ def _save(
                 param_group=g.key.param_group if g.trainable else None,
                 requires_grad=g.trainable,
                 scalars=scalars,
+                rank_sets=rank_sets.get(g.index),
             )
         )
     buffers = _buffers(model)
@@ -175,7 +218,7 @@ def _save(
 
 @torch.no_grad()
 def load_checkpoint(
-    model: nn.Module,
+    model: EngineModel,
     optimizer: torch.optim.Optimizer,
     directory: str | os.PathLike[str],
     *,
@@ -184,15 +227,32 @@ def load_checkpoint(
 ) -> int:
     """Restore model and optimizer from a checkpoint saved at any world size; return its step.
 
-    `directory` is a checkpoint or the root holding `latest`. A checkpoint of another
-    model (names or shapes) raises `zeroshard.ckpt.ModelMismatchError` listing the
-    differences. Call on every rank.
+    `directory` is a checkpoint or the root holding `latest`, ours or DeepSpeed's ZeRO
+    1/2/3 (docs/deepspeed.md). A checkpoint of another model (names or shapes) raises
+    `zeroshard.ckpt.ModelMismatchError` listing the differences. Call on every rank.
     """
+    model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
-    _check_one_group(state)
+    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
+        own = sorted(
+            {
+                n
+                for g in state.groups
+                if g.process_group.pg is not state.shard_group.pg
+                for n in g.names
+            }
+        )
+        if own:
+            # A named checkpoint holds one value per name: which instance would get it?
+            raise ValueError(
+                f"parameters on a process group of their own ({own[:3]}...) load from "
+                "zeroshard checkpoints only, not from a DeepSpeed (named) one"
+            )
+        return load_named(model, state, Path(directory), tag, step, _aliases(model, state))
     shard_group = state.shard_group
+    placements = _placements(state)
     expected = {
         n: tuple(int(d) for d in slot.shape)
         for g in state.groups
@@ -213,6 +273,7 @@ def load_checkpoint(
             step=step,
             expected=expected,
             layouts={_group_name(g): g.layout for g in state.groups},
+            placements=placements,
             device=shard_group.device,
         ),
     )

@@ -30,7 +30,13 @@ from torch import nn
 from zeroshard.comm import Handle
 from zeroshard.engine._flat_group import FlatParamGroup, slot_views
 from zeroshard.engine._masters import gather_masters
-from zeroshard.engine._state import EngineState, engine_state
+from zeroshard.engine._state import (
+    EngineModel,
+    EngineState,
+    WrapsEngineModel,
+    engine_module,
+    engine_state,
+)
 from zeroshard.engine._unit import UnitState
 
 # Groups exposed by a live context (by id): a nested context over the same group would
@@ -47,9 +53,13 @@ class _Selection:
 
 
 def _resolve(
-    target: nn.Module | torch.Tensor | Iterable[torch.Tensor], model: nn.Module | None
+    target: EngineModel | torch.Tensor | Iterable[torch.Tensor], model: EngineModel | None
 ) -> tuple[EngineState, list[tuple[str, torch.Tensor]]]:
     """The engine state and the requested (name, parameter) pairs, without duplicates."""
+    if model is not None:
+        model = engine_module(model)
+    if isinstance(target, WrapsEngineModel):
+        target = engine_module(target)
     named: list[tuple[str, torch.Tensor]]
     if isinstance(target, nn.Module):
         if model is None:
@@ -162,10 +172,10 @@ def _write_back(sel: _Selection, fulls: list[torch.Tensor], modifier_rank: int) 
 
 @contextlib.contextmanager
 def gathered_parameters(
-    module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor],
+    module_or_params: EngineModel | torch.Tensor | Iterable[torch.Tensor],
     modifier_rank: int | None = None,
     *,
-    model: nn.Module | None = None,
+    model: EngineModel | None = None,
 ) -> Iterator[None]:
     """Make the full fp32 parameters readable (and editable) inside the block; collective.
 

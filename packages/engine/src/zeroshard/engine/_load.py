@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._stfile import pread_into, st_code, st_dtype
 from zeroshard.ckpt._stfile import read_header as st_read_header
-from zeroshard.engine._state import engine_state
+from zeroshard.engine._state import EngineModel, engine_module, engine_state
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -180,7 +179,7 @@ def _find(entries: dict[str, TensorEntry], aliases: list[str]) -> TensorEntry | 
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> LoadReport:
+def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadReport:
     """Load full weights into an initialized model; each rank reads only its shard's bytes.
 
     `path` is a .safetensors file or a directory with a Hugging Face index. Collective at
@@ -189,6 +188,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike[str]) -> LoadRepo
     """
     if sys.byteorder != "little":
         raise SafetensorsLoadError("safetensors data is little-endian; this host is not")
+    model = engine_module(model)
     state = engine_state(model)
     entries, header_bytes = index_tensors(path)
     aliases: dict[int, list[str]] = {}

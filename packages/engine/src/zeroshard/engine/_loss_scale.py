@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -24,6 +26,17 @@ class LossScaler:
     good_steps: int = 0
     skipped_steps: int = 0
     log_skips: bool = False
+    # The scale as a CPU tensor too, kept equal to `scale`: the gradient scaling reads it,
+    # so a compiled graph takes it as an input and a new scale needs no recompilation.
+    factor: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.factor = torch.tensor(self.scale, dtype=torch.float32)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name == "scale" and "factor" in self.__dict__:
+            self.factor.fill_(self.scale)
 
     def update(self, overflow: bool) -> None:
         """Record one step's outcome."""

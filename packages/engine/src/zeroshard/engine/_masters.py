@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from zeroshard.comm import Handle
 from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._state import engine_state
+from zeroshard.engine._state import EngineModel, engine_module, engine_state
 
 
 def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.Tensor]:
@@ -33,12 +32,13 @@ def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.T
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     """The full fp32 state dict on CPU, keyed like `model.state_dict()` before wrapping.
 
     Collective: call it on every rank; every rank gets the whole dict. Tied parameters
     appear under each of their names, as in `state_dict()`; buffers keep their dtype.
     """
+    model = engine_module(model)
     full: dict[int, torch.Tensor] = {}
     for g in engine_state(model).groups:
         # One group at a time: at most one full fp32 group lives on the device.

@@ -35,7 +35,7 @@ from torch import nn
 from zeroshard.comm import is_rank0
 from zeroshard.engine._flat_group import FlatParamGroup
 from zeroshard.engine._masters import gather_masters
-from zeroshard.engine._state import EngineState
+from zeroshard.engine._state import EngineModel, EngineState, engine_module
 from zeroshard.partition import Slot
 
 _MODE_ATTR = "_zeroshard_state_dict_mode"
@@ -114,12 +114,12 @@ def _submodule_guard(mode: _Mode) -> Any:
 
 
 @contextlib.contextmanager
-def state_dict_on_rank0(model: nn.Module) -> Iterator[None]:
+def state_dict_on_rank0(model: EngineModel) -> Iterator[None]:
     """Inside, `model.state_dict()` gathers the full values to rank 0 only, on the CPU.
 
     The other ranks still take part in the gathers and get an empty dict.
     """
-    mode = getattr(model, _MODE_ATTR, None)
+    mode = getattr(engine_module(model), _MODE_ATTR, None)
     if not isinstance(mode, _Mode):
         raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
     mode.rank0_only = True

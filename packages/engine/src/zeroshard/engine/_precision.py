@@ -21,13 +21,16 @@ from zeroshard.engine._loss_scale import LossScaler
 
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
-        ctx.scale = scaler.scale
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # A tensor, not a float: under torch.compile a float would be a constant of the
+        # graph, recompiled at every new scale (see `LossScaler.factor`).
+        ctx.save_for_backward(scale)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+        (scale,) = ctx.saved_tensors
+        return grad * scale.to(grad.device), None
 
 
 def install_precision_hooks(
@@ -53,7 +56,7 @@ def install_precision_hooks(
 
     def scale_out(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad:
-            return _ScaleGrad.apply(x.float(), scaler)  # type: ignore[no-untyped-call]
+            return _ScaleGrad.apply(x.float(), scaler.factor)  # type: ignore[no-untyped-call]
         return x
 
     def post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:

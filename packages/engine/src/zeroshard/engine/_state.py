@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from torch import nn
 
@@ -34,6 +35,35 @@ class EngineState:
     offload: HostOffload | None = None
 
 
+@runtime_checkable
+class WrapsEngineModel(Protocol):
+    """A wrapper the engine's functions accept in place of the model it wraps, as torch's
+    accept a `torch.compile`d module (`zeroshard.compile.CompiledModel`)."""
+
+    @property
+    def zeroshard_module(self) -> nn.Module:
+        """The initialized model inside the wrapper."""
+        ...
+
+
+# What the engine's public functions take: the initialized model or a wrapper of it.
+EngineModel: TypeAlias = nn.Module | WrapsEngineModel
+
+
+def engine_module(model: EngineModel) -> nn.Module:
+    """`model` itself, or the module inside a wrapper (the engine imports no wrapper: the
+    `zeroshard_module` attribute is the seam; see `WrapsEngineModel`)."""
+    inner = getattr(model, "zeroshard_module", None)
+    if isinstance(inner, (nn.Module, WrapsEngineModel)):
+        return engine_module(inner)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"expected a model initialized with zeroshard.engine.initialize() (or its "
+            f"zeroshard.compile.CompiledModel), got a {type(model).__name__}"
+        )
+    return model
+
+
 def is_initialized(model: nn.Module) -> bool:
     """Whether `initialize` already attached an engine to `model`."""
     return hasattr(model, _ATTR)
@@ -44,15 +74,15 @@ def attach_state(model: nn.Module, state: EngineState) -> None:
     setattr(model, _ATTR, state)
 
 
-def engine_state(model: nn.Module) -> EngineState:
-    """The engine state `initialize` attached to `model`."""
-    state = getattr(model, _ATTR, None)
+def engine_state(model: EngineModel) -> EngineState:
+    """The engine state `initialize` attached to `model` (or to the model it wraps)."""
+    state = getattr(engine_module(model), _ATTR, None)
     if not isinstance(state, EngineState):
         raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
     return state
 
 
-def engine_stats(model: nn.Module) -> EngineStats:
+def engine_stats(model: EngineModel) -> EngineStats:
     """Stage 3 counters (gathers, bytes gathered, live and peak gathered bytes, ...)."""
     runtime = engine_state(model).stage3
     if runtime is None:

@@ -1,0 +1,179 @@
+"""Resume a DeepSpeed ZeRO run in zeroshard, against DeepSpeed itself.
+
+The fixtures (`tests/ckpt/fixtures/deepspeed/resume_*`, made by make_fixtures.py with
+DeepSpeed 0.19.8 through `nox -s peers`): DeepSpeed trained TinyLM with AdamW for 2
+steps at world size 2 and saved, then trained 2 more steps on stored batches; its
+losses and fp32 weights after them are the reference. Here zeroshard loads the
+checkpoint at world 2 and 3 into a model initialised differently (and an optimizer
+with another lr), trains the same 2 steps on the same global batches, and must agree:
+fp32 losses to rtol 1e-6 and weights to atol 1e-6 (measured on CPU: identical at world 2,
+2.4e-7 at world 3, where the gradient reduction order differs from DeepSpeed's); fp16
+(DeepSpeed's loss-scaled ZeRO-2) losses to rtol 1e-4 and weights to atol 1e-3
+(measured: 1.9e-5 and 1.7e-4 at world 3; fp16 gradients are rounded and reduced
+differently).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import zeroshard.engine as zs
+from tests._dist import run_ranks
+from zeroshard.ckpt import ModelMismatchError
+from zeroshard.ckpt._cli import main
+
+FIXTURES = Path(__file__).resolve().parents[1] / "ckpt" / "fixtures" / "deepspeed"
+CASES = ["resume_stage1", "resume_stage2", "resume_stage3", "resume_stage2_fp16"]
+
+
+def _fixture_module() -> Any:
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        import make_fixtures
+    finally:
+        sys.path.remove(str(FIXTURES))
+    return make_fixtures
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # The groups of the DeepSpeed run, but lr 1e-3: the checkpoint's 1e-2 must be taken.
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" in n]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3,
+    )
+
+
+def _build(case: str, stage: int | None = None) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
+    """TinyLM under zeroshard at the case's ZeRO stage (or `stage`)."""
+    mf = _fixture_module()
+    ref = json.loads((FIXTURES / case / "resume.json").read_text())
+    torch.manual_seed(99)  # not DeepSpeed's seed: every weight must come from the checkpoint
+    model = mf.TinyLM()
+    stage = ref["stage"] if stage is None else stage
+    cfg: dict[str, Any] = {"stage": stage}
+    if case.endswith("_fp16"):
+        cfg.update(compute_dtype="fp16", initial_loss_scale=2.0**16)
+    if stage == 3:
+        cfg.update(min_unit_params=1, persistence_threshold=0)
+    model, opt = zs.initialize(model, _optimizer(model), cfg)
+    return model, opt, mf
+
+
+def _resume(case: str, source: Path, stage: int | None) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = json.loads((FIXTURES / case / "resume.json").read_text())
+    model, opt, mf = _build(case, stage)
+    assert zs.load_checkpoint(model, opt, source) == 2
+    assert all(pg["lr"] == 1e-2 for pg in opt.param_groups), "lr comes from the checkpoint"
+    fp16 = case.endswith("_fp16")
+    if fp16:
+        assert opt.scaler is not None and opt.scaler.scale == 256.0, "DeepSpeed's loss scale"
+    losses = []
+    for batch in torch.tensor(ref["batches"]):
+        per_rank = batch.shape[0] // world
+        tokens = batch[rank * per_rank : (rank + 1) * per_rank]
+        loss = mf.rank_loss(model(tokens), tokens)
+        loss.backward()
+        opt.clip_grad_norm_(ref["clip"])
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-4 if fp16 else 1e-6, atol=0
+    )
+    want = load_file(FIXTURES / case / "continued.safetensors")
+    got = zs.full_state_dict(model)
+    atol = 1e-3 if fp16 else 1e-6
+    for name, value in want.items():
+        assert name in got, f"{case}: {name} missing"
+        if name in ("scale", "seen"):
+            continue  # buffers: `seen` counts each rank's own tokens
+        # Frozen parameters stay in the dtype DeepSpeed kept them in (fp16 here).
+        torch.testing.assert_close(
+            got[name].to(value.dtype), value, rtol=0, atol=atol, msg=lambda m: f"{case}: {m}"
+        )
+
+
+def _resume_all(runs: list[tuple[str, str, int | None]]) -> None:
+    for case, source, stage in runs:
+        _resume(case, Path(source), stage)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resume_matches_deepspeed(world: int) -> None:
+    # One spawn per world size runs every case (stages 1, 2, 3 in fp32, ZeRO-2 fp16) at
+    # DeepSpeed's stage, and a ZeRO-3 checkpoint at our stage 1 and a ZeRO-1 one at 3.
+    runs = [(case, str(FIXTURES / case), None) for case in CASES]
+    runs += [("resume_stage3", str(FIXTURES / "resume_stage3"), 1)]
+    runs += [("resume_stage1", str(FIXTURES / "resume_stage1"), 3)]
+    run_ranks(_resume_all, world, runs)
+
+
+def test_convert_then_resume_matches_deepspeed(tmp_path: Path) -> None:
+    # `zeroshard-ckpt convert` (here into 3 rank files, DeepSpeed's were 2), then a
+    # resume from the zeroshard checkpoint at world 3, without reading DeepSpeed's files.
+    runs: list[tuple[str, str, int | None]] = []
+    for case in CASES:
+        assert (
+            main(["convert", str(FIXTURES / case), str(tmp_path / case), "--world-size", "3"]) == 0
+        )
+        runs.append((case, str(tmp_path / case), None))
+    run_ranks(_resume_all, 3, runs)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _refusals(root: str) -> None:
+    mf = _fixture_module()
+    # An optimizer whose state is not Adam's: a clear error naming both.
+    model = mf.TinyLM()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = zs.initialize(model, sgd, {"stage": 2})
+    with pytest.raises(ValueError, match=r"Adam state.*SGD"):
+        zs.load_checkpoint(model, opt, FIXTURES / "resume_stage2")
+    # Param groups built differently from the DeepSpeed run's.
+    model = mf.TinyLM()
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), {"stage": 2})
+    with pytest.raises(ModelMismatchError, match="param group 0"):
+        zs.load_checkpoint(model, opt, FIXTURES / "resume_stage2")
+    # A scheduler's state is named as not carried over; hyperparameter changes are logged.
+    records = _Records()
+    logging.getLogger("zeroshard.engine").addHandler(records)
+    logging.getLogger("zeroshard.engine").setLevel(logging.INFO)
+    model, opt, _ = _build("resume_stage1")
+    assert zs.load_checkpoint(model, opt, Path(root) / "with_scheduler") == 2
+    text = "\n".join(records.messages)
+    assert "lr_scheduler" in text and "not carried over" in text, text
+    assert "lr 0.001 -> 0.01" in text, text
+
+
+def test_refusals_and_messages(tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "with_scheduler"
+    shutil.copytree(FIXTURES / "resume_stage1", root)
+    states = root / "global_step2" / "mp_rank_00_model_states.pt"
+    model_states = torch.load(states, weights_only=False)
+    model_states["lr_scheduler"] = {"last_epoch": 2, "base_lrs": [0.01, 0.01]}
+    torch.save(model_states, states)
+    run_ranks(_refusals, 1, str(tmp_path))
