@@ -5,13 +5,17 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --stage 3 \\
         --max-steps 8 --save-steps 4 --output-dir out/hf-trainer \\
         --resume-from-checkpoint out/hf-trainer/checkpoint-4
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py \\
+        --ds-config ds_config.json --max-steps 8 --save-steps 4 --output-dir out/hf-ds
 
 The model is built from a config (no download) and trained on synthetic sequences
 (each a random start and stride mod the vocabulary: learnable, and the same on any world
 size). `--stage 0` is the Trainer's own DistributedDataParallel, the baseline; stages
-1-3 use `zeroshard.engine.huggingface.ZeroTrainer`. gloo on CPU, NCCL on GPUs. OUT
-follows the Trainer's layout; `checkpoint-K/zeroshard/` holds the sharded state, and
-the run ends with `trainer.save_model()` (full weights) and `trainer.save_state()`.
+1-3 use `zeroshard.engine.huggingface.ZeroTrainer`; `--ds-config` gives it a DeepSpeed
+config instead ("auto" values filled from the Trainer's arguments and the model). gloo
+on CPU, NCCL on GPUs. OUT follows the Trainer's layout; `checkpoint-K/zeroshard/` holds
+the sharded state, and the run ends with `trainer.save_model()` (full weights) and
+`trainer.save_state()`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    p.add_argument(
+        "--ds-config",
+        default=None,
+        help="a DeepSpeed ds_config.json for ZeroTrainer; its zero_optimization.stage "
+        "replaces --stage",
+    )
     args = p.parse_args(argv)
+    if args.ds_config is not None and args.stage == 0:
+        p.error("--ds-config is for ZeroTrainer: not with --stage 0 (the DDP baseline)")
     if min(args.max_steps, args.save_steps, args.per_device_batch, args.grad_accum) < 1:
         p.error("--max-steps, --save-steps, --per-device-batch and --grad-accum must be positive")
     return args
@@ -82,9 +94,9 @@ def build_model(args: argparse.Namespace) -> transformers.PreTrainedModel:
     return model
 
 
-def build_trainer(args: argparse.Namespace) -> transformers.Trainer:
-    """The Trainer (stage 0) or a ZeroTrainer at `--stage` on the tiny Llama."""
-    training_args = transformers.TrainingArguments(
+def build_training_args(args: argparse.Namespace) -> transformers.TrainingArguments:
+    """The Trainer's arguments from the command line."""
+    return transformers.TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         save_strategy="steps",
@@ -100,12 +112,22 @@ def build_trainer(args: argparse.Namespace) -> transformers.Trainer:
         report_to="none",
         dataloader_num_workers=0,
     )
+
+
+def build_trainer(
+    args: argparse.Namespace, training_args: transformers.TrainingArguments
+) -> transformers.Trainer:
+    """The Trainer (stage 0) or a ZeroTrainer at `--stage` (or `--ds-config`), tiny Llama."""
     model = build_model(args)
     data = StrideSequences(256, args.seq_len, args.seed + 1)
     if args.stage == 0:
         return transformers.Trainer(model=model, args=training_args, train_dataset=data)
     from zeroshard.engine.huggingface import ZeroTrainer
 
+    if args.ds_config is not None:
+        return ZeroTrainer(
+            model=model, args=training_args, train_dataset=data, ds_config=args.ds_config
+        )
     return ZeroTrainer(
         model=model, args=training_args, train_dataset=data, zero_config={"stage": args.stage}
     )
@@ -114,9 +136,11 @@ def build_trainer(args: argparse.Namespace) -> transformers.Trainer:
 def main(argv: list[str] | None = None) -> transformers.Trainer:
     """Train, save the model and the Trainer's state; return the Trainer."""
     args = parse_args(argv)
-    trainer = build_trainer(args)
-    if trainer.is_world_process_zero():
+    training_args = build_training_args(args)
+    # Before the Trainer is built: ZeroTrainer logs what a ds_config asks that it ignores.
+    if training_args.process_index == 0:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    trainer = build_trainer(args, training_args)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     trainer.save_state()

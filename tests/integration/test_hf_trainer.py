@@ -3,8 +3,8 @@
 One spawn of 2 gloo ranks runs the example's `main` for the DDP baseline (stage 0),
 stages 1-3 and a stage-3 resume from checkpoint-4, all fp32 with gradient accumulation
 2, and compares what the Trainer logged (and a bf16 run at stage 2 against the fp32
-curve); a second spawn of 1 rank resumes the 2-rank checkpoint (another world size, the
-same global batch).
+curve, and a run from an all-"auto" DeepSpeed ZeRO-3 config); a second spawn of 1 rank
+resumes the 2-rank checkpoint (another world size, the same global batch).
 """
 
 from __future__ import annotations
@@ -26,6 +26,46 @@ STEPS, SAVE = 8, 4
 LOSS_ATOL = 2e-4  # the Trainer logs the loss rounded to 4 decimals
 NORM_RTOL = 1e-4  # fp32, reduction order differs between DDP and reduce-scatter
 WEIGHT_ATOL = 2e-5  # 8 AdamW steps at lr 3e-3 in fp32
+# The ZeRO-3 ds_config of the Hugging Face DeepSpeed docs, "auto" wherever they write it.
+HF_DOCS_ZERO3 = {
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
 
 
 def _run(out: Path, stage: int, *extra: str) -> Any:
@@ -67,7 +107,10 @@ def _assert_same_weights(a: Path, b: Path, what: str) -> None:
 
 
 def _train_all_stages(root: str) -> None:
+    import torch
     import torch.distributed as dist
+
+    import zeroshard.engine as zs
 
     out = Path(root)
     accum = ["--per-device-batch", "1", "--grad-accum", "2"]
@@ -79,6 +122,12 @@ def _train_all_stages(root: str) -> None:
         # The engine reduces the gradients: nothing may wrap the model in DDP on top.
         assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)
         _assert_same_steps(_per_step(trainer.state.log_history), base, f"stage {stage}")
+    ds = _run(out / "ds", 3, *accum, "--ds-config", str(out / "ds_config.json"))
+    cfg = zs.engine_state(ds.model).config
+    # "auto" filled from the model (hidden size 64) as the Hugging Face integration does.
+    assert (cfg.stage, cfg.stage3.persistence_threshold) == (3, 640), cfg
+    assert cfg.offload.optimizer and cfg.offload.params, cfg.offload
+    _assert_same_steps(_per_step(ds.state.log_history), base, "all-auto ZeRO-3 ds_config")
     resumed = _run(
         out / "resumed",
         3,
@@ -90,10 +139,6 @@ def _train_all_stages(root: str) -> None:
     got = {s: v for s, v in _per_step(resumed.state.log_history).items() if s > SAVE}
     _assert_same_steps(got, want, "stage 3 resumed from checkpoint-4")
     bf16 = _run(out / "bf16", 2, *accum, "--bf16")
-    import torch
-
-    import zeroshard.engine as zs
-
     assert zs.engine_state(bf16.model).config.precision.compute_dtype == torch.bfloat16
     for step, (loss, _) in _per_step(bf16.state.log_history).items():
         # bf16 compute (8-bit mantissa) against fp32: the same curve within 2%.
@@ -105,6 +150,7 @@ def _train_all_stages(root: str) -> None:
         for stage in (1, 2, 3):
             _assert_same_weights(out / f"stage{stage}", out / "stage0", f"stage {stage} save_model")
         _assert_same_weights(out / "resumed", out / "stage0", "resumed save_model")
+        _assert_same_weights(out / "ds", out / "stage0", "ds_config save_model")
         ckpt = out / "stage3" / f"checkpoint-{SAVE}"
         assert (ckpt / "zeroshard" / "metadata.json").is_file()
         logged = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
@@ -132,6 +178,7 @@ def _resume_on_one_rank(root: str) -> None:
 
 @pytest.mark.slow
 def test_trainer_stages_match_ddp_and_resume(tmp_path: Path) -> None:
+    (tmp_path / "ds_config.json").write_text(json.dumps(HF_DOCS_ZERO3))
     run_ranks(_train_all_stages, 2, str(tmp_path), timeout_s=300)
     run_ranks(_resume_on_one_rank, 1, str(tmp_path), timeout_s=120)
 
@@ -154,3 +201,53 @@ def test_trainer_precision_arguments_checked() -> None:
         _resolve_precision({"stage": 3}, args(bf16=True)).precision.compute_dtype == torch.bfloat16
     )
     assert _resolve_precision(None, args()).precision.compute_dtype == torch.float32
+
+
+def test_trainer_ds_config_checked_against_training_arguments(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import transformers
+
+    from zeroshard.engine.huggingface import ZeroTrainer
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import hf_trainer
+
+    args = hf_trainer.parse_args(["--output-dir", str(tmp_path / "out"), "--per-device-batch", "2"])
+    training_args = hf_trainer.build_training_args(args)
+    model = hf_trainer.build_model(args)
+
+    def trainer(**kw: Any) -> ZeroTrainer:
+        return ZeroTrainer(model=model, args=training_args, **kw)
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(HF_DOCS_ZERO3))
+    with caplog.at_level("INFO", logger="zeroshard.engine.huggingface"):
+        cfg = trainer(ds_config=path).zero_config
+    assert (cfg.stage, cfg.comm.reduce_bucket_bytes) == (3, 64 * 64 * 4)  # h*h fp32 elements
+    assert [r.message for r in caplog.records].count(
+        "ds_config optimizer: not honoured (zeroshard builds no optimizer: the torch "
+        "optimizer passed to initialize() is used)"
+    ) == 1
+    mismatches = {
+        "train_micro_batch_size_per_gpu": 4,  # per_device_train_batch_size is 2
+        "train_batch_size": 3,  # 1 rank x 2 x accumulation 1
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,  # max_grad_norm is 1.0
+    }
+    for key, value in mismatches.items():
+        with pytest.raises(ValueError, match=rf"^{key}={value} .*in the DeepSpeed config but"):
+            trainer(ds_config={**HF_DOCS_ZERO3, key: value})
+    with pytest.raises(ValueError, match=r"^bf16.enabled=True .*in the DeepSpeed config but"):
+        trainer(ds_config={**HF_DOCS_ZERO3, "bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match="zero_config or ds_config, not both"):
+        trainer(ds_config=path, zero_config={"stage": 3})
+    ds_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "ds"),
+        use_cpu=True,
+        report_to="none",
+        deepspeed={"zero_optimization": {"stage": 2}},
+    )
+    with pytest.raises(ValueError, match=r"TrainingArguments\(deepspeed=...\) would start"):
+        ZeroTrainer(model=model, args=ds_args, zero_config={"stage": 2})

@@ -4,6 +4,9 @@
     trainer = ZeroTrainer(model=model, args=training_args, zero_config={"stage": 3}, ...)
     trainer.train(); trainer.save_model()
 
+or `ds_config="ds_config.json"` (a DeepSpeed config, "auto" values filled from the
+`TrainingArguments` and the model) instead of `zero_config`.
+
 The Trainer builds its optimizer as usual (from `TrainingArguments`); `ZeroTrainer` hands
 it with the model to `zeroshard.engine.initialize` and tells accelerate that both are
 prepared, so nothing wraps them in DistributedDataParallel: the engine reduces gradients.
@@ -12,6 +15,7 @@ See [Note: which Trainer hooks ZeroTrainer replaces].
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -31,11 +35,14 @@ from zeroshard.engine import (
     save_checkpoint,
 )
 from zeroshard.engine._config import as_config
+from zeroshard.engine._trainer_ds_config import trainer_ds_settings
 
 __all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 
 CHECKPOINT_SUBDIR = "zeroshard"
 """Where a Trainer checkpoint (`checkpoint-N/`) keeps zeroshard's sharded model and optimizer."""
+
+logger = logging.getLogger(__name__)
 
 _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's file name for the LR scheduler's state
 
@@ -86,19 +93,46 @@ def _resolve_precision(config: ZeroConfig | Mapping[str, Any] | None, args: Any)
     return cfg
 
 
+def _refuse_deepspeed_argument(training_args: Any) -> None:
+    # The Trainer would build DeepSpeed's engine from TrainingArguments(deepspeed=...) on
+    # top of zeroshard's; and TrainingArguments has already set up DeepSpeed's plugin from
+    # it, which cannot be undone cleanly. So the config has one way in: ds_config.
+    if getattr(training_args, "deepspeed", None):
+        raise ValueError(
+            "ZeroTrainer: TrainingArguments(deepspeed=...) would start DeepSpeed; pass the "
+            "config as ZeroTrainer(ds_config=...) and leave TrainingArguments.deepspeed unset"
+        )
+
+
 class ZeroTrainer(Trainer):
     """A `transformers.Trainer` whose model and optimizer are sharded by zeroshard.
 
-    `zero_config` is a `ZeroConfig` or its dict (default: stage 2). `TrainingArguments`
-    keep their meaning: batch sizes, gradient accumulation, `max_grad_norm` (the global
-    norm, logged as `grad_norm`), `bf16` (the engine's compute dtype), checkpoints and
-    `resume_from_checkpoint` (at the same or another world size), `save_model()`.
+    `zero_config` is a `ZeroConfig` or its dict (default: stage 2); or `ds_config`, a
+    DeepSpeed config (dict or JSON path) read as DeepSpeed's Hugging Face integration reads
+    it; `TrainingArguments(deepspeed=...)` is refused (it would start DeepSpeed).
+    `TrainingArguments` keep their meaning: batch sizes, gradient accumulation,
+    `max_grad_norm` (the global norm, logged as `grad_norm`), `bf16` (the engine's compute
+    dtype), checkpoints and `resume_from_checkpoint` (at the same or another world size),
+    `save_model()`.
     """
 
     def __init__(
-        self, *args: Any, zero_config: ZeroConfig | Mapping[str, Any] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        zero_config: ZeroConfig | Mapping[str, Any] | None = None,
+        ds_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        **kwargs: Any,
     ) -> None:
+        if zero_config is not None and ds_config is not None:
+            raise ValueError("ZeroTrainer: pass zero_config or ds_config, not both")
+        _refuse_deepspeed_argument(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        if ds_config is not None:
+            settings = trainer_ds_settings(ds_config, self.args, self.model)
+            if self.is_world_process_zero():
+                for line in settings.not_honoured:
+                    logger.info("ds_config %s", line)
+            zero_config = settings.zero
         self.zero_config = _resolve_precision(zero_config, self.args)
         # A ready optimizer (`optimizers=(opt, None)`) is sharded like the Trainer's own.
         if self.optimizer is not None and len(self.optimizer.state) != 0:
