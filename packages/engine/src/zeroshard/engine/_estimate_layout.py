@@ -110,13 +110,7 @@ def plan_groups(
     planned: list[tuple[GroupKey, FlatLayout, int | None, bool]] = []
     units: list[PlannedUnit] = []
     if cfg.stage == 3:
-        plans = plan_units(
-            model,
-            unit_modules=cfg.stage3.unit_modules,
-            leaf_modules=cfg.stage3.leaf_modules,
-            min_unit_params=cfg.stage3.min_unit_params,
-            leaf_params_per_module=cfg.stage3.leaf_params_per_module,
-        )
+        plans = plan_units(model, cfg.stage3)
         for ui, plan in enumerate(plans):
             grouped = group_parameters(plan.params, param_group_of=param_group_of)
             layouts = [

@@ -112,13 +112,7 @@ def _shard_stage3(
     Units still on the meta device are materialized one at a time just before they are
     sharded (partitioned init).
     """
-    plans = plan_units(
-        model,
-        unit_modules=cfg.stage3.unit_modules,
-        leaf_modules=cfg.stage3.leaf_modules,
-        min_unit_params=cfg.stage3.min_unit_params,
-        leaf_params_per_module=cfg.stage3.leaf_params_per_module,
-    )
+    plans = plan_units(model, cfg.stage3)
     tier = FlattenTier(cfg.flatten_tier)
     count = 0
     units: list[tuple[UnitPlan, tuple[FlatParamGroup, ...]]] = []

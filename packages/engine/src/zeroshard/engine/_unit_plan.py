@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from zeroshard.engine._policies import Stage3Policy
+
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -47,15 +49,10 @@ def _auto_leaf(module: nn.Module, threshold: int) -> bool:
     return threshold > 0 and descendants >= 2 and _numel(module) / descendants < threshold
 
 
-def plan_units(
-    model: nn.Module,
-    *,
-    unit_modules: Sequence[str],
-    leaf_modules: Sequence[str],
-    min_unit_params: int,
-    leaf_params_per_module: int,
-) -> list[UnitPlan]:
+def plan_units(model: nn.Module, policy: Stage3Policy) -> list[UnitPlan]:
     """The units of `model` in registration order (the root first); see the module doc."""
+    unit_modules, leaf_modules = policy.unit_modules, policy.leaf_modules
+    min_unit_params, leaf_params_per_module = policy.min_unit_params, policy.leaf_params_per_module
     chosen: dict[str, tuple[nn.Module, bool]] = {"": (model, False)}
 
     def visit(prefix: str, module: nn.Module, in_default_unit: bool) -> None:
