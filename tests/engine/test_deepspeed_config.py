@@ -213,13 +213,20 @@ ARGS = SimpleNamespace(
 MODEL = SimpleNamespace(config=SimpleNamespace(hidden_size=48))
 
 
-def _hf_resolved(ds: dict[str, Any]) -> dict[str, Any]:
+def _hf_resolved(ds: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The same config as transformers' own DeepSpeed integration fills it in from ARGS."""
     integration = pytest.importorskip("transformers.integrations.deepspeed")
-    hf = integration.HfTrainerDeepSpeedConfig(copy.deepcopy(ds))
-    hf.trainer_config_process(ARGS)
-    hf.trainer_config_finalize(ARGS, MODEL, 100)
-    resolved: dict[str, Any] = hf.config
+    # Its constructor only checks that DeepSpeed is installed (CI has no DeepSpeed); the
+    # "auto" filling compared here is transformers' own code and needs no DeepSpeed.
+    monkeypatch.setattr(integration, "dep_version_check", lambda name: None)
+    try:
+        hf = integration.HfTrainerDeepSpeedConfig(copy.deepcopy(ds))
+        hf.trainer_config_process(ARGS)
+        hf.trainer_config_finalize(ARGS, MODEL, 100)
+        resolved: dict[str, Any] = hf.config
+    finally:
+        # The constructor registered itself globally (is_deepspeed_zero3_enabled reads it).
+        integration.unset_hf_deepspeed_config()
     return resolved
 
 
@@ -227,9 +234,9 @@ def test_trainer_auto_values() -> None:
     assert trainer_auto_values(ARGS, MODEL) == TRAINER
 
 
-def test_whole_hf_config_resolves_as_transformers_does() -> None:
+def test_whole_hf_config_resolves_as_transformers_does(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = read_deepspeed_config(HF_ZERO3, trainer_auto_values(ARGS, MODEL))
-    hf = _hf_resolved(HF_ZERO3)
+    hf = _hf_resolved(HF_ZERO3, monkeypatch)
     z, cfg = hf["zero_optimization"], settings.zero
     itemsize = 2  # bf16 from the Trainer's arguments
     assert cfg.precision.compute_dtype == torch.bfloat16 and hf["bf16"]["enabled"] is True
