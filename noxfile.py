@@ -17,7 +17,7 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 PACKAGES = ["comm", "partition", "ckpt", "engine", "compile"]
 EDITABLE = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy", "matplotlib"]
 # The versions tests/integration/test_hf_*.py and zeroshard.engine.huggingface are checked with.
 HF_DEPS = ["transformers==5.23.0", "accelerate==1.15.0"]
 
