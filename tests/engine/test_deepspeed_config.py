@@ -21,46 +21,10 @@ from zeroshard.engine import (
 )
 from zeroshard.engine._config import as_config
 
-# The shape of the Hugging Face docs' ZeRO-3 config (ds_config_zero3.json).
-HF_ZERO3: dict[str, Any] = {
-    "fp16": {
-        "enabled": "auto",
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "initial_scale_power": 16,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    },
-    "bf16": {"enabled": "auto"},
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    },
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
-    },
-    "zero_optimization": {
-        "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
+# The Hugging Face docs' ZeRO-3 config (ds_config_zero3.json), "auto" wherever they write it.
+HF_ZERO3: dict[str, Any] = json.loads(
+    (Path(__file__).resolve().parents[1] / "data" / "ds_config_zero3.json").read_text()
+)
 TRAINER = AutoValues(
     hidden_size=48,
     bf16=True,
