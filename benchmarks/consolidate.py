@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,8 @@ def _make_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     torch.distributed.barrier()
 
 
-def make_checkpoint(args: argparse.Namespace, out: Path) -> float:
-    """Have DeepSpeed train one step and save a ZeRO-3 checkpoint; return seconds taken."""
+def spawn_ranks(make_rank: Callable[..., None], args: argparse.Namespace, out: Path) -> float:
+    """Run `make_rank(rank, world, port, args, out)` on `args.world` spawned ranks; seconds."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -177,9 +178,14 @@ def make_checkpoint(args: argparse.Namespace, out: Path) -> float:
         port = int(s.getsockname()[1])
     start = time.perf_counter()
     mp.start_processes(
-        _make_rank, args=(args.world, port, args, str(out)), nprocs=args.world, start_method="spawn"
+        make_rank, args=(args.world, port, args, str(out)), nprocs=args.world, start_method="spawn"
     )
     return time.perf_counter() - start
+
+
+def make_checkpoint(args: argparse.Namespace, out: Path) -> float:
+    """Have DeepSpeed train one step and save a ZeRO-3 checkpoint; return seconds taken."""
+    return spawn_ranks(_make_rank, args, out)
 
 
 # --- measuring -------------------------------------------------------------------------

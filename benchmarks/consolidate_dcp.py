@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -43,6 +41,7 @@ from benchmarks.consolidate import (
     compare_outputs,
     disk_floor,
     run_tool,
+    spawn_ranks,
 )
 
 TOOLS = ("dcp_to_torch_save", "zeroshard")
@@ -100,16 +99,7 @@ def _make_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: 
 
 def make_checkpoint(args: argparse.Namespace, out: Path) -> float:
     """Have FSDP2 shard the GPT and `dcp.save` it; return seconds taken."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    start = time.perf_counter()
-    mp.start_processes(
-        _make_rank, args=(args.world, port, args, str(out)), nprocs=args.world, start_method="spawn"
-    )
-    return time.perf_counter() - start
+    return spawn_ranks(_make_rank, args, out)
 
 
 def measure(args: argparse.Namespace, work: Path, env: dict[str, str]) -> str:
