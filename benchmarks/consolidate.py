@@ -339,14 +339,20 @@ def compare_outputs(ours: Path, theirs: Path) -> tuple[int, str]:
 # --- the run ---------------------------------------------------------------------------
 
 
+def tool_env() -> dict[str, str]:
+    """The environment the measured tools run in: this tree's packages first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*SRC_PATHS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
 def main() -> None:
     """Make the checkpoint, measure the disk and both tools, report."""
     args = parse_args()
     # On the disk being measured (not /tmp, which may be memory), removed afterwards.
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zs-consolidate-", dir=args.dir))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*SRC_PATHS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = tool_env()
     try:
         body = measure(args, work, env)
     finally:

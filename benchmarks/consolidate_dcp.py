@@ -42,6 +42,7 @@ from benchmarks.consolidate import (
     disk_floor,
     run_tool,
     spawn_ranks,
+    tool_env,
 )
 
 TOOLS = ("dcp_to_torch_save", "zeroshard")
@@ -192,8 +193,7 @@ def main() -> None:
     args = parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zs-consolidate-dcp-", dir=args.dir))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*SRC_PATHS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = tool_env()
     try:
         body = measure(args, work, env)
     finally:
