@@ -1,6 +1,6 @@
-"""One part of benchmarks/offload.py, run in a process of its own.
+"""One part of benchmarks/offload, run in a process of its own.
 
-    python -m benchmarks._offload_workers PART ARGS_JSON OUT_JSON
+    python -m benchmarks.offload._worker PART ARGS_JSON OUT_JSON
 
 PART is `train-zs`, `train-ds`, `adam-torch` or `adam-ds`. Each part runs alone so that
 a host or device out-of-memory, or a crash in a JIT-built extension, costs only its own

@@ -7,7 +7,7 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
         --model llama --preset 7b --profile
     torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
 
-Models (`--model`, see benchmarks/_models.py): `gpt` (examples/gpt.py), `llama`
+Models (`--model`, see `_models.py`): `gpt` (examples/gpt.py), `llama`
 (examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
 built from a config: no download), each at the presets `1.3b` and `7b`.
 transformers 5.23.0 goes to a machine without registry access (the GPU image: Python 3.12,
@@ -34,9 +34,9 @@ tokens/s/GPU, MFU, peak memory and the memory kept between steps. An engine that
 gets a row saying why and the run goes on.
 `--profile` adds, per engine, the split of the step into compute, optimizer, exposed
 communication and idle time, and of its gap to the floor into (a) exposed communication
-and (b) compute kernels slowed by the collectives overlapping them (benchmarks/_trace.py).
+and (b) compute kernels slowed by the collectives overlapping them (`_trace.py`).
 Every run saves its results and settings to bench-out/<section>.json (what
-benchmarks/scaling.py reads); full runs also write the "<section>" section of
+benchmarks/scaling reads); full runs also write the "<section>" section of
 docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
 `_<preset>` for any preset but 1.3b) and docs/<section>.png, `--smoke` and `--no-write`
 only bench-out/.
@@ -45,32 +45,25 @@ only bench-out/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
 import os
-import statistics
 import time
-import traceback
 import warnings
-from dataclasses import asdict
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from benchmarks._models import MODELS, BenchModel, bench_model
-from benchmarks._report import ROOT, command, write_section
-from benchmarks._trace import TraceSummary
-from benchmarks._train_engines import ENGINES, NOTES, Settings, Skipped
-from benchmarks._train_profile import profile
-from benchmarks._train_report import Result, plot, plot_split, report
+from benchmarks._common import ROOT, SMOKE_OUT, write_section
+from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._models import MODELS, BenchModel, bench_model
+from benchmarks.train_step._plots import plot, plot_split
+from benchmarks.train_step._report import report
+from benchmarks.train_step._result import save_json
+from benchmarks.train_step._run import run_engine, warm_up_process
+from benchmarks.train_step._settings import NOTES, Settings
 
-OUT = ROOT / "bench-out"
 DOCS = ROOT / "docs"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GIB = 1024**3
 
 
 def parse_args() -> argparse.Namespace:
@@ -143,212 +136,12 @@ def model_of(args: argparse.Namespace) -> BenchModel:
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    # Drop every reference cycle (engines and hooks form them) before the cache is emptied,
-    # so the next engine starts from the same empty device.
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _agree(values: list[float], ok: bool, error: str | None) -> tuple[list[float], str | None]:
-    """Max of `values` over ranks (the slowest rank), and the first rank's error if any."""
-    t = torch.tensor([*values, 0.0 if ok else 1.0], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    failed = t[-1].item() > 0
-    return t[:-1].tolist(), (first or "failed on another rank") if failed else None
-
-
-class Measured(NamedTuple):
-    """One engine's figures on this rank."""
-
-    build_s: float  # constructing the model on the device, before any engine sees it
-    init_s: float
-    times: list[float]
-    peak_gib: float  # max allocated from wrapping to the last step
-    states_gib: float  # allocated after the last step above the level before the build
-    trace: TraceSummary | None
-
-
-def _measure(
-    name: str,
-    bm: BenchModel,
-    settings: Settings,
-    args: argparse.Namespace,
-    data: tuple[torch.Tensor, torch.Tensor],
-) -> Measured:
-    """Build, wrap, warm up, time (and profile) one engine on this rank.
-
-    Everything the engine allocates is local to this frame, so it is all released when
-    the function returns or raises (see `_free`).
-    """
-    device = settings.device
-    # A first, untimed set-up on a tiny model pays what any engine pays only once per
-    # process (imports, DeepSpeed's accelerator and communication set-up, kernel caches),
-    # so `init_s` is the cost of wrapping THIS model whichever engine runs first.
-    with torch.device(device):
-        throwaway = bm.tiny()
-    ENGINES[name].setup(throwaway, settings)
-    del throwaway
-    _free(device)
-    cuda = device.type == "cuda"
-    before = torch.cuda.memory_allocated(device) if cuda else 0
-    torch.manual_seed(0)
-    # Built straight on the device, once, the same way for every engine: initializing on
-    # the GPU takes seconds even at 7B (build_s says how many), and a fresh fp32 model is
-    # what every engine's wrapping starts from.
-    t0 = time.perf_counter()
-    with torch.device(device):
-        model = bm.build()
-    _sync(device)
-    build_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    step = ENGINES[name].setup(model, settings)
-    _sync(device)
-    init_s = time.perf_counter() - t0
-    del model  # the engine holds what it needs
-    times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        step(*data)
-        _sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    # Between steps an engine keeps its model states (parameters, optimizer state, any
-    # persistent gradient shards): what the 16 psi / N bound is about.
-    states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
-    trace = profile(name, step, data, device, OUT / args.section) if args.profile else None
-    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
-    return Measured(build_s, init_s, times, peak, states, trace)
-
-
-def run_engine(
-    name: str,
-    bm: BenchModel,
-    settings: Settings,
-    args: argparse.Namespace,
-    data: tuple[torch.Tensor, torch.Tensor],
-) -> Result:
-    """Build, wrap, warm up and time one engine; every rank calls this."""
-    engine = ENGINES[name]
-    world = dist.get_world_size()
-    shard = settings.shard_group_size
-    what = engine.what.format(shard=shard, replicate=max(world // shard, 1))
-    rank = dist.get_rank()
-    m = Measured(0.0, 0.0, [], 0.0, 0.0, None)
-    error: str | None = None
-    skipped: str | None = None
-    dist.barrier()
-    if rank == 0 or not engine.rank0_only:
-        try:
-            m = _measure(name, bm, settings, args, data)
-        except Skipped as e:  # the same on every rank: the world decides it
-            skipped = str(e)
-        except Exception as e:  # OOM, import error, engine bug: a row, not the end
-            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-            if rank == 0:
-                traceback.print_exc()
-    _free(settings.device)  # after the except block, so the traceback's frames are gone
-    if engine.rank0_only:
-        dist.barrier()  # the others waited here while rank 0 ran alone
-    if skipped:  # the hybrid's sizes do not apply: name the engine only
-        return Result(name, engine.what.split(":")[0], skipped=skipped)
-    median = statistics.median(m.times) if m.times else 0.0
-    cuda = settings.device.type == "cuda"
-    left = torch.cuda.memory_allocated(settings.device) / GIB if cuda else 0.0
-    figures = [m.build_s, m.init_s, median, m.peak_gib, m.states_gib, left]
-    values, error = _agree(figures, error is None, error)
-    build_s, init_s, median, peak, states, left = values
-    if error:
-        return Result(name, what, error=error, left_gib=left)
-    return Result(
-        name,
-        what,
-        init_s,
-        median * 1000,
-        peak or None,
-        None,
-        m.trace,
-        left,
-        build_s=build_s,
-        states_gib=states or None,
-    )
-
-
-def save_json(
-    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
-) -> Path:
-    """bench-out/<section>.json: every row plus what it was measured on and with."""
-    cuda = settings.device.type == "cuda"
-    tokens = args.micro_batch * bm.seq_len
-    meta = {
-        "section": args.section,
-        "model_name": bm.name,
-        "preset": bm.preset,
-        "model": bm.config,
-        "parameters": bm.parameters,
-        "flops_per_token": bm.flops_per_token,
-        "world": world,
-        "micro_batch": args.micro_batch,
-        "seq_len": bm.seq_len,
-        "tokens_per_step_per_gpu": tokens,
-        "dtype": str(settings.dtype).removeprefix("torch."),
-        "activation_checkpointing": args.activation_checkpointing,
-        "shard_group_size": settings.shard_group_size,
-        "clip": args.clip,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "zs_config": settings.zs_config,
-        "device": torch.cuda.get_device_name(settings.device) if cuda else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if cuda else None,
-        "date": datetime.date.today().isoformat(),
-        "command": command(),
-    }
-    rows = []
-    for r in results:
-        row = asdict(r)
-        row["tokens_per_s_per_gpu"] = tokens / (r.step_ms / 1000) if r.step_ms else None
-        rows.append(row)
-    OUT.mkdir(exist_ok=True)
-    path = OUT / f"{args.section}.json"
-    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    return path
-
-
-def warm_up_process(device: torch.device) -> None:
-    """Pay the one-time costs (optimizer and dynamo imports, CUDA/NCCL and kernel set-up)
-    before any engine, so that the first engine's init time is not charged for them."""
-    p = torch.nn.Parameter(torch.ones(64, 64, device=device))
-    opt = torch.optim.AdamW([p], fused=device.type == "cuda")
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        loss: torch.Tensor = torch.mm(p, p).float().sum()
-    torch.autograd.backward(loss)
-    opt.step()
-    t = torch.ones(1024, device=device)
-    dist.all_reduce(t)
-    dist.barrier()
-    _sync(device)
-
-
 def main() -> None:
     """Run every chosen engine in turn and write the report on rank 0."""
     args = parse_args()
     # DeepSpeed still calls the flat collectives by their pre-2.13 names: one warning each.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
-    if "RANK" not in os.environ:  # plain `python train_step.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m benchmarks.train_step`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
     use_cuda = torch.cuda.is_available() and not args.smoke
@@ -375,8 +168,8 @@ def main() -> None:
         if args.engines
         else [n for n, e in ENGINES.items() if e.available()]
     )
-    # DeepSpeed last (a stable sort keeps the order otherwise): see the note on ENGINES.
-    names.sort(key=lambda n: n.startswith("ds"))
+    # DeepSpeed last (a stable sort keeps the order otherwise): see `Engine.runs_last`.
+    names.sort(key=lambda n: ENGINES[n].runs_last)
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, bm.vocab_size, (args.micro_batch, bm.seq_len + 1), generator=g)
     data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
@@ -408,8 +201,8 @@ def main() -> None:
         print(body)
         title = f"{bm.name} {bm.preset}: {args.section}"
         if args.smoke or args.no_write:
-            plot(results, OUT / f"{args.section}.png", title)
-            plot_split(results, OUT / f"{args.section}_split.png", title)
+            plot(results, SMOKE_OUT / f"{args.section}.png", title)
+            plot_split(results, SMOKE_OUT / f"{args.section}_split.png", title)
         else:
             png = DOCS / f"{args.section}.png"
             if plot(results, png, title):

@@ -1,0 +1,37 @@
+"""What every benchmark shares: the report writer, the start of ranks, matplotlib.
+
+No benchmark imports another; what two of them need lives here.
+"""
+
+from benchmarks._common._plot import pyplot
+from benchmarks._common._ranks import init_ranks, spawn_ranks
+from benchmarks._common._report import (
+    DOC,
+    RESULTS,
+    ROOT,
+    SMOKE_OUT,
+    command,
+    entry_point,
+    environment,
+    markdown_table,
+    publish,
+    replace_section,
+    write_section,
+)
+
+__all__ = [
+    "DOC",
+    "RESULTS",
+    "ROOT",
+    "SMOKE_OUT",
+    "command",
+    "entry_point",
+    "environment",
+    "init_ranks",
+    "markdown_table",
+    "publish",
+    "pyplot",
+    "replace_section",
+    "spawn_ranks",
+    "write_section",
+]
