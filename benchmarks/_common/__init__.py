@@ -4,7 +4,7 @@ No benchmark imports another; what two of them need lives here.
 """
 
 from benchmarks._common._plot import pyplot
-from benchmarks._common._ranks import init_ranks, spawn_ranks
+from benchmarks._common._ranks import Placement, init_ranks, join, place_ranks, spawn_ranks
 from benchmarks._common._report import (
     DOC,
     RESULTS,
@@ -21,6 +21,7 @@ from benchmarks._common._report import (
 
 __all__ = [
     "DOC",
+    "Placement",
     "RESULTS",
     "ROOT",
     "SMOKE_OUT",
@@ -28,7 +29,9 @@ __all__ = [
     "entry_point",
     "environment",
     "init_ranks",
+    "join",
     "markdown_table",
+    "place_ranks",
     "publish",
     "pyplot",
     "replace_section",

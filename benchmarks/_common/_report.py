@@ -9,6 +9,7 @@ figures.
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import shlex
 import sys
@@ -25,23 +26,33 @@ RESULTS = ROOT / "benchmarks" / "results"
 SMOKE_OUT = ROOT / "bench-out"
 HEADER = (
     "# Benchmarks\n\n"
-    "Every figure here is written by a script in `benchmarks/`; each section names the\n"
-    "device, the versions and the command that produced it. Nothing is typed in by hand.\n"
+    "Every figure here is written by a benchmark in `benchmarks/` (see its README); each\n"
+    "section names the host, the versions and the command that produced it. Nothing is\n"
+    "typed in by hand. Benchmarks that start ranks put them on GPUs over NCCL only where the\n"
+    "host has a GPU for every rank, else on the CPU over gloo; their first line says which.\n"
 )
 
 
-def environment() -> str:
-    """One line: date, device, torch / CUDA / Python versions, and the command line."""
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        device = f"{n} x {torch.cuda.get_device_name(0)}"
-        cuda = f", CUDA {torch.version.cuda}"
-    else:
-        device = f"CPU ({platform.processor() or platform.machine()})"
-        cuda = ""
+def host() -> str:
+    """The machine: its GPUs (or its CPU), cores and memory, e.g.
+    `1 x NVIDIA H100 80GB HBM3 (host: 16 cores, 125 GiB)`."""
+    cores = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    machine = f"host: {cores} cores, {memory:.0f} GiB"
+    gpus = torch.cuda.device_count()
+    if gpus:
+        return f"{gpus} x {torch.cuda.get_device_name(0)} ({machine})"
+    return f"CPU ({platform.processor() or platform.machine()}; {machine})"
+
+
+def environment(ranks: str | None = None) -> str:
+    """One line: date, host, torch / CUDA / Python versions, where the ranks ran (`ranks`,
+    from `Placement.describe`, for benchmarks that start ranks) and the command line."""
+    cuda = f", CUDA {torch.version.cuda}" if torch.cuda.device_count() else ""
+    where = f" Ranks: {ranks}." if ranks else ""
     return (
-        f"Measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}"
-        f"{cuda}, Python {platform.python_version()}. Command: `{command()}`"
+        f"Measured {datetime.date.today().isoformat()} on {host()}; torch {torch.__version__}"
+        f"{cuda}, Python {platform.python_version()}.{where} Command: `{command()}`"
     )
 
 
@@ -79,12 +90,15 @@ def replace_section(doc: Path, name: str, text: str) -> None:
     doc.write_text(current)
 
 
-def write_section(name: str, title: str, body: str, *, measured: str | None = None) -> None:
+def write_section(
+    name: str, title: str, body: str, *, measured: str | None = None, ranks: str | None = None
+) -> None:
     """Replace (or append) section `name` of docs/benchmarks.md: title, environment, `body`.
 
-    `measured` replaces the environment line, for a report built from runs made elsewhere.
+    `measured` replaces the environment line, for a report built from runs made elsewhere;
+    `ranks` says where the ranks ran.
     """
-    replace_section(DOC, name, f"## {title}\n\n{measured or environment()}\n\n{body}")
+    replace_section(DOC, name, f"## {title}\n\n{measured or environment(ranks)}\n\n{body}")
 
 
 def publish(
@@ -94,14 +108,16 @@ def publish(
     *,
     smoke: bool,
     measured: str | None = None,
+    ranks: str | None = None,
 ) -> None:
     """A full run replaces section `name` of docs/benchmarks.md; a smoke run writes
-    bench-out/NAME.md."""
+    bench-out/NAME.md, its environment line included (so it says where the ranks ran)."""
     if smoke:
         SMOKE_OUT.mkdir(exist_ok=True)
-        (SMOKE_OUT / f"{name}.md").write_text(body + "\n")
+        text = f"{measured or environment(ranks)}\n\n{body}\n"
+        (SMOKE_OUT / f"{name}.md").write_text(text)
     else:
-        write_section(name, title, body, measured=measured)
+        write_section(name, title, body, measured=measured, ranks=ranks)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -9,7 +9,8 @@ huggingface_hub, which zero_to_fp32 needs for its default sharding). In one run:
 
 1. The framework itself makes the checkpoint of a GPT-2-style model (d 2048, 24 layers,
    vocab 50304, embedding tied to the head: 1.31 B parameters) on `--world` ranks (GPUs
-   over NCCL where there is one per rank, else CPU ranks over gloo). DeepSpeed: built
+   over NCCL where there is one per rank, else CPU ranks over gloo, the cores shared
+   between them: see benchmarks/_common/_ranks.py). DeepSpeed: built
    under `deepspeed.zero.Init`, one AdamW step with ZeRO-3 in bf16, `save_checkpoint`.
    DCP: FSDP2 `fully_shard` per block and at the root in fp32, `dcp.save`. `--smoke`:
    d 256, 4 layers, vocab 4096. `--ckpt` keeps the checkpoint, or reuses one.
@@ -29,8 +30,9 @@ huggingface_hub, which zero_to_fp32 needs for its default sharding). In one run:
    what it really read from disk).
 4. Both outputs are compared tensor by tensor (bit for bit, tied names included).
 
-Full runs on a GPU host write the source's section of docs/benchmarks.md ("consolidate",
-"consolidate_dcp"); `--smoke` and runs on CPU-only machines write bench-out/ only.
+Full runs write the source's section of docs/benchmarks.md ("consolidate",
+"consolidate_dcp") on any host: consolidation is a disk and CPU benchmark, and the
+section's first line names the host and where the ranks ran; `--smoke` writes bench-out/.
 """
 
 from __future__ import annotations
@@ -43,18 +45,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from benchmarks._common import ROOT, SMOKE_OUT, publish, spawn_ranks
-from benchmarks.consolidate._dcp import DcpSource
-from benchmarks.consolidate._deepspeed import DeepSpeedSource
+from benchmarks._common import ROOT, SMOKE_OUT, Placement, place_ranks, publish, spawn_ranks
+from benchmarks.consolidate._dcp import DCP
+from benchmarks.consolidate._deepspeed import DEEPSPEED
 from benchmarks.consolidate._floor import disk_floor
 from benchmarks.consolidate._measure import measure_tools
 from benchmarks.consolidate._report import report
 from benchmarks.consolidate._source import Source
 from benchmarks.consolidate._tools import files
 
-SOURCES: dict[str, Source] = {s.name: s for s in (DeepSpeedSource(), DcpSource())}
+SOURCES = {s.name: s for s in (DEEPSPEED, DCP)}
 # The measured tools import zeroshard from this tree, whatever is installed.
 SRC_PATHS = [str(ROOT / "packages" / p / "src") for p in ("comm", "partition", "ckpt")]
 
@@ -93,10 +93,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _on_gpus(args: argparse.Namespace) -> bool:
-    return torch.cuda.device_count() >= args.world and not args.smoke
-
-
 def tool_env() -> dict[str, str]:
     """The environment the measured tools run in: this tree's packages first on the path."""
     env = dict(os.environ)
@@ -104,15 +100,14 @@ def tool_env() -> dict[str, str]:
     return env
 
 
-def measure(source: Source, args: argparse.Namespace, work: Path) -> str:
-    """Make (or reuse) the checkpoint, measure the disk floor and both tools; the report."""
+def measure(
+    source: Source, args: argparse.Namespace, work: Path, placement: Placement | None
+) -> str:
+    """Make the checkpoint on `placement`'s ranks (None: reuse it), measure the disk floor
+    and both tools; the report."""
     path = args.ckpt or work / "ckpt"
-    made = (
-        math.nan
-        if path.exists()
-        else spawn_ranks(source.make_rank, args.world, cuda=_on_gpus(args), args=(args, path))
-    )
-    how = "reused" if math.isnan(made) else f"made in {made:.1f} s"
+    made = math.nan if placement is None else spawn_ranks(source.make_rank, placement, (args, path))
+    how = "reused" if placement is None else f"made in {made:.1f} s"
     print(f"{source.kind} {how}: {len(files(path))} files", flush=True)
     sys.path[:0] = SRC_PATHS
     ckpt = source.read(path)
@@ -129,16 +124,21 @@ def main() -> None:
     # On the disk being measured (not /tmp, which may be memory), removed afterwards.
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"zs-consolidate-{source.name}-", dir=args.dir))
+    reuse = args.ckpt is not None and args.ckpt.exists()
+    placement = None if reuse else place_ranks(args.world, smoke=args.smoke)
+    if placement is not None:
+        print(f"[consolidate] ranks making the checkpoint: {placement.describe()}", flush=True)
     try:
-        body = measure(source, args, work)
+        body = measure(source, args, work, placement)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(body, flush=True)
     if not args.no_write:
-        # Figures for docs/benchmarks.md come from the GPU host only.
-        smoke = args.smoke or not _on_gpus(args)
-        publish(source.section, source.title, body, smoke=smoke)
+        # A disk and CPU benchmark: a full run on any host is a result (the environment
+        # line names the host and where the ranks ran).
+        ranks = None if placement is None else placement.describe()
+        publish(source.section, source.title, body, smoke=args.smoke, ranks=ranks)
 
 
 if __name__ == "__main__":

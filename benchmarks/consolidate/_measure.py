@@ -49,7 +49,7 @@ def measure_tools(
     """
     inputs = files(ckpt)
     peer = source.peer
-    commands = source.peer_commands()
+    commands = source.peer_commands
     failures: list[str] = []
     runs: dict[tuple[str, str], list[Run]] = {}
     last: dict[str, Path] = {}

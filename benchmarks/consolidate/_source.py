@@ -4,40 +4,39 @@ checkpoint holds, and its own tool's command lines (`Source`, one module per sou
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from zeroshard.ckpt._spec import TensorSpec
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What consolidation must read and write: every tensor's element count and dtype, the
-    world that wrote it and its rank files."""
+    """What consolidation must read and write (zeroshard's specs of every tensor), the world
+    that wrote it and its rank files."""
 
-    numels: list[int]
-    dtypes: list[torch.dtype]
+    specs: Sequence[TensorSpec]
     world: int
     shard_files: list[Path]
 
     @property
     def params(self) -> int:
         """Elements of every tensor."""
-        return sum(self.numels)
+        return sum(s.numel for s in self.specs)
 
     @property
     def read_bytes(self) -> int:
         """What consolidation must read: every tensor as stored."""
-        return sum(n * d.itemsize for n, d in zip(self.numels, self.dtypes, strict=True))
+        return sum(s.numel * s.dtype.itemsize for s in self.specs)
 
     @property
     def out_bytes(self) -> int:
         """The output: every floating tensor in fp32 (both tools' default), others as stored."""
         return sum(
-            n * (4 if d.is_floating_point else d.itemsize)
-            for n, d in zip(self.numels, self.dtypes, strict=True)
+            s.numel * (4 if s.dtype.is_floating_point else s.dtype.itemsize) for s in self.specs
         )
 
 
@@ -49,57 +48,26 @@ class Command:
     argv: Callable[[Path, Path], list[str]]  # (checkpoint, output directory) -> argv
 
 
-class Source(Protocol):
-    """A checkpoint format and the framework that writes it (DeepSpeed, FSDP2's DCP)."""
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint format and the framework that writes it (DeepSpeed, FSDP2's DCP).
 
-    @property
-    def name(self) -> str:
-        """Its `--source`."""
-        ...
+    Its functions are module-level, so spawned ranks can unpickle `make_rank`.
+    """
 
-    @property
-    def section(self) -> str:
-        """Its section of docs/benchmarks.md."""
-        ...
-
-    @property
-    def title(self) -> str:
-        """The section's title."""
-        ...
-
-    @property
-    def kind(self) -> str:
-        """What the checkpoint is, e.g. "DeepSpeed ZeRO-3 checkpoint"."""
-        ...
-
-    @property
-    def made_by(self) -> str:
-        """The framework whose ranks write it."""
-        ...
-
-    @property
-    def shard_files(self) -> str:
-        """What its rank files are, e.g. "optimizer files"."""
-        ...
-
-    @property
-    def peer(self) -> str:
-        """The framework's own consolidation tool."""
-        ...
-
-    @property
-    def has_goals(self) -> bool:
-        """The issue's goals apply (>= 3x the peer, <= 1.4x the floor, <= 2 GiB)."""
-        ...
-
-    def make_rank(self, rank: int, world: int, args: argparse.Namespace, out: Path) -> None:
-        """On one of `world` ranks (process group joined): write the checkpoint to `out`."""
-        ...
-
-    def read(self, ckpt: Path) -> Checkpoint:
-        """What the checkpoint at `ckpt` holds, read with zeroshard's own reader."""
-        ...
-
-    def peer_commands(self) -> list[Command]:
-        """The peer tool's command lines, tried in order until one succeeds."""
-        ...
+    name: str  # --source
+    section: str  # its section of docs/benchmarks.md
+    title: str
+    kind: str  # what the checkpoint is, e.g. "DeepSpeed ZeRO-3 checkpoint"
+    made_by: str  # the framework whose ranks write it
+    shard_files: str  # what its rank files are, e.g. "optimizer files"
+    peer: str  # the framework's own consolidation tool
+    # On one of `world` ranks, process group joined: write the checkpoint of the GPT of
+    # the command line's options to `out`.
+    make_rank: Callable[[int, int, argparse.Namespace, Path], None]
+    # What the checkpoint at a path holds, read with zeroshard's own reader.
+    read: Callable[[Path], Checkpoint]
+    # The peer tool's command lines, tried in order until one succeeds.
+    peer_commands: tuple[Command, ...]
+    # The issue's goals apply (>= 3x the peer, <= 1.4x the floor, <= 2 GiB).
+    has_goals: bool = False

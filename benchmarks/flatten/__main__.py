@@ -13,8 +13,9 @@ synchronized), the peak memory above what was in use before the parameters exist
 (GPU: torch.cuda.max_memory_allocated; host: peak RSS from /proc), and that peak as a
 multiple of the parameters' own size. Full runs write the "flatten" section (or
 `--section`) of docs/benchmarks.md; `--smoke` writes bench-out/<section>.md only. Without
-a GPU the ranks run on the host (gloo, one thread each): fewer `--layers` make the layout
-fit a host where every rank holds its own copy.
+a GPU for every rank the ranks run on the host (gloo, the cores shared between them; the
+report says so): fewer `--layers` make the layout fit a host where every rank holds its
+own copy.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def gpt_shapes(d: int, layers: int, vocab: int, seq_len: int) -> list[tuple[str,
 def main() -> None:
     """Run every method in turn on every rank; rank 0 writes the report."""
     args = parse_args()
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    device = init_ranks(args.nproc, cuda=use_cuda)
+    placement, device = init_ranks(args.nproc, smoke=args.smoke)
+    if dist.get_rank() == 0:
+        print(f"[flatten] ranks: {placement.describe()}", flush=True)
     return_freed_host_memory()
     world = dist.get_world_size()
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
@@ -105,11 +107,11 @@ def main() -> None:
     if len({r["fingerprint"] for r in results.values()}) != 1:
         raise RuntimeError(f"methods packed different bytes: {results}")
     if dist.get_rank() == 0:
-        body = report(results, layout, device, world, args)
+        body = report(results, layout, device, placement.describe(), args)
         print(body, flush=True)
         if not args.no_write:
-            title = "Flattening tiers" + ("" if use_cuda else " on the CPU host (gloo)")
-            publish(args.section, title, body, smoke=args.smoke)
+            title = "Flattening tiers" + ("" if placement.on_gpus else " on the CPU host (gloo)")
+            publish(args.section, title, body, smoke=args.smoke, ranks=placement.describe())
     dist.barrier()
     dist.destroy_process_group()
 

@@ -21,7 +21,7 @@ def report(
     results: dict[str, dict[str, float]],
     layout: FlatLayout,
     device: torch.device,
-    world: int,
+    ranks: str,
     args: argparse.Namespace,
 ) -> str:
     """The markdown body: what was measured and one row per method."""
@@ -52,7 +52,7 @@ def report(
         f"seq {args.seq_len}): "
         f"{len(layout.slots)} parameters, {layout.numel / 1e9:.3f} B elements of "
         f"{layout.dtype} ({model_bytes / GIB:.2f} GiB), alignment {layout.alignment}, "
-        f"{world} ranks{' (gloo, one thread each)' if not on_gpu else ''}. Median of "
+        f"{ranks}. Median of "
         f"{args.repeats} runs, slowest rank. Peak: {where} above the level "
         "before the parameters were built, so the parameters themselves count once; "
         "`peak / params` is that peak over their size (2.0 = originals + one full copy). "

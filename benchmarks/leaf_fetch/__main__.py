@@ -155,16 +155,18 @@ def measure_fn(fn: Callable[[], None], args: argparse.Namespace, cuda: bool) -> 
 def main() -> None:
     """Measure on every rank; rank 0 writes the report."""
     args = parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = init_ranks(args.nproc, cuda=cuda)
-    start = time.monotonic()
-    rows = run(args, device, cuda)
+    placement, device = init_ranks(args.nproc, smoke=args.smoke)
     if dist.get_rank() == 0:
-        body = report(rows, dist.get_world_size(), args, cuda)
+        print(f"[leaf_fetch] ranks: {placement.describe()}", flush=True)
+    start = time.monotonic()
+    rows = run(args, device, placement.on_gpus)
+    if dist.get_rank() == 0:
+        body = report(rows, placement.describe(), args, placement.on_gpus)
         print(body, flush=True)
         print(f"\n({time.monotonic() - start:.0f}s)", flush=True)
         if not args.no_write:
-            publish("leaf_fetch", "Leaf-module fetch of an MoE layer", body, smoke=args.smoke)
+            title = "Leaf-module fetch of an MoE layer"
+            publish("leaf_fetch", title, body, smoke=args.smoke, ranks=placement.describe())
     dist.barrier()
     dist.destroy_process_group()
 

@@ -32,7 +32,7 @@ def _ratio(a: float, b: float) -> str:
     return "-" if math.isnan(a) or math.isnan(b) else f"{a / b:.2f}"
 
 
-def report(rows: list[Row], world: int, args: argparse.Namespace, cuda: bool) -> str:
+def report(rows: list[Row], ranks: str, args: argparse.Namespace, cuda: bool) -> str:
     """The markdown body: setup, verdict against the goal, one table."""
     leaf, expert, peer = rows
     params = args.experts * (8 * args.d * args.d + 5 * args.d)
@@ -64,9 +64,8 @@ def report(rows: list[Row], world: int, args: argparse.Namespace, cuda: bool) ->
         ]
         for r in rows
     ]
-    where = "NCCL" if cuda else "gloo (CPU)"
     intro = (
-        f"{world} ranks on {where}; an MoE layer of {args.experts} experts (d {args.d} -> "
+        f"{ranks}; an MoE layer of {args.experts} experts (d {args.d} -> "
         f"{4 * args.d} -> {args.d}, with bias: {4 * args.experts} parameters, {params / 1e6:.1f} M "
         f"elements), {args.dtype} gathers. One fetch + release of the whole layer, median of "
         f"{args.iters} iterations after {args.warmup} warm-up (slowest rank). `host ms`: "

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import publish
+from benchmarks._common import place_ranks, publish
 from benchmarks.offload._report import report
 
 WORKER = "benchmarks.offload._worker"  # run with -m from the repository root
@@ -120,8 +120,11 @@ def main() -> None:
             "chunk",
             "adam_steps",
             "activation_checkpointing",
+            "smoke",
         )
     }
+    placement = place_ranks(1, smoke=args.smoke)  # what each part's process joins as
+    print(f"[offload] ranks: {placement.describe()}", flush=True)
     deadline = time.perf_counter() + args.budget_s
     results: dict[str, dict[str, Any]] = {}
     for part in args.parts.split(","):
@@ -138,7 +141,7 @@ def main() -> None:
     body = report(args, results)
     print(body)
     title = "CPU offload (one GPU)" + (f" ({args.section})" if args.section != "offload" else "")
-    publish(args.section, title, body, smoke=args.smoke)
+    publish(args.section, title, body, smoke=args.smoke, ranks=placement.describe())
 
 
 if __name__ == "__main__":

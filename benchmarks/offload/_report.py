@@ -37,7 +37,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         f"GPT `{args.preset}` width, {args.layers} blocks, seq {args.seq_len}, micro-batch "
         f"{args.micro_batch}, activation checkpointing {recompute}, "
         f"bf16 compute, AdamW; median of {args.steps} steps after "
-        f"{args.warmup} warmup. One GPU, one process per row.\n\n"
+        f"{args.warmup} warmup. One process per row.\n\n"
     )
     body += markdown_table(
         ["engine", "params", "step s", "tokens/s", "GPU peak GiB", "host peak GiB", "init s", ""],

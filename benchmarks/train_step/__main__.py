@@ -53,7 +53,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import ROOT, SMOKE_OUT, write_section
+from benchmarks._common import ROOT, SMOKE_OUT, join, place_ranks, write_section
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._models import MODELS, BenchModel, bench_model
 from benchmarks.train_step._plots import plot, plot_split
@@ -144,13 +144,11 @@ def main() -> None:
     if "RANK" not in os.environ:  # plain `python -m benchmarks.train_step`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    placement = place_ranks(int(os.environ["WORLD_SIZE"]), smoke=args.smoke)
+    device = join(placement)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if rank == 0:
+        print(f"[train_step] ranks: {placement.describe()}", flush=True)
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
     if args.smoke:
         args.micro_batch, args.warmup, args.steps = 2, 1, 2
@@ -182,7 +180,7 @@ def main() -> None:
         results.append(r)
         if rank == 0:
             # Saved after every engine: a run cut short by a time limit keeps what it measured.
-            save_json(results, bm, args, settings, world)
+            save_json(results, bm, args, settings, world, placement.describe())
             state = (
                 r.error
                 or (r.skipped and f"skipped: {r.skipped}")
@@ -195,7 +193,7 @@ def main() -> None:
             print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if rank == 0:
-        body = report(results, bm, args, settings, world)
+        body = report(results, bm, args, settings, placement.describe())
         if NOTES:
             body += "\n\n" + "\n".join(f"- `{name}`: {note}." for name, note in NOTES.items())
         print(body)
@@ -216,7 +214,7 @@ def main() -> None:
             title = f"Training step ({bm.name}): zeroshard vs DDP, FSDP2, DeepSpeed"
             if args.section != "train_step":
                 title += f" ({args.section})"
-            write_section(args.section, title, body)
+            write_section(args.section, title, body, ranks=placement.describe())
     dist.barrier()
     dist.destroy_process_group()
 

@@ -68,6 +68,10 @@ def _zs(stage: int, hybrid: bool = False) -> Callable[[nn.Module, Settings], Ste
     return lambda m, s: setup_zs(m, s, stage, hybrid)
 
 
+def _zs3c(fuse_downcast: bool) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs3c(m, s, fuse_downcast)
+
+
 def _ds(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
     return lambda m, s: setup_ds(m, s, stage)
 
@@ -120,19 +124,12 @@ ENGINES: dict[str, Engine] = {
             _always,
         ),
         # zeroshard.compile: compiled stage 3 and its peer, FSDP2 with compiled blocks.
-        Engine(
-            "zs3c",
-            "zeroshard stage 3, compiled (zeroshard.compile, inductor)",
-            lambda m, s: setup_zs3c(m, s, fuse_downcast=True),
-            _COMPILE,
-            compiled=True,
-        ),
-        Engine(
-            "zs3c-nofuse",
-            "zs3c without the fused downcast (fp32 gathers, then cast)",
-            lambda m, s: setup_zs3c(m, s, fuse_downcast=False),
-            _COMPILE,
-            compiled=True,
+        *(
+            Engine(name, what, _zs3c(fuse_downcast), _COMPILE, compiled=True)
+            for name, what, fuse_downcast in (
+                ("zs3c", "zeroshard stage 3, compiled (zeroshard.compile, inductor)", True),
+                ("zs3c-nofuse", "zs3c without the fused downcast (fp32 gathers, then cast)", False),
+            )
         ),
         Engine(
             "fsdp2c",

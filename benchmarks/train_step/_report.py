@@ -21,7 +21,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def report(
-    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
+    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, ranks: str
 ) -> str:
     """The markdown body: settings, the table, ratios, goals, and the profile summary."""
     tokens = args.micro_batch * bm.seq_len
@@ -64,7 +64,7 @@ def report(
     head = (
         f"`{bm.name}` `{bm.preset}`: {bm.parameters / 1e6:,.1f} M parameters ({bm.shape}); "
         f"micro-batch {args.micro_batch} "
-        f"per rank, {world} ranks on {settings.device.type}, compute "
+        f"per rank, {ranks}, compute "
         f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
         f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "

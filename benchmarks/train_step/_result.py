@@ -34,7 +34,12 @@ class Result:
 
 
 def save_json(
-    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
+    results: list[Result],
+    bm: BenchModel,
+    args: argparse.Namespace,
+    settings: Settings,
+    world: int,
+    ranks: str,
 ) -> Path:
     """bench-out/<section>.json: every row plus what it was measured on and with."""
     cuda = settings.device.type == "cuda"
@@ -47,6 +52,7 @@ def save_json(
         "parameters": bm.parameters,
         "flops_per_token": bm.flops_per_token,
         "world": world,
+        "ranks": ranks,
         "micro_batch": args.micro_batch,
         "seq_len": bm.seq_len,
         "tokens_per_step_per_gpu": tokens,
