@@ -4,7 +4,14 @@ No benchmark imports another; what two of them need lives here.
 """
 
 from benchmarks._common._plot import pyplot
-from benchmarks._common._ranks import Placement, init_ranks, join, place_ranks, spawn_ranks
+from benchmarks._common._ranks import (
+    Placement,
+    init_ranks,
+    join,
+    place_ranks,
+    place_torchrun_ranks,
+    spawn_ranks,
+)
 from benchmarks._common._report import (
     DOC,
     RESULTS,
@@ -32,6 +39,7 @@ __all__ = [
     "join",
     "markdown_table",
     "place_ranks",
+    "place_torchrun_ranks",
     "publish",
     "pyplot",
     "replace_section",

@@ -29,7 +29,7 @@ from benchmarks._common._report import entry_point
 
 @dataclass(frozen=True)
 class Placement:
-    """Where `world` ranks run on a host with `gpus` GPUs and `cores` cores."""
+    """Where the `world` ranks of one host run, on a host with `gpus` GPUs and `cores` cores."""
 
     world: int
     gpus: int
@@ -77,6 +77,11 @@ def place_ranks(world: int, *, smoke: bool = False) -> Placement:
     return Placement(world, torch.cuda.device_count(), len(os.sched_getaffinity(0)), smoke)
 
 
+def place_torchrun_ranks(*, smoke: bool) -> Placement:
+    """`place_ranks` for the ranks torchrun started on this host (its environment)."""
+    return place_ranks(int(os.environ["LOCAL_WORLD_SIZE"]), smoke=smoke)
+
+
 def join(placement: Placement) -> torch.device:
     """In a rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* set): take its device or its share
     of the cores, join the process group; this rank's device."""
@@ -97,7 +102,7 @@ def init_ranks(nproc: int, *, smoke: bool) -> tuple[Placement, torch.device]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += [f"--nproc-per-node={nproc}", *entry_point(), *sys.argv[1:]]
         raise SystemExit(subprocess.call(cmd))
-    placement = place_ranks(int(os.environ["WORLD_SIZE"]), smoke=smoke)
+    placement = place_torchrun_ranks(smoke=smoke)
     return placement, join(placement)
 
 
@@ -108,6 +113,7 @@ def _spawned(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(placement.world),
+        LOCAL_WORLD_SIZE=str(placement.world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )

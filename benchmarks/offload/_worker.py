@@ -45,7 +45,7 @@ def _join_alone(smoke: bool) -> torch.device:
     """This process as the only rank of its group, placed as every benchmark's ranks are."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return join(place_ranks(1, smoke=smoke))
 
 

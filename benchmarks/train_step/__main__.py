@@ -53,7 +53,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import ROOT, SMOKE_OUT, join, place_ranks, write_section
+from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._models import MODELS, BenchModel, bench_model
 from benchmarks.train_step._plots import plot, plot_split
@@ -142,9 +142,11 @@ def main() -> None:
     # DeepSpeed still calls the flat collectives by their pre-2.13 names: one warning each.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
     if "RANK" not in os.environ:  # plain `python -m benchmarks.train_step`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+        )
         os.environ.setdefault("MASTER_PORT", "29517")
-    placement = place_ranks(int(os.environ["WORLD_SIZE"]), smoke=args.smoke)
+    placement = place_torchrun_ranks(smoke=args.smoke)
     device = join(placement)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:

@@ -14,7 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import Placement, environment, place_ranks, spawn_ranks
+from benchmarks._common import (
+    Placement,
+    environment,
+    place_ranks,
+    place_torchrun_ranks,
+    spawn_ranks,
+)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +58,15 @@ def test_this_host_without_cuda_places_ranks_on_gloo() -> None:
         assert (p.backend, p.device(0)) == ("gloo", torch.device("cpu"))
     else:  # a GPU host: the same rule on its own count
         assert p.on_gpus == (torch.cuda.device_count() >= 2)
+
+
+def test_torchrun_ranks_are_placed_by_the_ranks_of_this_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two nodes of 2 ranks: each host needs 2 GPUs, not 4.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert place_torchrun_ranks(smoke=False) == place_ranks(2)
 
 
 def test_the_environment_line_names_the_host_and_the_ranks() -> None:
