@@ -16,7 +16,7 @@ from benchmarks.consolidate._source import Checkpoint, Command, Source
 
 def make_rank(rank: int, world: int, args: argparse.Namespace, out: Path) -> None:
     """DeepSpeed itself makes the checkpoint: the GPT built under `deepspeed.zero.Init`,
-    one AdamW step with ZeRO-3 in bf16, `save_checkpoint(out)`."""
+    one (fused) AdamW step with ZeRO-3 in bf16, `save_checkpoint(out)`."""
     import deepspeed  # type: ignore[import-untyped, unused-ignore]
 
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
@@ -31,7 +31,8 @@ def make_rank(rank: int, world: int, args: argparse.Namespace, out: Path) -> Non
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = GPT(args.vocab, args.d_model, args.layers, tied=not args.untied)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # Fused: one pass over the fp32 partitions, a third of the step on 1-thread CPU ranks.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     built = time.perf_counter()
     tokens = torch.randint(0, args.vocab, (1, 16), device=engine.device)
