@@ -127,8 +127,9 @@ def demo_hf(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
     _install(session, "numpy", "matplotlib")
-    for script in ("flatten", "leaf_fetch", "consolidate_dcp"):
+    for script in ("flatten", "leaf_fetch"):
         session.run("python", "-m", f"benchmarks.{script}", "--smoke", *session.posargs)
+    session.run("python", "-m", "benchmarks.consolidate", "--source", "dcp", "--smoke")
     session.run(
         "torchrun", "--standalone", "--nproc-per-node=2", "-m", "benchmarks.train_step", "--smoke"
     )

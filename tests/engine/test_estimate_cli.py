@@ -88,7 +88,7 @@ def test_activation_checkpointing_is_measured() -> None:
 
 
 def test_nvlink_defaults_are_the_fit_of_the_measured_curves() -> None:
-    val = _load("plan_validation", ROOT / "benchmarks" / "plan_validation.py")
+    val = _load("plan_validation", ROOT / "benchmarks" / "plan_validation" / "_sections.py")
     link = val.nvlink_fit()
     assert round(link.gbps, 1) == NVLINK_GBPS_FIT
     assert round(link.latency_us, 1) == NVLINK_LATENCY_US_FIT

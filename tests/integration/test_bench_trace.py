@@ -1,4 +1,4 @@
-"""The profile split of benchmarks/train_step.py on a Chrome trace of known layout.
+"""The profile split of benchmarks/train_step on a Chrome trace of known layout.
 
 A trace written in the format `torch.profiler` exports (device kernels with `cat:
 kernel`, launches with `cat: cuda_runtime` and a shared correlation id, the optimizer's
@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._trace import Kernel, kernel_medians, read_trace, summarize, summarize_chrome_trace
-from benchmarks._train_report import Result, plot_split, profile_tables
+from benchmarks.train_step._plots import plot_split
+from benchmarks.train_step._report import profile_tables
+from benchmarks.train_step._result import Result
+from benchmarks.train_step._trace import (
+    Kernel,
+    kernel_medians,
+    read_trace,
+    summarize,
+    summarize_chrome_trace,
+)
 
 CPU = {"pid": 1, "tid": 7}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Fitted by `benchmarks/plan_validation.py` (least squares on t = alpha + S' / B with
+# Fitted by `benchmarks/plan_validation` (least squares on t = alpha + S' / B with
 # S' = S (n-1)/n) to the raw NCCL curves in benchmarks/results/nccl_raw_2gpu.json
 # (2 x NVIDIA H200, 2026-11-22, sizes 1 MiB .. 1 GiB, all-gather and reduce-scatter
 # together); `tests/engine/test_estimate_cli.py` refits and compares.

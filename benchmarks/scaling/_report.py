@@ -1,35 +1,12 @@
-"""Scaling report: tokens/s/GPU, efficiency against the floor and memory, from train_step runs.
-
-    python -m benchmarks.scaling                      # every benchmarks/results/*.json
-    python -m benchmarks.scaling bench-out/a.json bench-out/b.json
-
-Each input is the bench-out/<section>.json of one benchmarks/train_step.py run (one model,
-one world size). Runs of the same model (preset, sequence, micro-batch, dtype, activation
-checkpointing) at 1, 2, 4 and 8 GPUs become one table: tokens/s/GPU per engine and size,
-and the scaling efficiency = engine tokens/s/GPU / the floor's tokens/s (the model on one
-GPU with no communication, measured in the same run; the median of the model's floors
-when that run has none). Then the goals of issue 8 and a peak-memory table against the
-analytic 16 psi / N bound. Writes section "scaling" of docs/benchmarks.md and
-docs/scaling.png; inputs from `--smoke` runs (CPU) write only bench-out/scaling.md and
-bench-out/scaling.png.
-"""
+"""The markdown of benchmarks/scaling: throughput and memory tables, goals, failures."""
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import statistics
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from benchmarks._report import SMOKE_OUT, markdown_table, publish
-from benchmarks._scaling_plot import plot
+from benchmarks._common import markdown_table
+from benchmarks.scaling._runs import Cell, Run, cells
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-PNG = ROOT / "docs" / "scaling.png"
 SIZES = (1, 2, 4, 8)
 NOT_LENT = {8: "not run: x8 not lent"}
 GIB = 1024**3
@@ -47,119 +24,6 @@ KEEPS = {
     "ds3": "bf16 parameter partition (2 psi / N) on top of the fp32 master, gradient, m and "
     "v partitions, plus DeepSpeed's own buffers",
 }
-
-
-@dataclass(frozen=True)
-class Run:
-    """One train_step.py run: its settings and one row per engine."""
-
-    path: Path
-    meta: dict[str, Any]
-    rows: dict[str, dict[str, Any]]
-
-    @property
-    def model(self) -> str:
-        """The model key: runs with the same key are comparable."""
-        m = self.meta
-        ac = ", activation checkpointing" if m["activation_checkpointing"] else ""
-        return (
-            f"{m['model_name']} `{m['preset']}` ({_count(m['parameters'])} parameters), "
-            f"seq {m['seq_len']}, "
-            f"micro-batch {m['micro_batch']}, {m['dtype']}{ac}"
-        )
-
-    @property
-    def world(self) -> int:
-        """GPUs (ranks) of the run."""
-        return int(self.meta["world"])
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-
-
-def load(path: Path) -> Run:
-    """Read one bench-out/<section>.json; a clear error if it is not one."""
-    try:
-        data = json.loads(path.read_text())
-        meta, rows = data["meta"], data["results"]
-        missing = [
-            k
-            for k in ("preset", "parameters", "world", "micro_batch", "seq_len", "dtype")
-            if k not in meta
-        ]
-        if missing:
-            raise KeyError(f"meta has no {missing}")
-        meta.setdefault("activation_checkpointing", False)
-        meta.setdefault("model_name", "gpt")  # runs from before `--model` existed
-        return Run(path, meta, {r["engine"]: r for r in rows})
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(
-            f"{path}: not a train_step.py results file ({type(e).__name__}: {e})"
-        ) from e
-
-
-def group(runs: list[Run]) -> dict[str, dict[int, list[Run]]]:
-    """Runs per model and world size; two runs may share a size if their engines differ
-    (each may have its own floor)."""
-    out: dict[str, dict[int, list[Run]]] = {}
-    for run in runs:
-        same = out.setdefault(run.model, {}).setdefault(run.world, [])
-        mine = {e for e, row in run.rows.items() if _measured(row) and e != "floor"}
-        for other in same:
-            both = {e for e in mine if e in other.rows and _measured(other.rows[e])}
-            if both:
-                raise SystemExit(
-                    f"{other.path} and {run.path} both measured {sorted(both)} for "
-                    f"{run.model} at {run.world} GPUs: pass one of them"
-                )
-        same.append(run)
-    return out
-
-
-def _measured(row: dict[str, Any]) -> bool:
-    return row.get("tokens_per_s_per_gpu") is not None
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One engine at one size: its row, its run and the floor it is compared with."""
-
-    row: dict[str, Any]
-    run: Run
-    floor_tps: float | None
-
-    @property
-    def tps(self) -> float | None:
-        """Tokens/s/GPU, None if not measured."""
-        v = self.row.get("tokens_per_s_per_gpu")
-        return float(v) if v is not None else None
-
-    @property
-    def efficiency(self) -> float | None:
-        """tokens/s/GPU over the floor's tokens/s."""
-        return self.tps / self.floor_tps if self.tps and self.floor_tps else None
-
-
-def cells(by_world: dict[int, list[Run]]) -> dict[str, dict[int, Cell]]:
-    """engine -> size -> Cell, for one model; a measured row wins over a failed one."""
-    floors = [
-        r.rows["floor"]["tokens_per_s_per_gpu"]
-        for runs in by_world.values()
-        for r in runs
-        if "floor" in r.rows and _measured(r.rows["floor"])
-    ]
-    fallback = statistics.median(floors) if floors else None
-    out: dict[str, dict[int, Cell]] = {}
-    for world, runs in sorted(by_world.items()):
-        for run in runs:
-            own = run.rows.get("floor")
-            floor = own["tokens_per_s_per_gpu"] if own and _measured(own) else fallback
-            for engine, row in run.rows.items():
-                have = out.setdefault(engine, {}).get(world)
-                if have is None or not _measured(have.row):
-                    out[engine][world] = Cell(row, run, floor)
-    return out
 
 
 def _status(row: dict[str, Any]) -> str:
@@ -259,7 +123,7 @@ def section(
     first = runs[0].meta
     devices = sorted({f"{r.meta.get('device')} (torch {r.meta.get('torch')})" for r in runs})
     body = [
-        f"From {len(runs)} runs of `benchmarks/train_step.py` on {', '.join(devices)}: "
+        f"From {len(runs)} runs of `benchmarks/train_step` on {', '.join(devices)}: "
         + ", ".join(f"`{r.path.name}`" for r in runs)
         + ". Each row: tokens/s/GPU (scaling efficiency = that / the floor's tokens/s, the "
         "same model on one GPU with no communication, measured in the same run). The "
@@ -304,29 +168,3 @@ def section(
         if fails:
             body += ["", "Failures:", "", *fails]
     return "\n".join(body), all_cells
-
-
-def main() -> None:
-    """Read the runs, write the section and the plot."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", type=Path, help="default: benchmarks/results/*.json")
-    args = p.parse_args()
-    files = args.files or sorted(RESULTS.glob("*.json"))
-    if not files:
-        raise SystemExit(f"no results: pass JSON files or commit them under {RESULTS}")
-    runs = [load(f) for f in files]
-    smoke = any(r.meta["preset"] == "smoke" or r.meta.get("device") == "cpu" for r in runs)
-    body, all_cells = section(group(runs))
-    png = SMOKE_OUT / "scaling.png" if smoke else PNG
-    if plot(all_cells, png) and not smoke:
-        body += f"\n\n![tokens/s/GPU against GPUs per engine]({png.name})"
-    print(body)
-    measured = (
-        f"Built {datetime.date.today().isoformat()} by `scaling.py` from the runs listed "
-        "below (their device, versions and commands are in each JSON file and below)."
-    )
-    publish("scaling", "Scaling: 1, 2, 4 and 8 GPUs", body, smoke=smoke, measured=measured)
-
-
-if __name__ == "__main__":
-    main()

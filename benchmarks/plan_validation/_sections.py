@@ -1,12 +1,5 @@
-"""Validate `zeroshard.engine.estimate` against the committed GPU runs; project to 1,024 GPUs.
-
-Reads benchmarks/results/scale_*.json (and nccl_raw_2gpu.json, the raw NCCL curves, for
-the NVLink fit) and rewrites the generated sections of
-docs/scaling.md. Runs on a CPU (the models are on the meta device). Rerun it after new
-GPU runs land in benchmarks/results/.
-
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/plan_validation.py
-"""
+"""The generated sections of docs/scaling.md: the NVLink fit, the planner against the
+measured runs, the projection to 1,024 GPUs and the planner's recommendation."""
 
 from __future__ import annotations
 
@@ -15,10 +8,10 @@ import io
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch import nn
 
+from benchmarks._common import DOC, RESULTS, ROOT
 from zeroshard.engine import ZeroConfig, estimate
 from zeroshard.engine import _plan_cli as plan_cli
 from zeroshard.engine._estimate_comm import Cluster, Link, fit_link
@@ -26,9 +19,7 @@ from zeroshard.engine._estimate_layout import plan_groups
 from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._plan_models import PRESETS, build
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-DOC = ROOT / "docs" / "scaling.md"
+SCALING_DOC = ROOT / "docs" / "scaling.md"
 GIB = 2**30
 ENGINES = {"zs2": 2, "zs3": 3, "zs2h": 2, "zs3h": 3}
 PREFETCH = 4 * GIB
@@ -44,14 +35,6 @@ def nvlink_fit() -> Link:
         sizes.append(int(moved))
         seconds.append(moved / (row["raw_bus_gbps"] * 1e9))
     return fit_link(sizes, seconds)
-
-
-def _write(name: str, body: str) -> None:
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = DOC.read_text()
-    before, rest = text.split(start, 1)
-    _, after = rest.split(end, 1)
-    DOC.write_text(f"{before}{start}\n{body.rstrip()}\n{end}{after}")
 
 
 def _pct(est: float, meas: float) -> str:
@@ -114,7 +97,7 @@ def validation() -> str:
 def offload_validation() -> str:
     """GPU and host memory of the offload runs in docs/benchmarks.md (no step time: the
     one-GPU compute figure of those models on that device was not measured)."""
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    text = DOC.read_text()
     rows = [
         "| section (docs/benchmarks.md) | measured on | params | GPU peak GiB est / meas | "
         "host GiB est / meas (RSS) |",
@@ -291,12 +274,12 @@ def _plot(points: list[_Point]) -> None:
         ax[i].set_ylim(bottom=0)
         ax[i].legend()
     fig.tight_layout()
-    fig.savefig(DOC.with_name("planning.png"), dpi=90)
+    fig.savefig(SCALING_DOC.with_name("planning.png"), dpi=90)
 
 
 def _cpu_adam_rate() -> tuple[float, str]:
     """Params/s of torch's fused CPU AdamW from the offload section of docs/benchmarks.md."""
-    body = (ROOT / "docs" / "benchmarks.md").read_text().split("<!-- offload:start -->")[1]
+    body = DOC.read_text().split("<!-- offload:start -->")[1]
     on = re.search(r"Measured (\S+) on 1 x ([^;]+);", body)
     m = re.search(r"\| torch AdamW fused=True \(CPU\) \| [^|]+ \| ([\d,]+)M \|", body)
     assert on and m, "the offload section of docs/benchmarks.md changed shape"
@@ -336,20 +319,3 @@ def recommendation() -> str:
         f"AdamW rate from the offload section of docs/benchmarks.md, {where}; 80 GiB is an "
         "example limit):\n\n```\n" + out.getvalue().rstrip() + "\n```"
     )
-
-
-def main() -> None:
-    link = nvlink_fit()
-    _write(
-        "fit",
-        f"Fitted NVLink: {link.gbps:.1f} GB/s bus bandwidth, {link.latency_us:.1f} us "
-        "per ring step (fitted to the raw NCCL all-gather / reduce-scatter curves of "
-        "benchmarks/results/nccl_raw_2gpu.json, 2 x NVIDIA H200, 2026-11-22).",
-    )
-    _write("validation", validation() + "\n\n" + offload_validation())
-    _write("projection", projections())
-    _write("recommendation", recommendation())
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 The floors' traces (`floor`, `floorc`) are kept as per-kernel references, so the
 engines profiled after them get the overlap slowdown measured against kernels that ran
-with no communication at all (see benchmarks/_trace.py).
+with no communication at all (see `_trace.py`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks._trace import TraceSummary, kernel_medians, read_trace, summarize
-from benchmarks._train_engines import COMPILED
+from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._trace import TraceSummary, kernel_medians, read_trace, summarize
 
 # Per-name median kernel durations of the floors' traces (rank 0), the reference against
 # which `summarize` measures how much overlapping collectives slow each compute kernel:
 # `floor` for the eager engines, `floorc` for the compiled ones (inductor's own kernels).
 REFERENCE: dict[str, dict[str, float]] = {}
-
-
-def _reference_of(name: str) -> str:
-    return "floorc" if name in COMPILED else "floor"
 
 
 def profile(
@@ -52,6 +48,7 @@ def profile(
     path = prefix.with_name(f"{prefix.name}_{name}.trace.json")
     prof.export_chrome_trace(str(path))
     kernels, optimizer = read_trace(path)
-    if name in ("floor", "floorc"):
+    engine = ENGINES[name]
+    if engine.rank0_only:
         REFERENCE[name] = kernel_medians(kernels)
-    return summarize(kernels, 2, optimizer, REFERENCE.get(_reference_of(name)))
+    return summarize(kernels, 2, optimizer, REFERENCE.get(engine.floor))

@@ -1,4 +1,4 @@
-"""The figure of benchmarks/scaling.py: tokens/s/GPU against GPUs, one panel per model."""
+"""The figure of benchmarks/scaling: tokens/s/GPU against GPUs, one panel per model."""
 
 from __future__ import annotations
 
@@ -6,18 +6,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import pyplot
+
 
 def plot(models: dict[str, dict[str, dict[int, Any]]], path: Path) -> bool:
     """One line per engine (model -> engine -> GPUs -> cell with `.tps`), the floor dashed;
     False if matplotlib is missing."""
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return False
-    if not models:
+    plt = pyplot()
+    if plt is None or not models:
         return False
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.8), squeeze=False)
     for ax, (model, table) in zip(axes[0], models.items(), strict=True):

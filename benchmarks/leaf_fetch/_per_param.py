@@ -1,4 +1,4 @@
-"""The per-parameter peer of benchmarks/leaf_fetch.py: each parameter sharded and gathered alone.
+"""The per-parameter peer of benchmarks/leaf_fetch: each parameter sharded and gathered alone.
 
 This is what a per-tensor ZeRO-3 engine does for a module: every parameter has its own
 even shard (zero-padded to a multiple of the world size), kept resident in the compute

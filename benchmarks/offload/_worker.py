@@ -1,10 +1,11 @@
-"""One part of benchmarks/offload.py, run in a process of its own.
+"""One part of benchmarks/offload, run in a process of its own.
 
-    python -m benchmarks._offload_workers PART ARGS_JSON OUT_JSON
+    python -m benchmarks.offload._worker PART ARGS_JSON OUT_JSON
 
-PART is `train-zs`, `train-ds`, `adam-torch` or `adam-ds`. Each part runs alone so that
-a host or device out-of-memory, or a crash in a JIT-built extension, costs only its own
-row, and so that every part starts with the host memory empty. The result (or the
+PART is `train-zs`, `train-ds`, `adam-torch-fused`, `adam-torch-foreach` or `adam-ds`.
+Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
+extension, costs only its own row, and so that every part starts with the host memory
+empty. The result (or the
 error) is written to OUT_JSON.
 """
 
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from benchmarks._common import join, place_ranks
 from examples.gpt import GPT, GPTConfig, parameters_count
 
 LR = 1e-4
@@ -40,11 +41,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _init_single_rank(device: torch.device) -> None:
+def _join_alone(smoke: bool) -> torch.device:
+    """This process as the only rank of its group, placed as every benchmark's ranks are."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    return join(place_ranks(1, smoke=smoke))
 
 
 def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
@@ -74,10 +76,7 @@ def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTC
 
 def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     """Time one offloaded training step (bf16 compute, AdamW on the CPU)."""
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    _init_single_rank(device)
+    device = _join_alone(a["smoke"])
     torch.manual_seed(0)
     start = time.perf_counter()
     model, cfg = _gpt(a, device)

@@ -1,4 +1,4 @@
-"""The models benchmarks/train_step.py times (`--model`), each behind one `BenchModel`.
+"""The models benchmarks/train_step times (`--model`), each behind one `BenchModel`.
 
 - `gpt`: examples/gpt.py (LayerNorm, GELU MLP, learned positions, tied head);
 - `llama`: examples/llama.py (RMSNorm, SwiGLU, rotary, grouped-query SDPA, untied head);
@@ -22,8 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples import gpt, llama
-
-MODELS = ("gpt", "llama", "hf-llama")
 
 
 @dataclass(frozen=True)
@@ -77,68 +75,100 @@ def _hf_llama(cfg: llama.LlamaConfig) -> nn.Module:
     return HFCausalLM(model)
 
 
-SMOKE_GPT = gpt.GPTConfig(vocab_size=512, d_model=128, n_layer=2, n_head=4, seq_len=64)
-SMOKE_LLAMA = llama.LlamaConfig(
+def _gpt_shape(g: gpt.GPTConfig) -> str:
+    return (
+        f"d {g.d_model}, {g.n_layer} layers, {g.n_head} heads, seq {g.seq_len}, "
+        f"vocab {g.vocab_size}, LayerNorm, GELU MLP, tied head"
+    )
+
+
+def _llama_shape(source: str) -> Callable[[llama.LlamaConfig], str]:
+    def shape(c: llama.LlamaConfig) -> str:
+        return (
+            f"{source}: d {c.d_model}, {c.n_layer} layers, {c.n_head} heads ({c.n_kv_head} "
+            f"k/v), SwiGLU {c.ffn_hidden}, seq {c.seq_len}, vocab {c.vocab_size}, RMSNorm, "
+            "rotary, SDPA, untied head"
+        )
+
+    return shape
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How to build one `--model` from its config class: presets, the smoke and tiny sizes,
+    the module, its counts and its one-line shape."""
+
+    config: Any  # the config class, with `preset(name, **overrides)`
+    smoke: Any  # the config of `--smoke`
+    tiny: Any  # the config of the untimed first set-ups
+    make: Callable[[Any], nn.Module]
+    parameters_count: Callable[[Any], int]
+    flops_per_token: Callable[[Any], int]
+    shape: Callable[[Any], str]
+
+
+_SMOKE_LLAMA = llama.LlamaConfig(
     vocab_size=512, d_model=128, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=344, seq_len=64
 )
+_TINY_LLAMA = llama.LlamaConfig(
+    vocab_size=64, d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_hidden=64, seq_len=8
+)
+FAMILIES: dict[str, _Family] = {
+    "gpt": _Family(
+        gpt.GPTConfig,
+        gpt.GPTConfig(vocab_size=512, d_model=128, n_layer=2, n_head=4, seq_len=64),
+        gpt.GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=1, seq_len=8),
+        gpt.GPT,
+        gpt.parameters_count,
+        gpt.flops_per_token,
+        _gpt_shape,
+    ),
+    "llama": _Family(
+        llama.LlamaConfig,
+        _SMOKE_LLAMA,
+        _TINY_LLAMA,
+        llama.Llama,
+        llama.parameters_count,
+        llama.flops_per_token,
+        _llama_shape("examples/llama.py"),
+    ),
+    "hf-llama": _Family(
+        llama.LlamaConfig,
+        _SMOKE_LLAMA,
+        _TINY_LLAMA,
+        _hf_llama,
+        llama.parameters_count,
+        llama.flops_per_token,
+        _llama_shape("transformers.LlamaForCausalLM"),
+    ),
+}
+MODELS = tuple(FAMILIES)
 
 
 def bench_model(
     name: str, preset: str, *, smoke: bool, seq_len: int | None, activation_checkpointing: bool
 ) -> BenchModel:
     """The model `name` at `preset` (a tiny one under `smoke`), with optional overrides."""
+    family = FAMILIES.get(name)
+    if family is None:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     overrides: dict[str, Any] = {"activation_checkpointing": activation_checkpointing}
     if seq_len:
         overrides["seq_len"] = seq_len
-    if name == "gpt":
-        g = (
-            gpt.GPTConfig(**{**asdict(SMOKE_GPT), **overrides})
-            if smoke
-            else gpt.GPTConfig.preset(preset, **overrides)
-        )
-        tiny_g = gpt.GPTConfig(vocab_size=64, d_model=32, n_layer=1, n_head=1, seq_len=8)
-        return BenchModel(
-            name="gpt",
-            preset="smoke" if smoke else preset,
-            build=lambda: gpt.GPT(g),
-            tiny=lambda: gpt.GPT(tiny_g),
-            parameters=gpt.parameters_count(g),
-            flops_per_token=gpt.flops_per_token(g),
-            vocab_size=g.vocab_size,
-            seq_len=g.seq_len,
-            shape=(
-                f"d {g.d_model}, {g.n_layer} layers, {g.n_head} heads, seq {g.seq_len}, "
-                f"vocab {g.vocab_size}, LayerNorm, GELU MLP, tied head"
-            ),
-            config=asdict(g),
-        )
-    if name not in ("llama", "hf-llama"):
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
-    c = (
-        llama.LlamaConfig(**{**asdict(SMOKE_LLAMA), **overrides})
+    cfg = (
+        family.config(**{**asdict(family.smoke), **overrides})
         if smoke
-        else llama.LlamaConfig.preset(preset, **overrides)
+        else family.config.preset(preset, **overrides)
     )
-    tiny_c = llama.LlamaConfig(
-        vocab_size=64, d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_hidden=64, seq_len=8
-    )
-    make: Callable[[llama.LlamaConfig], nn.Module] = (
-        _hf_llama if name == "hf-llama" else llama.Llama
-    )
-    source = "transformers.LlamaForCausalLM" if name == "hf-llama" else "examples/llama.py"
     return BenchModel(
         name=name,
         preset="smoke" if smoke else preset,
-        build=lambda: make(c),
-        tiny=lambda: make(tiny_c),
-        parameters=llama.parameters_count(c),
-        flops_per_token=llama.flops_per_token(c),
-        vocab_size=c.vocab_size,
-        seq_len=c.seq_len,
-        shape=(
-            f"{source}: d {c.d_model}, {c.n_layer} layers, {c.n_head} heads ({c.n_kv_head} "
-            f"k/v), SwiGLU {c.ffn_hidden}, seq {c.seq_len}, vocab {c.vocab_size}, RMSNorm, "
-            "rotary, SDPA, untied head"
-        ),
-        config=asdict(c),
+        build=lambda: family.make(cfg),
+        tiny=lambda: family.make(family.tiny),
+        parameters=family.parameters_count(cfg),
+        flops_per_token=family.flops_per_token(cfg),
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        shape=family.shape(cfg),
+        config=asdict(cfg),
     )

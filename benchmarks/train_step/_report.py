@@ -1,38 +1,19 @@
-"""The report of benchmarks/train_step.py: its table, ratios, goals and plot.
+"""The markdown of benchmarks/train_step: its table, ratios, goals and profile tables.
 
 Kept apart from the measuring so that each file has one concern: `Result` rows come in,
-markdown and a PNG go out. Ratios compare zeroshard only with peers measured in the same
-run.
+markdown goes out (the figures are `_plots.py`'s). Ratios compare zeroshard only with
+peers measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from benchmarks._models import BenchModel
-from benchmarks._report import markdown_table
-from benchmarks._trace import TraceSummary
-from benchmarks._train_engines import COMPILED, Settings
-
-
-@dataclass(frozen=True)
-class Result:
-    """One engine's row; `error` (failed) or `skipped` (does not apply) leave the figures None."""
-
-    engine: str
-    what: str
-    init_s: float | None = None
-    step_ms: float | None = None
-    peak_gib: float | None = None
-    error: str | None = None
-    trace: TraceSummary | None = None
-    left_gib: float = 0.0  # still allocated after the engine was freed: a leak into the next
-    build_s: float | None = None  # model construction on the device, before wrapping
-    states_gib: float | None = None  # kept allocated between steps (model states)
-    skipped: str | None = None
+from benchmarks._common import markdown_table
+from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._models import BenchModel
+from benchmarks.train_step._result import Result
+from benchmarks.train_step._settings import Settings
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -40,7 +21,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def report(
-    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, world: int
+    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, ranks: str
 ) -> str:
     """The markdown body: settings, the table, ratios, goals, and the profile summary."""
     tokens = args.micro_batch * bm.seq_len
@@ -83,7 +64,7 @@ def report(
     head = (
         f"`{bm.name}` `{bm.preset}`: {bm.parameters / 1e6:,.1f} M parameters ({bm.shape}); "
         f"micro-batch {args.micro_batch} "
-        f"per rank, {world} ranks on {settings.device.type}, compute "
+        f"per rank, {ranks}, compute "
         f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
         f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
@@ -129,7 +110,7 @@ def report(
 
 def profile_tables(traced: list[Result], by: dict[str, Result]) -> list[str]:
     """The step split per engine, and each engine's gap to its floor split into (a) exposed
-    communication and (b) compute slowed by overlapping collectives (benchmarks/_trace.py)."""
+    communication and (b) compute slowed by overlapping collectives (`_trace.py`)."""
     split: list[list[object]] = []
     gaps: list[list[object]] = []
     for r in traced:
@@ -148,8 +129,8 @@ def profile_tables(traced: list[Result], by: dict[str, Result]) -> list[str]:
                 f"{t.idle_ms:.1f}",
             ]
         )
-        floor = by.get("floorc" if r.engine in COMPILED else "floor")
-        if r.engine in ("floor", "floorc") or floor is None or not floor.step_ms:
+        floor = by.get(ENGINES[r.engine].floor)
+        if ENGINES[r.engine].rank0_only or floor is None or not floor.step_ms:
             continue
         assert r.step_ms is not None
         gap = r.step_ms - floor.step_ms
@@ -265,96 +246,3 @@ def _goals(by: dict[str, Result]) -> list[str]:
             f"({'met' if sp >= 3 else 'NOT met'})"
         )
     return out
-
-
-def _pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend, or None if matplotlib is missing."""
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
-    return plt
-
-
-def plot_split(results: list[Result], path: Path, title: str) -> bool:
-    """Stacked bars per profiled engine: compute, (b) compute slowed by overlapping
-    collectives, optimizer, (a) exposed communication and the rest of the median step time;
-    False if nothing was profiled or matplotlib is missing."""
-    traced = [r for r in results if r.trace is not None and r.step_ms]
-    plt = _pyplot()
-    if plt is None or not traced:
-        return False
-    names = [r.engine for r in traced]
-    parts: dict[str, list[float]] = {
-        "compute": [],
-        "(b) compute slowed by overlapping collectives": [],
-        "optimizer": [],
-        "(a) exposed communication": [],
-        "other (idle, host)": [],
-    }
-    for r in traced:
-        t = r.trace
-        assert t is not None and r.step_ms is not None
-        slowed = min(t.overlap_slowdown_ms, t.compute_only_ms)
-        parts["compute"].append(t.compute_only_ms - slowed)
-        parts["(b) compute slowed by overlapping collectives"].append(slowed)
-        parts["optimizer"].append(t.optimizer_ms)
-        parts["(a) exposed communication"].append(t.exposed_comm_ms)
-        busy = t.compute_ms + t.exposed_comm_ms
-        parts["other (idle, host)"].append(max(r.step_ms - busy, 0.0))
-    colors = ["tab:green", "tab:olive", "tab:purple", "tab:red", "tab:gray"]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(traced) + 2.4))
-    left = [0.0] * len(traced)
-    for (label, values), color in zip(parts.items(), colors, strict=True):
-        ax.barh(names, values, left=left, label=label, color=color)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    ax.invert_yaxis()
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_xlabel("ms per step (median step time, split by the profile of 2 steps, rank 0)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8)
-    ax.set_title(f"Step time split per engine ({title})", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def plot(results: list[Result], path: Path, title: str) -> bool:
-    """Bar charts of step time and peak memory per engine; False if matplotlib is missing."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    ok = [r for r in results if r.error is None and r.step_ms is not None]
-    if not ok:
-        return False
-    names = [r.engine for r in ok]
-    family = {"zs": "tab:green", "ds": "tab:orange", "fl": "tab:gray"}
-    colors = [family.get(n[:2], "tab:blue") for n in names]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.45 * len(ok) + 1.6))
-    bars = a.barh(names, [r.step_ms or 0 for r in ok], color=colors)
-    a.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
-    floor = next((r.step_ms for r in ok if r.engine == "floor"), None)
-    if floor:
-        a.axvline(floor, color="tab:gray", linestyle="--", linewidth=1)
-    a.set_xlabel("median step time (ms, lower is better; dashed: no-communication floor)")
-    peaks = [r.peak_gib or 0 for r in ok]
-    bars = b.barh(names, peaks, color=colors)
-    if any(peaks):
-        b.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
-    else:
-        b.text(0.5, 0.5, "not measured on CPU", ha="center", transform=b.transAxes)
-    b.set_xlabel("peak memory (GiB, lower is better)")
-    for ax in (a, b):
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
-        ax.margins(x=0.15)
-    fig.suptitle(f"Training step per engine, {title} (benchmarks/train_step.py)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

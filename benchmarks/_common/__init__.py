@@ -1,0 +1,48 @@
+"""What every benchmark shares: the report writer, the start of ranks, matplotlib.
+
+No benchmark imports another; what two of them need lives here.
+"""
+
+from benchmarks._common._plot import pyplot
+from benchmarks._common._ranks import (
+    Placement,
+    init_ranks,
+    join,
+    place_ranks,
+    place_torchrun_ranks,
+    spawn_ranks,
+)
+from benchmarks._common._report import (
+    DOC,
+    RESULTS,
+    ROOT,
+    SMOKE_OUT,
+    command,
+    entry_point,
+    environment,
+    markdown_table,
+    publish,
+    replace_section,
+    write_section,
+)
+
+__all__ = [
+    "DOC",
+    "Placement",
+    "RESULTS",
+    "ROOT",
+    "SMOKE_OUT",
+    "command",
+    "entry_point",
+    "environment",
+    "init_ranks",
+    "join",
+    "markdown_table",
+    "place_ranks",
+    "place_torchrun_ranks",
+    "publish",
+    "pyplot",
+    "replace_section",
+    "spawn_ranks",
+    "write_section",
+]

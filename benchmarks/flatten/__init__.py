@@ -1,0 +1,1 @@
+"""Time and peak memory of each flattening tier: `python -m benchmarks.flatten`."""

@@ -1,0 +1,1 @@
+"""The largest GPT one GPU trains with optimizer offload: `python -m benchmarks.offload`."""

@@ -1,0 +1,1 @@
+"""Scaling report from train_step runs: `python -m benchmarks.scaling`."""

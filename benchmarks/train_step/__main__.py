@@ -1,0 +1,225 @@
+"""Time one training step of a model under several engines in one torchrun launch.
+
+Run from the repository root (`-m` makes `benchmarks` and `examples` importable):
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step \
+        --model llama --preset 7b --profile
+    torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
+
+Models (`--model`, see `_models.py`): `gpt` (examples/gpt.py), `llama`
+(examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
+built from a config: no download), each at the presets `1.3b` and `7b`.
+transformers 5.23.0 goes to a machine without registry access (the GPU image: Python 3.12,
+x86_64) as wheels, 43.5 MiB with numpy, 28.5 MiB without; install them there with
+`pip install --no-index --find-links .whl transformers==5.23.0`. They are fetched by
+
+    pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+        transformers==5.23.0
+
+which brings its dependencies along: huggingface-hub, tokenizers, safetensors, regex,
+pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
+
+Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
+device with no communication, on rank 0 while the others wait), `floorc` (the floor with
+every block under `torch.compile`, the reference of the compiled engines), `ddp`, `fsdp2`,
+`fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `ds1`-`ds3` (DeepSpeed, always run last) and the
+hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within `--shard-group-size` ranks, replicate across
+the rest). Each gets the same freshly built model (`--activation-checkpointing` recomputes
+every block in backward, for every engine), the same random tokens and
+torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded), median
+step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
+tokens/s/GPU, MFU, peak memory and the memory kept between steps. An engine that fails
+gets a row saying why and the run goes on.
+`--profile` adds, per engine, the split of the step into compute, optimizer, exposed
+communication and idle time, and of its gap to the floor into (a) exposed communication
+and (b) compute kernels slowed by the collectives overlapping them (`_trace.py`).
+Every run saves its results and settings to bench-out/<section>.json (what
+benchmarks/scaling reads); full runs also write the "<section>" section of
+docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
+`_<preset>` for any preset but 1.3b) and docs/<section>.png, `--smoke` and `--no-write`
+only bench-out/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
+from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._models import MODELS, BenchModel, bench_model
+from benchmarks.train_step._plots import plot, plot_split
+from benchmarks.train_step._report import report
+from benchmarks.train_step._result import save_json
+from benchmarks.train_step._run import run_engine, warm_up_process
+from benchmarks.train_step._settings import NOTES, Settings
+
+DOCS = ROOT / "docs"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default=None, help="comma-separated; default: all importable")
+    p.add_argument("--model", default="gpt", choices=MODELS, help="model family (default gpt)")
+    p.add_argument("--preset", default="1.3b", help="the model's preset: 1.3b or 7b")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per engine")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="bf16 (fp32 in --smoke)")
+    p.add_argument("--clip", type=float, default=0.0, help="grad-norm clip in every engine")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="per-GPU peak for MFU (default: H100/H200 SXM bf16 dense, 989)",
+    )
+    p.add_argument("--zs-config", default="{}", help="JSON merged into the zeroshard config")
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=2,
+        help="hybrid engines (zs2h, zs3h, fsdp2h): shard within this many ranks (default 2)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block in backward (non-reentrant torch.utils.checkpoint), all engines",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile 2 extra steps per engine: exposed communication, idle time",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU/gloo, bench-out only")
+    p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
+    p.add_argument(
+        "--section",
+        default=None,
+        help="docs/benchmarks.md section (default: train_step[_<model>][_<preset>])",
+    )
+    args = p.parse_args()
+    unknown = sorted(set((args.engines or "").split(",")) - set(ENGINES) - {""})
+    if unknown:
+        p.error(f"unknown engine(s) {', '.join(unknown)}; valid: {', '.join(ENGINES)}")
+    try:
+        model_of(args)  # only shapes: an unknown preset or a bad --seq-len is an option error
+    except ValueError as e:
+        p.error(str(e))
+    if args.section is None:
+        model = "" if args.model == "gpt" else f"_{args.model}"
+        preset = "" if args.preset == "1.3b" else f"_{args.preset}"
+        args.section = f"train_step{model}{preset}".replace("-", "_").replace(".", "_")
+    if args.shard_group_size < 1:
+        p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
+    return args
+
+
+def model_of(args: argparse.Namespace) -> BenchModel:
+    """The benchmarked model: `--model` at `--preset`, or a tiny one under --smoke."""
+    return bench_model(
+        args.model,
+        args.preset,
+        smoke=args.smoke,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+
+
+def main() -> None:
+    """Run every chosen engine in turn and write the report on rank 0."""
+    args = parse_args()
+    # DeepSpeed still calls the flat collectives by their pre-2.13 names: one warning each.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
+    if "RANK" not in os.environ:  # plain `python -m benchmarks.train_step`: a world of one
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+        )
+        os.environ.setdefault("MASTER_PORT", "29517")
+    placement = place_torchrun_ranks(smoke=args.smoke)
+    device = join(placement)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        print(f"[train_step] ranks: {placement.describe()}", flush=True)
+    dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "bf16")]
+    if args.smoke:
+        args.micro_batch, args.warmup, args.steps = 2, 1, 2
+    bm = model_of(args)
+    settings = Settings(
+        device,
+        dtype,
+        args.clip,
+        args.micro_batch,
+        json.loads(args.zs_config),
+        args.shard_group_size,
+    )
+    names = (
+        args.engines.split(",")
+        if args.engines
+        else [n for n, e in ENGINES.items() if e.available()]
+    )
+    # DeepSpeed last (a stable sort keeps the order otherwise): see `Engine.runs_last`.
+    names.sort(key=lambda n: ENGINES[n].runs_last)
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, bm.vocab_size, (args.micro_batch, bm.seq_len + 1), generator=g)
+    data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
+
+    warm_up_process(device)
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        r = run_engine(name, bm, settings, args, data)
+        results.append(r)
+        if rank == 0:
+            # Saved after every engine: a run cut short by a time limit keeps what it measured.
+            save_json(results, bm, args, settings, world, placement.describe())
+            state = (
+                r.error
+                or (r.skipped and f"skipped: {r.skipped}")
+                or (
+                    f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s, build {r.build_s:.1f} s, "
+                    f"peak {r.peak_gib or 0:.1f} GiB, states {r.states_gib or 0:.1f} GiB"
+                )
+            )
+            state += f", {r.left_gib:.2f} GiB left allocated" if r.left_gib else ""
+            print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    if rank == 0:
+        body = report(results, bm, args, settings, placement.describe())
+        if NOTES:
+            body += "\n\n" + "\n".join(f"- `{name}`: {note}." for name, note in NOTES.items())
+        print(body)
+        title = f"{bm.name} {bm.preset}: {args.section}"
+        if args.smoke or args.no_write:
+            plot(results, SMOKE_OUT / f"{args.section}.png", title)
+            plot_split(results, SMOKE_OUT / f"{args.section}_split.png", title)
+        else:
+            png = DOCS / f"{args.section}.png"
+            if plot(results, png, title):
+                body += f"\n\n![step time and peak memory per engine]({png.name})"
+            split = DOCS / f"{args.section}_split.png"
+            if plot_split(results, split, title):
+                body += (
+                    "\n\n![step time split into compute, optimizer, exposed communication "
+                    f"and the rest, per engine]({split.name})"
+                )
+            title = f"Training step ({bm.name}): zeroshard vs DDP, FSDP2, DeepSpeed"
+            if args.section != "train_step":
+                title += f" ({args.section})"
+            write_section(args.section, title, body, ranks=placement.describe())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The registry of engines that benchmarks/train_step times: one `Engine` line each.
+
+To add an engine, write its setup (`(model, Settings) -> Stepper`, see `_settings.py`) in
+the module of its family (`_torch_engines.py`, `_zeroshard_engines.py`,
+`_deepspeed_engines.py`) and add its `Engine` to `ENGINES` below; `--engines`, the
+report, the JSON and the plots take it from here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from benchmarks.train_step import _torch_engines as tch
+from benchmarks.train_step._deepspeed_engines import setup_ds
+from benchmarks.train_step._settings import Settings, Stepper
+from benchmarks.train_step._zeroshard_engines import setup_zs, setup_zs3c
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A name, a one-line description, a setup function and whether it can be imported.
+
+    `what` may name `{shard}` and `{replicate}`: the hybrid group sizes of the run.
+    """
+
+    name: str
+    what: str
+    setup: Callable[[nn.Module, Settings], Stepper]
+    available: Callable[[], bool]
+    # A floor: one device, no communication; runs alone on rank 0 while the others wait.
+    rank0_only: bool = False
+    # Its blocks run compiled: its floor is `floorc` (inductor's kernels), not `floor`.
+    compiled: bool = False
+    # Runs after every other engine: importing and initializing DeepSpeed sets process-wide
+    # state (its accelerator, logging, hooks), which must not touch the engines timed before.
+    runs_last: bool = False
+
+    @property
+    def floor(self) -> str:
+        """The floor this engine's gap is measured against."""
+        return "floorc" if self.compiled else "floor"
+
+
+def _has(module: str, attr: str | None = None) -> Callable[[], bool]:
+    """Whether `module` can be found (and, if `attr`, imported and has it)."""
+
+    def check() -> bool:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return False
+            return attr is None or hasattr(importlib.import_module(module), attr)
+        except Exception:  # a broken install is "not available"
+            return False
+
+    return check
+
+
+def _always() -> bool:
+    return True
+
+
+def _zs(stage: int, hybrid: bool = False) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs(m, s, stage, hybrid)
+
+
+def _zs3c(fuse_downcast: bool) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs3c(m, s, fuse_downcast)
+
+
+def _ds(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_ds(m, s, stage)
+
+
+_ZEROSHARD = _has("zeroshard.engine", "initialize")
+_COMPILE = _has("zeroshard.compile", "compile")
+# Finds deepspeed without importing it (see `runs_last`).
+_DEEPSPEED = _has("deepspeed")
+
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in [
+        Engine(
+            "floor",
+            "1 device, no communication, model in the compute dtype",
+            tch.setup_floor,
+            _always,
+            rank0_only=True,
+        ),
+        Engine(
+            "floorc",
+            "the floor with every block torch.compile'd",
+            tch.setup_floorc,
+            _always,
+            rank0_only=True,
+            compiled=True,
+        ),
+        Engine("ddp", "torch DDP + autocast", tch.setup_ddp, _always),
+        Engine("fsdp2", "FSDP2 fully_shard per block (ZeRO-3)", tch.setup_fsdp2, _always),
+        Engine("fsdp2-zero2", "FSDP2, reshard_after_forward=False", tch.setup_fsdp2_zero2, _always),
+        *(Engine(f"zs{k}", f"zeroshard stage {k}", _zs(k), _ZEROSHARD) for k in (1, 2, 3)),
+        *(
+            Engine(f"ds{k}", f"DeepSpeed ZeRO stage {k}", _ds(k), _DEEPSPEED, runs_last=True)
+            for k in (1, 2, 3)
+        ),
+        *(
+            Engine(
+                f"zs{k}h",
+                f"zeroshard stage {k}, hybrid: shard within {{shard}}, replicate across "
+                "{replicate}",
+                _zs(k, hybrid=True),
+                _ZEROSHARD,
+            )
+            for k in (2, 3)
+        ),
+        Engine(
+            "fsdp2h",
+            "FSDP2 HSDP: shard within {shard}, replicate across {replicate}",
+            tch.setup_fsdp2_hybrid,
+            _always,
+        ),
+        # zeroshard.compile: compiled stage 3 and its peer, FSDP2 with compiled blocks.
+        *(
+            Engine(name, what, _zs3c(fuse_downcast), _COMPILE, compiled=True)
+            for name, what, fuse_downcast in (
+                ("zs3c", "zeroshard stage 3, compiled (zeroshard.compile, inductor)", True),
+                ("zs3c-nofuse", "zs3c without the fused downcast (fp32 gathers, then cast)", False),
+            )
+        ),
+        Engine(
+            "fsdp2c",
+            "FSDP2 per block (ZeRO-3), each block torch.compile'd",
+            tch.setup_fsdp2c,
+            _always,
+            compiled=True,
+        ),
+    ]
+}

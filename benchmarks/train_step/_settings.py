@@ -1,0 +1,59 @@
+"""What every engine's setup shares: the run's settings, the optimizer, the hybrid shape.
+
+A setup takes a freshly built fp32 model on the benchmark device and returns a `Stepper`:
+one call is one full training step (forward, backward, optimizer step, zero grad) on a
+micro-batch. All engines use torch.optim.AdamW (fused on CUDA) with the same
+hyperparameters; what differs is only how parameters, gradients and optimizer state are
+distributed and cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Stepper = Callable[[torch.Tensor, torch.Tensor], None]
+LR = 1e-4
+
+# Per-engine lines for the report (rank 0), e.g. the bytes a compiled step gathers.
+NOTES: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every engine shares: device, compute dtype, clipping, micro-batch, extras."""
+
+    device: torch.device
+    dtype: torch.dtype
+    clip: float
+    micro_batch: int
+    zs_config: dict[str, Any]
+    shard_group_size: int = 2  # hybrid engines: shard within this many ranks
+
+
+class Skipped(Exception):
+    """An engine that does not apply to this world (a row says why; not a failure)."""
+
+
+def adamw(params: Any, device: torch.device) -> torch.optim.AdamW:
+    """The optimizer of every engine: AdamW, fused on CUDA."""
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def hybrid_shape(s: Settings) -> tuple[int, int]:
+    """(replicate, shard) group sizes of a hybrid engine; `Skipped` where it would not be one."""
+    world, shard = dist.get_world_size(), s.shard_group_size
+    if world % shard or world == shard:
+        raise Skipped(
+            f"shard within {shard} needs {2 * shard}, {3 * shard}, ... ranks, not {world}"
+        )
+    return world // shard, shard
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config spelling of a compute dtype (`bf16`)."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]

@@ -1,0 +1,125 @@
+"""torch's own engines: the no-communication floors, DDP and FSDP2 (plain, ZeRO-2-like,
+hybrid, with compiled blocks)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.train_step._settings import Settings, Stepper, adamw, hybrid_shape
+
+
+def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32)
+
+
+def plain_step(
+    model: nn.Module, opt: torch.optim.Optimizer, s: Settings, autocast: bool
+) -> Stepper:
+    """forward (under autocast if asked), backward, optional clip, step, zero_grad."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with _autocast(s) if autocast else contextlib.nullcontext():
+            loss = model(x, y)
+        loss.backward()
+        if s.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def setup_floor(model: nn.Module, s: Settings) -> Stepper:
+    """One device, no communication: the model in the compute dtype, AdamW on it directly.
+
+    This is the least work any engine can do per step: the same matmuls in the compute
+    dtype as the sharded engines, no casts of fp32 weights (autocast would add them), no
+    master copy and no collectives.
+    """
+    model.to(s.dtype)
+    return plain_step(model, adamw(model.parameters(), s.device), s, autocast=False)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Replace every block of `model.blocks` by `torch.compile(block, fullgraph=True)`."""
+    blocks: Any = model.blocks
+    for i, block in enumerate(blocks):
+        blocks[i] = torch.compile(block, fullgraph=True)
+
+
+def setup_floorc(model: nn.Module, s: Settings) -> Stepper:
+    """The floor with every block under torch.compile: what the compiled engines (`zs3c`,
+    `fsdp2c`) would run at best, so their ratio to it is the cost of sharding alone."""
+    compile_blocks(model)
+    return setup_floor(model, s)
+
+
+def setup_ddp(model: nn.Module, s: Settings) -> Stepper:
+    """torch DistributedDataParallel (default buckets) with autocast."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [s.device.index] if s.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids)
+    return plain_step(ddp, adamw(ddp.parameters(), s.device), s, autocast=True)
+
+
+def _fully_shard() -> tuple[Any, Any]:
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6 kept FSDP2 under _composable
+        from torch.distributed._composable.fsdp import (  # type: ignore[attr-defined]
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _setup_fsdp2(
+    model: nn.Module, s: Settings, reshard_after_forward: bool, hybrid: bool = False
+) -> Stepper:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard, policy_cls = _fully_shard()
+    if hybrid:
+        # A 2-D mesh makes fully_shard shard over the last dimension and replicate (HSDP:
+        # all-reduce of the gradient shards) over the first.
+        mesh = init_device_mesh(
+            s.device.type, hybrid_shape(s), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
+    low = None if s.dtype == torch.float32 else s.dtype
+    policy = policy_cls(param_dtype=low, reduce_dtype=torch.float32)
+    blocks: Any = model.blocks
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root's parameters (embeddings, final norm) are needed last in backward anyway.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return plain_step(model, adamw(model.parameters(), s.device), s, autocast=False)
+
+
+def setup_fsdp2(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 fully_shard per block and root, bf16 params, fp32 reduce (ZeRO-3)."""
+    return _setup_fsdp2(model, s, reshard_after_forward=True)
+
+
+def setup_fsdp2_zero2(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 with reshard_after_forward=False: parameters stay gathered (ZeRO-2 analogue)."""
+    return _setup_fsdp2(model, s, reshard_after_forward=False)
+
+
+def setup_fsdp2_hybrid(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 HSDP: shard within `shard_group_size` ranks, replicate across the rest."""
+    return _setup_fsdp2(model, s, reshard_after_forward=True, hybrid=True)
+
+
+def setup_fsdp2c(model: nn.Module, s: Settings) -> Stepper:
+    """FSDP2 as `fsdp2`, each block wrapped in torch.compile first (as torchtitan does):
+    fully_shard then hooks the wrapper, so its gathers stay outside the compiled blocks."""
+    compile_blocks(model)
+    return _setup_fsdp2(model, s, reshard_after_forward=True)

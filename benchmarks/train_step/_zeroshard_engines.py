@@ -1,0 +1,79 @@
+"""zeroshard's engines: stages 1-3, the hybrids, and stage 3 compiled by zeroshard.compile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.train_step._settings import (
+    NOTES,
+    Settings,
+    Stepper,
+    adamw,
+    dtype_name,
+    hybrid_shape,
+)
+
+
+def _initialize(model: nn.Module, s: Settings, stage: int, **extra: Any) -> tuple[Any, Any]:
+    """`zs.initialize` with the run's dtype, AdamW and `--zs-config` (plus `extra`)."""
+    import zeroshard.engine as zs
+
+    config = {"stage": stage, "compute_dtype": dtype_name(s.dtype), **s.zs_config, **extra}
+    return zs.initialize(model, adamw(model.parameters(), s.device), config)
+
+
+def _train_step(forward: Callable[..., Any], opt: Any, s: Settings, x: Any, y: Any) -> None:
+    """One zeroshard step: forward, backward, optional clipping, optimizer step."""
+    forward(x, y).backward()
+    if s.clip > 0:
+        opt.clip_grad_norm_(s.clip)
+    opt.step()
+    opt.zero_grad()
+
+
+def setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) -> Stepper:
+    """zeroshard at `stage`; `hybrid`: shard within `shard_group_size` ranks."""
+    extra = {"shard_group_size": hybrid_shape(s)[1]} if hybrid else {}
+    zmodel, opt = _initialize(model, s, stage, **extra)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        _train_step(zmodel, opt, s, x, y)
+
+    return step
+
+
+def setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
+    """zeroshard stage 3 compiled whole by zeroshard.compile (inductor); records the bytes
+    gathered per step once, on rank 0, for the report (NOTES)."""
+    import zeroshard.compile as zc
+
+    zmodel, opt = _initialize(model, s, 3)
+    pipeline = zc.default_pipeline()
+    if not fuse_downcast:
+        pipeline = pipeline.without("fuse_downcast")
+    compiled = zc.compile(zmodel, pipeline=pipeline)
+    steps = 0
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal steps
+        compiled.stats.reset()
+        _train_step(compiled, opt, s, x, y)
+        steps += 1
+        if steps == 2 and dist.get_rank() == 0:
+            st = compiled.stats
+            note = (
+                f"per step: {st.gathers} gathers, "
+                f"{st.bytes_gathered / 2**20:.1f} MiB gathered, "
+                f"{st.bytes_reduced / 2**20:.1f} MiB reduce-scattered, "
+                f"peak gathered {st.peak_live_bytes / 2**20:.1f} MiB, "
+                f"captures {compiled.compiles}, eager fallback {compiled.eager}"
+            )
+            NOTES["zs3c" if fuse_downcast else "zs3c-nofuse"] = note
+            print(f"[zs3c fuse_downcast={fuse_downcast}] {note}", flush=True)
+
+    return step
