@@ -199,6 +199,7 @@ def test_pipeline_order_phases_and_edits() -> None:
 
     base = zc.default_pipeline()
     assert [s.name for s in base] == [
+        "drop_causal_masks",
         "mark_recompute",
         "fuse_downcast",
         "gather_at_first_use",

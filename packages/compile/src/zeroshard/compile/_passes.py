@@ -1,6 +1,8 @@
 """The graph passes of the default pipeline, each a plain `(graph, context) -> None`.
 
 [Note: the order of the passes]
+CAPTURE: `drop_causal_masks` turns attention with a constant causal mask into
+`is_causal=True` while attention is still one call (AOTAutograd picks its kernel).
 JOINT: `mark_recompute` tags every gather and its views and casts (autocast's included)
 MUST_RECOMPUTE, except the ones the persistence budget keeps (MUST_SAVE), so that the
 partitioner gathers again in backward instead of saving gathered parameters for it.
@@ -21,6 +23,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zeroshard.compile._async import issue_async
+from zeroshard.compile._attention import drop_causal_masks
 from zeroshard.compile._graph import (
     aliases,
     cast_dtype,
@@ -244,6 +247,7 @@ def default_pipeline() -> Pipeline:
     the passes])."""
     return (
         Pipeline()
+        .append(drop_causal_masks, {Phase.CAPTURE})
         .append(mark_recompute, {Phase.JOINT})
         .append(fuse_downcast, FORWARD_AND_BACKWARD)
         .append(gather_at_first_use, FORWARD_AND_BACKWARD)
