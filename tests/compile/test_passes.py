@@ -201,6 +201,7 @@ def test_pipeline_order_phases_and_edits() -> None:
     assert [s.name for s in base] == [
         "drop_causal_masks",
         "mark_recompute",
+        "save_tables",
         "fuse_downcast",
         "gather_at_first_use",
         "insert_releases",

@@ -19,6 +19,7 @@ from zeroshard.compile._passes import (
     prefetch,
 )
 from zeroshard.compile._pipeline import GraphPass, PassContext, Phase, Pipeline, Step
+from zeroshard.compile._tables import save_tables
 
 __all__ = [
     "CompiledModel",
@@ -37,4 +38,5 @@ __all__ = [
     "issue_async",
     "mark_recompute",
     "prefetch",
+    "save_tables",
 ]

@@ -5,7 +5,9 @@ CAPTURE: `drop_causal_masks` turns attention with a constant causal mask into
 `is_causal=True` while attention is still one call (AOTAutograd picks its kernel).
 JOINT: `mark_recompute` tags every gather and its views and casts (autocast's included)
 MUST_RECOMPUTE, except the ones the persistence budget keeps (MUST_SAVE), so that the
-partitioner gathers again in backward instead of saving gathered parameters for it.
+partitioner gathers again in backward instead of saving gathered parameters for it;
+`save_tables` tags MUST_SAVE what forward computes without any parameter and broadcasts
+into larger activations (rotary cos/sin), so it is computed once, not in every layer.
 FORWARD / BACKWARD: `fuse_downcast` first (it changes gather sizes, which the budgets
 below read), `gather_at_first_use` sinks each gather to just before it is needed,
 `insert_releases` gives every gathered buffer one release, `free_early` moves each
@@ -37,6 +39,7 @@ from zeroshard.compile._graph import (
     users_of,
 )
 from zeroshard.compile._pipeline import FORWARD_AND_BACKWARD, PassContext, Phase, Pipeline
+from zeroshard.compile._tables import save_tables
 
 _RELEASE = torch.ops.zeroshard.release.default
 
@@ -249,6 +252,7 @@ def default_pipeline() -> Pipeline:
         Pipeline()
         .append(drop_causal_masks, {Phase.CAPTURE})
         .append(mark_recompute, {Phase.JOINT})
+        .append(save_tables, {Phase.JOINT})
         .append(fuse_downcast, FORWARD_AND_BACKWARD)
         .append(gather_at_first_use, FORWARD_AND_BACKWARD)
         .append(insert_releases, FORWARD_AND_BACKWARD)
