@@ -32,6 +32,11 @@ torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded)
 step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
 tokens/s/GPU, MFU, peak memory and the memory kept between steps. An engine that fails
 gets a row saying why and the run goes on.
+Compiled engines (`floorc`, `zs3c`, `zs3c-nofuse`, `fsdp2c`) also get a note with their
+compile time, apart from the steps (the first step less a median one, split into Dynamo,
+inductor and the rest by torch's compile timers), and the graphs Dynamo compiled after
+step 2 (recompiles; there should be none). Run twice with the same TORCHINDUCTOR_CACHE_DIR
+for the warm-cache time; a fresh directory gives the cold one.
 `--profile` adds, per engine, the split of the step into compute, optimizer, exposed
 communication and idle time, and of its gap to the floor into (a) exposed communication
 and (b) compute kernels slowed by the collectives overlapping them (benchmarks/_trace.py).
@@ -63,7 +68,7 @@ import torch.distributed as dist
 from benchmarks._models import MODELS, BenchModel, bench_model
 from benchmarks._report import ROOT, command, write_section
 from benchmarks._trace import TraceSummary
-from benchmarks._train_engines import ENGINES, NOTES, Settings, Skipped
+from benchmarks._train_engines import COMPILED, ENGINES, NOTES, Settings, Skipped
 from benchmarks._train_profile import profile
 from benchmarks._train_report import Result, plot, plot_split, report
 
@@ -180,6 +185,41 @@ class Measured(NamedTuple):
     trace: TraceSummary | None
 
 
+# torch's compile timers (seconds, summed over the process), to split compile time into
+# Dynamo's trace of the Python code, inductor (lowering, code generation, kernel
+# compilation; backward's too, whether compiled with forward or at the first backward) and
+# the rest (AOTAutograd's joint trace and partition, zeroshard's passes, guards).
+_TIMERS = {"dynamo": "bytecode_tracing", "inductor": "compile_fx_inner"}
+
+
+def _compile_counters() -> dict[str, float]:
+    """torch's compile timers (see _TIMERS) and Dynamo's count of graphs compiled so far."""
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, map(float, values), strict=True))
+    out = {k: seconds.get(timer, 0.0) for k, timer in _TIMERS.items()}
+    out["graphs"] = float(counters["stats"]["unique_graphs"])
+    return out
+
+
+def _compile_note(
+    first_s: float, median_s: float, before: dict[str, float], after_two: dict[str, float]
+) -> str:
+    """A compiled engine's compile time, measured apart from its steps, and recompiles."""
+    end = _compile_counters()
+    compile_s = first_s - median_s
+    dynamo, inductor = (after_two[k] - before[k] for k in ("dynamo", "inductor"))
+    return (
+        f"compile {compile_s:.1f} s (the first step less a median one: Dynamo {dynamo:.1f} s, "
+        f"inductor {inductor:.1f} s, AOTAutograd, passes and the rest "
+        f"{compile_s - dynamo - inductor:.1f} s), "
+        f"{int(after_two['graphs'] - before['graphs'])} graph(s) compiled in steps 1-2, "
+        f"{int(end['graphs'] - after_two['graphs'])} recompile(s) after step 2 "
+        "(torch._dynamo counters, rank 0)"
+    )
+
+
 def _measure(
     name: str,
     bm: BenchModel,
@@ -219,13 +259,24 @@ def _measure(
     _sync(device)
     init_s = time.perf_counter() - t0
     del model  # the engine holds what it needs
-    times = []
+    compiled = name in COMPILED
+    before = _compile_counters() if compiled else {}
+    after_two = before
+    times, first_s = [], 0.0
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         step(*data)
         _sync(device)
+        if i == 0:
+            first_s = time.perf_counter() - t0
+        if i == 1 and compiled:
+            after_two = _compile_counters()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if compiled and times and dist.get_rank() == 0:
+        note = _compile_note(first_s, statistics.median(times), before, after_two)
+        NOTES[name] = f"{NOTES[name]}; {note}" if name in NOTES else note
+        print(f"[{name}] {note}", flush=True)
     # Between steps an engine keeps its model states (parameters, optimizer state, any
     # persistent gradient shards): what the 16 psi / N bound is about.
     states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
