@@ -145,6 +145,20 @@ def test_free_early_moves_reduce_scatter_up_to_its_gradient() -> None:
     assert kinds(g) == ["_to_copy", "reduce_scatter", "relu", "relu"]
 
 
+def test_free_early_puts_a_gradient_made_from_nothing_after_the_placeholders() -> None:
+    g = fx.Graph()
+    late = _val(g.placeholder("late"), (4,))
+    other = _val(g.placeholder("other"), (4,))
+    work = _val(g.call_function(aten.relu.default, (late,)), (4,))
+    zeros = _val(g.call_function(aten.zeros.default, ([8],)), (8,))
+    rs = _val(g.call_function(RS, (zeros, 0, WORLD)), (4,))
+    g.output((rs, work, other))
+    zc.free_early(g, ctx(zc.Phase.BACKWARD))
+    g.lint()
+    assert [n.op for n in g.nodes][:2] == ["placeholder"] * 2
+    assert kinds(g) == ["zeros", "reduce_scatter", "relu"]
+
+
 def test_prefetch_within_budget_only() -> None:
     one = 4 * 4 * 4  # bytes of one gathered fp32 4x4 weight
     unit = ["gather", "mm", "release", "relu"]
@@ -185,7 +199,9 @@ def test_pipeline_order_phases_and_edits() -> None:
 
     base = zc.default_pipeline()
     assert [s.name for s in base] == [
+        "drop_causal_masks",
         "mark_recompute",
+        "save_tables",
         "fuse_downcast",
         "gather_at_first_use",
         "insert_releases",

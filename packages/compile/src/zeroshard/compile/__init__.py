@@ -7,6 +7,7 @@ loss = compiled(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
 from zeroshard.compile._async import issue_async
+from zeroshard.compile._attention import drop_causal_masks
 from zeroshard.compile._compile import CompiledModel, compile
 from zeroshard.compile._passes import (
     default_pipeline,
@@ -18,6 +19,7 @@ from zeroshard.compile._passes import (
     prefetch,
 )
 from zeroshard.compile._pipeline import GraphPass, PassContext, Phase, Pipeline, Step
+from zeroshard.compile._tables import save_tables
 
 __all__ = [
     "CompiledModel",
@@ -28,6 +30,7 @@ __all__ = [
     "Step",
     "compile",
     "default_pipeline",
+    "drop_causal_masks",
     "free_early",
     "fuse_downcast",
     "gather_at_first_use",
@@ -35,4 +38,5 @@ __all__ = [
     "issue_async",
     "mark_recompute",
     "prefetch",
+    "save_tables",
 ]

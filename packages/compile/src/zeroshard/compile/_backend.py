@@ -6,6 +6,16 @@ through inductor's `joint_custom_pre_pass`, or a partition function for `aot_eag
 The forward and backward graphs then go through the FORWARD / BACKWARD passes and on to
 inductor (`compile_fx_inner`) or, for `aot_eager`, run as traced.
 
+[Note: compiling once per machine]
+Inductor's FX-graph cache and AOTAutograd's cache let a second process load what a first
+one compiled, keyed by the captured graph and inductor's configuration, which includes
+the JOINT pass's `uuid()`. On a cache hit AOTAutograd skips the JOINT, FORWARD and
+BACKWARD passes, so that uuid must name everything they depend on: the passes' code (the
+sources of this package), their order and phases, the budgets, and the process groups
+behind the op keys in the graph (after `issue_async` the compiled code names the groups).
+A pipeline with a pass of the user's own has no such name (its code and state are
+unknown): its uuid is None and inductor compiles afresh in every process.
+
 [Note: the backend outlives the model]
 torch keeps every backend given to `torch.compile` in a module-level table
 (`torch._dynamo.eval_frame.cached_backends`) until `torch._dynamo.reset()`. So the
@@ -16,13 +26,18 @@ own code object (see `gathered_forward`) and is freed with the `CompiledModel`.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import fx
 from torch._functorch import config as functorch_config
 
+from zeroshard.compile._graph import gathers
+from zeroshard.compile._ops import group_name, replicate_of
 from zeroshard.compile._pipeline import PassContext, Phase, Pipeline
 
 INNER_BACKENDS = ("inductor", "aot_eager")
@@ -80,7 +95,8 @@ def make_backend(
                     "options['joint_custom_pre_pass'] is taken by zeroshard.compile; "
                     "add a JOINT pass to the pipeline instead"
                 )
-            patches["joint_custom_pre_pass"] = _joint_pass(pipeline, context(Phase.JOINT))
+            uuid = _cache_uuid(pipeline, context(Phase.JOINT), gm.graph)
+            patches["joint_custom_pre_pass"] = _joint_pass(pipeline, context(Phase.JOINT), uuid)
             return compile_fx(
                 gm, example_inputs, inner_compile=inner_compile, config_patches=patches
             )
@@ -109,19 +125,42 @@ def make_backend(
     return backend
 
 
-def _joint_pass(pipeline: Pipeline, context: PassContext) -> Any:
-    """The pipeline's JOINT steps as an inductor joint-graph pass."""
+def _joint_pass(pipeline: Pipeline, context: PassContext, uuid: str | None) -> Any:
+    """The pipeline's JOINT steps as an inductor joint-graph pass, named `uuid` in the
+    compile caches (None: not cached; see [Note: compiling once per machine])."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class JointPass(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             pipeline.run(graph, context)
 
-        def uuid(self) -> None:
-            # User passes cannot be hashed: no inductor FX-graph cache for these graphs.
-            return None
+        def uuid(self) -> str | None:
+            return uuid
 
     return JointPass()
+
+
+@functools.cache
+def _package_source_hash() -> str:
+    """A hash of this package's sources: the code of its passes and ops."""
+    hasher = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        hasher.update(path.name.encode())
+        hasher.update(path.read_bytes())
+    return hasher.hexdigest()
+
+
+def _cache_uuid(pipeline: Pipeline, context: PassContext, graph: fx.Graph) -> str | None:
+    """What the passes' result depends on besides the graph, as one string; None when the
+    pipeline has a pass from outside this package (see [Note: compiling once per machine])."""
+    package = __name__.rpartition(".")[0]
+    if any(getattr(s.fn, "__module__", "").rpartition(".")[0] != package for s in pipeline):
+        return None
+    steps = [(s.name, sorted(p.value for p in s.phases)) for s in pipeline]
+    budgets = (context.prefetch_bytes, context.persist_bytes, context.fuse_bytes)
+    keys = sorted({k for k in (n.args[1] for n in gathers(graph)) if isinstance(k, int)})
+    groups = [(k, group_name(k), replicate_of(k)) for k in keys]
+    return f"zeroshard.compile {_package_source_hash()} {steps} {budgets} {groups}"
 
 
 def capture_errors() -> tuple[type[BaseException], ...]:

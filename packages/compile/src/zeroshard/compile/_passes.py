@@ -1,9 +1,13 @@
 """The graph passes of the default pipeline, each a plain `(graph, context) -> None`.
 
 [Note: the order of the passes]
+CAPTURE: `drop_causal_masks` turns attention with a constant causal mask into
+`is_causal=True` while attention is still one call (AOTAutograd picks its kernel).
 JOINT: `mark_recompute` tags every gather and its views and casts (autocast's included)
 MUST_RECOMPUTE, except the ones the persistence budget keeps (MUST_SAVE), so that the
-partitioner gathers again in backward instead of saving gathered parameters for it.
+partitioner gathers again in backward instead of saving gathered parameters for it;
+`save_tables` tags MUST_SAVE what forward computes without any parameter and broadcasts
+into larger activations (rotary cos/sin), so it is computed once, not in every layer.
 FORWARD / BACKWARD: `fuse_downcast` first (it changes gather sizes, which the budgets
 below read), `gather_at_first_use` sinks each gather to just before it is needed,
 `insert_releases` gives every gathered buffer one release, `free_early` moves each
@@ -13,6 +17,7 @@ ahead of the previous unit's compute while the live gathered bytes stay in budge
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import torch
@@ -20,6 +25,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zeroshard.compile._async import issue_async
+from zeroshard.compile._attention import drop_causal_masks
 from zeroshard.compile._graph import (
     aliases,
     cast_dtype,
@@ -33,6 +39,7 @@ from zeroshard.compile._graph import (
     users_of,
 )
 from zeroshard.compile._pipeline import FORWARD_AND_BACKWARD, PassContext, Phase, Pipeline
+from zeroshard.compile._tables import save_tables
 
 _RELEASE = torch.ops.zeroshard.release.default
 
@@ -124,22 +131,48 @@ def insert_releases(graph: fx.Graph, context: PassContext) -> None:
             graph.call_function(_RELEASE, (gather, gather.args[1]))
 
 
-def _hoist(node: fx.Node) -> None:
-    """Move `node` up to just after the latest of its inputs (after the placeholders when
-    it has none, e.g. a `zeros`)."""
-    index = order(node.graph)
-    latest = max(node.all_input_nodes, key=index.__getitem__, default=None)
-    if latest is None:
-        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
-        if not placeholders:
-            return
-        latest = placeholders[-1]
-    if index[latest] + 1 < index[node]:
-        latest.append(node)
+def _hoist(graph: fx.Graph, movable: set[fx.Node]) -> None:
+    """Move each node of `movable` up to just after the latest of its inputs (after the
+    placeholders when it has none, e.g. a `zeros`); the other nodes keep their order.
+
+    One walk over the graph (a pass over a model of many layers must not be quadratic):
+    a movable node is emitted as soon as its last input is."""
+    nodes = list(graph.nodes)
+    waiting = {n: len(n.all_input_nodes) for n in movable}
+    emitted: list[fx.Node] = []
+
+    def emit(node: fx.Node) -> None:
+        ready = collections.deque([node])
+        while ready:
+            n = ready.popleft()
+            emitted.append(n)
+            for user in n.users:
+                if user in waiting:
+                    waiting[user] -= 1
+                    if waiting[user] == 0:
+                        ready.append(user)
+
+    inputless = [n for n in nodes if waiting.get(n) == 0]
+    last_placeholder = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    if last_placeholder < 0:
+        for n in inputless:
+            emit(n)
+    for i, node in enumerate(nodes):
+        if node not in movable:
+            emit(node)
+        if i == last_placeholder:
+            for n in inputless:
+                emit(n)
+    assert len(emitted) == len(nodes), "a movable node has an input outside the graph"
+    if emitted[0] is not nodes[0]:
+        nodes[0].prepend(emitted[0])
+    for previous, node in itertools.pairwise(emitted):
+        if previous.next is not node:
+            previous.append(node)
 
 
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    """Every node `node` depends on (placeholders excluded), in graph order."""
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` depends on (placeholders excluded)."""
     found: set[fx.Node] = set()
     todo = list(node.all_input_nodes)
     while todo:
@@ -147,8 +180,7 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
         if n not in found and n.op != "placeholder":
             found.add(n)
             todo.extend(n.all_input_nodes)
-    index = order(node.graph)
-    return sorted(found, key=index.__getitem__)
+    return found
 
 
 def free_early(graph: fx.Graph, context: PassContext) -> None:
@@ -159,9 +191,7 @@ def free_early(graph: fx.Graph, context: PassContext) -> None:
     # Gathers stay where `gather_at_first_use` (or `prefetch`) put them.
     gathered = {a for g in gathers(graph) for a in aliases(g)}
     for rs in [n for n in graph.nodes if is_reduce_scatter(n)]:
-        for node in [*_ancestors(rs), rs]:
-            if node not in gathered:
-                _hoist(node)
+        _hoist(graph, (_ancestors(rs) | {rs}) - gathered)
     for release in [n for n in graph.nodes if is_release(n)]:
         gather = release.args[0]
         assert isinstance(gather, fx.Node)
@@ -220,7 +250,9 @@ def default_pipeline() -> Pipeline:
     the passes])."""
     return (
         Pipeline()
+        .append(drop_causal_masks, {Phase.CAPTURE})
         .append(mark_recompute, {Phase.JOINT})
+        .append(save_tables, {Phase.JOINT})
         .append(fuse_downcast, FORWARD_AND_BACKWARD)
         .append(gather_at_first_use, FORWARD_AND_BACKWARD)
         .append(insert_releases, FORWARD_AND_BACKWARD)

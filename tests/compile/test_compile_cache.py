@@ -1,0 +1,77 @@
+"""A second process loads what the first compiled (inductor's caches), unless a pass is
+the user's own.
+
+Three fresh processes (world 2 each, real process groups) share one empty inductor cache
+directory and compile the same model with inductor: the first misses AOTAutograd's cache
+and saves; the second hits it (and inductor's FX-graph cache for forward and backward),
+and its losses over two steps equal the first's exactly; the third, whose pipeline has a
+pass of its own, bypasses the cache (its code and state cannot be named in a key) and
+still matches. Nobody recompiles after the first step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+
+import zeroshard.compile as zc
+import zeroshard.engine as zs
+from tests._dist import run_ranks, world_fits
+from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+
+CONFIG = {"stage": 3, "min_unit_params": 1, "persistence_threshold": 0}
+
+
+def _own_pass(graph: fx.Graph, context: zc.PassContext) -> None:
+    """A pass from outside zeroshard.compile (it does nothing, but nobody can tell)."""
+
+
+def _run(device: str, out: str, own_pass: bool) -> None:
+    from torch._dynamo.utils import counters
+
+    base = make_model(seed=11).to(device)
+    model, opt = zs.initialize(base, make_optimizer(base), CONFIG)
+    pipeline = zc.default_pipeline()
+    if own_pass:
+        pipeline = pipeline.append(_own_pass, {zc.Phase.BACKWARD})
+    compiled = zc.compile(model, pipeline=pipeline)
+    batches = global_batches(2, 1, dist.get_world_size(), 2)
+    losses = []
+    for step in range(2):
+        loss = loss_fn(compiled, batches[step, 0, dist.get_rank()].to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert not compiled.eager and compiled.compiles == 1
+    if dist.get_rank() == 0:
+        seen = {**counters["aot_autograd"], **counters["inductor"]}
+        keys = ("autograd_cache_", "fxgraph_cache_")
+        found = {k: v for k, v in seen.items() if k.startswith(keys)}
+        Path(out).write_text(json.dumps({"losses": losses, "cache": found}))
+
+
+@pytest.mark.gpu
+def test_second_process_loads_the_compiled_graphs(
+    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    world_fits(device, 2)
+    # Spawned ranks inherit the environment: one fresh cache shared by the three runs.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    runs = []
+    for i, own_pass in enumerate([False, False, True]):
+        out = tmp_path / f"run{i}.json"
+        run_ranks(_run, 2, device, str(out), own_pass, device=device, timeout_s=600)
+        runs.append(json.loads(out.read_text()))
+    first, second, own = (r["cache"] for r in runs)
+    assert first.get("autograd_cache_miss") == 1 and first.get("autograd_cache_saved") == 1, first
+    assert second.get("autograd_cache_hit") == 1 and not second.get("autograd_cache_miss"), second
+    assert second.get("fxgraph_cache_hit") == 2, second
+    assert own.get("autograd_cache_bypass") == 1 and not own.get("autograd_cache_hit"), own
+    assert runs[1]["losses"] == runs[0]["losses"]
+    torch.testing.assert_close(runs[2]["losses"], runs[0]["losses"], rtol=0, atol=0)
