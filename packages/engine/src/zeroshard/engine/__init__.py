@@ -8,14 +8,6 @@ model.state_dict() / model.load_state_dict(full)  # full tensors at every stage 
 """
 
 from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
-from zeroshard.engine._config import ZeroConfig
-from zeroshard.engine._deepspeed_config import (
-    DeepSpeedSettings,
-    hidden_size_of,
-    read_deepspeed_config,
-    trainer_auto_values,
-)
-from zeroshard.engine._deepspeed_translate import AutoValues
 from zeroshard.engine._estimate import Estimate, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link
 from zeroshard.engine._estimate_step import Compute
@@ -25,13 +17,6 @@ from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safete
 from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._module_state import state_dict_on_rank0
 from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._policies import (
-    CommPolicy,
-    LossScalePolicy,
-    OffloadPolicy,
-    PrecisionPolicy,
-    Stage3Policy,
-)
 from zeroshard.engine._stage3 import DivergentRanksError
 from zeroshard.engine._state import (
     EngineModel,
@@ -41,6 +26,21 @@ from zeroshard.engine._state import (
     engine_stats,
 )
 from zeroshard.engine._stats import EngineStats
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.config._deepspeed_config import (
+    DeepSpeedSettings,
+    hidden_size_of,
+    read_deepspeed_config,
+    trainer_auto_values,
+)
+from zeroshard.engine.config._deepspeed_translate import AutoValues
+from zeroshard.engine.config._policies import (
+    CommPolicy,
+    LossScalePolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    Stage3Policy,
+)
 
 __all__ = [
     "AutoValues",

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._estimate_activations import LossFn, default_loss, measure_activations
 from zeroshard.engine._estimate_comm import Cluster
 from zeroshard.engine._estimate_layout import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
 from zeroshard.engine._estimate_step import Compute, StepTime, project_step
+from zeroshard.engine.config._config import ZeroConfig, as_config
 
 GIB = 2**30
 

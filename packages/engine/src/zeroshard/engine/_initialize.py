@@ -15,7 +15,6 @@ from torch import nn
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine._checks import check_model, check_module_paths, param_group_index
-from zeroshard.engine._config import ZeroConfig, as_config
 from zeroshard.engine._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine._grad_guard import install_grad_guards
 from zeroshard.engine._loss_scale import LossScaler
@@ -28,6 +27,7 @@ from zeroshard.engine._reduce import GradReducer
 from zeroshard.engine._stage3 import Stage3Runtime
 from zeroshard.engine._state import EngineState, attach_state
 from zeroshard.engine._unit_plan import UnitPlan, plan_units
+from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.partition import FlattenTier, GroupKey, group_parameters
 
 log = logging.getLogger("zeroshard.engine")

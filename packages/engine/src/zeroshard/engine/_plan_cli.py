@@ -6,13 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from zeroshard.engine._config import ZeroConfig
 from zeroshard.engine._estimate import GIB, Estimate, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link
 from zeroshard.engine._estimate_layout import plan_groups
 from zeroshard.engine._estimate_recommend import candidate_configs, recommend
 from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine._plan_models import PRESETS, build
+from zeroshard.engine.config._config import ZeroConfig
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from zeroshard.engine._policies import Stage3Policy
+from zeroshard.engine.config._policies import Stage3Policy
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

@@ -34,8 +34,8 @@ from zeroshard.engine import (
     load_checkpoint,
     save_checkpoint,
 )
-from zeroshard.engine._config import as_config
-from zeroshard.engine._trainer_ds_config import trainer_ds_settings
+from zeroshard.engine.config._config import as_config
+from zeroshard.engine.config._trainer_ds_config import trainer_ds_settings
 
 __all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 

@@ -12,19 +12,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from zeroshard.engine._deepspeed_translate import (
+from zeroshard.engine.config._deepspeed_translate import (
     DEEPSPEED_ZERO_KEYS,
     is_deepspeed_dict,
     translate_deepspeed,
 )
-from zeroshard.engine._policies import (
+from zeroshard.engine.config._policies import (
     CommPolicy,
     LossScalePolicy,
     OffloadPolicy,
     PrecisionPolicy,
     Stage3Policy,
 )
-from zeroshard.engine._validate import (
+from zeroshard.engine.config._validate import (
     check_choice,
     check_int,
     dtype_name,

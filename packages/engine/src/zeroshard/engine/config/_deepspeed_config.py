@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zeroshard.engine._config import ZeroConfig
-from zeroshard.engine._deepspeed_translate import (
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.config._deepspeed_translate import (
     AUTO,
     PRECISION_BLOCKS,
     AutoValues,
     deepspeed_int,
     translate_deepspeed,
 )
-from zeroshard.engine._validate import shown, unknown_keys_error
+from zeroshard.engine.config._validate import shown, unknown_keys_error
 
 _TRAINING_KEYS = (
     "train_batch_size",

@@ -8,14 +8,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from zeroshard.engine._deepspeed_config import (
+from zeroshard.engine.config._deepspeed_config import (
     DeepSpeedSettings,
     _load_json,
     read_deepspeed_config,
     trainer_auto_values,
 )
-from zeroshard.engine._deepspeed_translate import AUTO
-from zeroshard.engine._validate import shown
+from zeroshard.engine.config._deepspeed_translate import AUTO
+from zeroshard.engine.config._validate import shown
 
 
 def trainer_ds_settings(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.engine._validate import (
+from zeroshard.engine.config._validate import (
     check_bool,
     check_int,
     parse_dtype,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.engine._validate import (
+from zeroshard.engine.config._validate import (
     check_bool,
     check_int,
     check_names,
