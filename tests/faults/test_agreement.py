@@ -18,8 +18,8 @@ from zeroshard.ckpt import CheckpointError, ChecksumError
 from zeroshard.ckpt._meta import rank_file
 from zeroshard.comm import Group
 from zeroshard.engine import DivergentRanksError
-from zeroshard.engine._stage3 import Stage3Runtime
-from zeroshard.engine._unit_plan import UnitPlan
+from zeroshard.engine.runtime._stage3 import Stage3Runtime
+from zeroshard.engine.runtime._unit_plan import UnitPlan
 
 
 def _disagree(

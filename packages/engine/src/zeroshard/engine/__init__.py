@@ -16,16 +16,6 @@ from zeroshard.engine._initialize import initialize
 from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine._masters import full_state_dict
 from zeroshard.engine._module_state import state_dict_on_rank0
-from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._stage3 import DivergentRanksError
-from zeroshard.engine._state import (
-    EngineModel,
-    EngineState,
-    WrapsEngineModel,
-    engine_state,
-    engine_stats,
-)
-from zeroshard.engine._stats import EngineStats
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.config._deepspeed_config import (
     DeepSpeedSettings,
@@ -41,6 +31,16 @@ from zeroshard.engine.config._policies import (
     PrecisionPolicy,
     Stage3Policy,
 )
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._stage3 import DivergentRanksError
+from zeroshard.engine.runtime._state import (
+    EngineModel,
+    EngineState,
+    WrapsEngineModel,
+    engine_state,
+    engine_stats,
+)
+from zeroshard.engine.runtime._stats import EngineStats
 
 __all__ = [
     "AutoValues",

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.engine._state import is_initialized
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._state import is_initialized
 
 
 def check_model(model: nn.Module, cfg: ZeroConfig) -> None:

@@ -28,16 +28,16 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Handle
-from zeroshard.engine._flat_group import FlatParamGroup, slot_views
 from zeroshard.engine._masters import gather_masters
-from zeroshard.engine._state import (
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
+from zeroshard.engine.runtime._state import (
     EngineModel,
     EngineState,
     WrapsEngineModel,
     engine_module,
     engine_state,
 )
-from zeroshard.engine._unit import UnitState
+from zeroshard.engine.runtime._unit import UnitState
 
 # Groups exposed by a live context (by id): a nested context over the same group would
 # restore the parameters under the outer one's feet.

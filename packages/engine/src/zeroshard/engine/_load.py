@@ -30,7 +30,7 @@ import torch
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._stfile import pread_into, st_code, st_dtype
 from zeroshard.ckpt._stfile import read_header as st_read_header
-from zeroshard.engine._state import EngineModel, engine_module, engine_state
+from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

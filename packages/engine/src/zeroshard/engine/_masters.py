@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from zeroshard.comm import Handle
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._state import EngineModel, engine_module, engine_state
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 
 def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zeroshard.engine._unit_plan import UnitPlan
+from zeroshard.engine.runtime._unit_plan import UnitPlan
 
 ParamInit = Callable[[nn.Module], None]
 

@@ -32,8 +32,8 @@ from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import check_names_shapes
 from zeroshard.ckpt._named_state import NamedTrainingState
 from zeroshard.ckpt._writer import RangeSpec
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._state import EngineState
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._state import EngineState
 
 log = logging.getLogger("zeroshard.engine")
 

@@ -32,10 +32,10 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._grad_guard import is_guard
-from zeroshard.engine._offload import HostOffload
-from zeroshard.engine._stats import EngineStats
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._grad_guard import is_guard
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._stats import EngineStats
 
 
 class BackwardEvents(Protocol):

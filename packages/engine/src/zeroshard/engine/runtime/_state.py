@@ -8,12 +8,12 @@ from typing import Protocol, TypeAlias, runtime_checkable
 from torch import nn
 
 from zeroshard.comm import Group
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._offload import HostOffload
-from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._stage3 import Stage3Runtime
-from zeroshard.engine._stats import EngineStats
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._stage3 import Stage3Runtime
+from zeroshard.engine.runtime._stats import EngineStats
 
 _ATTR = "_zeroshard_engine"
 

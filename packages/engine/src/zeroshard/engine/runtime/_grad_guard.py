@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.engine._flat_group import FlatParamGroup, slot_views
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
 
 GUIDANCE = (
     "zeroshard keeps gradients as reduced fp32 shards, not in parameter.grad; to clip by "

@@ -16,10 +16,10 @@ import torch
 from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._loss_scale import LossScaler
-from zeroshard.engine._offload import HostOffload
-from zeroshard.engine._reduce import GradReducer
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._loss_scale import LossScaler
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._reduce import GradReducer
 
 
 def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

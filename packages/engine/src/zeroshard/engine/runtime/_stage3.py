@@ -27,10 +27,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Group
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._stats import EngineStats
-from zeroshard.engine._unit import Unit, UnitState
-from zeroshard.engine._unit_plan import UnitPlan
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._unit import Unit, UnitState
+from zeroshard.engine.runtime._unit_plan import UnitPlan
 
 log = logging.getLogger("zeroshard.engine")
 

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, warn_tagged
-from zeroshard.engine._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.partition import ChunkLayout, empty_host
 
 _warned_pageable = False

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from zeroshard.engine._loss_scale import LossScaler
+from zeroshard.engine.runtime._loss_scale import LossScaler
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -26,8 +26,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Handle
-from zeroshard.engine._flat_group import FlatParamGroup
-from zeroshard.engine._stats import EngineStats
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._stats import EngineStats
 
 
 class UnitState(Enum):
