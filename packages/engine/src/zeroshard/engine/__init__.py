@@ -7,15 +7,10 @@ full = zs.full_state_dict(model)
 model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
-from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine._estimate import Estimate, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link
 from zeroshard.engine._estimate_step import Compute
-from zeroshard.engine._gathered import gathered_parameters
 from zeroshard.engine._initialize import initialize
-from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
-from zeroshard.engine._masters import full_state_dict
-from zeroshard.engine._module_state import state_dict_on_rank0
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.config._deepspeed_config import (
     DeepSpeedSettings,
@@ -41,6 +36,11 @@ from zeroshard.engine.runtime._state import (
     engine_stats,
 )
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
+from zeroshard.engine.state._gathered import gathered_parameters
+from zeroshard.engine.state._load import LoadReport, SafetensorsLoadError, load_safetensors
+from zeroshard.engine.state._masters import full_state_dict
+from zeroshard.engine.state._module_state import state_dict_on_rank0
 
 __all__ = [
     "AutoValues",

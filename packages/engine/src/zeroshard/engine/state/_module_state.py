@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from zeroshard.comm import is_rank0
-from zeroshard.engine._masters import gather_masters
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module
+from zeroshard.engine.state._masters import gather_masters
 from zeroshard.partition import Slot
 
 _MODE_ATTR = "_zeroshard_state_dict_mode"

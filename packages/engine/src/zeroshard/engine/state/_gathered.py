@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Handle
-from zeroshard.engine._masters import gather_masters
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
 from zeroshard.engine.runtime._state import (
     EngineModel,
@@ -38,6 +37,7 @@ from zeroshard.engine.runtime._state import (
     engine_state,
 )
 from zeroshard.engine.runtime._unit import UnitState
+from zeroshard.engine.state._masters import gather_masters
 
 # Groups exposed by a live context (by id): a nested context over the same group would
 # restore the parameters under the outer one's feet.

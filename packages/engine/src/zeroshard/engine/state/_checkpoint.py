@@ -35,9 +35,9 @@ from zeroshard.ckpt import (
 from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.comm import Group
-from zeroshard.engine._named_load import is_named_checkpoint, load_named
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
+from zeroshard.engine.state._named_load import is_named_checkpoint, load_named
 
 _OPTIM = "optim."
 
