@@ -10,7 +10,6 @@ model.state_dict() / model.load_state_dict(full)  # full tensors at every stage 
 from zeroshard.engine._estimate import Estimate, estimate
 from zeroshard.engine._estimate_comm import Cluster, Link
 from zeroshard.engine._estimate_step import Compute
-from zeroshard.engine._initialize import initialize
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.config._deepspeed_config import (
     DeepSpeedSettings,
@@ -36,6 +35,7 @@ from zeroshard.engine.runtime._state import (
     engine_stats,
 )
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.setup._initialize import initialize
 from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine.state._gathered import gathered_parameters
 from zeroshard.engine.state._load import LoadReport, SafetensorsLoadError, load_safetensors

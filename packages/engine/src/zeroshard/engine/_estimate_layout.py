@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group
-from zeroshard.engine._initialize import _split_by_bytes
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import _layout
 from zeroshard.engine.runtime._unit_plan import plan_units
+from zeroshard.engine.setup._initialize import _split_by_bytes
 from zeroshard.partition import ChunkLayout, FlatLayout, GroupKey, group_parameters
 
 

@@ -13,9 +13,6 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
-from zeroshard.engine._agreement import check_ranks_agree, describe_rank
-from zeroshard.engine._checks import check_model, check_module_paths, param_group_index
-from zeroshard.engine._materialize import ParamInit, is_meta, materialize_unit, reset_parameters
 from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
@@ -27,6 +24,14 @@ from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
+from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
+from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
+from zeroshard.engine.setup._materialize import (
+    ParamInit,
+    is_meta,
+    materialize_unit,
+    reset_parameters,
+)
 from zeroshard.engine.state._module_state import install_state_dict_hooks
 from zeroshard.partition import FlattenTier, GroupKey, group_parameters
 
