@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer
-from zeroshard.engine._estimate import estimate
-from zeroshard.engine._estimate_layout import plan_groups
+from zeroshard.engine.planner._estimate import estimate
+from zeroshard.engine.planner._groups import plan_groups
 
 # Small buckets and thresholds so a tiny model still has many groups, units, persistence
 # and several offload chunks.

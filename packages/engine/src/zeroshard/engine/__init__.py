@@ -7,9 +7,6 @@ full = zs.full_state_dict(model)
 model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
-from zeroshard.engine._estimate import Estimate, estimate
-from zeroshard.engine._estimate_comm import Cluster, Link
-from zeroshard.engine._estimate_step import Compute
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.config._deepspeed_config import (
     DeepSpeedSettings,
@@ -25,6 +22,9 @@ from zeroshard.engine.config._policies import (
     PrecisionPolicy,
     Stage3Policy,
 )
+from zeroshard.engine.planner._cluster import Cluster, Link
+from zeroshard.engine.planner._estimate import Estimate, estimate
+from zeroshard.engine.planner._step_time import Compute
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import DivergentRanksError
 from zeroshard.engine.runtime._state import (

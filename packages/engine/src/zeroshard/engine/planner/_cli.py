@@ -6,13 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from zeroshard.engine._estimate import GIB, Estimate, estimate
-from zeroshard.engine._estimate_comm import Cluster, Link
-from zeroshard.engine._estimate_layout import plan_groups
-from zeroshard.engine._estimate_recommend import candidate_configs, recommend
-from zeroshard.engine._estimate_step import Compute
-from zeroshard.engine._plan_models import PRESETS, build
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._cluster import Cluster, Link
+from zeroshard.engine.planner._estimate import GIB, Estimate, estimate
+from zeroshard.engine.planner._groups import plan_groups
+from zeroshard.engine.planner._presets import PRESETS, build
+from zeroshard.engine.planner._recommend import candidate_configs, recommend
+from zeroshard.engine.planner._step_time import Compute
 
 
 def _parser() -> argparse.ArgumentParser:

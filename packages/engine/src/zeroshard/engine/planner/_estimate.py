@@ -1,8 +1,8 @@
 """`estimate()`: per-rank memory and step time of a run, from a model on the meta device.
 
-Model states come from the flat groups `initialize()` would build (`_estimate_layout`),
-activations from one meta-device micro-batch (`_estimate_activations`), the step time
-from a measured compute figure and a bandwidth model (`_estimate_step`). The peak is the
+Model states come from the flat groups `initialize()` would build (`_groups`),
+activations from one meta-device micro-batch (`_activations`), the step time
+from a measured compute figure and a bandwidth model (`_step_time`). The peak is the
 larger of two moments: backward (states, activations and the gradient path as measured,
 plus the stage-3 units gathered at once) and the optimizer step (states, all gradient
 shards, and stages 1/2's parameter all-gather in flight).
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.engine._estimate_activations import LossFn, default_loss, measure_activations
-from zeroshard.engine._estimate_comm import Cluster
-from zeroshard.engine._estimate_layout import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
-from zeroshard.engine._estimate_step import Compute, StepTime, project_step
 from zeroshard.engine.config._config import ZeroConfig, as_config
+from zeroshard.engine.planner._activations import LossFn, default_loss, measure_activations
+from zeroshard.engine.planner._cluster import Cluster
+from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
+from zeroshard.engine.planner._step_time import Compute, StepTime, project_step
 
 GIB = 2**30
 

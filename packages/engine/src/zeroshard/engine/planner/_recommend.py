@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zeroshard.engine._estimate import Estimate
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._estimate import Estimate
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroshard.engine._estimate_comm import Cluster
-from zeroshard.engine._estimate_layout import GroupPlan, reduce_dtype_bytes
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._cluster import Cluster
+from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
 
 
 @dataclass(frozen=True)

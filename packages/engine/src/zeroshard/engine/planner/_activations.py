@@ -31,8 +31,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zeroshard.engine._estimate_layout import GroupPlan, reduce_dtype_bytes
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
