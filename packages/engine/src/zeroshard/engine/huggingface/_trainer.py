@@ -26,16 +26,12 @@ from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-unt
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from zeroshard.engine import (
-    ZeroConfig,
-    ZeroOptimizer,
-    full_state_dict,
-    initialize,
-    load_checkpoint,
-    save_checkpoint,
-)
-from zeroshard.engine.config._config import as_config
+from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.config._trainer_ds_config import trainer_ds_settings
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.setup._initialize import initialize
+from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
+from zeroshard.engine.state._masters import full_state_dict
 
 __all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 
