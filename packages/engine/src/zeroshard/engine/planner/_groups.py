@@ -19,9 +19,9 @@ from torch import nn
 
 from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import _layout
 from zeroshard.engine.runtime._unit_plan import plan_units
-from zeroshard.engine.setup._initialize import _split_by_bytes
 from zeroshard.partition import ChunkLayout, FlatLayout, GroupKey, group_parameters
 
 
@@ -82,18 +82,12 @@ class GroupPlan:
 def _stage12(
     model: nn.Module, cfg: ZeroConfig, size: int, param_group_of: Mapping[int, int] | None
 ) -> list[tuple[GroupKey, FlatLayout]]:
-    """The stage-1/2 flat groups, in the order `_flatten_stage12` builds them."""
+    """The stage-1/2 flat groups, in the order `initialize()` builds them."""
     grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
-    registration = {id(p): i for i, p in enumerate(model.parameters())}
-    chunks = []
-    for key, named in grouped.items():
-        for run in _split_by_bytes(
-            named[::-1], cfg.comm.reduce_bucket_bytes, cfg.precision.compute_dtype.itemsize
-        ):
-            chunks.append((max(registration[id(p)] for _, p in run), key, run))
-    chunks.sort(key=lambda c: -c[0])
+    compute = cfg.precision.compute_dtype
+    buckets = plan_buckets(model, grouped, cfg.comm.reduce_bucket_bytes, compute.itemsize)
     world = cast(Group, _WorldSize(size))
-    return [(key, _layout(run, key, world, cfg.precision.compute_dtype)) for _, key, run in chunks]
+    return [(key, _layout(run, key, world, compute)) for key, run in buckets]
 
 
 def plan_groups(

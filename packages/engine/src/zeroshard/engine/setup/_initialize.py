@@ -14,6 +14,7 @@ from torch import nn
 
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig, as_config
+from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
 from zeroshard.engine.runtime._loss_scale import LossScaler
@@ -36,22 +37,6 @@ from zeroshard.engine.state._module_state import install_state_dict_hooks
 from zeroshard.partition import FlattenTier, GroupKey, group_parameters
 
 log = logging.getLogger("zeroshard.engine")
-
-
-def _split_by_bytes(
-    named: list[tuple[str, nn.Parameter]], limit: int, itemsize: int
-) -> list[list[tuple[str, nn.Parameter]]]:
-    """Consecutive runs of parameters of at most `limit` bytes (a big one stands alone)."""
-    out: list[list[tuple[str, nn.Parameter]]] = []
-    size = 0
-    for item in named:
-        nbytes = item[1].numel() * itemsize
-        if not out or size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += nbytes
-    return out
 
 
 @dataclass(frozen=True)
@@ -81,15 +66,10 @@ def _flatten_stage12(
     grouped = group_parameters(
         model.named_parameters(), param_group_of=param_group_of, process_group_of=place.label
     )
-    itemsize = cfg.precision.compute_dtype.itemsize
+    buckets = plan_buckets(
+        model, grouped, cfg.comm.reduce_bucket_bytes, cfg.precision.compute_dtype.itemsize
+    )
     tier = FlattenTier(cfg.flatten_tier)
-    chunks: list[tuple[int, GroupKey, list[tuple[str, nn.Parameter]]]] = []
-    registration = {id(p): i for i, p in enumerate(model.parameters())}
-    for key, named in grouped.items():
-        # Reverse registration order approximates the order gradients become ready.
-        for run in _split_by_bytes(named[::-1], cfg.comm.reduce_bucket_bytes, itemsize):
-            chunks.append((max(registration[id(p)] for _, p in run), key, run))
-    chunks.sort(key=lambda c: -c[0])
     return tuple(
         build_flat_group(
             i,
@@ -100,7 +80,7 @@ def _flatten_stage12(
             stage=cfg.stage,
             tier=tier,
         )
-        for i, (_, key, run) in enumerate(chunks)
+        for i, (key, run) in enumerate(buckets)
     )
 
 
