@@ -21,7 +21,7 @@ from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import _layout
-from zeroshard.engine.runtime._unit_plan import plan_units
+from zeroshard.engine.runtime._unit_plan import is_persistent, plan_units
 from zeroshard.partition import ChunkLayout, FlatLayout, GroupKey, group_parameters
 
 
@@ -112,8 +112,7 @@ def plan_groups(
                 for k, named in grouped.items()
             ]
             numel = sum(lay.numel for _, lay in layouts)
-            # The same rule as `_shard_stage3`: the root and small units stay gathered.
-            persistent = ui == 0 or numel < cfg.stage3.persistence_threshold
+            persistent = is_persistent(ui, numel, cfg.stage3.persistence_threshold)
             planned += [(k, lay, ui, persistent) for k, lay in layouts]
             gathered = (
                 sum(lay.padded_numel for _, lay in layouts) * cfg.precision.compute_dtype.itemsize

@@ -30,7 +30,7 @@ from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime._unit import Unit, UnitState
-from zeroshard.engine.runtime._unit_plan import UnitPlan
+from zeroshard.engine.runtime._unit_plan import UnitPlan, is_persistent
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -63,9 +63,9 @@ class Stage3Runtime:
                 plan.name,
                 plan.module,
                 groups,
-                # The root stays gathered: its forward wraps every other unit's, and its
-                # output layer is the first thing backward needs.
-                persistent=i == 0 or sum(g.layout.numel for g in groups) < persistence_threshold,
+                persistent=is_persistent(
+                    i, sum(g.layout.numel for g in groups), persistence_threshold
+                ),
                 stats=self.stats,
                 check_gather=self._check_same_unit,
             )

@@ -36,6 +36,14 @@ class UnitPlan:
     leaf: bool
 
 
+def is_persistent(index: int, numel: int, persistence_threshold: int) -> bool:
+    """Whether unit `index` of `numel` parameter elements stays gathered for the whole step:
+    the root and every unit under `persistence_threshold` elements."""
+    # The root stays gathered: its forward wraps every other unit's, and its output layer
+    # is the first thing backward needs.
+    return index == 0 or numel < persistence_threshold
+
+
 def _matches(names: Sequence[str], path: str, module: nn.Module) -> bool:
     return path in names or type(module).__name__ in names
 
