@@ -75,7 +75,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
         host_opt = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
         # On the CPU nothing is pinned; the same buffers are allocated pageable.
         assert est.host == state.offload.nbytes().host + host_opt
-        assert plan.offload is not None and plan.offload.chunks == state.offload.nbytes().chunks
+        assert plan.offload is not None and plan.offload.chunks == state.offload.layout
     else:
         assert est.host == 0
     assert dict(est.states) == real

@@ -21,8 +21,9 @@ from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import _layout
+from zeroshard.engine.runtime._offload_plan import OffloadSizes, choose_offloaded, offload_sizes
 from zeroshard.engine.runtime._unit_plan import is_persistent, plan_units
-from zeroshard.partition import ChunkLayout, FlatLayout, GroupKey, group_parameters
+from zeroshard.partition import FlatLayout, GroupKey, group_parameters
 
 
 @dataclass(frozen=True)
@@ -59,23 +60,12 @@ class PlannedUnit:
 
 
 @dataclass(frozen=True)
-class OffloadPlan:
-    """Host state of the offloaded groups, as `HostOffload` allocates it on one rank."""
-
-    chunks: int
-    chunk_shard_numel: int
-    host_bytes: int
-    pinned_bytes: int
-    device_compute_bytes: int  # compute-dtype shards kept on the device (not offload_params)
-
-
-@dataclass(frozen=True)
 class GroupPlan:
     """All flat groups (and stage-3 units) of a model under one config and shard-group size."""
 
     groups: tuple[PlannedGroup, ...]
     units: tuple[PlannedUnit, ...]
-    offload: OffloadPlan | None
+    offload: OffloadSizes | None  # what HostOffload allocates (None: nothing offloaded)
     shard_size: int
 
 
@@ -122,46 +112,25 @@ def plan_groups(
         planned = [
             (k, lay, None, False) for k, lay in _stage12(model, cfg, shard_size, param_group_of)
         ]
-    offloaded = _offloaded([lay.shard_numel for _, lay, _, _ in planned], cfg)
+    offloaded: set[int] = set()
+    if cfg.offload.optimizer:
+        numels = [lay.shard_numel for _, lay, _, _ in planned]
+        offloaded = set(choose_offloaded(numels, cfg.offload.ratio))
     groups = tuple(
         PlannedGroup(i, k, lay, unit, persistent, i in offloaded)
         for i, (k, lay, unit, persistent) in enumerate(planned)
     )
-    return GroupPlan(groups, tuple(units), _offload_plan(groups, cfg, shard_size), shard_size)
-
-
-def _offloaded(shard_numels: list[int], cfg: ZeroConfig) -> set[int]:
-    """Indices `choose_offloaded` picks: groups in order until `offload_ratio` is covered."""
-    if not cfg.offload.optimizer:
-        return set()
-    total, taken, chosen = sum(shard_numels), 0, set()
-    for i, n in enumerate(shard_numels):
-        if taken < cfg.offload.ratio * total:
-            chosen.add(i)
-            taken += n
-    return chosen
-
-
-def _offload_plan(
-    groups: tuple[PlannedGroup, ...], cfg: ZeroConfig, size: int
-) -> OffloadPlan | None:
-    """What `HostOffload.__init__` allocates (pinning assumed to succeed, on a GPU)."""
-    moved = [g for g in groups if g.offloaded]
-    if not moved:
-        return None
-    numel = sum(g.layout.shard_numel for g in moved)
-    per_rank = max(1, cfg.offload.chunk_bytes // 4)
-    chunks = ChunkLayout.build(numel * size, per_rank * size, size)
-    n, s = chunks.num_chunks, chunks.shard_numel
-    compute = cfg.precision.compute_dtype.itemsize
-    master, grad = n * s * 4, n * s * 4
-    biggest = max(g.layout.shard_numel for g in moved)
-    grad_slots = 2 * biggest * 4
-    if cfg.offload.params:
-        pinned, device = grad + n * s * compute + grad_slots, 0
-    else:
-        pinned, device = grad + 2 * s * compute + grad_slots, n * s * compute
-    return OffloadPlan(n, s, master + pinned, pinned, device)
+    moved = [g.layout.shard_numel for g in groups if g.offloaded]
+    offload = None
+    if moved:
+        offload = offload_sizes(
+            moved,
+            shard_size,
+            chunk_bytes=cfg.offload.chunk_bytes,
+            compute_dtype=cfg.precision.compute_dtype,
+            offload_params=cfg.offload.params,
+        )
+    return GroupPlan(groups, tuple(units), offload, shard_size)
 
 
 def state_bytes(
@@ -180,7 +149,7 @@ def state_bytes(
             if g.trainable:
                 out["optimizer"] += g.layout.shard_numel * optimizer_bytes_per_element
     if plan.offload is not None:
-        out["offload_compute"] = plan.offload.device_compute_bytes
+        out["offload_compute"] = plan.offload.device_bytes
     return out
 
 

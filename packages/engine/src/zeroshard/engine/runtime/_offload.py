@@ -54,7 +54,8 @@ from torch import nn
 
 from zeroshard.comm import Group, warn_tagged
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.partition import ChunkLayout, empty_host
+from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS, offload_sizes
+from zeroshard.partition import empty_host
 
 _warned_pageable = False
 # Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
@@ -75,21 +76,6 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Ten
             RuntimeWarning,
         )
     return t.zero_(), pinned
-
-
-def choose_offloaded(groups: Sequence[FlatParamGroup], ratio: float) -> list[FlatParamGroup]:
-    """The groups, in order, whose shards make up about `ratio` of all shard elements.
-
-    Shard sizes are the same on every rank, so every rank chooses the same groups.
-    """
-    total = sum(g.layout.shard_numel for g in groups)
-    chosen: list[FlatParamGroup] = []
-    taken = 0
-    for g in groups:
-        if taken < ratio * total:
-            chosen.append(g)
-            taken += g.layout.shard_numel
-    return chosen
 
 
 @dataclass(frozen=True)
@@ -168,15 +154,15 @@ class HostOffload:
         self.device = shard_group.device
         # Pinning only speeds up copies to a GPU; on the CPU there is no bus to cross.
         pin = pin and self.device.type == "cuda"
-        self.offset: dict[int, int] = {}
-        numel = 0
-        for g in self.groups:
-            self.offset[g.index] = numel
-            numel += g.layout.shard_numel
-        per_rank = max(1, chunk_bytes // 4)
-        self.layout = ChunkLayout.build(
-            numel * shard_group.size, per_rank * shard_group.size, shard_group.size
+        sizes = offload_sizes(
+            [g.layout.shard_numel for g in self.groups],
+            shard_group.size,
+            chunk_bytes=chunk_bytes,
+            compute_dtype=compute_dtype,
+            offload_params=offload_params,
         )
+        self.offset = {g.index: lo for g, lo in zip(self.groups, sizes.offsets, strict=True)}
+        self.layout = sizes.chunks
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self.master = torch.zeros(n, s, dtype=torch.float32)
         self._pinned_bytes = 0
@@ -191,11 +177,12 @@ class HostOffload:
             self.compute_dev = torch.zeros(n, s, dtype=compute_dtype, device=self.device)
         self._up = _Stream(self.device)
         self._down = _Stream(self.device)
-        self._up_slots = self._slots(2, s, compute_dtype, pin) if not offload_params else []
+        self._up_slots = (
+            self._slots(UPLOAD_SLOTS, s, compute_dtype, pin) if not offload_params else []
+        )
         self._up_busy: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
-        biggest = max((g.layout.shard_numel for g in self.groups), default=0)
         # fp32: the device upcasts before the copy (see the Note).
-        self._free_grad_slots = self._slots(2, biggest, torch.float32, pin)
+        self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, torch.float32, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         self._worker = _grad_worker(self.device)
         self._ready: list[torch.cuda.Event | None] = [None] * n

@@ -18,7 +18,8 @@ from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
 from zeroshard.engine.runtime._loss_scale import LossScaler
-from zeroshard.engine.runtime._offload import HostOffload, choose_offloaded
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._offload_plan import choose_offloaded
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
@@ -198,8 +199,9 @@ def initialize(
         groups = _flatten_stage12(model, cfg, place, param_group_of)
     offload = None
     if cfg.offload.optimizer:
+        chosen = choose_offloaded([g.layout.shard_numel for g in groups], cfg.offload.ratio)
         offload = HostOffload(
-            choose_offloaded(groups, cfg.offload.ratio),
+            [groups[i] for i in chosen],
             shard_group=shard_group,
             compute_dtype=cfg.precision.compute_dtype,
             chunk_bytes=cfg.offload.chunk_bytes,
