@@ -2,7 +2,9 @@
 
 World 1-4 on gloo ranks, stages 1-3, with and without offload (and a hybrid run): the
 flat layouts, the stage-3 units, and the bytes of parameter buffers, masters, stage-1
-grad buffers, AdamW state after a step and the offload host buffers.
+grad buffers, AdamW state after a step and the offload host buffers. The planner calls
+the engine's own rules (which groups, units, persistence, offload); this checks the bytes
+it counts from them.
 """
 
 from __future__ import annotations

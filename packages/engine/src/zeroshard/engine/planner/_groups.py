@@ -1,36 +1,26 @@
 """The flat groups `initialize()` would build, planned without building them.
 
-Everything here is metadata: a model on the meta device is enough. The engine's own rules
-are called where they are functions (`plan_units`, `group_parameters`, `_split_by_bytes`,
-`_layout`); where a rule is one line inside `initialize()` (the stage-1/2 bucket order,
-the stage-3 persistence rule, `choose_offloaded`'s walk) it is restated here, and
-`tests/engine/test_estimate_states.py` compares the result with real engines so the two
-cannot drift apart unnoticed.
+Everything here is metadata: a model on the meta device is enough. Each rule of what the
+engine builds is the runtime's own function, called here as the engine calls it:
+`plan_units` and `is_persistent` (stage 3), `plan_buckets` (stages 1/2), `flat_layout`,
+`choose_offloaded` and `offload_sizes`. `tests/engine/test_estimate_states.py` checks the
+bytes counted from them against real engines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import nn
 
-from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
-from zeroshard.engine.runtime._flat_group import _layout
+from zeroshard.engine.runtime._flat_group import flat_layout
 from zeroshard.engine.runtime._offload_plan import OffloadSizes, choose_offloaded, offload_sizes
 from zeroshard.engine.runtime._unit_plan import is_persistent, plan_units
 from zeroshard.partition import FlatLayout, GroupKey, group_parameters
-
-
-@dataclass(frozen=True)
-class _WorldSize:
-    """`_layout` reads only the size of the process group; planning has no group."""
-
-    size: int
 
 
 @dataclass(frozen=True)
@@ -76,8 +66,7 @@ def _stage12(
     grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
     compute = cfg.precision.compute_dtype
     buckets = plan_buckets(model, grouped, cfg.comm.reduce_bucket_bytes, compute.itemsize)
-    world = cast(Group, _WorldSize(size))
-    return [(key, _layout(run, key, world, compute)) for key, run in buckets]
+    return [(key, flat_layout(run, key, size, compute)) for key, run in buckets]
 
 
 def plan_groups(
@@ -90,7 +79,6 @@ def plan_groups(
 
     `param_group_of` maps id(parameter) to its optimizer param group (None: all in one).
     """
-    world = cast(Group, _WorldSize(shard_size))
     planned: list[tuple[GroupKey, FlatLayout, int | None, bool]] = []
     units: list[PlannedUnit] = []
     if cfg.stage == 3:
@@ -98,7 +86,7 @@ def plan_groups(
         for ui, plan in enumerate(plans):
             grouped = group_parameters(plan.params, param_group_of=param_group_of)
             layouts = [
-                (k, _layout(named, k, world, cfg.precision.compute_dtype))
+                (k, flat_layout(named, k, shard_size, cfg.precision.compute_dtype))
                 for k, named in grouped.items()
             ]
             numel = sum(lay.numel for _, lay in layouts)

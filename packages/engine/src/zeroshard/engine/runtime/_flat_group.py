@@ -202,13 +202,14 @@ def _check_params(named: Sequence[tuple[str, nn.Parameter]], group: Group) -> No
             )
 
 
-def _layout(
-    named: Sequence[tuple[str, nn.Parameter]], key: GroupKey, group: Group, compute: torch.dtype
+def flat_layout(
+    named: Sequence[tuple[str, nn.Parameter]], key: GroupKey, world_size: int, compute: torch.dtype
 ) -> FlatLayout:
+    """The layout of a flat group of `named` sharded over `world_size` ranks."""
     # 16-byte aligned slots in the compute dtype keep vectorized kernels on their fast path.
     alignment = max(1, 16 // compute.itemsize)
     return FlatLayout.build(
-        [(n, tuple(p.shape)) for n, p in named], key.dtype, group.size, alignment
+        [(n, tuple(p.shape)) for n, p in named], key.dtype, world_size, alignment
     )
 
 
@@ -229,7 +230,7 @@ def build_flat_group(
     frees the parameters' memory.
     """
     _check_params(named, process_group)
-    layout = _layout(named, key, process_group, compute_dtype)
+    layout = flat_layout(named, key, process_group.size, compute_dtype)
     params = tuple(p for _, p in named)
     start = time.perf_counter()
     storage: ReplicatedStorage | ShardedStorage
