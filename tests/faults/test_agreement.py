@@ -79,7 +79,7 @@ def _disagreements(device: str) -> None:
 @pytest.mark.gpu
 def test_ranks_that_disagree_get_one_error(device: str) -> None:
     """initialize's digest; on gloo also the per-gather unit check (NCCL compares the
-    gather order once per step instead, see _stage3.py)."""
+    gather order once per step instead, see runtime/_stage3.py)."""
     world_fits(device, 2)
     run_ranks(_disagreements, 2, device, device=device, timeout_s=150)
 
