@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, device: torch.device, cuda: bool) -> list[Row]
     peer.release()
 
     # On gloo the engine checks each gather's unit with a tiny all-reduce first (see
-    # [Note: divergent ranks] in the engine's _stage3.py); on NCCL it does not.
+    # [Note: divergent ranks] in the engine's runtime/_stage3.py); on NCCL it does not.
     check = int(group.backend != "nccl")
     rows = []
     for method, rt, units, fn in (

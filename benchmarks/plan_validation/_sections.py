@@ -13,11 +13,11 @@ from torch import nn
 
 from benchmarks._common import DOC, RESULTS, ROOT
 from zeroshard.engine import ZeroConfig, estimate
-from zeroshard.engine import _plan_cli as plan_cli
-from zeroshard.engine._estimate_comm import Cluster, Link, fit_link
-from zeroshard.engine._estimate_layout import plan_groups
-from zeroshard.engine._estimate_step import Compute
-from zeroshard.engine._plan_models import PRESETS, build
+from zeroshard.engine.planner import _cli as plan_cli
+from zeroshard.engine.planner._cluster import Cluster, Link, fit_link
+from zeroshard.engine.planner._groups import plan_groups
+from zeroshard.engine.planner._presets import PRESETS, build
+from zeroshard.engine.planner._step_time import Compute
 
 SCALING_DOC = ROOT / "docs" / "scaling.md"
 GIB = 2**30

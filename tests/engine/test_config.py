@@ -17,7 +17,7 @@ from zeroshard.engine import (
     Stage3Policy,
     ZeroConfig,
 )
-from zeroshard.engine._config import FLAT_KEYS, as_config
+from zeroshard.engine.config._config import FLAT_KEYS, as_config
 
 
 def test_defaults_and_dtype_strings() -> None:

@@ -19,7 +19,7 @@ from zeroshard.engine import (
     read_deepspeed_config,
     trainer_auto_values,
 )
-from zeroshard.engine._config import as_config
+from zeroshard.engine.config._config import as_config
 
 # The Hugging Face docs' ZeRO-3 config (ds_config_zero3.json), "auto" wherever they write it.
 HF_ZERO3: dict[str, Any] = json.loads(

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from zeroshard.engine import ZeroConfig
-from zeroshard.engine._estimate import estimate
-from zeroshard.engine._estimate_activations import default_loss, measure_activations
-from zeroshard.engine._estimate_comm import NVLINK_GBPS_FIT, NVLINK_LATENCY_US_FIT
-from zeroshard.engine._estimate_layout import plan_groups
-from zeroshard.engine._plan_cli import main
-from zeroshard.engine._plan_models import PRESETS, PresetModel, build
+from zeroshard.engine.planner._activations import default_loss, measure_activations
+from zeroshard.engine.planner._cli import main
+from zeroshard.engine.planner._cluster import NVLINK_GBPS_FIT, NVLINK_LATENCY_US_FIT
+from zeroshard.engine.planner._estimate import estimate
+from zeroshard.engine.planner._groups import plan_groups
+from zeroshard.engine.planner._presets import PRESETS, PresetModel, build
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,9 @@
 
 World 1-4 on gloo ranks, stages 1-3, with and without offload (and a hybrid run): the
 flat layouts, the stage-3 units, and the bytes of parameter buffers, masters, stage-1
-grad buffers, AdamW state after a step and the offload host buffers.
+grad buffers, AdamW state after a step and the offload host buffers. The planner calls
+the engine's own rules (which groups, units, persistence, offload); this checks the bytes
+it counts from them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch.nn.functional as F
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer
-from zeroshard.engine._estimate import estimate
-from zeroshard.engine._estimate_layout import plan_groups
+from zeroshard.engine.planner._estimate import estimate
+from zeroshard.engine.planner._groups import plan_groups
 
 # Small buckets and thresholds so a tiny model still has many groups, units, persistence
 # and several offload chunks.
@@ -75,7 +77,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
         host_opt = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
         # On the CPU nothing is pinned; the same buffers are allocated pageable.
         assert est.host == state.offload.nbytes().host + host_opt
-        assert plan.offload is not None and plan.offload.chunks == state.offload.nbytes().chunks
+        assert plan.offload is not None and plan.offload.chunks == state.offload.layout
     else:
         assert est.host == 0
     assert dict(est.states) == real

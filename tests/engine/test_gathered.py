@@ -21,8 +21,8 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
-from zeroshard.engine._gathered import gathered_parameters
-from zeroshard.engine._unit import UnitState
+from zeroshard.engine.runtime._unit import UnitState
+from zeroshard.engine.state._gathered import gathered_parameters
 
 EDITED = ("l1.weight", "blocks.1.up.weight")
 MODIFIER = 1

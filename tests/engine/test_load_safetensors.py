@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import VOCAB, make_model, make_optimizer
-from zeroshard.engine._load import SafetensorsLoadError, load_safetensors
+from zeroshard.engine.state._load import SafetensorsLoadError, load_safetensors
 
 SINGLE = "single/weights.safetensors"
 SHARDED = "sharded"

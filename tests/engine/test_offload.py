@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer, reference_run
-from zeroshard.engine._offload import host_tensor
+from zeroshard.engine.runtime._offload import host_tensor
 
 STEPS = 3
 MICRO = 2

@@ -13,7 +13,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn, make_model, make_optimizer
-from zeroshard.engine._unit import TrainingState, UnitState
+from zeroshard.engine.runtime._unit import TrainingState, UnitState
 
 
 class Expert(nn.Module):

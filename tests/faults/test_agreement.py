@@ -18,8 +18,8 @@ from zeroshard.ckpt import CheckpointError, ChecksumError
 from zeroshard.ckpt._meta import rank_file
 from zeroshard.comm import Group
 from zeroshard.engine import DivergentRanksError
-from zeroshard.engine._stage3 import Stage3Runtime
-from zeroshard.engine._unit_plan import UnitPlan
+from zeroshard.engine.runtime._stage3 import Stage3Runtime
+from zeroshard.engine.runtime._unit_plan import UnitPlan
 
 
 def _disagree(
@@ -79,7 +79,7 @@ def _disagreements(device: str) -> None:
 @pytest.mark.gpu
 def test_ranks_that_disagree_get_one_error(device: str) -> None:
     """initialize's digest; on gloo also the per-gather unit check (NCCL compares the
-    gather order once per step instead, see _stage3.py)."""
+    gather order once per step instead, see runtime/_stage3.py)."""
     world_fits(device, 2)
     run_ranks(_disagreements, 2, device, device=device, timeout_s=150)
 

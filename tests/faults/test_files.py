@@ -144,7 +144,7 @@ def test_async_save_pending_at_exit(tmp_path: Path, destroy: bool) -> None:
 
 
 def test_skipped_fp16_steps_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    from zeroshard.engine._loss_scale import LossScaler
+    from zeroshard.engine.runtime._loss_scale import LossScaler
 
     quiet, loud = LossScaler(1024.0, 10, 1.0), LossScaler(1024.0, 10, 1.0, log_skips=True)
     with caplog.at_level("WARNING", logger="zeroshard.engine"):

@@ -152,7 +152,7 @@ def test_trainer_precision_arguments_checked() -> None:
 
     import torch
 
-    from zeroshard.engine.huggingface import _resolve_precision
+    from zeroshard.engine.huggingface._trainer import _resolve_precision
 
     def args(bf16: bool = False, fp16: bool = False) -> Any:
         return SimpleNamespace(bf16=bf16, fp16=fp16)

@@ -7,40 +7,40 @@ full = zs.full_state_dict(model)
 model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
-from zeroshard.engine._checkpoint import load_checkpoint, save_checkpoint
-from zeroshard.engine._config import ZeroConfig
-from zeroshard.engine._deepspeed_config import (
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.config._deepspeed_config import (
     DeepSpeedSettings,
     hidden_size_of,
     read_deepspeed_config,
     trainer_auto_values,
 )
-from zeroshard.engine._deepspeed_translate import AutoValues
-from zeroshard.engine._estimate import Estimate, estimate
-from zeroshard.engine._estimate_comm import Cluster, Link
-from zeroshard.engine._estimate_step import Compute
-from zeroshard.engine._gathered import gathered_parameters
-from zeroshard.engine._initialize import initialize
-from zeroshard.engine._load import LoadReport, SafetensorsLoadError, load_safetensors
-from zeroshard.engine._masters import full_state_dict
-from zeroshard.engine._module_state import state_dict_on_rank0
-from zeroshard.engine._optimizer import ZeroOptimizer
-from zeroshard.engine._policies import (
+from zeroshard.engine.config._deepspeed_translate import AutoValues
+from zeroshard.engine.config._policies import (
     CommPolicy,
     LossScalePolicy,
     OffloadPolicy,
     PrecisionPolicy,
     Stage3Policy,
 )
-from zeroshard.engine._stage3 import DivergentRanksError
-from zeroshard.engine._state import (
+from zeroshard.engine.planner._cluster import Cluster, Link
+from zeroshard.engine.planner._estimate import Estimate, estimate
+from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._stage3 import DivergentRanksError
+from zeroshard.engine.runtime._state import (
     EngineModel,
     EngineState,
     WrapsEngineModel,
     engine_state,
     engine_stats,
 )
-from zeroshard.engine._stats import EngineStats
+from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.setup._initialize import initialize
+from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
+from zeroshard.engine.state._gathered import gathered_parameters
+from zeroshard.engine.state._load import LoadReport, SafetensorsLoadError, load_safetensors
+from zeroshard.engine.state._masters import full_state_dict
+from zeroshard.engine.state._module_state import state_dict_on_rank0
 
 __all__ = [
     "AutoValues",

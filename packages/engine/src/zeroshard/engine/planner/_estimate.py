@@ -1,0 +1,194 @@
+"""`estimate()`: per-rank memory and step time of a run, from a model on the meta device.
+
+Model states come from the flat groups `initialize()` would build (`_groups`),
+activations from one meta-device micro-batch (`_activations`), the step time
+from a measured compute figure and a bandwidth model (`_step_time`). The peak is the
+larger of two moments: backward (states, activations and the gradient path as measured,
+plus the stage-3 units gathered at once) and the optimizer step (states, all gradient
+shards, and stages 1/2's parameter all-gather in flight).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.engine.config._config import ZeroConfig, as_config
+from zeroshard.engine.planner._activations import LossFn, default_loss, measure_activations
+from zeroshard.engine.planner._cluster import Cluster
+from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
+from zeroshard.engine.planner._step_time import Compute, StepTime, project_step
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank memory (bytes) of one run and, given a compute figure, its step time."""
+
+    world_size: int
+    shard_size: int
+    config: ZeroConfig
+    micro_batch: int
+    seq_len: int
+    parameters: int
+    states: Mapping[str, int]  # device bytes kept between steps, by kind
+    grad_shards: int  # fp32 gradient shards on the device during a step
+    gathered: int  # stage 3: bytes of units gathered at once (persistent + prefetched)
+    activations_peak: int  # measured on meta, the gradient path included
+    host: int  # offload: host bytes per rank (master, gradient, optimizer state, staging)
+    pinned: int
+    step: StepTime | None
+
+    @property
+    def states_total(self) -> int:
+        """Device bytes kept between steps."""
+        return sum(self.states.values())
+
+    @property
+    def peak(self) -> int:
+        """Projected peak device bytes of a step."""
+        backward = self.states_total + self.activations_peak + self.gathered
+        step = self.states_total + self.grad_shards + self._publish_inflight()
+        return max(backward, step)
+
+    def _publish_inflight(self) -> int:
+        if self.config.stage == 3:
+            return 0
+        return min(self.config.comm.allgather_bucket_bytes, self.states.get("parameters", 0))
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        """Projected tokens per second per GPU (None without a compute figure)."""
+        if self.step is None:
+            return None
+        return self.micro_batch * self.seq_len / self.step.total_s
+
+    def table(self) -> str:
+        """A readable table of the estimate."""
+        hybrid = (
+            "" if self.shard_size == self.world_size else f", shard groups of {self.shard_size}"
+        )
+        cfg = self.config
+        off = ""
+        if cfg.offload.optimizer:
+            off = ", offload optimizer" + (" + params" if cfg.offload.params else "")
+        lines = [
+            f"{self.parameters / 1e9:.2f}B parameters, stage {cfg.stage}, {self.world_size} GPUs"
+            f"{hybrid}{off}, micro-batch {self.micro_batch} x {self.seq_len}, "
+            f"{str(cfg.precision.compute_dtype).removeprefix('torch.')}",
+            "",
+            "| per rank | GiB |",
+            "|---|---|",
+        ]
+        for kind, nbytes in self.states.items():
+            if nbytes:
+                lines.append(f"| {kind.replace('_', ' ')} | {nbytes / GIB:.2f} |")
+        lines += [
+            f"| = model states between steps | {self.states_total / GIB:.2f} |",
+            f"| fp32 gradient shards (in a step) | {self.grad_shards / GIB:.2f} |",
+        ]
+        if cfg.stage == 3:
+            lines.append(f"| gathered units in flight | {self.gathered / GIB:.2f} |")
+        lines += [
+            f"| activations + gradient path (on meta) | {self.activations_peak / GIB:.2f} |",
+            f"| = projected peak | {self.peak / GIB:.2f} |",
+        ]
+        if self.host:
+            lines.append(
+                f"| host (offload), of it pinned | {self.host / GIB:.2f}, {self.pinned / GIB:.2f} |"
+            )
+        if self.step is not None:
+            s = self.step
+            lines += [
+                "",
+                f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}, communication "
+                f"{s.comm_s * 1e3:.0f}, exposed {s.exposed_s * 1e3:.0f}; {s.bound}-bound), "
+                f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
+            ]
+        return "\n".join(lines)
+
+
+def _gathered(plan: GroupPlan, cfg: ZeroConfig) -> int:
+    """Stage 3: persistent units plus the unit in use and those prefetched behind it."""
+    if cfg.stage != 3:
+        return 0
+    persistent = sum(u.gathered_bytes for u in plan.units if u.persistent)
+    moving = sorted((u.gathered_bytes for u in plan.units if not u.persistent), reverse=True)
+    if not moving:
+        return persistent
+    inflight = 0
+    for nbytes in moving[1 : 1 + cfg.stage3.prefetch_depth]:
+        if inflight + nbytes > cfg.stage3.prefetch_bytes:
+            break
+        inflight += nbytes
+    # No prefetch pushes the gathered bytes past max_live_bytes.
+    return min(
+        persistent + moving[0] + inflight, max(cfg.stage3.max_live_bytes, persistent + moving[0])
+    )
+
+
+def estimate(
+    model: nn.Module,
+    config: ZeroConfig | Mapping[str, Any] | None,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    compute: Compute | None = None,
+    cluster: Cluster | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn = default_loss,
+    optimizer_bytes_per_element: int = 8,
+) -> Estimate:
+    """Per-rank memory and (given `compute`) step time of `model` trained under `config`.
+
+    `model` must be on the meta device (nothing is allocated). `optimizer_bytes_per_element`
+    is the optimizer state per fp32 master element (AdamW: m and v, 8); `loss_fn(model,
+    idx)` runs one micro-batch of token ids (default: next-token cross entropy).
+    """
+    cfg = as_config(config)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    shard = cfg.shard_group_size or world_size
+    if world_size % shard:
+        raise ValueError(
+            f"shard_group_size {shard} does not divide the world of {world_size} ranks"
+        )
+    groups_of = None
+    if optimizer is not None:
+        groups_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
+    plan = plan_groups(model, cfg, shard, groups_of)
+    # The engine computes in the compute dtype: the activations are measured on such a copy.
+    runnable = copy.deepcopy(model).to(cfg.precision.compute_dtype)
+    acts = measure_activations(runnable, plan, cfg, micro_batch, seq_len, loss_fn)
+    host = pinned = 0
+    if plan.offload is not None:
+        moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
+        host = plan.offload.host_bytes + moved * optimizer_bytes_per_element
+        pinned = plan.offload.pinned_bytes
+    step = None
+    if compute is not None:
+        step = project_step(plan, cfg, world_size, cluster or Cluster(), compute)
+    return Estimate(
+        world_size=world_size,
+        shard_size=shard,
+        config=cfg,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        parameters=sum(p.numel() for p in model.parameters()),
+        states=state_bytes(plan, cfg, optimizer_bytes_per_element),
+        grad_shards=grad_shard_bytes(plan),
+        gathered=_gathered(plan, cfg),
+        activations_peak=acts.peak,
+        host=host,
+        pinned=pinned,
+        step=step,
+    )

@@ -1,0 +1,113 @@
+"""Guard the parameters' `.grad` slots so torch's `clip_grad_norm_` cannot silently do nothing.
+
+[Note: the gradient guard]
+The engine keeps gradients as reduced fp32 shards (`optimizer.clip_grad_norm_` clips
+those); a parameter's own `.grad` holds either nothing (stages 2/3 free the full gradient
+once it is in a reduce bucket) or this rank's unreduced gradient (stage 1). Read through
+`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`, that gives a norm of 0 and no
+clipping (stages 2/3) or a rank-local norm (stage 1), silently.
+
+So once a gradient is in the engine's hands, the slot gets a `GradGuard`: a tensor of the
+parameter's shape with no storage, whose every operation raises an error that names the
+call to use. Only `zero_()` (`model.zero_grad(set_to_none=False)`) and `detach()` pass.
+A pre-accumulate hook empties the slot before autograd accumulates the next gradient
+(stages 2/3: `None`; stage 1: the view of the gradient buffer it accumulates into), so
+accumulation over several backwards and `model.zero_grad()` behave as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
+
+GUIDANCE = (
+    "zeroshard keeps gradients as reduced fp32 shards, not in parameter.grad; to clip by "
+    "the global norm call optimizer.clip_grad_norm_(max_norm) (it returns the norm), not "
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)"
+)
+
+
+class GradGuard(torch.Tensor):
+    """A storage-less stand-in for a gradient the engine holds as a shard; see the Note."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> GradGuard:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"GradGuard(shape={tuple(self.shape)}: {GUIDANCE})"
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # `model.zero_grad(set_to_none=False)` zeroes the slot; autograd may detach it.
+        if func is torch.ops.aten.zero_.default:
+            return args[0]
+        if func is torch.ops.aten.detach.default:
+            return GradGuard(args[0])
+        raise RuntimeError(f"parameter.grad is not readable ({func}): {GUIDANCE}")
+
+
+def is_guard(t: torch.Tensor | None) -> bool:
+    """Whether `t` is a `GradGuard` (a gradient slot the engine has taken over)."""
+    return isinstance(t, GradGuard)
+
+
+def install_grad_guards(groups: Sequence[FlatParamGroup], stage: int) -> None:
+    """Put a `GradGuard` in every trainable parameter's `.grad` once its gradient is taken.
+
+    Must run after the reducer registered its hooks: the guard goes in after them.
+    """
+    for g in groups:
+        if not g.trainable:
+            continue
+        views: Sequence[torch.Tensor | None] = (
+            slot_views(g.grad_buffer, g.layout)
+            if g.grad_buffer is not None
+            else [None] * len(g.params)
+        )
+        for p, view in zip(g.params, views, strict=True):
+            # Weakly, as the reducer's hooks: the hooks live in C++ where the cycle
+            # collector cannot see a parameter -> hook -> view -> buffer cycle.
+            # A leaf's tensor hook runs before autograd accumulates into `.grad`.
+            before = _before_accumulate(weakref.ref(p), view)
+            p.register_hook(before)  # type: ignore[no-untyped-call]  # untyped in torch
+            register = p.register_post_accumulate_grad_hook  # untyped in torch
+            register(_after_accumulate(view))  # type: ignore[no-untyped-call]
+
+
+def _before_accumulate(
+    param: weakref.ref[nn.Parameter], view: torch.Tensor | None
+) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        p = param()
+        if p is not None and is_guard(p.grad):
+            # Stage 1 accumulates into its buffer view again; stages 2/3 start empty.
+            p.grad = None if view is None else view.view(p.shape)
+
+    return hook
+
+
+def _after_accumulate(view: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        grad = p.grad
+        if view is not None and grad is not None and grad.data_ptr() != view.data_ptr():
+            # Stage 1 after `model.zero_grad()`: autograd made a fresh gradient outside
+            # the buffer; fold it in before the slot is guarded.
+            view.add_(grad.reshape(view.shape))
+        p.grad = GradGuard(p)
+
+    return hook

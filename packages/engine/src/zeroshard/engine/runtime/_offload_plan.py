@@ -1,0 +1,91 @@
+"""CPU offload from shard sizes alone: which flat groups go to the host, and the buffers
+`HostOffload` allocates for them. `initialize()` and `HostOffload` act on it; the planner
+counts it. Sizes are in elements of one rank's shards, equal on every rank."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.partition import ChunkLayout
+
+# Pinned staging slots, two each so that one can fill while the other drains: compute-
+# dtype shards going up (without offload_params) and fp32 gradients coming down (see
+# [Note: offload stream order] in _offload.py).
+UPLOAD_SLOTS = 2
+GRAD_SLOTS = 2
+
+
+def choose_offloaded(shard_numels: Sequence[int], ratio: float) -> list[int]:
+    """Positions of the groups, in order, whose shards make up about `ratio` of all shard
+    elements (every rank chooses the same: shard sizes are equal on every rank)."""
+    total = sum(shard_numels)
+    chosen: list[int] = []
+    taken = 0
+    for i, numel in enumerate(shard_numels):
+        if taken < ratio * total:
+            chosen.append(i)
+            taken += numel
+    return chosen
+
+
+@dataclass(frozen=True)
+class OffloadSizes:
+    """The buffers `HostOffload` allocates on one rank: the offloaded shards laid end to end
+    in a chunk space of `chunks`, an fp32 master (pageable) and gradient (pinned) per chunk,
+    the compute-dtype shards (pinned on the host with offload_params, else on the device
+    behind pinned upload slots) and the gradient staging slots (pinned)."""
+
+    offsets: tuple[int, ...]  # each shard's start in the chunk space, in the given order
+    chunks: ChunkLayout
+    grad_slot_numel: int  # the largest shard: any staged gradient fits in a slot
+    compute_dtype: torch.dtype
+    offload_params: bool
+
+    @property
+    def chunk_space_numel(self) -> int:
+        """Elements of the chunk space: of the master, the gradient and the compute shards."""
+        return self.chunks.num_chunks * self.chunks.shard_numel
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes that are pinned (when pinning succeeds: on a GPU)."""
+        compute = self.compute_dtype.itemsize
+        pinned = self.chunk_space_numel * 4 + GRAD_SLOTS * self.grad_slot_numel * 4
+        if self.offload_params:
+            return pinned + self.chunk_space_numel * compute
+        return pinned + UPLOAD_SLOTS * self.chunks.shard_numel * compute
+
+    @property
+    def host_bytes(self) -> int:
+        """All host bytes: the pinned ones and the fp32 masters."""
+        return self.chunk_space_numel * 4 + self.pinned_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of the compute-dtype shards (none with offload_params)."""
+        return 0 if self.offload_params else self.chunk_space_numel * self.compute_dtype.itemsize
+
+
+def offload_sizes(
+    shard_numels: Sequence[int],
+    shard_size: int,
+    *,
+    chunk_bytes: int,
+    compute_dtype: torch.dtype,
+    offload_params: bool,
+) -> OffloadSizes:
+    """What offloading shards of `shard_numels` elements takes on each of `shard_size` ranks,
+    in chunks of about `chunk_bytes` of fp32 master per rank."""
+    per_rank = max(1, chunk_bytes // 4)
+    numel = sum(shard_numels)
+    return OffloadSizes(
+        offsets=tuple(itertools.accumulate(shard_numels, initial=0))[:-1],
+        chunks=ChunkLayout.build(numel * shard_size, per_rank * shard_size, shard_size),
+        grad_slot_numel=max(shard_numels, default=0),
+        compute_dtype=compute_dtype,
+        offload_params=offload_params,
+    )

@@ -1,0 +1,220 @@
+"""`ZeroOptimizer`: the user's torch optimizer, stepping this rank's fp32 master shards.
+
+It is a `torch.optim.Optimizer` (LR schedulers and optimizer hooks work) that shares
+`param_groups` and `state` with the wrapped optimizer, whose `params` lists now hold
+the master shards instead of the model's parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.profiler import record_function
+
+from zeroshard.comm import Group, Handle
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._loss_scale import LossScaler
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._reduce import GradReducer
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """Tensors grouped by device (foreach kernels take one device at a time)."""
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+class StepHooks(Protocol):
+    """What stage 3 does around a step (`_stage3.Stage3Runtime`)."""
+
+    def before_step(self) -> None:
+        """Before the optimizer steps (stage 3: check every rank gathered the same units)."""
+        ...
+
+    def after_publish(self) -> None:
+        """After new shards were published (stage 3: drop the gathered parameters)."""
+        ...
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
+
+    `offload` (CPU offload) holds some masters, and so their optimizer state, on the host.
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        groups: Sequence[FlatParamGroup],
+        reducer: GradReducer,
+        shard_group: Group,
+        scaler: LossScaler | None,
+        allgather_bucket_bytes: int,
+        *,
+        hooks: StepHooks | None = None,
+        offload: HostOffload | None = None,
+    ) -> None:
+        self.inner = inner
+        self.offload = offload
+        self.hooks = hooks
+        self.flat_groups = list(groups)
+        self.reducer = reducer
+        self.shard_group = shard_group
+        self.scaler = scaler
+        self.allgather_bucket_bytes = allgather_bucket_bytes
+        self._unscaled = False
+        self._overflow = False
+        masters = [g.master for g in self.flat_groups if g.trainable]
+        # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
+        # master shards of the flat groups built from each group's parameters.
+        for k, pg in enumerate(inner.param_groups):
+            pg["params"] = [
+                g.master for g in self.flat_groups if g.trainable and g.key.param_group == k
+            ]
+        # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
+        # replaced by the inner optimizer's own, so both see the same objects.
+        super().__init__(masters, dict(inner.defaults))
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    # -- gradients -----------------------------------------------------------------------
+    def _trainable(self) -> list[FlatParamGroup]:
+        return [g for g in self.flat_groups if g.trainable]
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [g.ensure_grad_shard() for g in self._trainable()]
+
+    def _prepare_grads(self) -> None:
+        """Reduce what is pending and, under fp16, unscale and agree on overflow (once per step)."""
+        self.reducer.reduce_pending()
+        if self.scaler is None or self._unscaled:
+            return
+        shards = self._grad_shards()
+        local_bad = torch.zeros(1, device=self.shard_group.device)
+        for s in shards:
+            bad = (~torch.isfinite(s)).any().float().reshape(1).to(local_bad.device)
+            local_bad = torch.maximum(local_bad, bad)
+        # Every rank must skip the same steps: take the max of the flags over ranks.
+        self.shard_group.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
+        self._overflow = bool(local_bad.item())
+        if not self._overflow:
+            for same in _by_device(shards).values():
+                torch._foreach_mul_(same, 1.0 / self.scaler.scale)
+        self._unscaled = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm over all shards; return that norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+        self._prepare_grads()
+        shards = self._grad_shards()
+        if self._overflow:
+            return torch.tensor(math.inf)
+        local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
+        # Offloaded shards are on the host, the others on the device: one norm per device.
+        by_device = _by_device(shards)
+        for same in by_device.values():
+            local += torch.stack(torch._foreach_norm(same)).square().sum().to(local.device)
+        self.shard_group.all_reduce(local, label="grad norm").wait()
+        total = local.sqrt().reshape(())
+        # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device, same in by_device.items():
+            torch._foreach_mul_(same, coef.to(device))
+        return total
+
+    # -- step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the master shards, then all-gather the parameters (skipped on fp16 overflow)."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        if self.hooks is not None:
+            self.hooks.before_step()
+        self._prepare_grads()
+        overflow = self._overflow
+        self._unscaled = False
+        self._overflow = False
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            self.reducer.zero_grad()
+            return None
+        with record_function("zeroshard::optimizer_step"):
+            self.inner.step()
+        self._publish(g for g in self.flat_groups if g.trainable)
+        return None
+
+    def republish(self) -> None:
+        """Make every master shard what forward computes with, after it changed in place
+        (a load): stage 3 drops what is gathered, stages 1/2 all-gather the parameters."""
+        self._publish(self.flat_groups)
+
+    def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
+        groups = list(groups)
+        if self.offload is not None:
+            # Offloaded masters changed on the host: recast and upload them first.
+            self.offload.refresh([g for g in groups if g.offload is not None])
+        # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
+        # of gathers are in flight, which bounds the temporary send buffers.
+        inflight: deque[tuple[int, Handle]] = deque()
+        pending = 0
+        for g in groups:
+            handle = g.publish()
+            nbytes = 0 if g.sharded else g.param_buffer.nbytes
+            inflight.append((nbytes, handle))
+            pending += nbytes
+            while pending > self.allgather_bucket_bytes and len(inflight) > 1:
+                done, oldest = inflight.popleft()
+                oldest.wait()
+                pending -= done
+        for _, handle in inflight:
+            handle.wait()
+        if self.hooks is not None:
+            self.hooks.after_publish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradient shards (freed by default, as torch's optimizers do)."""
+        self.reducer.zero_grad(set_to_none)
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, master shards and loss scale (same world size only)."""
+        return {
+            "inner": self.inner.state_dict(),
+            "master": [g.master.detach().clone() for g in self.flat_groups],
+            "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "world_size": self.shard_group.size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict()` output taken at the same world size, and re-gather params."""
+        if state_dict.get("world_size") != self.shard_group.size:
+            raise ValueError(
+                f"optimizer state was saved at world size {state_dict.get('world_size')}, "
+                f"this run has {self.shard_group.size}; use zeroshard checkpoints to reshard"
+            )
+        masters = state_dict["master"]
+        if len(masters) != len(self.flat_groups):
+            raise ValueError(
+                f"optimizer state has {len(masters)} flat groups, this model has "
+                f"{len(self.flat_groups)}: was it saved from another model or config?"
+            )
+        for g, m in zip(self.flat_groups, masters, strict=True):
+            if m.shape != g.master.shape:
+                raise ValueError(
+                    f"flat group {g.index}: saved shard {tuple(m.shape)} != {tuple(g.master.shape)}"
+                )
+        self.inner.load_state_dict(state_dict["inner"])
+        with torch.no_grad():
+            for g, m in zip(self.flat_groups, masters, strict=True):
+                g.master.copy_(m)
+            self._publish(self.flat_groups)
+        if self.scaler is not None and state_dict.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])

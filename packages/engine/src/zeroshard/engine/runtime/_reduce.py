@@ -1,0 +1,264 @@
+"""Gradient reduction for stages 1 and 2: full gradients in, fp32 gradient shards out.
+
+Stage 1 lets autograd accumulate into each group's full `grad_buffer` (parameters'
+`.grad` are views of it) and reduce-scatters the buffers when the optimizer needs the
+gradients. Stage 2 copies each gradient into its group's bucket the moment it is ready
+(a post-accumulate-grad hook), frees the full gradient, and reduce-scatters a group as
+soon as it is complete, while backward goes on.
+
+[Note: launch order]
+Collectives must be issued in the same order on every rank. Groups are reduced strictly
+in `order` (reverse registration, roughly backward order): a group that completes early
+waits for the groups before it. At the end of each backward, groups whose gradients did
+not all arrive (unused parameters) are reduced too, missing gradients counting as zero,
+so every rank issues every group's collective exactly once per backward.
+
+[Note: bucket memory]
+A bucket is held until its reduce-scatter is waited on. At most
+`max_inflight_reductions` are in flight: launching one more first waits on the oldest
+and folds it into its fp32 shard, so bucket memory stays bounded by a few groups rather
+than growing to the whole model's gradients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from zeroshard.comm import Group, Handle
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._grad_guard import is_guard
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._stats import EngineStats
+
+
+class BackwardEvents(Protocol):
+    """What stage 3 tells the reducer and hears from it (`_stage3.Stage3Runtime`)."""
+
+    def reduce_order(self) -> Sequence[FlatParamGroup]:
+        """The launch order for the next backward (a new object when it changed)."""
+        ...
+
+    def grads_ready(self, g: FlatParamGroup) -> None:
+        """All of `g`'s gradients are in its bucket (its reduction is queued)."""
+        ...
+
+    def backward_done(self) -> None:
+        """Every reduction of this backward was launched and waited."""
+        ...
+
+
+class GradReducer:
+    """Reduces gradients of `groups` (trainable ones, in launch order) into fp32 shards.
+
+    `replicate` (hybrid sharding) is the group of ranks holding the same shards, averaged
+    over after each reduce-scatter; `offload` receives the offloaded groups' shards on the
+    host; `events` (stage 3) sets the launch order and hears when groups are complete;
+    `stats` counts the reduce-scatters.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[FlatParamGroup],
+        *,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        overlap: bool,
+        max_inflight: int,
+        replicate: Group | None,
+        offload: HostOffload | None,
+        events: BackwardEvents | None = None,
+        stats: EngineStats | None = None,
+    ) -> None:
+        self.order = [g for g in groups if g.trainable]
+        self._order_source: Sequence[FlatParamGroup] = groups
+        self.events = events
+        self.replicate = replicate
+        self.offload = offload
+        self.stats = stats
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.overlap = overlap
+        self.max_inflight = max_inflight
+        self._slot_of: dict[nn.Parameter, tuple[FlatParamGroup, int]] = {}
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._ready: list[int] = [0] * len(self.order)
+        self._position = {g.index: i for i, g in enumerate(self.order)}
+        self._next = 0
+        self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, Handle]] = deque()
+        self._callback_queued = False
+        # Stage 1: set when autograd has written gradients that are not reduced yet.
+        self._stage1_dirty = False
+        # The hooks live on the parameters, in C++, where the garbage collector cannot see
+        # the cycle parameter -> hook -> reducer -> groups -> parameter: hold the reducer
+        # weakly, or a deleted model would never be freed.
+        this = weakref.ref(self)
+
+        def on_grad_ready(p: torch.Tensor) -> None:
+            reducer = this()
+            if reducer is not None:
+                reducer._on_grad_ready(p)
+
+        for g in self.order:
+            for i, p in enumerate(g.params):
+                self._slot_of[p] = (g, i)
+                hook = p.register_post_accumulate_grad_hook  # untyped in torch
+                hook(on_grad_ready)  # type: ignore[no-untyped-call]
+
+    # -- backward ------------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            if self.events is not None:
+                self._follow(self.events.reduce_order())
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.stage == 1:
+            self._stage1_dirty = True
+            return
+        g, i = self._slot_of[p]  # type: ignore[index]
+        assert p.grad is not None
+        bucket = self._buckets.get(g.index)
+        if bucket is None:
+            # Zeros: alignment gaps, padding and not-yet-arrived gradients must add nothing.
+            bucket = torch.zeros(g.layout.padded_numel, dtype=self.reduce_dtype, device=p.device)
+            self._buckets[g.index] = bucket
+        slot = g.layout.slots[i]
+        bucket[slot.offset : slot.end].copy_(p.grad.reshape(-1))
+        # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
+        p.grad = None
+        self._ready[self._position[g.index]] += 1
+        if self.events is not None and self._ready[self._position[g.index]] == len(g.params):
+            self.events.grads_ready(g)
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order):
+            g = self.order[self._next]
+            if self._ready[self._next] < len(g.params):
+                return
+            self._launch(g)
+
+    def _launch(self, g: FlatParamGroup) -> None:
+        bucket = self._buckets.pop(g.index, None)
+        if bucket is None:
+            bucket = torch.zeros(
+                g.layout.padded_numel, dtype=self.reduce_dtype, device=g.process_group.device
+            )
+        out, handle = self._reduce_scatter(g, bucket)
+        self._inflight.append((g, out, handle))
+        self._next += 1
+        while len(self._inflight) > self.max_inflight:
+            self._finish_oldest()
+
+    def _reduce_scatter(self, g: FlatParamGroup, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+        """Start averaging `full` over `g`'s process group into a new shard-sized tensor."""
+        out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
+        with record_function("zeroshard::reduce_scatter"):
+            handle = g.process_group.reduce_scatter(
+                out, full, op="avg", label=f"grads of group {g.index}"
+            )
+        if self.stats is not None:
+            self.stats.reduced(full.nbytes)
+        return out, handle
+
+    def _finish_oldest(self) -> None:
+        g, out, handle = self._inflight.popleft()
+        handle.wait()
+        self._fold(g, out)
+
+    def _fold(self, g: FlatParamGroup, out: torch.Tensor) -> None:
+        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard."""
+        if self.replicate is not None:
+            self.replicate.all_reduce(
+                out, op="avg", label=f"grads of group {g.index} (replicas)"
+            ).wait()
+        if g.offload is not None:
+            assert self.offload is not None
+            self.offload.receive(g, out)
+        elif g.grad_shard is None:
+            # The first gradient since zero_grad: copy (upcast) into fresh memory, no zero fill.
+            g.claim_grad_shard().copy_(out)
+        else:
+            g.grad_shard.add_(out)
+
+    def _follow(self, groups: Sequence[FlatParamGroup]) -> None:
+        """At the start of a backward: reduce in `groups`' order if it changed (the same
+        on every rank: it is the recorded forward order, reversed)."""
+        if groups is self._order_source:
+            return
+        assert not self._inflight and self._next == 0
+        self._order_source = groups
+        self.order = [g for g in groups if g.trainable]
+        self._position = {g.index: i for i, g in enumerate(self.order)}
+        self._ready = [0] * len(self.order)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.stage != 1:
+            while self._next < len(self.order):
+                self._launch(self.order[self._next])
+            while self._inflight:
+                self._finish_oldest()
+            if self.offload is not None:
+                self.offload.drain()
+            self._next = 0
+            self._ready = [0] * len(self.order)
+        if self.events is not None:
+            self.events.backward_done()
+
+    # -- step ----------------------------------------------------------------------------
+    def reduce_pending(self) -> None:
+        """Stage 1: reduce-scatter the accumulated full gradients into the fp32 shards."""
+        if self.stage != 1 or not self._stage1_dirty:
+            return
+        pending: list[tuple[FlatParamGroup, torch.Tensor, torch.Tensor, Handle]] = []
+        for g in self.order:
+            buf = _grad_buffer(g)
+            self._repoint_stage1_grads(g, buf)
+            pending.append((g, buf, *self._reduce_scatter(g, buf.to(self.reduce_dtype))))
+        for g, buf, out, handle in pending:
+            handle.wait()
+            self._fold(g, out)
+            buf.zero_()
+        if self.offload is not None:
+            self.offload.drain()
+        self._stage1_dirty = False
+
+    @staticmethod
+    def _repoint_stage1_grads(g: FlatParamGroup, buf: torch.Tensor) -> None:
+        # A user who set `.grad = None` (model.zero_grad()) made autograd allocate fresh
+        # gradients outside the buffer: fold them in so nothing is lost, and re-point.
+        for p, slot in zip(g.params, g.layout.slots, strict=True):
+            view = buf[slot.offset : slot.end]
+            grad = None if is_guard(p.grad) else p.grad  # guarded: its values are in `view`
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                if grad is not None:
+                    view.add_(grad.reshape(-1))
+                p.grad = view.view(p.shape)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget all gradients; `set_to_none` frees the shards until the next backward."""
+        for g in self.order:
+            if g.grad_shard is not None:
+                if set_to_none:
+                    # An offloaded group keeps its host memory: the next gradient overwrites it.
+                    g.grad_shard = g.master.grad = None
+                else:
+                    g.grad_shard.zero_()
+            if g.grad_buffer is not None:
+                g.grad_buffer.zero_()
+        self._stage1_dirty = False
+
+
+def _grad_buffer(g: FlatParamGroup) -> torch.Tensor:
+    buf = g.grad_buffer
+    if buf is None:
+        raise RuntimeError(f"flat group {g.index} has no stage-1 gradient buffer")
+    return buf

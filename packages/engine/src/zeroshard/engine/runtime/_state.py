@@ -1,0 +1,90 @@
+"""`EngineState`: what `initialize` attaches to a model, and how the other modules find it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, runtime_checkable
+
+from torch import nn
+
+from zeroshard.comm import Group
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._stage3 import Stage3Runtime
+from zeroshard.engine.runtime._stats import EngineStats
+
+_ATTR = "_zeroshard_engine"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What `initialize` attached to a model: its config, flat groups and optimizer.
+
+    `shard_group` is the process group the flat groups are sharded over (the world, or
+    under hybrid sharding one shard group); `replicate` averages across shard groups.
+    """
+
+    config: ZeroConfig
+    shard_group: Group
+    replicate: Group | None
+    groups: tuple[FlatParamGroup, ...]
+    optimizer: ZeroOptimizer
+    stage3: Stage3Runtime | None
+    offload: HostOffload | None = None
+
+
+@runtime_checkable
+class WrapsEngineModel(Protocol):
+    """A wrapper the engine's functions accept in place of the model it wraps, as torch's
+    accept a `torch.compile`d module (`zeroshard.compile.CompiledModel`)."""
+
+    @property
+    def zeroshard_module(self) -> nn.Module:
+        """The initialized model inside the wrapper."""
+        ...
+
+
+# What the engine's public functions take: the initialized model or a wrapper of it.
+EngineModel: TypeAlias = nn.Module | WrapsEngineModel
+
+
+def engine_module(model: EngineModel) -> nn.Module:
+    """`model` itself, or the module inside a wrapper (the engine imports no wrapper: the
+    `zeroshard_module` attribute is the seam; see `WrapsEngineModel`)."""
+    inner = getattr(model, "zeroshard_module", None)
+    if isinstance(inner, (nn.Module, WrapsEngineModel)):
+        return engine_module(inner)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"expected a model initialized with zeroshard.engine.initialize() (or its "
+            f"zeroshard.compile.CompiledModel), got a {type(model).__name__}"
+        )
+    return model
+
+
+def is_initialized(model: nn.Module) -> bool:
+    """Whether `initialize` already attached an engine to `model`."""
+    return hasattr(model, _ATTR)
+
+
+def attach_state(model: nn.Module, state: EngineState) -> None:
+    """Attach `state` to `model` (once, at the end of `initialize`)."""
+    setattr(model, _ATTR, state)
+
+
+def engine_state(model: EngineModel) -> EngineState:
+    """The engine state `initialize` attached to `model` (or to the model it wraps)."""
+    state = getattr(engine_module(model), _ATTR, None)
+    if not isinstance(state, EngineState):
+        raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
+    return state
+
+
+def engine_stats(model: EngineModel) -> EngineStats:
+    """Stage 3 counters (gathers, bytes gathered, live and peak gathered bytes, ...)."""
+    runtime = engine_state(model).stage3
+    if runtime is None:
+        raise ValueError("engine statistics are kept for stage 3 only (stages 1/2 gather nothing)")
+    return runtime.stats

@@ -1,0 +1,64 @@
+"""The checks `initialize` runs on its inputs before it changes anything."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._state import is_initialized
+
+
+def check_model(model: nn.Module, cfg: ZeroConfig) -> None:
+    """A model not yet initialized, in a launched job, with meta parameters only at stage 3."""
+    if is_initialized(model):
+        raise ValueError("this model was already initialized by zeroshard")
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: launch with torchrun and "
+            "call torch.distributed.init_process_group() first"
+        )
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta and cfg.stage != 3:
+        raise ValueError(
+            f"parameters {meta[:3]}... are on the meta device: partitioned init "
+            "needs stage 3 (or materialize the model before initialize())"
+        )
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ValueError(
+            f"buffers {meta_buffers} are on the meta device: materialize them "
+            "before initialize() (only parameters are materialized unit by unit)"
+        )
+
+
+def check_module_paths(model: nn.Module, process_groups: Mapping[str, Any]) -> None:
+    """Every key of `process_groups` names a module of `model`."""
+    paths = {name for name, _ in model.named_modules()}
+    unknown = [p for p in process_groups if p not in paths]
+    if unknown:
+        raise ValueError(f"process_groups names {unknown}, which are not module paths of the model")
+
+
+def param_group_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """For each parameter (by id), the index of its optimizer param group; the optimizer
+    must be fresh and hold only parameters of `model`."""
+    if len(optimizer.state) != 0:
+        raise ValueError(
+            "the optimizer already has state: build it fresh on the model's "
+            "parameters and pass it to initialize() before any step"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    index: dict[int, int] = {}
+    for k, pg in enumerate(optimizer.param_groups):
+        for p in pg["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    f"optimizer param group {k} holds a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model"
+                )
+            index[id(p)] = k
+    return index

@@ -1,0 +1,266 @@
+"""`initialize()`: shard a model and its optimizer over a process group (orchestration only)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
+from zeroshard.engine.config._config import ZeroConfig, as_config
+from zeroshard.engine.runtime._bucket_plan import plan_buckets
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
+from zeroshard.engine.runtime._grad_guard import install_grad_guards
+from zeroshard.engine.runtime._loss_scale import LossScaler
+from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._offload_plan import choose_offloaded
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._precision import install_precision_hooks
+from zeroshard.engine.runtime._reduce import GradReducer
+from zeroshard.engine.runtime._stage3 import Stage3Runtime
+from zeroshard.engine.runtime._state import EngineState, attach_state
+from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
+from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
+from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
+from zeroshard.engine.setup._materialize import (
+    ParamInit,
+    is_meta,
+    materialize_unit,
+    reset_parameters,
+)
+from zeroshard.engine.state._module_state import install_state_dict_hooks
+from zeroshard.partition import FlattenTier, GroupKey, group_parameters
+
+log = logging.getLogger("zeroshard.engine")
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Which process group each parameter is sharded and reduced over."""
+
+    shard_group: Group
+    own: Mapping[str, Group]  # module path -> the data-parallel group of its parameters
+
+    def label(self, name: str, param: nn.Parameter) -> str:
+        """The longest module path of `own` that contains parameter `name`, or 'default'."""
+        best = "default"
+        for path in self.own:
+            if name.startswith(path + ".") and (best == "default" or len(path) > len(best)):
+                best = path
+        return best
+
+    def process_group(self, key: GroupKey) -> Group:
+        """The process group of a GroupKey."""
+        return self.shard_group if key.process_group == "default" else self.own[key.process_group]
+
+
+def _flatten_stage12(
+    model: nn.Module, cfg: ZeroConfig, place: _Placement, param_group_of: dict[int, int]
+) -> tuple[FlatParamGroup, ...]:
+    """Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order."""
+    grouped = group_parameters(
+        model.named_parameters(), param_group_of=param_group_of, process_group_of=place.label
+    )
+    buckets = plan_buckets(
+        model, grouped, cfg.comm.reduce_bucket_bytes, cfg.precision.compute_dtype.itemsize
+    )
+    tier = FlattenTier(cfg.flatten_tier)
+    return tuple(
+        build_flat_group(
+            i,
+            key,
+            run,
+            process_group=place.process_group(key),
+            compute_dtype=cfg.precision.compute_dtype,
+            stage=cfg.stage,
+            tier=tier,
+        )
+        for i, (key, run) in enumerate(buckets)
+    )
+
+
+def _shard_stage3(
+    model: nn.Module,
+    cfg: ZeroConfig,
+    place: _Placement,
+    param_group_of: dict[int, int],
+    param_init: ParamInit,
+    init_seed: int,
+) -> list[tuple[UnitPlan, tuple[FlatParamGroup, ...]]]:
+    """Stage 3: each unit's plan and its sharded flat groups (one per GroupKey).
+
+    Units still on the meta device are materialized one at a time just before they are
+    sharded (partitioned init).
+    """
+    plans = plan_units(model, cfg.stage3)
+    tier = FlattenTier(cfg.flatten_tier)
+    count = 0
+    units: list[tuple[UnitPlan, tuple[FlatParamGroup, ...]]] = []
+    for ui, plan in enumerate(plans):
+        if is_meta(plan):
+            materialize_unit(
+                plan, ui, device=place.shard_group.device, param_init=param_init, seed=init_seed
+            )
+        grouped = group_parameters(
+            plan.params, param_group_of=param_group_of, process_group_of=place.label
+        )
+        groups = tuple(
+            build_flat_group(
+                count + j,
+                key,
+                named,
+                process_group=place.process_group(key),
+                compute_dtype=cfg.precision.compute_dtype,
+                stage=3,
+                tier=tier,
+            )
+            for j, (key, named) in enumerate(grouped.items())
+        )
+        count += len(groups)
+        units.append((plan, groups))
+    return units
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | Mapping[str, Any] | None = None,
+    *,
+    group: Group | None = None,
+    process_groups: Mapping[str, Group] | None = None,
+    param_init: ParamInit = reset_parameters,
+    init_seed: int = 0,
+) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard `model`'s training state over `group` (default: the world) per `config`.
+
+    Returns the same module (its parameters now views of flat compute-dtype buffers,
+    with hooks installed) and a `ZeroOptimizer` that wraps `optimizer`, which must be
+    freshly built on the model's parameters (no state yet). At stage 3 the model may be
+    built on the meta device: each unit is then materialized and initialized by
+    `param_init(module)` (default: `reset_parameters()`) with the generator seeded from
+    `init_seed`, sharded and freed before the next, so no rank holds the whole model.
+
+    `process_groups` maps module paths to the data-parallel group of their parameters
+    when it is not the world (experts under expert parallelism: the ranks holding the
+    same experts): those parameters get flat groups of their own, sharded over and
+    reduced (averaged) within that group.
+    """
+    cfg = as_config(config)
+    check_model(model, cfg)
+    check_module_paths(model, process_groups or {})
+    timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
+    everyone = (group or Group()).with_timeout(timeout)
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
+    shard_group, replicate = everyone, None
+    if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
+        if group is not None:
+            raise ValueError("shard_group_size works on the world group; pass no group with it")
+        size = cfg.shard_group_size
+        if everyone.size % size:
+            raise ValueError(
+                f"shard_group_size {size} does not divide the world of {everyone.size} ranks"
+            )
+        hybrid = make_hybrid_groups(everyone.size // size, size, timeout=timeout)
+        # Everything below shards over `shard_group`; `replicate` only averages.
+        shard_group, replicate = hybrid.shard, hybrid.replicate
+        if process_groups:
+            raise ValueError("process_groups and shard_group_size cannot be combined yet")
+    place = _Placement(
+        shard_group, {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
+    )
+    param_group_of = param_group_index(model, optimizer)
+    start = time.perf_counter()
+
+    scaler = None
+    if cfg.precision.compute_dtype == torch.float16:
+        scaler = LossScaler(
+            cfg.loss_scale.initial_scale, cfg.loss_scale.window, cfg.loss_scale.min_scale
+        )
+        scaler.log_skips = everyone.rank == 0
+    runtime = None
+    if cfg.stage == 3:
+        units = _shard_stage3(model, cfg, place, param_group_of, param_init, init_seed)
+        groups = tuple(g for _, unit_groups in units for g in unit_groups)
+        runtime = Stage3Runtime(
+            units,
+            shard_group=shard_group,
+            prefetch_depth=cfg.stage3.prefetch_depth,
+            prefetch_bytes=cfg.stage3.prefetch_bytes,
+            max_live_bytes=cfg.stage3.max_live_bytes,
+            persistence_threshold=cfg.stage3.persistence_threshold,
+        )
+    else:
+        groups = _flatten_stage12(model, cfg, place, param_group_of)
+    offload = None
+    if cfg.offload.optimizer:
+        chosen = choose_offloaded([g.layout.shard_numel for g in groups], cfg.offload.ratio)
+        offload = HostOffload(
+            [groups[i] for i in chosen],
+            shard_group=shard_group,
+            compute_dtype=cfg.precision.compute_dtype,
+            chunk_bytes=cfg.offload.chunk_bytes,
+            pin=cfg.offload.pin_memory,
+            offload_params=cfg.offload.params,
+        )
+        _warn_unfused(optimizer)
+    install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
+    reducer = GradReducer(
+        groups if runtime is None else runtime.reduce_order(),
+        stage=cfg.stage,
+        reduce_dtype=cfg.precision.grad_reduce_dtype,
+        overlap=cfg.comm.overlap,
+        max_inflight=cfg.comm.max_inflight_reductions,
+        replicate=replicate,
+        offload=offload,
+        events=runtime,
+        stats=None if runtime is None else runtime.stats,
+    )
+    install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
+    zopt = ZeroOptimizer(
+        optimizer,
+        groups,
+        reducer,
+        shard_group,
+        scaler,
+        cfg.comm.allgather_bucket_bytes,
+        hooks=runtime,
+        offload=offload,
+    )
+    if offload is not None:
+        # The compute shards of the offloaded groups are made from the masters once here,
+        # then after every step.
+        offload.refresh(offload.groups)
+    seconds = time.perf_counter() - start
+    state = EngineState(cfg, shard_group, replicate, groups, zopt, runtime, offload)
+    attach_state(model, state)
+    install_state_dict_hooks(model, state)
+    if everyone.rank == 0:
+        tiers = sorted({g.tier.value for g in groups})
+        log.info(
+            "zeroshard stage %d: %d params in %d flat groups over %d ranks, compute %s, "
+            "flattened on %s in %.2fs",
+            cfg.stage,
+            sum(g.layout.numel for g in groups),
+            len(groups),
+            shard_group.size,
+            cfg.precision.compute_dtype,
+            "/".join(tiers),
+            seconds,
+        )
+    return model, zopt
+
+
+def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:
+    # On CPU tensors torch's foreach and for-loop optimizers run op by op with temporaries;
+    # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) make one pass over memory.
+    if any("fused" in pg and not pg["fused"] for pg in optimizer.param_groups):
+        warn_on_rank0(
+            f"offload_optimizer: {type(optimizer).__name__} steps on the CPU without its "
+            "fused kernel; build it with fused=True (one pass over memory) for a faster CPU step"
+        )

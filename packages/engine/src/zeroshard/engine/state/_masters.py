@@ -1,0 +1,52 @@
+"""The full fp32 masters: one all-gather per flat group, for `full_state_dict` and
+`gathered_parameters`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zeroshard.comm import Handle
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
+
+
+def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.Tensor]:
+    """Every rank's fp32 master shard of each group, all-gathered into one full buffer
+    per group on the group's device (collective; the groups in the same order everywhere)."""
+    handles: list[Handle] = []
+    fulls: list[torch.Tensor] = []
+    for g in groups:
+        device = g.process_group.device
+        full = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=device)
+        # Offloaded masters are on the host: they travel from the group's device.
+        send = g.master.detach().to(device)
+        handles.append(
+            g.process_group.all_gather_into(full, send, label=f"{label} of group {g.index}")
+        )
+        fulls.append(full)
+    for h in handles:
+        h.wait()
+    return fulls
+
+
+@torch.no_grad()
+def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict on CPU, keyed like `model.state_dict()` before wrapping.
+
+    Collective: call it on every rank; every rank gets the whole dict. Tied parameters
+    appear under each of their names, as in `state_dict()`; buffers keep their dtype.
+    """
+    model = engine_module(model)
+    full: dict[int, torch.Tensor] = {}
+    for g in engine_state(model).groups:
+        # One group at a time: at most one full fp32 group lives on the device.
+        (out,) = gather_masters([g], "full_state_dict")
+        for p, slot in zip(g.params, g.layout.slots, strict=True):
+            full[id(p)] = out[slot.offset : slot.end].view(slot.shape).cpu().clone()
+    result: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        gathered = full.get(id(value))
+        result[name] = gathered if gathered is not None else value.detach().cpu().clone()
+    return result

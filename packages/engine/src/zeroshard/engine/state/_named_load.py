@@ -1,0 +1,248 @@
+"""Resume from a `NamedTrainingState` (a DeepSpeed ZeRO checkpoint) at any world size.
+
+Each rank fills its own master shard and optimizer state shard slot by slot: for every
+parameter slice in the shard it reads the same elements of that parameter's tensors in
+the checkpoint (`RangeSpec.read_range`), so no rank reads or holds more than its shard.
+Everything is read and checked (`read_named_shards`) before anything changes
+(`apply_named_shards`), as `zeroshard.ckpt.load` does for our own checkpoints.
+Hyperparameters (lr, betas, eps, weight_decay...) are taken from the checkpoint's
+param groups, as DeepSpeed's own resume restores them; implementation switches
+(foreach, fused, capturable, differentiable) stay the user's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.ckpt import (
+    ModelMismatchError,
+    is_converted_checkpoint,
+    is_deepspeed_checkpoint,
+    read_deepspeed_training_state,
+    read_named_state,
+)
+from zeroshard.ckpt._agree import agreed
+from zeroshard.ckpt._meta import check_names_shapes
+from zeroshard.ckpt._named_state import NamedTrainingState
+from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._state import EngineState
+
+log = logging.getLogger("zeroshard.engine")
+
+# State keys torch's Adam/AdamW keep per parameter (step is a scalar).
+_ADAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"})
+# param_groups entries that choose an implementation, not the mathematics: the user's.
+_IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _fill(g: FlatParamGroup, specs: Mapping[str, RangeSpec], out: torch.Tensor) -> None:
+    """Fill `out` (this rank's shard of `g`, on the CPU) from per-parameter specs."""
+    out.zero_()  # alignment padding stays zero, as in a fresh shard
+    for slot, piece in g.layout.slots_in_shard(g.process_group.rank):
+        at = piece.shard_start
+        specs[slot.name].read_range(piece.slot_start, out[at : at + piece.numel])
+
+
+def _check_names(
+    model: nn.Module, state: EngineState, named: NamedTrainingState, aliases: Mapping[str, str]
+) -> None:
+    have = {n: s.shape for n, s in named.masters.items()}
+    have.update({a: named.masters[c].shape for a, c in named.aliases.items() if c in named.masters})
+    have.update({n: s.shape for n, s in named.buffers.items()})
+    expected = {
+        n: tuple(int(d) for d in slot.shape)
+        for g in state.groups
+        for n, slot in zip(g.names, g.layout.slots, strict=True)
+    }
+    expected.update({a: expected[c] for a, c in aliases.items()})
+    persistent = set(model.state_dict())
+    params = {id(p) for p in model.parameters()}
+    for name, b in model.named_buffers():
+        if name in persistent and id(b) not in params:
+            expected[name] = tuple(b.shape)
+    check_names_shapes(have, expected, named.source)
+
+
+def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) -> None:
+    keys = set(named.optimizer_state) | {k for pg in named.param_groups for k in pg.scalars}
+    if not keys:
+        return
+    unknown = sorted(keys - _ADAM_STATE)
+    if unknown:
+        raise ValueError(
+            f"{named.source}: optimizer state {unknown} is not Adam's (exp_avg, exp_avg_sq, "
+            "step): the optimizer it was trained with has no torch.optim counterpart, so its "
+            "state cannot be carried over"
+        )
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(
+            f"{named.source} holds Adam state ({sorted(keys)}), but your optimizer is "
+            f"{type(inner).__name__}: wrap torch.optim.AdamW (or Adam) to resume it"
+        )
+
+
+def _group_of(
+    state: EngineState, named: NamedTrainingState, canonical: Mapping[str, str]
+) -> dict[int, int]:
+    """Our param group index -> the checkpoint's, checked to hold the same parameters."""
+    ours: dict[int, set[str]] = {}
+    for g in state.groups:
+        if g.trainable:
+            ours.setdefault(g.key.param_group, set()).update(canonical.get(n, n) for n in g.names)
+    theirs = [{canonical.get(n, n) for n in pg.names} for pg in named.param_groups]
+    mapping = {}
+    for k, names in sorted(ours.items()):
+        match = [i for i, t in enumerate(theirs) if names <= t]
+        if len(match) != 1:
+            raise ModelMismatchError(
+                f"{named.source}: your optimizer's param group {k} ({sorted(names)[:4]}...) "
+                "is not one of the checkpoint's param groups "
+                f"({[sorted(t)[:4] for t in theirs]}): build the param groups as the "
+                "DeepSpeed run did"
+            )
+        mapping[k] = match[0]
+    return mapping
+
+
+def _hyperparameters(
+    inner: torch.optim.Optimizer, named: NamedTrainingState, mapping: Mapping[int, int]
+) -> list[str]:
+    """Set each param group's hyperparameters from the checkpoint; describe what changed."""
+    notes = []
+    for k, i in mapping.items():
+        pg, saved = inner.param_groups[k], named.param_groups[i].hyperparameters
+        for key, value in saved.items():
+            if key in _IMPLEMENTATION:
+                continue
+            if key not in pg:
+                notes.append(f"group {k}: {key}={value!r} (your optimizer has no such setting)")
+                continue
+            value = tuple(value) if isinstance(pg[key], tuple) else value
+            if pg[key] != value:
+                notes.append(f"group {k}: {key} {pg[key]!r} -> {value!r} (from the checkpoint)")
+                pg[key] = value
+    return notes
+
+
+@dataclass
+class NamedShards:
+    """What this rank reads before anything is changed: its shards and the buffers."""
+
+    masters: dict[int, torch.Tensor] = field(default_factory=dict)
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    mapping: dict[int, int] = field(default_factory=dict)
+
+
+def read_named_shards(
+    model: nn.Module, state: EngineState, named: NamedTrainingState, aliases: Mapping[str, str]
+) -> NamedShards:
+    """Check the checkpoint against model and optimizer, and read this rank's shards of it
+    (on the host; no collective, nothing changed yet, so a failure leaves the run as it was).
+
+    `aliases` maps the model's tied parameter names to the canonical ones of its groups.
+    """
+    _check_names(model, state, named, aliases)
+    _check_optimizer(state.optimizer.inner, named)
+    canonical = dict(named.aliases)
+    out = NamedShards(mapping=_group_of(state, named, canonical))
+    for g in state.groups:
+        host = torch.empty(g.master.numel(), dtype=torch.float32)
+        _fill(g, {n: named.masters[canonical.get(n, n)] for n in g.names}, host)
+        out.masters[g.index] = host
+        if not g.trainable:
+            continue
+        opt_state = {}
+        for key, specs in named.optimizer_state.items():
+            host = torch.empty(g.master.numel(), dtype=torch.float32)
+            _fill(g, {n: specs[canonical.get(n, n)] for n in g.names}, host)
+            opt_state[key] = host
+        out.optimizer_state[g.index] = opt_state
+    buffers = dict(model.named_buffers())
+    for name, spec in named.buffers.items():
+        if name in buffers:
+            host = torch.empty(spec.numel, dtype=spec.dtype)
+            spec.read(host)
+            out.buffers[name] = host.view(spec.shape)
+    return out
+
+
+@torch.no_grad()
+def apply_named_shards(
+    model: nn.Module, state: EngineState, named: NamedTrainingState, shards: NamedShards
+) -> int:
+    """Install what `read_named_shards` read, then republish the parameters (collective);
+    return the checkpoint's step."""
+    inner = state.optimizer.inner
+    for g in state.groups:
+        g.master.copy_(shards.masters[g.index])
+        if not g.trainable:
+            continue
+        # Offloaded groups keep their optimizer state beside their master, on the host.
+        opt_state: dict[str, Any] = {
+            k: v.to(g.master.device, copy=True) for k, v in shards.optimizer_state[g.index].items()
+        }
+        pg = inner.param_groups[g.key.param_group]
+        on_device = bool(pg.get("fused") or pg.get("capturable"))
+        for key, value in named.param_groups[shards.mapping[g.key.param_group]].scalars.items():
+            # torch keeps Adam's step as a float32 tensor, on the device when fused.
+            device = g.master.device if on_device else torch.device("cpu")
+            opt_state[key] = torch.tensor(value, dtype=torch.float32, device=device)
+        inner.state[g.master] = opt_state
+    notes = _hyperparameters(inner, named, shards.mapping)
+    buffers = dict(model.named_buffers())
+    for name, loaded in shards.buffers.items():
+        buffers[name].copy_(loaded)
+    dropped = list(named.not_carried)
+    scaler = state.optimizer.scaler
+    if scaler is not None and named.loss_scale is not None:
+        scaler.load_state_dict(
+            {"scale": named.loss_scale.scale, "good_steps": named.loss_scale.good_steps}
+        )
+    elif named.loss_scale is not None:
+        dropped.append("the fp16 loss scale (this run does not compute in fp16)")
+    state.optimizer.republish()
+    if state.shard_group.rank == 0:
+        log.info("resumed from %s at step %d", named.source, named.step)
+        for note in notes:
+            log.warning("hyperparameter taken from the checkpoint: %s", note)
+        for what in dropped:
+            log.warning("not carried over from %s: %s", named.source, what)
+    return named.step
+
+
+def is_named_checkpoint(path: Path, tag: str | None, step: int | None) -> bool:
+    """Whether `path` is read by parameter name: DeepSpeed's, or converted from DeepSpeed."""
+    return is_deepspeed_checkpoint(path) or is_converted_checkpoint(path, tag, step)
+
+
+def load_named(
+    model: nn.Module,
+    state: EngineState,
+    path: Path,
+    tag: str | None,
+    step: int | None,
+    aliases: Mapping[str, str],
+) -> int:
+    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`)."""
+
+    def read() -> tuple[NamedTrainingState, NamedShards]:
+        if is_deepspeed_checkpoint(path):
+            ds_tag = tag if step is None else f"global_step{step}"
+            named = read_deepspeed_training_state(path, ds_tag)
+        else:
+            named = read_named_state(path, tag, step)
+        return named, read_named_shards(model, state, named, aliases)
+
+    # One outcome on every rank (a file bad on one rank fails the load everywhere), and
+    # nothing is changed unless every rank read its shards.
+    named, shards = agreed(state.shard_group, f"load_checkpoint({str(path)!r})", read)
+    return apply_named_shards(model, state, named, shards)

@@ -1,0 +1,145 @@
+"""Imports point one way: between the packages, and between the engine's parts.
+
+Packages: comm <- partition <- ckpt <- engine <- compile (a package imports only those
+before it), and compile reaches the engine through its public face only. The engine's
+parts (docs/design.md, "The engine's folders"): each imports only the parts
+`ENGINE_PARTS` allows, none imports the public face `zeroshard.engine`, and the top level
+holds nothing but that face. Every import counts: at module level, inside a function or
+under TYPE_CHECKING. Files are parsed (`ast`), not imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ["comm", "partition", "ckpt", "engine", "compile"]
+ENGINE = ROOT / "packages" / "engine" / "src" / "zeroshard" / "engine"
+# What each part of the engine may import of the others.
+ENGINE_PARTS: dict[str, set[str]] = {
+    "config": set(),
+    "runtime": {"config"},
+    "state": {"config", "runtime"},
+    "setup": {"config", "runtime", "state"},
+    "planner": {"config", "runtime"},
+    "huggingface": {"config", "runtime", "state", "setup"},
+}
+
+
+def _module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in `path`, relative ones resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            name = "." * node.level + (node.module or "")
+            yield node.lineno, importlib.util.resolve_name(name, package)
+
+
+def _part_of(module: str) -> str | None:
+    """The first name of `module` under zeroshard.engine ('' for zeroshard.engine itself),
+    None outside the engine."""
+    names = module.split(".")
+    if names[:2] != ["zeroshard", "engine"]:
+        return None
+    return names[2] if len(names) > 2 else ""
+
+
+def package_violations(root: Path) -> list[str]:
+    """Imports under `root`/packages that point up the package order, or into the engine's
+    parts from another package."""
+    out = []
+    for rank, name in enumerate(PACKAGES):
+        src = root / "packages" / name / "src"
+        for path in sorted(src.rglob("*.py")):
+            module = _module_name(path, src)
+            for line, imported in _imports(path, module):
+                names = imported.split(".")
+                if names[0] != "zeroshard" or len(names) < 2 or names[1] not in PACKAGES:
+                    continue
+                where = f"{path.relative_to(root)}:{line}"
+                if PACKAGES.index(names[1]) > rank:
+                    out.append(f"{where}: {name} imports {imported}, above it")
+                elif name != "engine" and names[1] == "engine" and len(names) > 2:
+                    out.append(f"{where}: {imported} is inside the engine; import zeroshard.engine")
+    return out
+
+
+def engine_violations(engine: Path) -> list[str]:
+    """Modules of the engine outside its parts, and imports between parts not allowed."""
+    src = engine.parents[1]
+    out = []
+    for path in sorted(engine.rglob("*.py")):
+        where = str(path.relative_to(src))
+        inside = path.relative_to(engine).parts
+        if len(inside) == 1:
+            if path.name != "__init__.py":
+                out.append(f"{where}: only the public face (__init__.py) lives at the top level")
+            continue
+        part = inside[0]
+        if part not in ENGINE_PARTS:
+            out.append(f"{where}: {part}/ is not one of the engine's parts {sorted(ENGINE_PARTS)}")
+            continue
+        for line, imported in _imports(path, _module_name(path, src)):
+            target = _part_of(imported)
+            if target is None or target == part or target in ENGINE_PARTS[part]:
+                continue
+            if target in ENGINE_PARTS:
+                out.append(f"{where}:{line}: {part} imports {imported}, not allowed to it")
+            else:
+                out.append(f"{where}:{line}: a part imports the engine's top level {imported}")
+    return out
+
+
+def test_packages_import_downward_only() -> None:
+    assert package_violations(ROOT) == []
+
+
+def test_engine_parts_import_in_order() -> None:
+    assert engine_violations(ENGINE) == []
+
+
+def test_an_upward_import_is_reported(tmp_path: Path) -> None:
+    """The checks see what they are there to see: a runtime module importing the state, a
+    part importing the face, config importing the runtime (relatively), a module at the
+    top level, ckpt importing the engine, compile importing a part."""
+    engine = tmp_path / "packages" / "engine" / "src" / "zeroshard" / "engine"
+    for part, text in {
+        "runtime": "from zeroshard.engine.state._masters import gather_masters\n",
+        "planner": "def f():\n    from zeroshard.engine import initialize\n",
+        "config": "from ..runtime._unit import Unit\n",
+    }.items():
+        (engine / part).mkdir(parents=True)
+        (engine / part / "__init__.py").write_text("")
+        (engine / part / "_x.py").write_text(text)
+    (engine / "__init__.py").write_text("from zeroshard.engine.planner._x import f\n")
+    (engine / "_stray.py").write_text("")
+    compile_src = tmp_path / "packages" / "compile" / "src" / "zeroshard" / "compile"
+    compile_src.mkdir(parents=True)
+    (compile_src / "_y.py").write_text("from zeroshard.engine.runtime._stats import EngineStats\n")
+    ckpt_src = tmp_path / "packages" / "ckpt" / "src" / "zeroshard" / "ckpt"
+    ckpt_src.mkdir(parents=True)
+    (ckpt_src / "_z.py").write_text("import zeroshard.engine\n")
+
+    assert engine_violations(engine) == [
+        "zeroshard/engine/_stray.py: only the public face (__init__.py) lives at the top level",
+        "zeroshard/engine/config/_x.py:1: config imports zeroshard.engine.runtime._unit, "
+        "not allowed to it",
+        "zeroshard/engine/planner/_x.py:2: a part imports the engine's top level zeroshard.engine",
+        "zeroshard/engine/runtime/_x.py:1: runtime imports zeroshard.engine.state._masters, "
+        "not allowed to it",
+    ]
+    assert package_violations(tmp_path) == [
+        "packages/ckpt/src/zeroshard/ckpt/_z.py:1: ckpt imports zeroshard.engine, above it",
+        "packages/compile/src/zeroshard/compile/_y.py:1: zeroshard.engine.runtime._stats is "
+        "inside the engine; import zeroshard.engine",
+    ]
