@@ -19,6 +19,7 @@ from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._offload_step import step_offloaded
 from zeroshard.engine.runtime._reduce import GradReducer
 
 
@@ -90,6 +91,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _grad_shards(self) -> list[torch.Tensor]:
         return [g.ensure_grad_shard() for g in self._trainable()]
 
+    def _on_device(self) -> list[FlatParamGroup]:
+        return [g for g in self._trainable() if g.offload is None]
+
+    def _on_host(self) -> list[FlatParamGroup]:
+        return [g for g in self._trainable() if g.offload is not None]
+
+    def _scale_grads(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient shard by `factor` (offloaded ones: see HostOffload)."""
+        shards = [g.ensure_grad_shard() for g in self._on_device()]
+        for device, same in _by_device(shards).items():
+            f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
+            torch._foreach_mul_(same, f)
+        if self.offload is not None:
+            f = factor.cpu() if isinstance(factor, torch.Tensor) else factor
+            self.offload.scale_grads(self._on_host(), f)
+
     def _prepare_grads(self) -> None:
         """Reduce what is pending and, under fp16, unscale and agree on overflow (once per step)."""
         self.reducer.reduce_pending()
@@ -104,8 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_group.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
         self._overflow = bool(local_bad.item())
         if not self._overflow:
-            for same in _by_device(shards).values():
-                torch._foreach_mul_(same, 1.0 / self.scaler.scale)
+            self._scale_grads(1.0 / self.scaler.scale)
         self._unscaled = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -113,20 +129,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
         self._prepare_grads()
-        shards = self._grad_shards()
+        self._grad_shards()
         if self._overflow:
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
-        # Offloaded shards are on the host, the others on the device: one norm per device.
-        by_device = _by_device(shards)
-        for same in by_device.values():
-            local += torch.stack(torch._foreach_norm(same)).square().sum().to(local.device)
+        # Shards on the device, and on the host: one norm per device.
+        shards = [g.ensure_grad_shard() for g in self._on_device()]
+        norms = [n for same in _by_device(shards).values() for n in torch._foreach_norm(same)]
+        if self.offload is not None:
+            # One offloaded group upcast at a time ([Note: offload host memory]).
+            norms += [self.offload.grad_norm(g) for g in self._on_host()]
+        for same in _by_device(norms).values():
+            local += torch.stack(same).square().sum().to(local.device)
         self.shard_group.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for device, same in by_device.items():
-            torch._foreach_mul_(same, coef.to(device))
+        self._scale_grads(coef)
         return total
 
     # -- step ----------------------------------------------------------------------------
@@ -147,8 +166,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.zero_grad()
             return None
         with record_function("zeroshard::optimizer_step"):
-            self.inner.step()
-        self._publish(g for g in self.flat_groups if g.trainable)
+            if self.offload is None:
+                self.inner.step()
+            else:
+                step_offloaded(self.inner, self.offload, self._on_device(), self._on_host())
+        self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
         return None
 
     def republish(self) -> None:
@@ -156,9 +178,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (a load): stage 3 drops what is gathered, stages 1/2 all-gather the parameters."""
         self._publish(self.flat_groups)
 
-    def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
+    def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
         groups = list(groups)
-        if self.offload is not None:
+        if self.offload is not None and not uploaded:
             # Offloaded masters changed on the host: recast and upload them first.
             self.offload.refresh([g for g in groups if g.offload is not None])
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`

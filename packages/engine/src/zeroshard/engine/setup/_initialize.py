@@ -199,12 +199,14 @@ def initialize(
         groups = _flatten_stage12(model, cfg, place, param_group_of)
     offload = None
     if cfg.offload.optimizer:
-        chosen = choose_offloaded([g.layout.shard_numel for g in groups], cfg.offload.ratio)
+        numels = [g.layout.shard_numel for g in groups]
+        chosen = [groups[i] for i in choose_offloaded(numels, cfg.offload.ratio)]
         offload = HostOffload(
-            [groups[i] for i in chosen],
+            chosen,
             shard_group=shard_group,
             compute_dtype=cfg.precision.compute_dtype,
             chunk_bytes=cfg.offload.chunk_bytes,
+            reduce_dtype=cfg.precision.grad_reduce_dtype,
             pin=cfg.offload.pin_memory,
             offload_params=cfg.offload.params,
         )
