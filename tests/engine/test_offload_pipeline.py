@@ -2,8 +2,10 @@
 
 Bit for bit, offload on trains like offload off (fp32 gradient shards on the rank's
 device, one optimizer step over all of them): the same weights and optimizer state after
-several steps, at stages 1-3, with gradient accumulation, clipping and fp16 loss
-scaling, and for an optimizer outside the per-group pipeline. The host keeps 6 bytes per
+several steps, at stages 1-3, with gradient accumulation, clipping, fp16 loss scaling,
+a share offloaded and offload_params, for an optimizer outside the per-group pipeline,
+and with the CPU step inside backward (`step_in_backward`), which refuses what it cannot
+do (stage 1, fp16, other optimizers, clipping after it) with a clear error. The host keeps 6 bytes per
 offloaded element (fp32 master, bf16 gradient) besides the optimizer state until a
 micro-step accumulates, which adds an fp32 gradient (4 bytes). The wrapped optimizer's
 step hooks run once per step.
@@ -31,7 +33,16 @@ class _OwnAdamW(torch.optim.AdamW):
 
 
 def _train(
-    device: str, stage: int, dtype: str, accum: int, clip: float | None, own: bool, offload: bool
+    device: str,
+    stage: int,
+    dtype: str,
+    accum: int,
+    clip: float | None,
+    own: bool,
+    offload: bool,
+    early: bool = False,
+    ratio: float = 1.0,
+    params: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict[str, int]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(seed=stage).to(device)
@@ -49,13 +60,19 @@ def _train(
     }
     if offload:
         cfg["offload_chunk_bytes"] = 1000  # groups straddle chunks
+        cfg.update(offload_ratio=ratio, offload_params=params)
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, inner, cfg)
     batches = global_batches(STEPS, accum, world, MICRO)
     for step in range(STEPS):
         for a in range(accum):
-            (loss_fn(model, batches[step, a, rank].to(device)) / accum).backward()
+            loss = loss_fn(model, batches[step, a, rank].to(device)) / accum
+            if early and a == accum - 1:
+                with opt.step_in_backward():
+                    loss.backward()
+            else:
+                loss.backward()
         if clip is not None:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -67,9 +84,19 @@ def _train(
 
 
 def _same_case(
-    device: str, stage: int, dtype: str, accum: int, clip: float | None = None, own: bool = False
+    device: str,
+    stage: int,
+    dtype: str,
+    accum: int,
+    clip: float | None = None,
+    own: bool = False,
+    early: bool = False,
+    ratio: float = 1.0,
+    params: bool = False,
 ) -> None:
-    ours, ours_state, calls = _train(device, stage, dtype, accum, clip, own, offload=True)
+    ours, ours_state, calls = _train(
+        device, stage, dtype, accum, clip, own, True, early, ratio, params
+    )
     ref, ref_state, ref_calls = _train(device, stage, dtype, accum, clip, own, offload=False)
     # Once per step that was not skipped (fp16 overflow), however many groups it steps.
     assert calls == ref_calls and calls["pre"] >= STEPS - 1, (calls, ref_calls)
@@ -95,6 +122,42 @@ def _same(device: str) -> None:
 def test_offload_step_is_bit_identical(device: str) -> None:
     world_fits(device, 2)
     run_ranks(_same, 2, device, device=device)
+
+
+def _refusals(device: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = global_batches(1, 1, world, MICRO)
+
+    def engine(stage: int, dtype: str = "bf16", own: bool = False) -> tuple[Any, Any]:
+        model = make_model(seed=1).to(device)
+        inner = make_optimizer(model)
+        if own:
+            inner = _OwnAdamW(inner.param_groups, lr=1e-3)
+        cfg: dict[str, Any] = {"stage": stage, "compute_dtype": dtype, "offload_optimizer": True}
+        return zs.initialize(model, inner, cfg)
+
+    for stage, dtype, own, match in [
+        (1, "bf16", False, "stage 1 reduces"),
+        (2, "fp16", False, "fp16 loss scaling"),
+        (2, "bf16", True, "not one of torch's per-element optimizers"),
+    ]:
+        _, opt = engine(stage, dtype, own)
+        with pytest.raises(ValueError, match=match), opt.step_in_backward():
+            pass
+    model, opt = engine(2)
+    with opt.step_in_backward():
+        loss_fn(model, batches[0, 0, rank].to(device)).backward()
+    with pytest.raises(ValueError, match="clip without it"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="has not run: call step"), opt.step_in_backward():
+        pass
+    opt.step()
+
+
+@pytest.mark.gpu
+def test_step_in_backward_refusals(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_refusals, 2, device, device=device)
 
 
 def _host_bytes(device: str) -> None:

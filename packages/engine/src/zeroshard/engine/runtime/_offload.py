@@ -36,12 +36,13 @@ the staging memory. `drain` (end of backward, stage 1's reduction) waits for eve
 and add, so the optimizer, clipping and checkpoints read complete gradients.
 
 Shards out. After a step (or any change of the masters) the compute shards are rewritten
-from the masters. `begin_upload` first synchronizes the current stream: gathers issued in
-the last step may still read the compute shards on the device, or (offload_params) their
-host copies. Then, chunk by chunk, the CPU casts the master to the compute dtype into a
+from the masters. The H2D stream waits on the current stream first: gathers issued in the
+last step may still read the compute shards on the device; with offload_params,
+`begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
+gathers read. Then, chunk by chunk, the CPU casts the master to the compute dtype into a
 pinned buffer and the H2D stream copies it to the device and records the chunk's event.
-The step uploads a chunk as soon as every group in it was stepped (`upload_through`), so
-the copy of one chunk overlaps the CPU step of the next groups. A pinned staging slot is
+The step uploads a chunk as soon as every group in it was stepped (`stepped`), so the
+copy of one chunk overlaps the CPU step of the next groups. A pinned staging slot is
 rewritten only after the event of its previous copy completed. A gather or publish of a
 group makes the current stream wait on the events of the group's chunks, so nothing reads
 a half-copied shard.
@@ -57,7 +58,7 @@ and are complete when they return.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -140,9 +141,11 @@ class HostOffload:
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         self._worker = grad_worker(self.device)
         self._ready: list[torch.cuda.Event | None] = [None] * n
-        # Chunks the step uploads, in order, and how many of them went (`upload_through`).
-        self._to_upload: list[int] = []
-        self._uploaded = 0
+        # Chunk -> groups of this step not yet `stepped` in it (see `begin_upload`).
+        self._waiting: dict[int, int] = {}
+        # Set while a backward steps each group as its gradient lands (`step_in_backward`).
+        self._step_one: Callable[[FlatParamGroup], None] | None = None
+        self._main: torch.cuda.Stream | None = None
         for g in self.groups:
             self._adopt(g)
 
@@ -192,6 +195,9 @@ class HostOffload:
             out.record_stream(self._down.stream)
         future = self._worker.submit(land, event, add)
         self._pending.append((future, slot))
+        if self._step_one is not None:
+            # The same worker, after the copy (and add): see [Note: offload step pipeline].
+            self._pending.append((self._worker.submit(self._step_one, g), None))
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
         """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
@@ -213,6 +219,10 @@ class HostOffload:
         finally:
             if slot is not None:
                 self._free_grad_slots.append(slot)
+
+    def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
+        """From now on step each group on the worker as its gradient lands (None: stop)."""
+        self._step_one = step_one
 
     def drain(self) -> None:
         """Wait until every gradient copy has landed and every staged one was added."""
@@ -262,31 +272,33 @@ class HostOffload:
 
     # -- shards out ----------------------------------------------------------------------
     def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Start rewriting the compute shards of `groups` (their chunks, in order) from the
-        masters; `upload_through` sends them as their masters are final."""
+        """Start rewriting the compute shards of `groups` from their masters: each chunk
+        goes up once every group of `groups` in it was `stepped`."""
         self.finish_upload()
-        self._to_upload = sorted({i for g in groups for i in self._chunks_of(g)})
-        self._uploaded = 0
-        if self._to_upload and self.device.type == "cuda":
-            # Earlier gathers may still read the compute shards (see the Note).
+        if self.device.type == "cuda":
+            # Uploads may be queued from the worker thread: they follow this stream.
+            self._main = torch.cuda.current_stream(self.device)
+        for g in groups:
+            for i in self._chunks_of(g):
+                self._waiting[i] = self._waiting.get(i, 0) + 1
+        if self._waiting and self.compute_host is not None and self.device.type == "cuda":
+            # Gathers issued in the last step may still copy from the host shards (see
+            # the Note); device shards are ordered by the upload stream's wait instead.
             torch.cuda.current_stream(self.device).synchronize()
 
-    def upload_through(self, g: FlatParamGroup) -> None:
-        """Upload the chunks that end within `g`: every master before `g`'s end is final."""
-        end = self.offset[g.index] + g.layout.shard_numel
-        s = self.layout.shard_numel
-        while (
-            self._uploaded < len(self._to_upload)
-            and (self._to_upload[self._uploaded] + 1) * s <= end
-        ):
-            self._upload(self._to_upload[self._uploaded])
-            self._uploaded += 1
+    def stepped(self, g: FlatParamGroup) -> None:
+        """`g`'s master is final for this step: upload the chunks that were waiting on it."""
+        for i in self._chunks_of(g):
+            self._waiting[i] -= 1
+            if self._waiting[i] == 0:
+                del self._waiting[i]
+                self._upload(i)
 
     def finish_upload(self) -> None:
         """Upload the chunks `begin_upload` named that have not gone yet."""
-        for i in self._to_upload[self._uploaded :]:
+        for i in sorted(self._waiting):
             self._upload(i)
-        self._to_upload, self._uploaded = [], 0
+        self._waiting.clear()
 
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
@@ -302,7 +314,7 @@ class HostOffload:
         slot = self._free_up_slot()
         slot.copy_(self.master[i])
         assert self.compute_dev is not None
-        with self._up.after_current():
+        with self._up.after_current(self._main):
             self.compute_dev[i].copy_(slot, non_blocking=True)
             self._ready[i] = self._up.event()
         self._up_busy.append((slot, self._ready[i]))

@@ -58,21 +58,59 @@ def _unhooked_step(inner: torch.optim.Optimizer) -> Callable[[], Any] | None:
 
 
 @contextlib.contextmanager
+def _only(inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within the block `inner` holds only `masters` (each in its own param group), so a
+    step steps them alone whatever other masters hold gradients."""
+    keep = {id(m) for m in masters}
+    saved = [pg["params"] for pg in inner.param_groups]
+    for pg in inner.param_groups:
+        pg["params"] = [m for m in pg["params"] if id(m) in keep]
+    try:
+        yield
+    finally:
+        for pg, params in zip(inner.param_groups, saved, strict=True):
+            pg["params"] = params
+
+
+@contextlib.contextmanager
 def _step_hooks(inner: torch.optim.Optimizer) -> Iterator[None]:
     """Run `inner`'s step pre- and post-hooks once around the block, as `step()` does."""
     args: tuple[Any, ...] = (inner,)
     kwargs: dict[str, Any] = {}
-    for pre in chain(
+    pre_hooks = chain(
         _global_optimizer_pre_hooks.values(), inner._optimizer_step_pre_hooks.values()
-    ):
+    )
+    for pre in pre_hooks:
         if pre(inner, args, kwargs) is not None:
             raise RuntimeError("zeroshard offload: optimizer step pre-hooks must return None")
     yield
     inner._optimizer_step_code()
-    for post in chain(
+    post_hooks = chain(
         inner._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()
-    ):
+    )
+    for post in post_hooks:
         post(inner, args, kwargs)
+
+
+def _step_masters(
+    step: Callable[[], Any], inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]
+) -> None:
+    """Step `masters` (those with a gradient) alone."""
+    if any(m.grad is not None for m in masters):
+        with _only(inner, masters):
+            step()
+
+
+def _step_group(
+    step: Callable[[], Any], inner: torch.optim.Optimizer, offload: HostOffload, g: FlatParamGroup
+) -> None:
+    """Step `g`'s master alone on its fp32 gradient, then let its chunks go up."""
+    grad = offload.grad_fp32(g)
+    if grad is not None:
+        g.master.grad = grad
+        _step_masters(step, inner, [g.master])
+        g.master.grad = None
+    offload.stepped(g)
 
 
 def step_offloaded(
@@ -97,19 +135,38 @@ def step_offloaded(
         offload.refresh(on_host)
         return
     with _step_hooks(inner):
-        step()
-        # The device groups are stepped: hide their gradients from the per-group steps.
-        kept = [(g, g.master.grad) for g in on_device]
-        for g, _ in kept:
-            g.master.grad = None
+        _step_masters(step, inner, [g.master for g in on_device])
         offload.begin_upload(on_host)
         for g in on_host:
-            grad = offload.grad_fp32(g)
-            if grad is not None:
-                g.master.grad = grad
-                step()
-                g.master.grad = None
-            offload.upload_through(g)
+            _step_group(step, inner, offload, g)
         offload.finish_upload()
-        for g, grad in kept:
-            g.master.grad = grad
+
+
+class EarlyStep:
+    """The step of one backward's offloaded groups, each as its gradient lands on the host
+    (`ZeroOptimizer.step_in_backward`); `finish` steps the rest at `step()`."""
+
+    def __init__(
+        self, inner: torch.optim.Optimizer, offload: HostOffload, on_host: Sequence[FlatParamGroup]
+    ) -> None:
+        step = _unhooked_step(inner)
+        if step is None:
+            raise ValueError(
+                f"step_in_backward steps one group at a time: {type(inner).__name__} is not "
+                "one of torch's per-element optimizers "
+                f"({', '.join(t.__name__ for t in _PER_ELEMENT)})"
+            )
+        self.inner, self.offload, self.step = inner, offload, step
+        self._hooks = contextlib.ExitStack()
+        # The user's step hooks: pre now (before the first group steps), post in `finish`.
+        self._hooks.enter_context(_step_hooks(inner))
+        offload.begin_upload(on_host)
+        offload.step_each(lambda g: _step_group(step, inner, offload, g))
+
+    def finish(self, on_device: Sequence[FlatParamGroup]) -> None:
+        """After the backward (its gradients and steps drained): the device groups, the
+        chunks not sent yet, the post-hooks."""
+        self.offload.step_each(None)
+        _step_masters(self.step, self.inner, [g.master for g in on_device])
+        self.offload.finish_upload()
+        self._hooks.close()

@@ -7,9 +7,10 @@ the master shards instead of the model's parameters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -19,7 +20,7 @@ from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
-from zeroshard.engine.runtime._offload_step import step_offloaded
+from zeroshard.engine.runtime._offload_step import EarlyStep, step_offloaded
 from zeroshard.engine.runtime._reduce import GradReducer
 
 
@@ -71,6 +72,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.allgather_bucket_bytes = allgather_bucket_bytes
         self._unscaled = False
         self._overflow = False
+        self._early: EarlyStep | None = None
         masters = [g.master for g in self.flat_groups if g.trainable]
         # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
         # master shards of the flat groups built from each group's parameters.
@@ -128,6 +130,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the gradients by their global norm over all shards; return that norm."""
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+        if self._early is not None:
+            raise ValueError(
+                "clip_grad_norm_ after a backward under step_in_backward(): the offloaded "
+                "groups were stepped on their unclipped gradients; clip without it"
+            )
         self._prepare_grads()
         self._grad_shards()
         if self._overflow:
@@ -166,12 +173,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.zero_grad()
             return None
         with record_function("zeroshard::optimizer_step"):
-            if self.offload is None:
+            if self._early is not None:
+                self._early.finish(self._on_device())
+                self._early = None
+            elif self.offload is None:
                 self.inner.step()
             else:
                 step_offloaded(self.inner, self.offload, self._on_device(), self._on_host())
         self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
         return None
+
+    @contextlib.contextmanager
+    def step_in_backward(self) -> Iterator[None]:
+        """Step each offloaded group on the CPU as soon as its gradient lands on the host,
+        while the backward run inside this block goes on; `step()` after it steps the rest
+        and waits only for the tail ([Note: offload step pipeline]).
+
+        The backward must end the accumulation window, and `step()` must follow it with
+        nothing in between: no clipping (the global norm needs every gradient first), no
+        fp16 loss scaling (its overflow check too). The weights are those of the step
+        without it, bit for bit. Stages 2 and 3 with `offload_optimizer`; stage 1 reduces
+        at the step, so there is nothing to overlap.
+        """
+        why = ""
+        if self.offload is None:
+            why = "it needs offload_optimizer"
+        elif self.reducer.stage == 1:
+            why = "stage 1 reduces the gradients at the step, after backward"
+        elif self.scaler is not None:
+            why = "fp16 loss scaling checks every gradient for overflow first"
+        elif self._early is not None:
+            why = "the step of the previous backward under it has not run: call step()"
+        if why:
+            raise ValueError(f"step_in_backward(): {why}")
+        assert self.offload is not None
+        self._early = EarlyStep(self.inner, self.offload, self._on_host())
+        yield
 
     def republish(self) -> None:
         """Make every master shard what forward computes with, after it changed in place
