@@ -5,10 +5,10 @@ device, one optimizer step over all of them): the same weights and optimizer sta
 several steps, at stages 1-3, with gradient accumulation, clipping, fp16 loss scaling,
 a share offloaded and offload_params, for an optimizer outside the per-group pipeline,
 and with the CPU step inside backward (`step_in_backward`), which refuses what it cannot
-do (stage 1, fp16, other optimizers, clipping after it) with a clear error. The host keeps 6 bytes per
-offloaded element (fp32 master, bf16 gradient) besides the optimizer state until a
-micro-step accumulates, which adds an fp32 gradient (4 bytes). The wrapped optimizer's
-step hooks run once per step.
+do (stage 1, fp16, other optimizers, clipping after it) with a clear error. The host
+keeps 6 bytes per offloaded element (fp32 master, bf16 gradient) besides the optimizer
+state until a micro-step accumulates, which adds an fp32 gradient (4 bytes). The wrapped
+optimizer's step hooks run once per step.
 """
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ def _same(device: str) -> None:
 
 
 @pytest.mark.gpu
-def test_offload_step_is_bit_identical(device: str) -> None:
-    world_fits(device, 2)
-    run_ranks(_same, 2, device, device=device)
+@pytest.mark.parametrize("world_size", [1, 2])  # 1: the streams on a one-GPU host
+def test_offload_step_is_bit_identical(world_size: int, device: str) -> None:
+    world_fits(device, world_size)
+    run_ranks(_same, world_size, device, device=device)
 
 
 def _refusals(device: str) -> None:
