@@ -1,7 +1,9 @@
 """The offloaded step: reduce-dtype host gradients stepped one group at a time.
 
 Bit for bit, offload on trains like offload off (fp32 gradient shards on the rank's
-device, one optimizer step over all of them): the same weights and optimizer state after
+device, one optimizer step over all of them; on a GPU, where that step would run other
+kernels, like the serial CPU step over every group at once, today's offloaded step, with
+deterministic algorithms): the same weights and optimizer state after
 several steps, at stages 1-3, with gradient accumulation, clipping, fp16 loss scaling,
 a share offloaded and offload_params, for an optimizer outside the per-group pipeline,
 and with the CPU step inside backward (`step_in_backward`), which refuses what it cannot
@@ -13,6 +15,7 @@ optimizer's step hooks run once per step.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -97,7 +100,14 @@ def _same_case(
     ours, ours_state, calls = _train(
         device, stage, dtype, accum, clip, own, True, early, ratio, params
     )
-    ref, ref_state, ref_calls = _train(device, stage, dtype, accum, clip, own, offload=False)
+    if device == "cpu":
+        ref, ref_state, ref_calls = _train(device, stage, dtype, accum, clip, own, offload=False)
+    else:
+        # Without offload the GPU would step: other kernels. The reference is then the
+        # serial CPU step over every group at once (an optimizer outside the pipeline).
+        ref, ref_state, ref_calls = _train(
+            device, stage, dtype, accum, clip, True, True, False, ratio, params
+        )
     # Once per step that was not skipped (fp16 overflow), however many groups it steps.
     assert calls == ref_calls and calls["pre"] >= STEPS - 1, (calls, ref_calls)
     for name, want in ref.items():
@@ -108,6 +118,10 @@ def _same_case(
 
 
 def _same(device: str) -> None:
+    if device == "cuda":
+        # Bit for bit on the GPU too: no atomics (embedding backward), fixed cuBLAS work.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cases = subtests({"stage": [1, 2, 3], "dtype": ["bf16"], "accum": [1, 2]})
     cases += [{"stage": s, "dtype": "bf16", "accum": 2, "clip": 0.05} for s in (2, 3)]
     cases += [{"stage": 2, "dtype": "fp16", "accum": 1, "clip": 0.05}]

@@ -208,7 +208,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"step_in_backward(): {why}")
         assert self.offload is not None
         self._early = EarlyStep(self.inner, self.offload, self._on_host())
-        yield
+        try:
+            yield
+        except BaseException:
+            # A failed backward: stop stepping groups as they land; `step()` is not coming.
+            self.offload.step_each(None)
+            self._early = None
+            raise
 
     def republish(self) -> None:
         """Make every master shard what forward computes with, after it changed in place
