@@ -7,13 +7,16 @@ What a process may still allocate is the smaller of two bounds. The cgroup's: it
 limit binds its children too. The kernel's: `MemAvailable` of /proc/meminfo. `MemTotal`
 is not used: on some GPU hosts it grows as memory is used, so it understates the limit.
 A rank that would not fit raises before the first host buffer exists, instead of an OOM
-kill an hour into loading; every rank raises the same error (one all-gather of each
-rank's bytes needed and available), so none waits in a collective for a dead peer.
+kill an hour into loading. Ranks on one host (the same host name) share its memory: each
+host must hold its ranks' bytes together. Every rank raises the same error (one
+all-gather of each rank's host, bytes needed and headroom), so none waits in a
+collective for a dead peer.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,33 +97,37 @@ def read_host_memory(
     return best
 
 
-def ranks_on_this_host(world: Group) -> int:
-    """Ranks that allocate on this host at once: torchrun's LOCAL_WORLD_SIZE, else all."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else world.size
+def _host_id() -> int:
+    """This host's name as a non-negative int64: ranks with equal ids share its memory."""
+    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def check_host_memory(world: Group, per_rank: int, what: str) -> None:
-    """Raise the same MemoryError on every rank if any rank's host cannot hold `per_rank`
-    bytes for each of the ranks that share it."""
-    local = ranks_on_this_host(world)
+    """Raise the same MemoryError on every rank if any host cannot hold `per_rank` bytes
+    for each of its ranks (one all-gather of host, bytes and headroom per rank)."""
     mem = read_host_memory(PROC_SELF_CGROUP, CGROUP_ROOT, PROC_MEMINFO)
-    needed = per_rank * local
-    mine = torch.tensor([needed, mem.available], dtype=torch.int64, device=world.device)
-    rows = [[needed, mem.available]]
+    rows = [[_host_id(), per_rank, mem.available]]
     if world.size > 1:
-        recv = torch.empty(2 * world.size, dtype=torch.int64, device=world.device)
+        mine = torch.tensor(rows[0], dtype=torch.int64, device=world.device)
+        recv = torch.empty(3 * world.size, dtype=torch.int64, device=world.device)
         world.all_gather_into(recv, mine, label="initialize: host memory").wait()
-        rows = recv.view(world.size, 2).tolist()
-    short = [(r, n, a) for r, (n, a) in enumerate(rows) if n > a]
+        rows = recv.view(world.size, 3).tolist()
+    local = [sum(1 for other in rows if other[0] == row[0]) for row in rows]
+    short = [
+        (r, n * k, a, k)
+        for r, ((_, n, a), k) in enumerate(zip(rows, local, strict=True))
+        if n * k > a
+    ]
     if not short:
         return
     detail = "; ".join(
-        f"rank {r} needs {n:,} bytes ({n / GIB:.1f} GiB), {a:,} ({a / GIB:.1f} GiB) available"
-        for r, n, a in short
+        f"rank {r} needs {n:,} bytes ({n / GIB:.1f} GiB) for the {k} ranks of its host, "
+        f"{a:,} ({a / GIB:.1f} GiB) available"
+        for r, n, a, k in short
     )
     raise MemoryError(
-        f"offload: the host cannot hold {what} ({per_rank:,} bytes per rank, {local} ranks "
-        f"per host): {detail}. This rank read {mem.source}. Offload a smaller share "
-        "(offload_ratio), use more hosts, or free host memory."
+        f"offload: the host cannot hold {what}, {per_rank:,} bytes per rank: {detail}. "
+        f"This rank read {mem.source}. Offload a smaller share (offload_ratio), use more "
+        "hosts, or free host memory."
     )
