@@ -1,18 +1,28 @@
-"""The largest GPT one GPU trains with optimizer offload, and CPU AdamW throughput.
+"""CPU offload on one GPU: the step against its parts, DeepSpeed, the largest model.
 
     python -m benchmarks.offload                 # one GPU (H100 80 GB, 128 GiB host)
     python -m benchmarks.offload --smoke         # tiny model on the CPU, gloo
+    python -m benchmarks.offload --search-layers 40,48,56 --stage 3 --offload-params
 
-Training rows: zeroshard with `offload_optimizer` (stage 2 by default) and DeepSpeed
-ZeRO-Offload (the same stage, `offload_optimizer: cpu`, DeepSpeedCPUAdam) on the same GPT
-(the 7b preset's width with `--layers` blocks: 34 give 7.07B parameters), bf16 compute,
-AdamW, the same random tokens. Per row: step time (median after warmup), tokens/s, peak
-GPU memory, peak host RSS and init time. CPU optimizer rows: parameters/s of one AdamW
-step over `--adam-params` fp32 parameters in tensors of `--chunk` elements, with every
-core: torch's fused and foreach AdamW (what zeroshard's offloaded step runs) and
-DeepSpeedCPUAdam. Every part runs in a process of its own under a time limit, so an
-out-of-memory (host or GPU), a failed JIT build or a timeout becomes a row saying so.
-A full run writes the "offload" section of docs/benchmarks.md; --smoke writes bench-out/.
+Training rows: zeroshard with `offload_optimizer` (stage 2 by default) stepping the CPU
+inside backward (`train-zs-overlap`, `step_in_backward`), after it (`train-zs`) and after
+clipping the gradients to a global norm (`train-zs-clip`), and DeepSpeed ZeRO-Offload (the same
+stage, `offload_optimizer: cpu`, DeepSpeedCPUAdam) on the same GPT (the 7b preset's width
+with `--layers` blocks: 34 give 7.06B parameters), bf16 compute, AdamW, the same random
+tokens. Per row: step time (median after warmup), tokens/s, peak GPU memory, peak host
+RSS and init time. Beside the step, each of its resources alone, in the same run: the
+GPU's forward and backward without optimizer or offload (`fwd-bwd`), the bus's bf16 copy
+of every parameter down and up (`transfer`), and the CPU's AdamW over as many parameters
+(torch fused, measured over `--adam-params` and scaled to the model's count); the report
+gives step / max of the three. CPU optimizer rows: parameters/s of one AdamW step over
+`--adam-params` fp32 parameters in tensors of `--chunk` elements, with every core:
+torch's fused and foreach AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds
+first, an untimed part (outside `--budget-s`). Every part runs in a process of its own
+under a time limit, so an out-of-memory (host or GPU), a failed JIT build or a timeout
+becomes a row saying so. `--search-layers` instead trains zeroshard alone at each block
+count in turn, up to the first that fails: the largest that trains, with its peaks.
+A full run writes the "offload" section of docs/benchmarks.md (a search writes
+"offload-largest-stage<N>"); --smoke writes bench-out/.
 """
 
 from __future__ import annotations
@@ -37,7 +47,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument(
-        "--parts", default="adam-torch-fused,adam-torch-foreach,train-zs,adam-ds,train-ds"
+        "--parts",
+        default=(
+            "fwd-bwd,transfer,adam-torch-fused,train-zs-overlap,train-zs,train-zs-clip,"
+            "ds-build,adam-ds,train-ds"
+        ),
     )
     p.add_argument("--preset", default="7b")
     p.add_argument("--layers", type=int, default=34, help="blocks (34 x 7b width: 7.07B)")
@@ -50,14 +64,20 @@ def parse_args() -> argparse.Namespace:
         help="recompute each block in backward, in both engines (default on)",
     )
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    p.add_argument("--offload-params", action="store_true", help="stage 3: parameters too")
+    p.add_argument("--search-layers", default="", help="e.g. 40,48,56: largest that trains")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--adam-params", type=int, default=10**9)
     p.add_argument("--chunk", type=int, default=32 * 2**20, help="elements per CPU tensor")
     p.add_argument("--adam-steps", type=int, default=3)
-    p.add_argument("--section", default="offload", help="docs/benchmarks.md section to write")
+    p.add_argument("--section", default="", help="docs/benchmarks.md section to write")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall time for all parts")
     args = p.parse_args()
+    if args.offload_params and args.stage != 3:
+        p.error("--offload-params needs --stage 3")
+    if not args.section:
+        args.section = f"offload-largest-stage{args.stage}" if args.search_layers else "offload"
     if args.smoke:
         args.preset, args.layers, args.seq_len, args.micro_batch = "tiny", 2, 64, 2
         args.adam_params, args.chunk, args.adam_steps, args.steps = 2 * 10**6, 2**19, 2, 2
@@ -66,13 +86,20 @@ def parse_args() -> argparse.Namespace:
 
 # Seconds each part may take at most (the run's budget shrinks them when it runs short).
 LIMITS = {
+    "fwd-bwd": 60.0,
+    "transfer": 40.0,
     "adam-torch-fused": 40.0,
     "adam-torch-foreach": 30.0,
-    "train-zs": 150.0,
-    # DeepSpeedCPUAdam is built on first use (ninja); the train part reuses the build.
-    "adam-ds": 100.0,
-    "train-ds": 130.0,
+    "train-zs-overlap": 110.0,
+    "train-zs": 100.0,
+    "train-zs-clip": 100.0,
+    # DeepSpeedCPUAdam's extension (ninja, cached): built here, outside the budget, so
+    # that the parts after it time steps only.
+    "ds-build": 300.0,
+    "adam-ds": 40.0,
+    "train-ds": 150.0,
 }
+UNTIMED = {"ds-build"}
 
 
 def run_part(part: str, args: dict[str, Any], limit: float) -> dict[str, Any]:
@@ -103,6 +130,50 @@ def run_part(part: str, args: dict[str, Any], limit: float) -> dict[str, Any]:
         return result
 
 
+def _limit(part: str, left: float, smoke: bool) -> float:
+    # Smoke runs on a shared CPU: DeepSpeed's JIT build may not finish there at all.
+    cap = min(LIMITS[part], 60.0) if smoke else LIMITS[part]
+    return cap if part in UNTIMED else min(cap, left)
+
+
+def run_parts(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each part of `--parts` in order, within the budget (untimed parts outside it)."""
+    spent = 0.0
+    results: dict[str, dict[str, Any]] = {}
+    for part in args.parts.split(","):
+        if part not in LIMITS:
+            raise SystemExit(f"unknown part {part!r}; valid: {', '.join(LIMITS)}")
+        left = args.budget_s - spent
+        if left < 10 and part not in UNTIMED:
+            results[part] = {"ok": False, "error": "skipped: time budget spent", "wall_s": 0.0}
+            continue
+        results[part] = run_part(part, shared, _limit(part, left, args.smoke))
+        if part not in UNTIMED:
+            spent += results[part]["wall_s"]
+        print(f"{part}: {json.dumps(results[part])[:300]}", flush=True)
+    return results
+
+
+def search(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """zeroshard alone at each block count of `--search-layers`, up to the first failure."""
+    results: dict[str, dict[str, Any]] = {}
+    deadline = time.perf_counter() + args.budget_s
+    for layers in sorted(int(x) for x in args.search_layers.split(",")):
+        left = deadline - time.perf_counter()
+        if left < 10:
+            results[f"train-zs-overlap@{layers}"] = {
+                "ok": False,
+                "error": "skipped: time budget spent",
+            }
+            break
+        r = run_part("train-zs-overlap", {**shared, "layers": layers}, min(left, 200.0))
+        results[f"train-zs-overlap@{layers}"] = r
+        print(f"{layers} blocks: {json.dumps(r)[:300]}", flush=True)
+        if not r["ok"]:
+            break
+    return results
+
+
 def main() -> None:
     """Run the parts in order within the budget; write the report."""
     args = parse_args()
@@ -120,24 +191,13 @@ def main() -> None:
             "chunk",
             "adam_steps",
             "activation_checkpointing",
+            "offload_params",
             "smoke",
         )
     }
     placement = place_ranks(1, smoke=args.smoke)  # what each part's process joins as
     print(f"[offload] ranks: {placement.describe()}", flush=True)
-    deadline = time.perf_counter() + args.budget_s
-    results: dict[str, dict[str, Any]] = {}
-    for part in args.parts.split(","):
-        if part not in LIMITS:
-            raise SystemExit(f"unknown part {part!r}; valid: {', '.join(LIMITS)}")
-        left = deadline - time.perf_counter()
-        if left < 10:
-            results[part] = {"ok": False, "error": "skipped: time budget spent", "wall_s": 0.0}
-            continue
-        # Smoke runs on a shared CPU: DeepSpeed's JIT build may not finish there at all.
-        limit = min(LIMITS[part], left, 60.0 if args.smoke else LIMITS[part])
-        results[part] = run_part(part, shared, limit)
-        print(f"{part}: {json.dumps(results[part])[:300]}", flush=True)
+    results = search(args, shared) if args.search_layers else run_parts(args, shared)
     body = report(args, results)
     print(body)
     title = "CPU offload (one GPU)" + (f" ({args.section})" if args.section != "offload" else "")

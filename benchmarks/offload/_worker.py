@@ -2,7 +2,8 @@
 
     python -m benchmarks.offload._worker PART ARGS_JSON OUT_JSON
 
-PART is `train-zs`, `train-ds`, `adam-torch-fused`, `adam-torch-foreach` or `adam-ds`.
+PART is `train-zs`, `train-zs-overlap`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
+`transfer`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach` or `adam-ds`.
 Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
 extension, costs only its own row, and so that every part starts with the host memory
 empty. The result (or the
@@ -75,12 +76,14 @@ def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTC
 
 
 def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
-    """Time one offloaded training step (bf16 compute, AdamW on the CPU)."""
+    """Time one offloaded training step (bf16 compute, AdamW on the CPU); `zs-overlap`
+    steps the CPU inside backward (`step_in_backward`), `zs-clip` clips the gradients'
+    global norm first."""
     device = _join_alone(a["smoke"])
     torch.manual_seed(0)
     start = time.perf_counter()
     model, cfg = _gpt(a, device)
-    step = _setup_zs(model, a) if engine == "zs" else _setup_ds(model, a)
+    step = _setup_ds(model, a) if engine == "ds" else _setup_zs(model, a, mode=engine)
     init_s = time.perf_counter() - start
     gen = torch.Generator(device=device).manual_seed(1)
     shape = (a["micro_batch"], cfg.seq_len)
@@ -101,15 +104,27 @@ def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     }
 
 
-def _setup_zs(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
+def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callable[..., None]:
     import zeroshard.engine as zs
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
-    config = {"stage": a["stage"], "compute_dtype": "bf16", "offload_optimizer": True}
+    config = {
+        "stage": a["stage"],
+        "compute_dtype": "bf16",
+        "offload_optimizer": True,
+        "offload_params": a["offload_params"],
+    }
     zmodel, zopt = zs.initialize(model, opt, config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        zmodel(x, y).backward()
+        loss = zmodel(x, y)
+        if mode == "zs-overlap":
+            with zopt.step_in_backward():
+                loss.backward()
+        else:
+            loss.backward()
+        if mode == "zs-clip":
+            zopt.clip_grad_norm_(1.0)
         zopt.step()
         zopt.zero_grad()
 
@@ -129,6 +144,11 @@ def _setup_ds(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
             "overlap_comm": True,
             "contiguous_gradients": True,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            **(
+                {"offload_param": {"device": "cpu", "pin_memory": True}}
+                if a["offload_params"]
+                else {}
+            ),
         },
         "steps_per_print": 1 << 30,
     }
@@ -141,6 +161,59 @@ def _setup_ds(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
         engine.step()
 
     return step
+
+
+def fwd_bwd(a: dict[str, Any]) -> dict[str, Any]:
+    """The GPU's share alone: forward and backward of the same GPT in bf16, no optimizer,
+    no offload (the gradients stay on the device)."""
+    device = _join_alone(a["smoke"])
+    torch.manual_seed(0)
+    model, cfg = _gpt(a, device)
+    model.to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(1)
+    shape = (a["micro_batch"], cfg.seq_len)
+    x = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
+    y = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
+
+    def step() -> None:
+        model(x, y).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return {"params": parameters_count(cfg), "step_s": _time_steps(step, device, 1, a["steps"])}
+
+
+def transfer(a: dict[str, Any]) -> dict[str, Any]:
+    """The bus's share alone: a bf16 copy of every parameter down (pinned host) and up."""
+    device = _join_alone(a["smoke"])
+    cfg = GPTConfig.preset(a["preset"], n_layer=a["layers"], seq_len=a["seq_len"])
+    n = parameters_count(cfg)
+    pin = device.type == "cuda"
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
+    dev = torch.ones(n, dtype=torch.bfloat16, device=device)
+    down = _time_steps(lambda: host.copy_(dev, non_blocking=pin), device, 1, a["steps"])
+    up = _time_steps(lambda: dev.copy_(host, non_blocking=pin), device, 1, a["steps"])
+    gb = n * 2 / 1e9
+    return {
+        "params": n,
+        "d2h_s": down,
+        "h2d_s": up,
+        "step_s": down + up,
+        "d2h_gb_per_s": gb / down,
+        "h2d_gb_per_s": gb / up,
+        "host_peak_gib": _host_peak_gib(),
+    }
+
+
+def ds_build(a: dict[str, Any]) -> dict[str, Any]:
+    """Build (or load from the cache) DeepSpeedCPUAdam's extension: untimed set-up."""
+    from deepspeed.ops.op_builder import (  # type: ignore[import-not-found, import-untyped, unused-ignore]
+        CPUAdamBuilder,
+    )
+
+    start = time.perf_counter()
+    CPUAdamBuilder().load()
+    return {"build_s": time.perf_counter() - start}
 
 
 def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -180,6 +253,8 @@ def main() -> None:
     try:
         if part.startswith("train-"):
             result = train(args, part.removeprefix("train-"))
+        elif part in ("fwd-bwd", "transfer", "ds-build"):
+            result = {"fwd-bwd": fwd_bwd, "transfer": transfer, "ds-build": ds_build}[part](args)
         else:
             result = adam(args, part.removeprefix("adam-"))
         result["ok"] = True

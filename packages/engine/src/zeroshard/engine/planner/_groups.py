@@ -116,6 +116,7 @@ def plan_groups(
             shard_size,
             chunk_bytes=cfg.offload.chunk_bytes,
             compute_dtype=cfg.precision.compute_dtype,
+            reduce_dtype=cfg.precision.grad_reduce_dtype,
             offload_params=cfg.offload.params,
         )
     return GroupPlan(groups, tuple(units), offload, shard_size)

@@ -111,8 +111,8 @@ class FlatParamGroup:
         return self.layout.shard_range(self.process_group.rank)
 
     def ensure_grad_shard(self) -> torch.Tensor:
-        """The fp32 gradient shard, zeroed on first use since the last `zero_grad`, exposed as
-        `master.grad`."""
+        """The gradient shard, zeroed on first use since the last `zero_grad` (fp32, exposed
+        as `master.grad`, unless offloaded: see `claim_grad_shard`)."""
         if self.grad_shard is None:
             return self.claim_grad_shard().zero_()
         return self.grad_shard
@@ -121,13 +121,17 @@ class FlatParamGroup:
         """The fp32 gradient shard's memory as `master.grad`, NOT zeroed: for a caller that
         overwrites all of it (the first reduced gradient since the last `zero_grad`).
 
-        An offloaded group reuses its host gradient `grad_home`: `grad_shard is None` marks
-        it as holding nothing of this window, so zero_grad never touches host memory.
+        An offloaded group reuses its host gradient `grad_home`, in the reduce dtype:
+        `grad_shard is None` marks it as holding nothing of this window, so zero_grad never
+        touches host memory. Its `master.grad` is set only while the step steps it (see
+        [Note: offload host memory] in _offload.py).
         """
         assert self.grad_shard is None
-        home = self.grad_home if self.grad_home is not None else torch.empty_like(self.master)
-        self.grad_shard = self.master.grad = home
-        return home
+        if self.grad_home is not None:
+            self.grad_shard = self.grad_home
+            return self.grad_home
+        self.grad_shard = self.master.grad = torch.empty_like(self.master)
+        return self.grad_shard
 
     def start_gather(self) -> Handle:
         """Stage 3: give `param_buffer` its storage back and all-gather the compute shard into it.

@@ -4,34 +4,48 @@ The offloaded groups' shards are laid end to end in one rank-local "chunk space"
 `ChunkLayout` into fixed-size chunks; every rank holds the same number of chunks of the
 same size (flat-group shards are equal on every rank), so every rank moves the same
 bytes at the same time and none waits on a larger peer. The host holds, per chunk, the
-fp32 master (pageable: it never crosses the bus), the fp32 gradient (pinned: gradients
-land in it straight from the device) and the optimizer state torch allocates beside each
-master. Compute-dtype shards go out through pinned memory too.
+fp32 master (pageable: it never crosses the bus), the gradient in the reduce dtype
+(pinned: gradients land in it straight from the device) and the optimizer state torch
+allocates beside each master. Compute-dtype shards go out through pinned memory too.
+
+[Note: offload host memory]
+With bf16 gradients an offloaded element costs 4 (master) + 2 (gradient) + the optimizer's
+state (AdamW: 8) = 14 bytes: no fp32 gradient of the whole model is ever on the host. The
+step upcasts one group's gradient at a time into an fp32 buffer of the largest group
+(`grad_fp32`), steps that group and drops it. Clipping and fp16 unscaling do not touch a
+gradient in a dtype narrower than fp32 (that would round it): their factors are kept per
+group and applied in that upcast, in the order they came, the same fp32 multiplications
+the gradient would have had in place. Gradient accumulation in such a dtype must add in
+fp32: on the first accumulated micro-step the host allocates an fp32 gradient per chunk
+(4 more bytes per element, kept from then on); the group's gradient moves there (its
+factors applied) and later micro-steps add into it.
 
 [Note: offload stream order]
 Gradients in. A reduce-scatter's output `out` is complete on the current stream once its
-handle was waited. `receive` makes the D2H stream wait on the current stream, upcasts
-`out` to fp32 there (on the device: the host never converts) and copies it to the host,
-then records an event; `out.record_stream` keeps the allocator from reusing its block
-before that stream has read it. The first gradient a group receives since `zero_grad`
-lands in its fp32 host gradient directly, overwriting it: no zero fill, no add, no host
-work at all. A later one (gradient accumulation) lands in a pinned fp32 staging slot and
-one worker thread adds it into the host gradient once the copy's event completed, while
-backward goes on (torch ops release the GIL). The worker runs its tasks in order (each
-waits on its copy's event first), so an add never reads a copy still in flight nor races
-the overwrite of the same gradient. A slot is reused only after its add finished; at most
-`_MAX_PENDING` copies are outstanding, which bounds the device blocks they hold and the
-staging memory. `drain` (end of backward, stage 1's reduction) waits for every copy and
-add, so the optimizer, clipping and checkpoints read complete gradients.
+handle was waited. `receive` makes the D2H stream wait on the current stream and copies
+`out` as it is (the reduce dtype) to the host, then records an event; `out.record_stream`
+keeps the allocator from reusing its block before that stream has read it. The first
+gradient a group receives since `zero_grad` lands in its host gradient directly: no zero
+fill, no add, no host work at all. A later one (gradient accumulation) lands in a pinned
+staging slot and one worker thread adds it into the fp32 gradient once the copy's event
+completed, while backward goes on (torch ops release the GIL). The worker runs its tasks
+in order (each waits on its copy's event first), so an add never reads a copy still in
+flight nor races the copy it adds to. A slot is reused only after its add finished; at
+most `_MAX_PENDING` copies are outstanding, which bounds the device blocks they hold and
+the staging memory. `drain` (end of backward, stage 1's reduction) waits for every copy
+and add, so the optimizer, clipping and checkpoints read complete gradients.
 
-Shards out. After a step (or any change of the masters) `refresh` first synchronizes the
-current stream: gathers issued in the last step may still read the compute shards on the
-device, or (offload_params) their host copies. Then, chunk by chunk, the CPU casts the
-master to the compute dtype into a pinned buffer and the H2D stream copies it to the
-device and records the chunk's event. A pinned staging slot is rewritten only after the
-event of its previous copy completed. A gather or publish of a group makes the current
-stream wait on the events of the group's chunks, so the upload overlaps the step's
-remaining casts and the next forward, and nothing reads a half-copied shard.
+Shards out. After a step (or any change of the masters) the compute shards are rewritten
+from the masters. The H2D stream waits on the current stream first: gathers issued in the
+last step may still read the compute shards on the device; with offload_params,
+`begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
+gathers read. Then, chunk by chunk, the CPU casts the master to the compute dtype into a
+pinned buffer and the H2D stream copies it to the device and records the chunk's event.
+The step uploads a chunk as soon as every group in it was stepped (`stepped`), so the
+copy of one chunk overlaps the CPU step of the next groups. A pinned staging slot is
+rewritten only after the event of its previous copy completed. A gather or publish of a
+group makes the current stream wait on the events of the group's chunks, so nothing reads
+a half-copied shard.
 
 With `offload_params` the compute shards stay on the host (pinned) and each gather copies
 its group's shard to the device on the current stream just before the all-gather, which
@@ -43,39 +57,21 @@ and are complete when they return.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from zeroshard.comm import Group, warn_tagged
+from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS, offload_sizes
-from zeroshard.partition import empty_host
 
-_warned_pageable = False
 # Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
 _MAX_PENDING = 4
-
-
-def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A zeroed 1-D host tensor and whether it is pinned; pageable (warned once) if pinning
-    fails."""
-    global _warned_pageable
-    t, pinned = empty_host(numel, dtype, pin=pin)
-    if pin and not pinned and not _warned_pageable:
-        _warned_pageable = True
-        # Pinning may fail on some ranks only: each says so, naming itself.
-        warn_tagged(
-            "zeroshard offload: pinned host memory could not be allocated; using pageable "
-            "memory: host<->device copies will be synchronous and slower",
-            RuntimeWarning,
-        )
-    return t.zero_(), pinned
 
 
 @dataclass(frozen=True)
@@ -88,55 +84,6 @@ class OffloadBytes:
     h2d_per_step: int
 
 
-class _Stream:
-    """A CUDA side stream, or nothing on the CPU (where copies complete as they return)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream: torch.cuda.Stream | None = None
-        if device.type == "cuda":
-            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-
-    @contextlib.contextmanager
-    def after_current(self) -> Iterator[None]:
-        """Run the block on this stream, after what the current stream queued so far."""
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def event(self) -> torch.cuda.Event | None:
-        """An event recorded on this stream now (None on the CPU)."""
-        if self.stream is None:
-            return None
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(self.stream)
-        return ev
-
-
-def _grad_worker(device: torch.device) -> ThreadPoolExecutor:
-    """The one thread that waits on gradient copies and adds staged gradients."""
-    if device.type != "cuda":
-        return ThreadPoolExecutor(1, "zeroshard-offload-grads")
-    # It waits on CUDA events: make this rank's device its current one, not device 0
-    # (where a first CUDA call would otherwise create a context).
-    return ThreadPoolExecutor(
-        1, "zeroshard-offload-grads", initializer=torch.cuda.set_device, initargs=(device,)
-    )
-
-
-def _land(
-    event: torch.cuda.Event | None, home: torch.Tensor | None, staged: torch.Tensor | None
-) -> None:
-    """On the worker thread: wait for a gradient copy, then add it to `home` if it was staged."""
-    if event is not None:
-        event.synchronize()
-    if staged is not None:
-        assert home is not None
-        home.add_(staged)
-
-
 class HostOffload:
     """Host state of the offloaded groups; see [Note: offload stream order]."""
 
@@ -147,6 +94,7 @@ class HostOffload:
         shard_group: Group,
         compute_dtype: torch.dtype,
         chunk_bytes: int,
+        reduce_dtype: torch.dtype,
         pin: bool,
         offload_params: bool,
     ) -> None:
@@ -159,6 +107,7 @@ class HostOffload:
             shard_group.size,
             chunk_bytes=chunk_bytes,
             compute_dtype=compute_dtype,
+            reduce_dtype=reduce_dtype,
             offload_params=offload_params,
         )
         self.offset = {g.index: lo for g, lo in zip(self.groups, sizes.offsets, strict=True)}
@@ -167,7 +116,14 @@ class HostOffload:
         self.master = torch.zeros(n, s, dtype=torch.float32)
         self._pinned_bytes = 0
         self._host_bytes = self.master.nbytes
-        self.grad = self._host(n * s, torch.float32, pin).view(n, s)
+        self.grad = self._host(n * s, reduce_dtype, pin).view(n, s)
+        # The fp32 gradient of gradient accumulation, made on first use (see the Note);
+        # without one (`grad` is fp32 already) accumulation adds into `grad`.
+        self._acc: torch.Tensor | None = self.grad if reduce_dtype == torch.float32 else None
+        # The step's upcast of one group's gradient; pageable: only the CPU reads it.
+        self._upcast = self._host(sizes.grad_slot_numel, torch.float32, False)
+        # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
+        self._factors: dict[int, list[torch.Tensor | float]] = {}
         # offload_params: the compute shards live here; else pinned slots stage uploads.
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
@@ -175,17 +131,21 @@ class HostOffload:
             self.compute_host = self._host(n * s, compute_dtype, pin).view(n, s)
         else:
             self.compute_dev = torch.zeros(n, s, dtype=compute_dtype, device=self.device)
-        self._up = _Stream(self.device)
-        self._down = _Stream(self.device)
+        self._up = SideStream(self.device)
+        self._down = SideStream(self.device)
         self._up_slots = (
             self._slots(UPLOAD_SLOTS, s, compute_dtype, pin) if not offload_params else []
         )
         self._up_busy: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
-        # fp32: the device upcasts before the copy (see the Note).
-        self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, torch.float32, pin)
+        self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, reduce_dtype, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
-        self._worker = _grad_worker(self.device)
+        self._worker = grad_worker(self.device)
         self._ready: list[torch.cuda.Event | None] = [None] * n
+        # Chunk -> groups of this step not yet `stepped` in it (see `begin_upload`).
+        self._waiting: dict[int, int] = {}
+        # Set while a backward steps each group as its gradient lands (`step_in_backward`).
+        self._step_one: Callable[[FlatParamGroup], None] | None = None
+        self._main: torch.cuda.Stream | None = None
         for g in self.groups:
             self._adopt(g)
 
@@ -219,6 +179,7 @@ class HostOffload:
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
         slot: torch.Tensor | None = None
+        add = None
         if g.grad_shard is None:
             dst = g.claim_grad_shard()
         else:
@@ -226,14 +187,30 @@ class HostOffload:
                 self._retire_oldest()
             slot = self._free_grad_slots.pop()
             dst = slot[: out.numel()]
+            add = self._accumulate(g, dst)
         with self._down.after_current():
-            dst.copy_(out.to(torch.float32), non_blocking=True)
+            dst.copy_(out, non_blocking=True)
             event = self._down.event()
         if self._down.stream is not None:
             out.record_stream(self._down.stream)
-        staged = None if slot is None else dst
-        future = self._worker.submit(_land, event, g.grad_shard, staged)
+        future = self._worker.submit(land, event, add)
         self._pending.append((future, slot))
+        if self._step_one is not None:
+            # The same worker, after the copy (and add): see [Note: offload step pipeline].
+            self._pending.append((self._worker.submit(self._step_one, g), None))
+
+    def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
+        """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
+        assert g.grad_shard is not None
+        if g.grad_shard.dtype == torch.float32:
+            return GradAdd(g.grad_shard, staged, None, ())
+        if self._acc is None:
+            n, s = self.layout.num_chunks, self.layout.shard_numel
+            self._acc = self._host(n * s, torch.float32, False).view(n, s)
+        source, home = g.grad_shard, self._flat(self._acc, g)
+        # Later micro-steps and the step read the fp32 gradient.
+        g.grad_shard = home
+        return GradAdd(home, staged, source, tuple(self._factors.pop(g.index, ())))
 
     def _retire_oldest(self) -> None:
         future, slot = self._pending.popleft()
@@ -242,6 +219,10 @@ class HostOffload:
         finally:
             if slot is not None:
                 self._free_grad_slots.append(slot)
+
+    def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
+        """From now on step each group on the worker as its gradient lands (None: stop)."""
+        self._step_one = step_one
 
     def drain(self) -> None:
         """Wait until every gradient copy has landed and every staged one was added."""
@@ -254,26 +235,89 @@ class HostOffload:
         lo = self.offset[g.index]
         return range(lo // s, -(-(lo + g.layout.shard_numel) // s))
 
+    # -- the step's gradients ------------------------------------------------------------
+    def grad_norm(self, g: FlatParamGroup) -> torch.Tensor:
+        """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived)."""
+        grad = self.grad_fp32(g)
+        return torch.zeros(()) if grad is None else torch.linalg.vector_norm(grad)
+
+    def scale_grads(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
+        """Multiply the gradients of `groups` by `factor`: in place where fp32, else when
+        the step upcasts them ([Note: offload host memory])."""
+        fp32 = [g.grad_shard for g in groups if g.grad_shard is not None]
+        fp32 = [t for t in fp32 if t.dtype == torch.float32]
+        if fp32:
+            torch._foreach_mul_(fp32, factor)
+        for g in groups:
+            if g.grad_shard is not None and g.grad_shard.dtype != torch.float32:
+                self._factors.setdefault(g.index, []).append(factor)
+
+    def forget_grad(self, g: FlatParamGroup) -> None:
+        """zero_grad: `g` holds nothing of the next window (its host memory stays)."""
+        g.grad_shard = None
+        self._factors.pop(g.index, None)
+
+    @torch.no_grad()
+    def grad_fp32(self, g: FlatParamGroup) -> torch.Tensor | None:
+        """`g`'s gradient in fp32, its factors applied: the fp32 gradient itself, or an
+        upcast valid until the next call; None if `g` has none."""
+        grad = g.grad_shard
+        if grad is None or grad.dtype == torch.float32:
+            return grad
+        out = self._upcast[: grad.numel()]
+        out.copy_(grad)
+        for f in self._factors.get(g.index, ()):
+            out.mul_(f)
+        return out
+
+    # -- shards out ----------------------------------------------------------------------
+    def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:
+        """Start rewriting the compute shards of `groups` from their masters: each chunk
+        goes up once every group of `groups` in it was `stepped`."""
+        self.finish_upload()
+        if self.device.type == "cuda":
+            # Uploads may be queued from the worker thread: they follow this stream.
+            self._main = torch.cuda.current_stream(self.device)
+        for g in groups:
+            for i in self._chunks_of(g):
+                self._waiting[i] = self._waiting.get(i, 0) + 1
+        if self._waiting and self.compute_host is not None and self.device.type == "cuda":
+            # Gathers issued in the last step may still copy from the host shards (see
+            # the Note); device shards are ordered by the upload stream's wait instead.
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def stepped(self, g: FlatParamGroup) -> None:
+        """`g`'s master is final for this step: upload the chunks that were waiting on it."""
+        for i in self._chunks_of(g):
+            self._waiting[i] -= 1
+            if self._waiting[i] == 0:
+                del self._waiting[i]
+                self._upload(i)
+
+    def finish_upload(self) -> None:
+        """Upload the chunks `begin_upload` named that have not gone yet."""
+        for i in sorted(self._waiting):
+            self._upload(i)
+        self._waiting.clear()
+
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Recast the masters of `groups` and upload them (after a step or an edit)."""
-        chunks = sorted({i for g in groups for i in self._chunks_of(g)})
-        if not chunks:
+        """Recast the masters of `groups` and upload them (after an edit of the masters)."""
+        self.begin_upload(groups)
+        self.finish_upload()
+
+    @torch.no_grad()
+    def _upload(self, i: int) -> None:
+        if self.compute_host is not None:
+            self.compute_host[i].copy_(self.master[i])
             return
-        if self.device.type == "cuda":
-            # Earlier gathers may still read the compute shards (see the Note).
-            torch.cuda.current_stream(self.device).synchronize()
-        for i in chunks:
-            if self.compute_host is not None:
-                self.compute_host[i].copy_(self.master[i])
-                continue
-            slot = self._free_up_slot()
-            slot.copy_(self.master[i])
-            assert self.compute_dev is not None
-            with self._up.after_current():
-                self.compute_dev[i].copy_(slot, non_blocking=True)
-                self._ready[i] = self._up.event()
-            self._up_busy.append((slot, self._ready[i]))
+        slot = self._free_up_slot()
+        slot.copy_(self.master[i])
+        assert self.compute_dev is not None
+        with self._up.after_current(self._main):
+            self.compute_dev[i].copy_(slot, non_blocking=True)
+            self._ready[i] = self._up.event()
+        self._up_busy.append((slot, self._ready[i]))
 
     def _free_up_slot(self) -> torch.Tensor:
         if len(self._up_busy) == len(self._up_slots):

@@ -13,8 +13,8 @@ import torch
 from zeroshard.partition import ChunkLayout
 
 # Pinned staging slots, two each so that one can fill while the other drains: compute-
-# dtype shards going up (without offload_params) and fp32 gradients coming down (see
-# [Note: offload stream order] in _offload.py).
+# dtype shards going up (without offload_params) and reduce-dtype gradients coming down
+# under gradient accumulation (see [Note: offload stream order] in _offload.py).
 UPLOAD_SLOTS = 2
 GRAD_SLOTS = 2
 
@@ -35,14 +35,19 @@ def choose_offloaded(shard_numels: Sequence[int], ratio: float) -> list[int]:
 @dataclass(frozen=True)
 class OffloadSizes:
     """The buffers `HostOffload` allocates on one rank: the offloaded shards laid end to end
-    in a chunk space of `chunks`, an fp32 master (pageable) and gradient (pinned) per chunk,
-    the compute-dtype shards (pinned on the host with offload_params, else on the device
-    behind pinned upload slots) and the gradient staging slots (pinned)."""
+    in a chunk space of `chunks`, an fp32 master (pageable) and a gradient in the reduce
+    dtype (pinned) per chunk, the compute-dtype shards (pinned on the host with
+    offload_params, else on the device behind pinned upload slots), the gradient staging
+    slots (pinned) and one shard's fp32 gradient, the step's upcast (pageable).
+
+    Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
+    gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
 
     offsets: tuple[int, ...]  # each shard's start in the chunk space, in the given order
     chunks: ChunkLayout
     grad_slot_numel: int  # the largest shard: any staged gradient fits in a slot
     compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
     offload_params: bool
 
     @property
@@ -53,16 +58,16 @@ class OffloadSizes:
     @property
     def pinned_bytes(self) -> int:
         """Host bytes that are pinned (when pinning succeeds: on a GPU)."""
-        compute = self.compute_dtype.itemsize
-        pinned = self.chunk_space_numel * 4 + GRAD_SLOTS * self.grad_slot_numel * 4
+        compute, grad = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
+        pinned = (self.chunk_space_numel + GRAD_SLOTS * self.grad_slot_numel) * grad
         if self.offload_params:
             return pinned + self.chunk_space_numel * compute
         return pinned + UPLOAD_SLOTS * self.chunks.shard_numel * compute
 
     @property
     def host_bytes(self) -> int:
-        """All host bytes: the pinned ones and the fp32 masters."""
-        return self.chunk_space_numel * 4 + self.pinned_bytes
+        """All host bytes: the pinned ones, the fp32 masters and the step's upcast."""
+        return (self.chunk_space_numel + self.grad_slot_numel) * 4 + self.pinned_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -76,6 +81,7 @@ def offload_sizes(
     *,
     chunk_bytes: int,
     compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
     offload_params: bool,
 ) -> OffloadSizes:
     """What offloading shards of `shard_numels` elements takes on each of `shard_size` ranks,
@@ -87,5 +93,6 @@ def offload_sizes(
         chunks=ChunkLayout.build(numel * shard_size, per_rank * shard_size, shard_size),
         grad_slot_numel=max(shard_numels, default=0),
         compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
         offload_params=offload_params,
     )

@@ -7,9 +7,10 @@ the master shards instead of the model's parameters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +20,7 @@ from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._offload_step import EarlyStep, step_offloaded
 from zeroshard.engine.runtime._reduce import GradReducer
 
 
@@ -70,6 +72,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.allgather_bucket_bytes = allgather_bucket_bytes
         self._unscaled = False
         self._overflow = False
+        self._early: EarlyStep | None = None
         masters = [g.master for g in self.flat_groups if g.trainable]
         # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
         # master shards of the flat groups built from each group's parameters.
@@ -90,6 +93,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _grad_shards(self) -> list[torch.Tensor]:
         return [g.ensure_grad_shard() for g in self._trainable()]
 
+    def _on_device(self) -> list[FlatParamGroup]:
+        return [g for g in self._trainable() if g.offload is None]
+
+    def _on_host(self) -> list[FlatParamGroup]:
+        return [g for g in self._trainable() if g.offload is not None]
+
+    def _scale_grads(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient shard by `factor` (offloaded ones: see HostOffload)."""
+        shards = [g.ensure_grad_shard() for g in self._on_device()]
+        for device, same in _by_device(shards).items():
+            f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
+            torch._foreach_mul_(same, f)
+        if self.offload is not None:
+            f = factor.cpu() if isinstance(factor, torch.Tensor) else factor
+            self.offload.scale_grads(self._on_host(), f)
+
     def _prepare_grads(self) -> None:
         """Reduce what is pending and, under fp16, unscale and agree on overflow (once per step)."""
         self.reducer.reduce_pending()
@@ -104,29 +123,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_group.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
         self._overflow = bool(local_bad.item())
         if not self._overflow:
-            for same in _by_device(shards).values():
-                torch._foreach_mul_(same, 1.0 / self.scaler.scale)
+            self._scale_grads(1.0 / self.scaler.scale)
         self._unscaled = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm over all shards; return that norm."""
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+        if self._early is not None:
+            raise ValueError(
+                "clip_grad_norm_ after a backward under step_in_backward(): the offloaded "
+                "groups were stepped on their unclipped gradients; clip without it"
+            )
         self._prepare_grads()
-        shards = self._grad_shards()
+        self._grad_shards()
         if self._overflow:
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
-        # Offloaded shards are on the host, the others on the device: one norm per device.
-        by_device = _by_device(shards)
-        for same in by_device.values():
-            local += torch.stack(torch._foreach_norm(same)).square().sum().to(local.device)
+        # Shards on the device, and on the host: one norm per device.
+        shards = [g.ensure_grad_shard() for g in self._on_device()]
+        norms = [n for same in _by_device(shards).values() for n in torch._foreach_norm(same)]
+        if self.offload is not None:
+            # One offloaded group upcast at a time ([Note: offload host memory]).
+            norms += [self.offload.grad_norm(g) for g in self._on_host()]
+        for same in _by_device(norms).values():
+            local += torch.stack(same).square().sum().to(local.device)
         self.shard_group.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for device, same in by_device.items():
-            torch._foreach_mul_(same, coef.to(device))
+        self._scale_grads(coef)
         return total
 
     # -- step ----------------------------------------------------------------------------
@@ -147,18 +173,57 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.zero_grad()
             return None
         with record_function("zeroshard::optimizer_step"):
-            self.inner.step()
-        self._publish(g for g in self.flat_groups if g.trainable)
+            if self._early is not None:
+                self._early.finish(self._on_device())
+                self._early = None
+            elif self.offload is None:
+                self.inner.step()
+            else:
+                step_offloaded(self.inner, self.offload, self._on_device(), self._on_host())
+        self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
         return None
+
+    @contextlib.contextmanager
+    def step_in_backward(self) -> Iterator[None]:
+        """Step each offloaded group on the CPU as soon as its gradient lands on the host,
+        while the backward run inside this block goes on; `step()` after it steps the rest
+        and waits only for the tail ([Note: offload step pipeline]).
+
+        The backward must end the accumulation window, and `step()` must follow it with
+        nothing in between: no clipping (the global norm needs every gradient first), no
+        fp16 loss scaling (its overflow check too). The weights are those of the step
+        without it, bit for bit. Stages 2 and 3 with `offload_optimizer`; stage 1 reduces
+        at the step, so there is nothing to overlap.
+        """
+        why = ""
+        if self.offload is None:
+            why = "it needs offload_optimizer"
+        elif self.reducer.stage == 1:
+            why = "stage 1 reduces the gradients at the step, after backward"
+        elif self.scaler is not None:
+            why = "fp16 loss scaling checks every gradient for overflow first"
+        elif self._early is not None:
+            why = "the step of the previous backward under it has not run: call step()"
+        if why:
+            raise ValueError(f"step_in_backward(): {why}")
+        assert self.offload is not None
+        self._early = EarlyStep(self.inner, self.offload, self._on_host())
+        try:
+            yield
+        except BaseException:
+            # A failed backward: stop stepping groups as they land; `step()` is not coming.
+            self.offload.step_each(None)
+            self._early = None
+            raise
 
     def republish(self) -> None:
         """Make every master shard what forward computes with, after it changed in place
         (a load): stage 3 drops what is gathered, stages 1/2 all-gather the parameters."""
         self._publish(self.flat_groups)
 
-    def _publish(self, groups: Iterable[FlatParamGroup]) -> None:
+    def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
         groups = list(groups)
-        if self.offload is not None:
+        if self.offload is not None and not uploaded:
             # Offloaded masters changed on the host: recast and upload them first.
             self.offload.refresh([g for g in groups if g.offload is not None])
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`

@@ -246,9 +246,12 @@ class GradReducer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients; `set_to_none` frees the shards until the next backward."""
         for g in self.order:
-            if g.grad_shard is not None:
+            if g.offload is not None:
+                assert self.offload is not None
+                # Both ways: the next gradient overwrites the host memory, no zero fill.
+                self.offload.forget_grad(g)
+            elif g.grad_shard is not None:
                 if set_to_none:
-                    # An offloaded group keeps its host memory: the next gradient overwrites it.
                     g.grad_shard = g.master.grad = None
                 else:
                     g.grad_shard.zero_()

@@ -19,7 +19,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_grou
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
-from zeroshard.engine.runtime._offload_plan import choose_offloaded
+from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
@@ -28,6 +28,7 @@ from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
+from zeroshard.engine.setup._host_memory import check_host_memory
 from zeroshard.engine.setup._materialize import (
     ParamInit,
     is_meta,
@@ -199,12 +200,15 @@ def initialize(
         groups = _flatten_stage12(model, cfg, place, param_group_of)
     offload = None
     if cfg.offload.optimizer:
-        chosen = choose_offloaded([g.layout.shard_numel for g in groups], cfg.offload.ratio)
+        numels = [g.layout.shard_numel for g in groups]
+        chosen = [groups[i] for i in choose_offloaded(numels, cfg.offload.ratio)]
+        _check_offload_fits(chosen, cfg, shard_group, everyone, optimizer)
         offload = HostOffload(
-            [groups[i] for i in chosen],
+            chosen,
             shard_group=shard_group,
             compute_dtype=cfg.precision.compute_dtype,
             chunk_bytes=cfg.offload.chunk_bytes,
+            reduce_dtype=cfg.precision.grad_reduce_dtype,
             pin=cfg.offload.pin_memory,
             offload_params=cfg.offload.params,
         )
@@ -254,6 +258,46 @@ def initialize(
             seconds,
         )
     return model, zopt
+
+
+# fp32 state tensors per parameter element of torch's optimizers that keep a fixed number.
+_STATE_FLOATS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
+
+
+def _state_floats(optimizer: torch.optim.Optimizer) -> int:
+    """fp32 optimizer state per master element; 2 (Adam's) for optimizers not known here."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return int(any(pg.get("momentum", 0) for pg in optimizer.param_groups))
+    if name == "RMSprop":
+        pgs = optimizer.param_groups
+        return 1 + any(pg.get("centered") for pg in pgs) + any(pg.get("momentum") for pg in pgs)
+    return _STATE_FLOATS.get(name, 2)
+
+
+def _check_offload_fits(
+    chosen: list[FlatParamGroup],
+    cfg: ZeroConfig,
+    shard_group: Group,
+    everyone: Group,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Raise on every rank before allocating if a host cannot hold the offloaded state."""
+    sizes = offload_sizes(
+        [g.layout.shard_numel for g in chosen],
+        shard_group.size,
+        chunk_bytes=cfg.offload.chunk_bytes,
+        compute_dtype=cfg.precision.compute_dtype,
+        reduce_dtype=cfg.precision.grad_reduce_dtype,
+        offload_params=cfg.offload.params,
+    )
+    floats = _state_floats(optimizer)
+    state = 4 * floats * sum(g.layout.shard_numel for g in chosen if g.trainable)
+    what = (
+        f"the offloaded state: {sizes.host_bytes:,} bytes of masters, gradients and staging "
+        f"and {state:,} of {type(optimizer).__name__} state ({floats} fp32 per element)"
+    )
+    check_host_memory(everyone, sizes.host_bytes + state, what)
 
 
 def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,98 @@
+"""The host side of offload's copies: host buffers, side streams, the gradient worker.
+
+See [Note: offload stream order] in _offload.py for the order these serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.comm import warn_tagged
+from zeroshard.partition import empty_host
+
+_warned_pageable = False
+
+
+def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A zeroed 1-D host tensor and whether it is pinned; pageable (warned once) if pinning
+    fails."""
+    global _warned_pageable
+    t, pinned = empty_host(numel, dtype, pin=pin)
+    if pin and not pinned and not _warned_pageable:
+        _warned_pageable = True
+        # Pinning may fail on some ranks only: each says so, naming itself.
+        warn_tagged(
+            "zeroshard offload: pinned host memory could not be allocated; using pageable "
+            "memory: host<->device copies will be synchronous and slower",
+            RuntimeWarning,
+        )
+    return t.zero_(), pinned
+
+
+class SideStream:
+    """A CUDA side stream, or nothing on the CPU (where copies complete as they return)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def after_current(self, current: torch.cuda.Stream | None = None) -> Iterator[None]:
+        """Run the block on this stream, after what the current stream (or `current`, the
+        stream of the thread that queues the work this block must follow) queued so far."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(current or torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def event(self) -> torch.cuda.Event | None:
+        """An event recorded on this stream now (None on the CPU)."""
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(self.stream)
+        return ev
+
+
+def grad_worker(device: torch.device) -> ThreadPoolExecutor:
+    """The one thread that waits on gradient copies and adds staged gradients."""
+    if device.type != "cuda":
+        return ThreadPoolExecutor(1, "zeroshard-offload-grads")
+    # It waits on CUDA events: make this rank's device its current one, not device 0
+    # (where a first CUDA call would otherwise create a context).
+    return ThreadPoolExecutor(
+        1, "zeroshard-offload-grads", initializer=torch.cuda.set_device, initargs=(device,)
+    )
+
+
+@dataclass(frozen=True)
+class GradAdd:
+    """Add a staged gradient into the fp32 gradient `home`, first moving the group's
+    gradient there from `source` (its reduce-dtype home) and applying `factors` when the
+    group's first accumulation promotes it ([Note: offload host memory])."""
+
+    home: torch.Tensor
+    staged: torch.Tensor
+    source: torch.Tensor | None
+    factors: tuple[torch.Tensor | float, ...]
+
+
+def land(event: torch.cuda.Event | None, add: GradAdd | None) -> None:
+    """On the worker thread: wait for a gradient copy, then add it if it was staged."""
+    if event is not None:
+        event.synchronize()
+    if add is None:
+        return
+    if add.source is not None:
+        add.home.copy_(add.source)
+        for f in add.factors:
+            add.home.mul_(f)
+    add.home.add_(add.staged)

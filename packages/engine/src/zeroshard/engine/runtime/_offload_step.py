@@ -1,0 +1,172 @@
+"""The optimizer step of offloaded groups: one group at a time, uploading as it goes.
+
+[Note: offload step pipeline]
+The wrapped optimizer first steps the groups that stay on the device (the offloaded
+masters have no `.grad` yet, so it skips them). Then, in chunk-space order, each
+offloaded group gets its fp32 gradient as `master.grad` (upcast from the reduce dtype
+into one group's buffer: [Note: offload host memory] in _offload.py), is stepped alone,
+and drops it; every chunk whose groups are all stepped goes up to the device on the H2D
+stream while the CPU steps the next groups ([Note: offload stream order]). The step thus
+takes about max(CPU step, upload) rather than their sum, and the host never holds more
+than one group's fp32 gradient.
+
+Stepping a group alone gives the same bits as one step over all of them only for an
+optimizer that updates each element from that element's own state, gradient and
+hyperparameters: torch's built-in per-parameter optimizers (`_PER_ELEMENT`; each keeps
+its `step` count per parameter). Any other optimizer gets one step over every group,
+with every offloaded gradient upcast at once (4 more bytes per element for that step),
+and the upload after it.
+
+The user's step hooks on the wrapped optimizer run once around the whole step, as they
+would around one `step()`: the per-group calls go to the class's unhooked `step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._offload import HostOffload
+
+_PER_ELEMENT: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.SGD,
+)
+
+
+def _unhooked_step(inner: torch.optim.Optimizer) -> Callable[[], Any] | None:
+    """`inner`'s step without its hooks, or None where the pipeline does not apply."""
+    if type(inner) not in _PER_ELEMENT:
+        return None
+    fn = getattr(type(inner).step, "__wrapped__", None)
+    if fn is None:
+        return None
+    return lambda: fn(inner)
+
+
+@contextlib.contextmanager
+def _only(inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within the block `inner` holds only `masters` (each in its own param group), so a
+    step steps them alone whatever other masters hold gradients."""
+    keep = {id(m) for m in masters}
+    saved = [pg["params"] for pg in inner.param_groups]
+    for pg in inner.param_groups:
+        pg["params"] = [m for m in pg["params"] if id(m) in keep]
+    try:
+        yield
+    finally:
+        for pg, params in zip(inner.param_groups, saved, strict=True):
+            pg["params"] = params
+
+
+@contextlib.contextmanager
+def _step_hooks(inner: torch.optim.Optimizer) -> Iterator[None]:
+    """Run `inner`'s step pre- and post-hooks once around the block, as `step()` does."""
+    args: tuple[Any, ...] = (inner,)
+    kwargs: dict[str, Any] = {}
+    pre_hooks = chain(
+        _global_optimizer_pre_hooks.values(), inner._optimizer_step_pre_hooks.values()
+    )
+    for pre in pre_hooks:
+        if pre(inner, args, kwargs) is not None:
+            raise RuntimeError("zeroshard offload: optimizer step pre-hooks must return None")
+    yield
+    inner._optimizer_step_code()
+    post_hooks = chain(
+        inner._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()
+    )
+    for post in post_hooks:
+        post(inner, args, kwargs)
+
+
+def _step_masters(
+    step: Callable[[], Any], inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]
+) -> None:
+    """Step `masters` (those with a gradient) alone."""
+    if any(m.grad is not None for m in masters):
+        with _only(inner, masters):
+            step()
+
+
+def _step_group(
+    step: Callable[[], Any], inner: torch.optim.Optimizer, offload: HostOffload, g: FlatParamGroup
+) -> None:
+    """Step `g`'s master alone on its fp32 gradient, then let its chunks go up."""
+    grad = offload.grad_fp32(g)
+    if grad is not None:
+        g.master.grad = grad
+        _step_masters(step, inner, [g.master])
+        g.master.grad = None
+    offload.stepped(g)
+
+
+def step_offloaded(
+    inner: torch.optim.Optimizer,
+    offload: HostOffload,
+    on_device: Sequence[FlatParamGroup],
+    on_host: Sequence[FlatParamGroup],
+) -> None:
+    """Step every trainable master and upload the offloaded ones ([Note: offload step
+    pipeline])."""
+    step = _unhooked_step(inner)
+    if step is None:
+        for g in on_host:
+            grad = offload.grad_fp32(g)
+            # Every group at once: a copy of each upcast (the buffer holds one group's).
+            if grad is not None and grad is not g.grad_shard:
+                grad = grad.clone()
+            g.master.grad = grad
+        inner.step()
+        for g in on_host:
+            g.master.grad = None
+        offload.refresh(on_host)
+        return
+    with _step_hooks(inner):
+        _step_masters(step, inner, [g.master for g in on_device])
+        offload.begin_upload(on_host)
+        for g in on_host:
+            _step_group(step, inner, offload, g)
+        offload.finish_upload()
+
+
+class EarlyStep:
+    """The step of one backward's offloaded groups, each as its gradient lands on the host
+    (`ZeroOptimizer.step_in_backward`); `finish` steps the rest at `step()`."""
+
+    def __init__(
+        self, inner: torch.optim.Optimizer, offload: HostOffload, on_host: Sequence[FlatParamGroup]
+    ) -> None:
+        step = _unhooked_step(inner)
+        if step is None:
+            raise ValueError(
+                f"step_in_backward steps one group at a time: {type(inner).__name__} is not "
+                "one of torch's per-element optimizers "
+                f"({', '.join(t.__name__ for t in _PER_ELEMENT)})"
+            )
+        self.inner, self.offload, self.step = inner, offload, step
+        self._hooks = contextlib.ExitStack()
+        # The user's step hooks: pre now (before the first group steps), post in `finish`.
+        self._hooks.enter_context(_step_hooks(inner))
+        offload.begin_upload(on_host)
+        offload.step_each(lambda g: _step_group(step, inner, offload, g))
+
+    def finish(self, on_device: Sequence[FlatParamGroup]) -> None:
+        """After the backward (its gradients and steps drained): the device groups, the
+        chunks not sent yet, the post-hooks."""
+        self.offload.step_each(None)
+        _step_masters(self.step, self.inner, [g.master for g in on_device])
+        self.offload.finish_upload()
+        self._hooks.close()

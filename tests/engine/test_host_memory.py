@@ -1,0 +1,95 @@
+"""initialize checks that the host can hold the offloaded state before allocating it.
+
+The bound is read from files (cgroup v2 or v1, /proc/meminfo); the reader is tested on
+fixture trees of each kind, and a real initialize on two gloo ranks is pointed at a
+fixture that leaves too little memory: every rank raises the same error naming the bytes
+needed and available, and the process group still works after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard.engine as zs
+from tests._dist import run_ranks
+from tests.engine._models import make_model, make_optimizer
+from zeroshard.engine.setup import _host_memory
+from zeroshard.engine.setup._host_memory import read_host_memory
+
+GIB = 1024**3
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _meminfo(root: Path, available_kib: int) -> Path:
+    text = f"MemTotal: {available_kib * 4} kB\nMemAvailable: {available_kib} kB\n"
+    return _write(root / "meminfo", text)
+
+
+def test_cgroup_v2_tightest_ancestor(tmp_path: Path) -> None:
+    cg = tmp_path / "cg"
+    own = _write(tmp_path / "self", "0::/job/step\n")
+    _write(cg / "job/step/memory.max", "max\n")  # no limit of its own
+    _write(cg / "job/step/memory.current", str(5 * GIB))
+    _write(cg / "job/memory.max", str(100 * GIB))
+    _write(cg / "job/memory.current", str(30 * GIB))
+    mem = read_host_memory(own, cg, _meminfo(tmp_path, 200 * 1024**2))
+    assert mem.available == 70 * GIB and "job/memory.max" in mem.source
+    # MemAvailable below the cgroup's headroom wins.
+    mem = read_host_memory(own, cg, _meminfo(tmp_path, 10 * 1024**2))
+    assert mem.available == 10 * GIB and "MemAvailable" in mem.source
+
+
+def test_cgroup_v1_and_unlimited(tmp_path: Path) -> None:
+    cg = tmp_path / "cg"
+    own = _write(tmp_path / "self", "5:cpu:/\n4:memory:/pod/c1\n0::/\n")
+    _write(cg / "memory/pod/c1/memory.limit_in_bytes", str(64 * GIB))
+    _write(cg / "memory/pod/c1/memory.usage_in_bytes", str(16 * GIB))
+    mem = read_host_memory(own, cg, _meminfo(tmp_path, 100 * 1024**2))
+    assert mem.available == 48 * GIB and "limit_in_bytes" in mem.source
+    # No cgroup files at all (or v1's "no limit", a huge number): MemAvailable alone.
+    _write(cg / "memory/pod/c1/memory.limit_in_bytes", str(2**63 - 4096))
+    mem = read_host_memory(own, cg, _meminfo(tmp_path, 3 * 1024**2))
+    assert mem.available == 3 * GIB and "MemAvailable" in mem.source
+    mem = read_host_memory(tmp_path / "absent", cg, _meminfo(tmp_path, 1024))
+    assert mem.available == 1024 * 1024
+
+
+def test_this_host_reads() -> None:
+    # The real files of this machine: a positive number from one of the two bounds.
+    mem = read_host_memory()
+    assert mem.available > 0 and mem.source
+
+
+def _too_small(root: str) -> None:
+    rank = dist.get_rank()
+    # Each rank reads its own fixture: rank 1 has 1 MiB, rank 0 plenty.
+    _host_memory.PROC_MEMINFO = _meminfo(Path(root) / str(rank), 1024 if rank else 10**9)
+    _host_memory.PROC_SELF_CGROUP = Path(root) / "absent"
+    model = make_model(seed=1)
+    cfg = {"stage": 2, "compute_dtype": "bf16", "offload_optimizer": True}
+    with pytest.raises(MemoryError) as err:
+        zs.initialize(model, make_optimizer(model), cfg)
+    message = str(err.value)
+    assert "rank 1 needs" in message and "for the 2 ranks of its host" in message
+    assert "1,048,576 (0.0 GiB) available" in message
+    assert "rank 0 needs" not in message and "AdamW state (2 fp32 per element)" in message
+    # Nothing hangs: the group still works and a fitting initialize goes through.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+    _host_memory.PROC_MEMINFO = _meminfo(Path(root) / str(rank), 10**9)
+    model = make_model(seed=1)
+    zs.initialize(model, make_optimizer(model), cfg)
+
+
+def test_initialize_refuses_what_the_host_cannot_hold(tmp_path: Path) -> None:
+    run_ranks(_too_small, 2, str(tmp_path))
