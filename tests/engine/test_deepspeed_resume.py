@@ -11,6 +11,12 @@ fp32 losses to rtol 1e-6 and weights to atol 1e-6 (measured on CPU: identical at
 (DeepSpeed's loss-scaled ZeRO-2) losses to rtol 1e-4 and weights to atol 1e-3
 (measured: 1.9e-5 and 1.7e-4 at world 3; fp16 gradients are rounded and reduced
 differently).
+
+The tied cases (`resume_tied_*`: residual MLP blocks, the head tied to the embedding,
+`_frozen`: the tied weight frozen) resume to DeepSpeed's continuation at stages 1-3,
+worlds 1-3 and across stages; before any step, every trainable name's Adam moments and
+step (tied names included) must equal what DeepSpeed's live optimizer held at the
+checkpoint (`moments.safetensors`, read through `safe_get_full_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ from zeroshard.ckpt._cli import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "ckpt" / "fixtures" / "deepspeed"
 CASES = ["resume_stage1", "resume_stage2", "resume_stage3", "resume_stage2_fp16"]
+TIED = [
+    "resume_tied_stage1",
+    "resume_tied_stage2",
+    "resume_tied_stage3",
+    "resume_tied_frozen_stage2",
+    "resume_tied_frozen_stage3",
+]
 
 
 def _fixture_module() -> Any:
@@ -55,11 +68,12 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _build(case: str, stage: int | None = None) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
-    """TinyLM under zeroshard at the case's ZeRO stage (or `stage`)."""
+    """The case's model under zeroshard at the case's ZeRO stage (or `stage`)."""
     mf = _fixture_module()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
     torch.manual_seed(99)  # not DeepSpeed's seed: every weight must come from the checkpoint
-    model = mf.TinyLM()
+    (kind,) = [k for name, _, _, k in mf.RESUME_CASES if name == case]
+    model = mf.MODELS[kind]()
     stage = ref["stage"] if stage is None else stage
     cfg: dict[str, Any] = {"stage": stage}
     if case.endswith("_fp16"):
@@ -110,6 +124,65 @@ def _resume(case: str, source: Path, stage: int | None) -> None:
 def _resume_all(runs: list[tuple[str, str, int | None]]) -> None:
     for case, source, stage in runs:
         _resume(case, Path(source), stage)
+
+
+def _adam_state_by_name(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> dict[str, Any]:
+    """name -> {exp_avg, exp_avg_sq: full tensors, step: float} of every trainable
+    parameter, under each of its names (collective: one all-gather per state tensor)."""
+    by_param: dict[int, dict[str, Any]] = {}
+    for g in zs.engine_state(model).groups:
+        if not g.trainable:
+            continue
+        state = opt.inner.state[g.master]
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = torch.empty(g.layout.padded_numel, dtype=torch.float32)
+            g.process_group.all_gather_into(full, state[key].detach(), label=key).wait()
+            for p, slot in zip(g.params, g.layout.slots, strict=True):
+                entry = by_param.setdefault(id(p), {"step": float(state["step"])})
+                entry[key] = full[slot.offset : slot.end].view(slot.shape).clone()
+    return {
+        name: by_param[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in by_param
+    }
+
+
+def _loaded_moments(runs: list[tuple[str, int]]) -> None:
+    for case, stage in runs:
+        ref = json.loads((FIXTURES / case / "resume.json").read_text())
+        want = load_file(FIXTURES / case / "moments.safetensors")
+        model, opt, _ = _build(case, stage)
+        zs.load_checkpoint(model, opt, FIXTURES / case)
+        got = _adam_state_by_name(model, opt)
+        names = {k.split("/", 1)[1] for k in want}
+        assert set(got) == names, f"{case}: {sorted(set(got) ^ names)}"
+        assert {"embed.weight", "head.weight"} <= names or "frozen" in case, case
+        for name, state in got.items():
+            assert state["step"] == ref["adam_step"], f"{case} at stage {stage}: step of {name}"
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key], want[f"{key}/{name}"]), (
+                    f"{case} at stage {stage}: {key} of {name}"
+                )
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_tied_moments_equal_deepspeeds_before_any_step(world: int) -> None:
+    runs = [(case, stage) for case in TIED for stage in (1, 2, 3)]
+    run_ranks(_loaded_moments, world, runs)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_tied_resume_matches_deepspeed(world: int) -> None:
+    # Each tied checkpoint at its own stage, and the ZeRO-3 ones at stages 1 and 2, the
+    # ZeRO-1 one at 3.
+    runs: list[tuple[str, str, int | None]] = [(c, str(FIXTURES / c), None) for c in TIED]
+    for case, stages in [
+        ("resume_tied_stage3", (1, 2)),
+        ("resume_tied_stage1", (3,)),
+        ("resume_tied_frozen_stage3", (1,)),
+    ]:
+        runs.extend((case, str(FIXTURES / case), stage) for stage in stages)
+    run_ranks(_resume_all, world, runs)
 
 
 @pytest.mark.parametrize("world", [2, 3])
