@@ -7,11 +7,11 @@ complete (or failed), so the last reference to a tensor can be the worker's: alw
 a collective that timed out (its `Work` outlives our wait until gloo's own timeout ends
 it) and for the queued collectives behind it, and now and then, on a loaded machine, for
 one that just finished. When Python has dropped such a tensor first, torch keeps its
-Python object alive for the C++ owner, and the worker thread must take the GIL to free
-it. If the interpreter is already finalizing by then (the script caught zeroshard's
-error and returned), the worker cannot run Python any more, and the process can die with
-SIGABRT ("terminate called without an active exception") instead of the exit status the
-script chose.
+Python object alive for the C++ owner, and the worker thread frees it, taking the GIL,
+possibly while the interpreter shuts down (the script caught zeroshard's error and
+returned). Scripts in that state were seen to die with SIGABRT ("terminate called without
+an active exception") instead of the exit status they chose; that the pending `Work` is
+the cause is inferred (docs/reliability.md), but no `Work` of ours is left pending now.
 
 So every tensor a gloo collective of zeroshard's is given is a private alias (a view of
 the caller's tensor, or zeroshard's own copy) that only the `Handle` and gloo reference,
