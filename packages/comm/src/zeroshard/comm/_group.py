@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm._errors import CollectiveTimeoutError
-from zeroshard.comm._inflight import given_to_gloo
+from zeroshard.comm._inflight import private_alias, track
 
 ReduceOp = Literal["sum", "avg", "max"]
 
@@ -209,24 +209,29 @@ class Group:
         label: str,
         keep: tuple[torch.Tensor, ...],
         after: Callable[[], None] | None = None,
+        given: tuple[torch.Tensor, ...] = (),
     ) -> Handle:
+        if self.backend == "gloo" and work is not None:
+            # See [Note: gloo at interpreter exit]: `given` are `_give`'s aliases.
+            track(work, given, self.timeout.total_seconds())
         # gloo's wait honours the timeout without busy-waiting; NCCL's would block the host.
         blocking = self.blocking_wait or self.backend != "nccl"
         return Handle(work, op, label, self.timeout, keep, after, blocking=blocking)
 
-    def _give(self, tensor: torch.Tensor) -> torch.Tensor:
-        # gloo gets a tracked private alias: see [Note: gloo at interpreter exit].
+    def _give(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # gloo gets private aliases, tracked by `_handle`: [Note: gloo at interpreter exit].
         if self.backend != "gloo":
-            return tensor
-        return given_to_gloo(tensor, self.timeout.total_seconds())
+            return tensors
+        return tuple(private_alias(t) for t in tensors)
 
     def all_gather_into(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
     ) -> Handle:
         """Gather every rank's `input` into `output` (size x input.numel(), rank-major)."""
         _check_flat_pair("all_gather_into", label, output, input, "output", self.size)
-        work = _all_gather_flat(self._give(output), self._give(input), group=self.pg, async_op=True)
-        return self._handle(work, "all_gather", label, (output, input))
+        given = self._give(output, input)
+        work = _all_gather_flat(given[0], given[1], group=self.pg, async_op=True)
+        return self._handle(work, "all_gather", label, (output, input), given=given)
 
     def reduce_scatter(
         self,
@@ -253,9 +258,8 @@ class Group:
         poll), so on gloo it is an all-reduce of a copy, whose wait honours the timeout,
         and this rank's part is copied out after it. CPU only: twice the bytes moved."""
         summed = input.clone()
-        work = dist.all_reduce(
-            self._give(summed), op=self._torch_op(op), group=self.pg, async_op=True
-        )
+        given = self._give(summed)
+        work = dist.all_reduce(given[0], op=self._torch_op(op), group=self.pg, async_op=True)
         n = output.numel()
         part = summed[self.rank * n : (self.rank + 1) * n]
         avg = self._avg(op, output)
@@ -265,23 +269,23 @@ class Group:
             if avg is not None:
                 avg()
 
-        return self._handle(work, "reduce_scatter", label, (output, summed), copy_out)
+        return self._handle(work, "reduce_scatter", label, (output, summed), copy_out, given=given)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", label: str = "") -> Handle:
         """Reduce `tensor` in place over ranks."""
         _check_contiguous("all_reduce", label, tensor)
-        work = dist.all_reduce(
-            self._give(tensor), op=self._torch_op(op), group=self.pg, async_op=True
+        given = self._give(tensor)
+        work = dist.all_reduce(given[0], op=self._torch_op(op), group=self.pg, async_op=True)
+        return self._handle(
+            work, "all_reduce", label, (tensor,), self._avg(op, tensor), given=given
         )
-        return self._handle(work, "all_reduce", label, (tensor,), self._avg(op, tensor))
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, label: str = "") -> Handle:
         """Copy `tensor` from group rank `src` to every rank, in place."""
         _check_contiguous("broadcast", label, tensor)
-        work = dist.broadcast(
-            self._give(tensor), self.global_rank(src), group=self.pg, async_op=True
-        )
-        return self._handle(work, "broadcast", label, (tensor,))
+        given = self._give(tensor)
+        work = dist.broadcast(given[0], self.global_rank(src), group=self.pg, async_op=True)
+        return self._handle(work, "broadcast", label, (tensor,), given=given)
 
     def barrier(self, *, label: str = "") -> None:
         """Block until every rank of the group gets here (bounded by the timeout)."""

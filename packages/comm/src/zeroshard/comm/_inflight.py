@@ -14,8 +14,8 @@ an active exception") instead of the exit status they chose; that the pending `W
 the cause is inferred (docs/reliability.md), but no `Work` of ours is left pending now.
 
 So every tensor a gloo collective of zeroshard's is given is a private alias (a view of
-the caller's tensor, or zeroshard's own copy) that only the `Handle` and gloo reference,
-tracked here by a weak reference: it dies exactly when gloo has let go of it. An
+the caller's tensor, or of zeroshard's own copy) that only its `Work` references,
+tracked here by a weak reference: it dies exactly when the `Work` goes. An
 `atexit` hook waits, before finalization begins, until every alias is gone, for as long
 as gloo keeps making progress: an abandoned collective ends by the process group's own
 timeout (`Group.with_timeout` sets it), each queued one after it in turn.
@@ -29,34 +29,50 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 
 _POLL_S = 0.01
 
-# id(weak reference) -> (the weak reference, the timeout of its collective in seconds).
-# No lock: single dict operations are atomic under the GIL, and a lock taken here could
-# be re-entered by a release callback run from a garbage collection on the same thread.
-_held: dict[int, tuple[weakref.ref[torch.Tensor], float]] = {}
+# id(weak reference to an alias) -> (that reference, one to its `Work`, the collective's
+# timeout in seconds). No lock: single dict operations are atomic under the GIL, and a
+# lock taken here could be re-entered by a release callback run from a garbage
+# collection on the same thread.
+_held: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[dist.Work], float]] = {}
 
 
-def given_to_gloo(tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    """A private alias of `tensor` to hand to a gloo collective, tracked until gloo frees it.
+def private_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of `tensor` to hand to a gloo collective, then to `track` with its `Work`."""
+    return tensor.view(tensor.shape)
 
-    Nothing but the collective's `Work` may hold the alias: it dies with the `Work`, on
-    whichever thread drops that last (see [Note: gloo at interpreter exit]).
+
+def track(work: dist.Work, aliases: tuple[torch.Tensor, ...], timeout_s: float) -> None:
+    """Follow `aliases` (given to `work` only, dropped by the caller) until gloo frees them.
+
+    Each dies with the `Work`, on whichever thread drops that last (see [Note: gloo at
+    interpreter exit]).
     """
-    alias = tensor.view(tensor.shape)
 
     def released(ref: weakref.ref[torch.Tensor]) -> None:
         _held.pop(id(ref), None)
 
-    ref = weakref.ref(alias, released)
-    _held[id(ref)] = (ref, timeout_s)
-    return alias
+    work_ref = weakref.ref(work)
+    for alias in aliases:
+        ref = weakref.ref(alias, released)
+        _held[id(ref)] = (ref, work_ref, timeout_s)
 
 
 def held_by_gloo() -> int:
-    """How many tensors handed to gloo collectives gloo may still hold."""
-    return len(_held)
+    """How many tensors handed to gloo collectives gloo may still hold.
+
+    Not counted: those of a finished `Work` that Python still holds (a handle never
+    waited): Python, on the main thread, lets go of that last.
+    """
+    return sum(1 for entry in tuple(_held.values()) if _pending(*entry))
+
+
+def _pending(alias: weakref.ref[torch.Tensor], work: weakref.ref[dist.Work], _: float) -> bool:
+    held = work()
+    return alias() is not None and (held is None or not held.is_completed())
 
 
 def drain(grace_s: float = 2.0) -> bool:
@@ -80,7 +96,7 @@ def drain(grace_s: float = 2.0) -> bool:
 
 
 def _window(grace_s: float) -> float:
-    return max((t for _, t in tuple(_held.values())), default=0.0) + grace_s
+    return max((e[2] for e in tuple(_held.values()) if _pending(*e)), default=0.0) + grace_s
 
 
 @atexit.register
