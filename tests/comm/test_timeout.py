@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tests._dist import run_ranks, world_fits
 from tests.comm._data import rank_device
 from zeroshard.comm import CollectiveTimeoutError, Group
+from zeroshard.comm._inflight import drain, held_by_gloo
 
 TIMEOUT_S = 1.5
 # The error must come at the timeout, not at torch's own (much longer) group timeout.
@@ -86,3 +87,30 @@ def test_skipped_collective_times_out_with_label(device: str) -> None:
     on gloo, a peer that left the group makes the next collective fail at once."""
     world_fits(device, 2)
     run_ranks(_body, 2, device, device=device)
+
+
+def _abandoned_then_drained() -> None:
+    # See [Note: gloo at interpreter exit] in zeroshard/comm/_inflight.py.
+    pg = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=120))
+    group = Group(pg).with_timeout(datetime.timedelta(seconds=TIMEOUT_S))
+    group.barrier(label="warm-up")
+    assert drain(), "a finished barrier's tensors were not let go"
+    assert held_by_gloo() == 0
+    if group.rank == 0:
+        first = group.all_reduce(torch.ones(8), label="first")
+        group.all_reduce(torch.ones(8), label="queued")  # dropped unwaited
+        assert held_by_gloo() == 2  # one private alias per collective, held by gloo
+        with pytest.raises(CollectiveTimeoutError):
+            first.wait()
+        del first
+        start = time.monotonic()
+        # gloo ends each abandoned collective by the group's own timeout, then lets go.
+        assert drain(), f"gloo still holds {held_by_gloo()} tensor(s)"
+        assert held_by_gloo() == 0 and time.monotonic() - start <= 2 * TIMEOUT_S + SLACK_S
+    Group().barrier(label="drained")
+
+
+def test_abandoned_gloo_collectives_drain_before_exit() -> None:
+    """What a timed-out (and a never-waited) gloo collective held is let go within the
+    group's timeout: the exit hook's wait for it ends, so no worker frees it later."""
+    run_ranks(_abandoned_then_drained, 2)

@@ -102,13 +102,8 @@ def test_stale_temp_folders_are_never_checkpoints_and_go_at_next_save(tmp_path: 
 
 
 _ASYNC_EXIT = """
-import atexit, sys, torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 sys.path[:0] = {paths!r}
-if not {destroy}:
-    # Registered before zeroshard is imported, so it runs after zeroshard's commit hook
-    # (atexit is last in, first out): a program that never destroys its process group
-    # can abort in torch's own teardown ("terminate called without an active exception").
-    atexit.register(dist.destroy_process_group)
 from tests.faults.test_files import _meta
 from zeroshard.ckpt import save
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -28,7 +28,10 @@ until the data is there, so the API is synchronous in effect and streams do not 
 Timeouts. On gloo, `wait()` gives up after the group's `timeout` and raises
 `CollectiveTimeoutError` naming the op and label. `with_timeout` also sets the process
 group's own timeout (gloo's per-op timeout, NCCL's watchdog), so an abandoned collective
-ends there too and the process can exit while a peer is still alive. On NCCL, passing a
+ends there too and the process can exit while a peer is still alive. What a gloo
+collective holds is let go before the interpreter finalizes (see [Note: gloo at
+interpreter exit] in `_inflight`), so a script that caught the error exits with its own
+status. On NCCL, passing a
 timeout to torch's wait would busy-wait the host, so by default the process group's own
 timeout (set by `with_timeout`, else the one given to init_process_group / new_group)
 applies, enforced by torch's NCCL watchdog, which names the op but cannot know our label.
@@ -50,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm._errors import CollectiveTimeoutError
+from zeroshard.comm._inflight import private_alias, track
 
 ReduceOp = Literal["sum", "avg", "max"]
 
@@ -205,18 +209,29 @@ class Group:
         label: str,
         keep: tuple[torch.Tensor, ...],
         after: Callable[[], None] | None = None,
+        given: tuple[torch.Tensor, ...] = (),
     ) -> Handle:
+        if self.backend == "gloo" and work is not None:
+            # See [Note: gloo at interpreter exit]: `given` are `_give`'s aliases.
+            track(work, given, self.timeout.total_seconds())
         # gloo's wait honours the timeout without busy-waiting; NCCL's would block the host.
         blocking = self.blocking_wait or self.backend != "nccl"
         return Handle(work, op, label, self.timeout, keep, after, blocking=blocking)
+
+    def _give(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # gloo gets private aliases, tracked by `_handle`: [Note: gloo at interpreter exit].
+        if self.backend != "gloo":
+            return tensors
+        return tuple(private_alias(t) for t in tensors)
 
     def all_gather_into(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
     ) -> Handle:
         """Gather every rank's `input` into `output` (size x input.numel(), rank-major)."""
         _check_flat_pair("all_gather_into", label, output, input, "output", self.size)
-        work = _all_gather_flat(output, input, group=self.pg, async_op=True)
-        return self._handle(work, "all_gather", label, (output, input))
+        given = self._give(output, input)
+        work = _all_gather_flat(given[0], given[1], group=self.pg, async_op=True)
+        return self._handle(work, "all_gather", label, (output, input), given=given)
 
     def reduce_scatter(
         self,
@@ -243,7 +258,8 @@ class Group:
         poll), so on gloo it is an all-reduce of a copy, whose wait honours the timeout,
         and this rank's part is copied out after it. CPU only: twice the bytes moved."""
         summed = input.clone()
-        work = dist.all_reduce(summed, op=self._torch_op(op), group=self.pg, async_op=True)
+        given = self._give(summed)
+        work = dist.all_reduce(given[0], op=self._torch_op(op), group=self.pg, async_op=True)
         n = output.numel()
         part = summed[self.rank * n : (self.rank + 1) * n]
         avg = self._avg(op, output)
@@ -253,19 +269,23 @@ class Group:
             if avg is not None:
                 avg()
 
-        return self._handle(work, "reduce_scatter", label, (output, summed), copy_out)
+        return self._handle(work, "reduce_scatter", label, (output, summed), copy_out, given=given)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", label: str = "") -> Handle:
         """Reduce `tensor` in place over ranks."""
         _check_contiguous("all_reduce", label, tensor)
-        work = dist.all_reduce(tensor, op=self._torch_op(op), group=self.pg, async_op=True)
-        return self._handle(work, "all_reduce", label, (tensor,), self._avg(op, tensor))
+        given = self._give(tensor)
+        work = dist.all_reduce(given[0], op=self._torch_op(op), group=self.pg, async_op=True)
+        return self._handle(
+            work, "all_reduce", label, (tensor,), self._avg(op, tensor), given=given
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, label: str = "") -> Handle:
         """Copy `tensor` from group rank `src` to every rank, in place."""
         _check_contiguous("broadcast", label, tensor)
-        work = dist.broadcast(tensor, self.global_rank(src), group=self.pg, async_op=True)
-        return self._handle(work, "broadcast", label, (tensor,))
+        given = self._give(tensor)
+        work = dist.broadcast(given[0], self.global_rank(src), group=self.pg, async_op=True)
+        return self._handle(work, "broadcast", label, (tensor,), given=given)
 
     def barrier(self, *, label: str = "") -> None:
         """Block until every rank of the group gets here (bounded by the timeout)."""
