@@ -41,6 +41,8 @@ from zeroshard.engine.state._gathered import gathered_parameters
 from zeroshard.engine.state._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine.state._masters import full_state_dict
 from zeroshard.engine.state._module_state import state_dict_on_rank0
+from zeroshard.engine.state._rng import RNGState
+from zeroshard.engine.state._user_state import Stateful
 
 __all__ = [
     "AutoValues",
@@ -58,8 +60,10 @@ __all__ = [
     "LossScalePolicy",
     "OffloadPolicy",
     "PrecisionPolicy",
+    "RNGState",
     "SafetensorsLoadError",
     "Stage3Policy",
+    "Stateful",
     "WrapsEngineModel",
     "ZeroConfig",
     "ZeroOptimizer",
