@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from zeroshard.comm import init_process_group
+
 WORKER = Path(__file__).with_name("_restart_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,3 +62,21 @@ def test_restart_comes_up(tmp_path: Path) -> None:
 def test_twenty_restarts_come_up(tmp_path: Path) -> None:
     """20 of 20 restarts come up (plain torch fails about half of them)."""
     _restarts(tmp_path, 20)
+
+
+def test_init_names_what_the_environment_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a launcher's variables, or with a rank outside the world: a clear error."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"\['WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\] not set"):
+        init_process_group("gloo")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 is not in \[0, WORLD_SIZE=2\)"):
+        init_process_group("gloo")
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match="RANK='one' is not an integer"):
+        init_process_group("gloo")

@@ -170,17 +170,18 @@ def save_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _refuse_rank_state_replicated(state, rank_state)
+    # Encoded on every rank, client_state too (only rank 0 stores it), so that bad input
+    # fails on every rank alike, before any file is touched.
+    extra = agreed(
+        state.shard_group,
+        "save_checkpoint: user state",
+        lambda: encode_state({GLOBAL: client_state, PER_RANK: rank_state}),
+    )
+    if extra is not None and state.shard_group.rank != 0:
+        extra = encode_state({PER_RANK: rank_state})
     writes = state.replicate is None or state.replicate.rank == 0
     handle = None
     if writes:
-        # Encoded on every rank (client_state too) so bad input fails on all ranks alike.
-        extra = agreed(
-            state.shard_group,
-            "save_checkpoint: user state",
-            lambda: encode_state({GLOBAL: client_state, PER_RANK: rank_state}),
-        )
-        if extra is not None and state.shard_group.rank != 0:
-            extra = encode_state({PER_RANK: rank_state})
         handle = _save(model, state, directory, step, tag, async_save, overwrite, extra)
     if state.replicate is not None and not async_save:
         Group(timeout=state.shard_group.timeout).barrier(label="save_checkpoint: all replicas")
