@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 import zeroshard.engine as zs
 from zeroshard.ckpt import consolidate
+from zeroshard.comm import init_process_group
 from zeroshard.engine.huggingface import rebuild_meta_buffers
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
@@ -89,7 +90,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
             os.environ["MASTER_PORT"] = str(port)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # zeroshard's, not dist.init_process_group: it comes up after torchrun restarts.
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:

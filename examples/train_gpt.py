@@ -7,6 +7,15 @@ every rank draws the same random offsets into the corpus for a step and reads it
 slice of them, so the loss curve does not depend on the number of ranks. `--stage 0` runs
 torch's DistributedDataParallel instead, for comparison. Plain `python
 examples/train_gpt.py` runs one rank.
+
+Long runs: `--ckpt-dir DIR --save-every N` checkpoints every N steps (`--async-save`
+writes in the background) with the run's own state (learning-rate scheduler, data
+position, RNG states); `--resume auto` (the default) loads the newest complete
+checkpoint on start, so a job restarted by `torchrun --max-restarts` (or a resubmitted
+one) ends exactly where an uninterrupted one would (docs/reliability.md):
+
+    torchrun --nproc-per-node=2 --max-restarts=3 --rdzv-backend=c10d \
+        --rdzv-endpoint=localhost:0 examples/train_gpt.py --ckpt-dir ckpt --save-every 50
 """
 
 from __future__ import annotations
@@ -21,12 +30,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig, parameters_count  # type: ignore[import-not-found]
+from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
+
+import zeroshard.engine as zs
+from zeroshard.ckpt import SaveHandle
+from zeroshard.comm import init_process_group
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,9 +95,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="characters to generate at the end on rank 0; 0 = none",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint root (none: no saves)")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps; 0 = never")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        choices=["auto", "never"],
+        help="auto: load the newest complete checkpoint of --ckpt-dir if there is one",
+    )
+    p.add_argument("--loss-log", type=Path, default=None, help="rank 0 appends 'step loss' lines")
+    p.add_argument(
+        "--final-weights", type=Path, default=None, help="write the fp32 weights (safetensors)"
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.accum < 1 or args.batch < 1:
         p.error("--steps, --batch and --accum must be positive")
+    if args.save_every < 0 or (args.save_every and args.ckpt_dir is None):
+        p.error("--save-every needs --ckpt-dir and a count >= 0")
+    if args.ckpt_dir is not None and args.stage == 0:
+        p.error("--ckpt-dir needs a ZeRO stage (1-3)")
     return args
 
 
@@ -103,7 +135,8 @@ def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # Not dist.init_process_group: zeroshard's comes up after torchrun restarts too.
+    init_process_group("nccl" if use_cuda else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -177,8 +210,6 @@ def wrap(
             lambda: {k: v.float() for k, v in model.state_dict().items()},
             autocast,
         )
-    import zeroshard.engine as zs
-
     config = {"stage": args.stage, "compute_dtype": args.dtype}
     zmodel, zopt = zs.initialize(model, opt, config)
     return (
@@ -279,12 +310,27 @@ def main() -> None:
         plain, build_optimizer(plain, args.lr, device), args, dtype, device
     )
     log.info("wrapped in %.2f s", time.perf_counter() - t0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: learning_rate(step, args.steps, args.lr) / args.lr
+    )
+    # What the run depends on besides model and optimizer. Global: the scheduler and the
+    # data position (batches here are a function of the step alone). Per rank: the RNGs.
+    data = {"next_step": 0}
+    client_state: dict[str, Any] = {"scheduler": sched, "data": data}
+    rank_state: dict[str, Any] = {"rng": zs.RNGState()}
+    if args.ckpt_dir is not None and args.resume == "auto":
+        resumed = zs.resume_checkpoint(
+            model, opt, args.ckpt_dir, client_state=client_state, rank_state=rank_state
+        )
+        data = client_state["data"]  # plain data comes back as a new value
+        if resumed is not None:
+            log.info("resumed from step %d of %s", resumed, args.ckpt_dir)
 
     start_loss = evaluate(model, corpus, args, rank, world, device, autocast)
     log.info("step 0: held-out loss %.4f", start_loss)
     tokens_per_step = args.batch * args.accum * cfg.seq_len
     bar = tqdm(
-        range(args.steps),
+        range(data["next_step"], args.steps),
         disable=rank != 0,
         desc="train",
         unit="step",
@@ -293,9 +339,8 @@ def main() -> None:
     )
     train_loss = float("nan")
     t_start = time.perf_counter()
+    pending: SaveHandle | None = None
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr)
         loss_sum = torch.zeros((), device=device)
         for x, y in micro_batches(corpus, args, step, rank, world):
             with autocast():
@@ -306,12 +351,32 @@ def main() -> None:
             clip(args.clip)
         opt.step()
         opt.zero_grad()
+        sched.step()
         train_loss = loss_sum.item()  # this rank's; synchronizes CUDA so the timing is real
+        if args.loss_log is not None and rank == 0:
+            with open(args.loss_log, "a") as f:
+                f.write(f"{step} {train_loss.hex()}\n")  # exact, to compare runs
         bar.set_postfix(
             loss=f"{train_loss:.3f}",
-            tok_s=f"{tokens_per_step * (step + 1) / (time.perf_counter() - t_start):,.0f}",
+            tok_s=f"{tokens_per_step * (bar.n + 1) / (time.perf_counter() - t_start):,.0f}",
         )
+        if args.save_every and (step + 1) % args.save_every == 0:
+            data["next_step"] = step + 1
+            pending = zs.save_checkpoint(
+                model,
+                opt,
+                args.ckpt_dir,
+                step=step + 1,
+                async_save=args.async_save,
+                # A resumed run redoes the steps after the checkpoint it loaded: their
+                # checkpoints may exist (damaged, or committed but not yet `latest`).
+                overwrite=True,
+                client_state=client_state,
+                rank_state=rank_state,
+            )
     bar.close()
+    if pending is not None:
+        pending.wait()  # commit the last async save on every rank before exiting
 
     end_loss = evaluate(model, corpus, args, rank, world, device, autocast)
     log.info(
@@ -321,9 +386,12 @@ def main() -> None:
         train_loss,
         start_loss,
     )
-    if args.sample > 0:
+    if args.sample > 0 or args.final_weights is not None:
         state = {k: v.cpu() for k, v in full_state().items()}  # collective: every rank calls
-        if rank == 0:
+        if rank == 0 and args.final_weights is not None:
+            # clone: tied weights share memory, which safetensors refuses to write.
+            save_file({k: v.float().clone() for k, v in state.items()}, args.final_weights)
+        if rank == 0 and args.sample > 0:
             print("--- sample ---\n" + sample(state, cfg, args.sample, "Chapter 7. ") + "\n---")
     dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ from zeroshard.ckpt._errors import (
     ModelMismatchError,
     OutputExistsError,
 )
+from zeroshard.ckpt._extra import RankExtra
 from zeroshard.ckpt._inspect import Summary, describe
 from zeroshard.ckpt._load import GroupPlacement, LoadedShards, load
 from zeroshard.ckpt._meta import CheckpointMeta, GroupMeta, buffer_key, shard_key
@@ -57,6 +58,7 @@ __all__ = [
     "NamedParamGroup",
     "NamedTrainingState",
     "OutputExistsError",
+    "RankExtra",
     "SaveHandle",
     "Summary",
     "UnsafePickleError",

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError, ModelMismatchError
+from zeroshard.ckpt._extra import RankExtra, read_extra
 from zeroshard.ckpt._meta import (
     BUFFER_PREFIX,
     CheckpointMeta,
@@ -65,6 +66,8 @@ class LoadedShards:
     tensors: Mapping[str, torch.Tensor]
     # Target group -> the checkpoint group that gave it its kinds and optimizer scalars.
     sources: Mapping[str, GroupMeta] = field(default_factory=dict)
+    # Rank file number -> its extra state, for the `extras` asked for that have one.
+    extras: Mapping[int, RankExtra] = field(default_factory=dict)
 
     def shard(self, group: str, kind: str) -> torch.Tensor:
         """This rank's shard of `group` of one kind ('master', 'param', 'optim.exp_avg')."""
@@ -201,6 +204,7 @@ def load(
     device: torch.device | str = "cpu",
     verify: bool = True,
     workers: int = 4,
+    extras: Collection[int] = (),
 ) -> LoadedShards:
     """Read rank `rank`'s shards for `world_size` ranks (any world size) and the buffers.
 
@@ -210,7 +214,9 @@ def load(
     group (default: the saved ones resharded). `placements` places this rank in the
     groups on a process group of their own (experts; their layouts give that group's
     size). `kinds` limits which shard kinds are read. `verify` checks the size and
-    checksum of every file read. No collectives.
+    checksum of every file read. `extras` names the rank files whose extra state
+    (`RankExtra`) is read too, of those the checkpoint has (`LoadedShards.extras` holds
+    the ones with an extra). No collectives.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world size {world_size}")
@@ -227,7 +233,8 @@ def load(
         sources = _sources(meta, targets)
         places = _placements(sources, rank, placements or {})
         plan: list[tuple[str, GroupMeta, str, list[_Copy]]] = []
-        needed = {0}
+        extra_ranks = sorted(r for r in set(extras) if 0 <= r < meta.world_size)
+        needed = {0, *extra_ranks}
         for name, groups in sources.items():
             place = places[name]
             copies = _copies(groups, targets[name], place.rank)
@@ -251,7 +258,9 @@ def load(
             shards = list(pool.map(read, plan))
         tensors = {shard_key(n, k): t for (n, _, k, _), t in zip(plan, shards, strict=True)}
         tensors.update({buffer_key(b): reader.read_buffer(b) for b in meta.buffers})
+        found = {r: read_extra(reader, r) for r in extra_ranks}
     if torch.device(device).type != "cpu":
         tensors = {k: t.to(device) for k, t in tensors.items()}
     firsts = {name: groups[0] for name, groups in sources.items()}
-    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts)
+    kept = {r: e for r, e in found.items() if e is not None}
+    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts, kept)

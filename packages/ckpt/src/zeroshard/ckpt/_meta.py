@@ -29,6 +29,10 @@ MASTER = "master"
 PARAM = "param"
 OPTIM_PREFIX = "optim."
 BUFFER_PREFIX = "buffer."
+# A rank's own extra tensors (the caller's state beside the shards: see `RankExtra`).
+EXTRA_PREFIX = "extra."
+# The rank file's safetensors `__metadata__` entry holding the extra's JSON text.
+EXTRA_METADATA = "zeroshard.extra"
 CHECKSUM_ALGORITHM = "crc32"
 
 
@@ -40,6 +44,11 @@ def shard_key(group: str, kind: str) -> str:
 def buffer_key(name: str) -> str:
     """The key of a module buffer in rank 0's file."""
     return BUFFER_PREFIX + name
+
+
+def extra_key(name: str) -> str:
+    """The key of one of a rank's extra tensors in its own file."""
+    return EXTRA_PREFIX + name
 
 
 def rank_file(rank: int) -> str:

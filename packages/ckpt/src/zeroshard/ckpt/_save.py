@@ -40,7 +40,9 @@ import torch
 
 from zeroshard.ckpt._agree import Agreement
 from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
+from zeroshard.ckpt._extra import RankExtra, extra_entries
 from zeroshard.ckpt._meta import (
+    EXTRA_METADATA,
     CheckpointMeta,
     FileMeta,
     buffer_key,
@@ -80,6 +82,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._committed = False
         self._failure: BaseException | None = None
+        self._file_metadata: dict[str, str] | None = None
 
     @property
     def path(self) -> Path:
@@ -98,7 +101,7 @@ class SaveHandle:
             tmp = temp_dir(self._root, self._name)
             path = tmp / rank_file(self._agreement.rank)
             try:
-                self._file = write_file(path, tensors)
+                self._file = write_file(path, tensors, self._file_metadata)
                 fsync_dir(tmp)
             except OSError as e:  # disk full, file too large, I/O error
                 raise CheckpointError(
@@ -293,6 +296,7 @@ def save(
     tag: str | None = None,
     async_save: bool = False,
     overwrite: bool = False,
+    extra: RankExtra | None = None,
 ) -> SaveHandle:
     """Save this rank's shards (call on every rank) as `root/step-{step}` (or `root/{tag}`).
 
@@ -300,6 +304,8 @@ def save(
     kind in `meta`, plus `buffer_key(name)` for each buffer on rank 0. `group` None means
     the default process group if one is initialized, else a single process. Returns a
     handle; with `async_save` the write runs in the background and `wait()` commits.
+    `extra` is this rank's own state, stored in its file (see [Note: extra state in the
+    rank file]).
     """
     global _pending
     if _pending is not None:
@@ -317,6 +323,8 @@ def save(
     ordered: dict[str, torch.Tensor] = {}
     try:
         ordered = _check_tensors(meta, tensors, ag.rank, ag.size)
+        if extra is not None:
+            ordered.update(extra_entries(extra, ordered))
         if ag.rank == 0:
             _prepare(root, name, overwrite)
     except (CheckpointError, OSError) as e:
@@ -328,6 +336,8 @@ def save(
             shutil.rmtree(temp_dir(root, name), ignore_errors=True)
         raise
     handle = SaveHandle(ag, root, name, meta)
+    if extra is not None:
+        handle._file_metadata = {"format": "pt", EXTRA_METADATA: extra.text}
     handle._start(ordered, async_save)
     if async_save:
         _pending = handle

@@ -9,12 +9,14 @@ Parameters on a process group of their own (`initialize(..., process_groups=...)
 experts) hold different values on different sets of ranks: their groups record those
 sets (`GroupMeta.rank_sets`, ordered by first rank), and a rank loads the instance whose
 place its own group has in the same order, at any size of that group.
+
+The user's own state (`client_state`, `rank_state`) goes with it: see [Note: user state].
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.ckpt import (
+    CheckpointError,
     CheckpointMeta,
     GroupMeta,
     GroupPlacement,
+    LoadedShards,
+    RankExtra,
     SaveHandle,
     buffer_key,
     load,
@@ -38,6 +43,14 @@ from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
 from zeroshard.engine.state._named_load import is_named_checkpoint, load_named
+from zeroshard.engine.state._user_state import (
+    GLOBAL,
+    PER_RANK,
+    check_requested,
+    encode_state,
+    restore,
+    saved_scope,
+)
 
 _OPTIM = "optim."
 
@@ -136,6 +149,8 @@ def save_checkpoint(
     tag: str | None = None,
     async_save: bool = False,
     overwrite: bool = False,
+    client_state: Mapping[str, Any] | None = None,
+    rank_state: Mapping[str, Any] | None = None,
 ) -> SaveHandle | None:
     """Save model and optimizer as `directory/step-{step}` (or `/{tag}`); call on every rank.
 
@@ -144,13 +159,30 @@ def save_checkpoint(
     commits them. `overwrite` replaces an existing checkpoint of that name. Under hybrid
     sharding only the first shard group writes (the others hold the same shards) and the
     others get None; a synchronous save returns on every rank only once committed.
+
+    `client_state` is global state (the same on every rank: the scheduler), saved from
+    rank 0; `rank_state` is each rank's own (`RNGState()`, its data position). Entries
+    are `state_dict()` / `load_state_dict()` objects or plain data: see [Note: user
+    state]. Both are snapshotted with the shards, so an async save keeps this step's.
     """
     model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    _refuse_rank_state_replicated(state, rank_state)
+    # Encoded on every rank, client_state too (only rank 0 stores it), so that bad input
+    # fails on every rank alike, before any file is touched.
+    extra = agreed(
+        state.shard_group,
+        "save_checkpoint: user state",
+        lambda: encode_state({GLOBAL: client_state, PER_RANK: rank_state}),
+    )
+    if extra is not None and state.shard_group.rank != 0:
+        extra = encode_state({PER_RANK: rank_state})
     writes = state.replicate is None or state.replicate.rank == 0
-    handle = _save(model, state, directory, step, tag, async_save, overwrite) if writes else None
+    handle = None
+    if writes:
+        handle = _save(model, state, directory, step, tag, async_save, overwrite, extra)
     if state.replicate is not None and not async_save:
         Group(timeout=state.shard_group.timeout).barrier(label="save_checkpoint: all replicas")
     return handle
@@ -164,6 +196,7 @@ def _save(
     tag: str | None,
     async_save: bool,
     overwrite: bool,
+    extra: RankExtra | None,
 ) -> SaveHandle:
     inner = state.optimizer.inner
     groups: list[GroupMeta] = []
@@ -213,7 +246,45 @@ def _save(
         tag=tag,
         async_save=async_save,
         overwrite=overwrite,
+        extra=extra,
     )
+
+
+def _refuse_rank_state_replicated(state: EngineState, rank_state: Mapping[str, Any] | None) -> None:
+    if rank_state is not None and state.replicate is not None:
+        # Only the first replica writes files: the other replicas' own state has no place.
+        raise ValueError(
+            "rank_state is not supported under hybrid sharding (only the first replica "
+            "saves files); keep per-rank state out of the checkpoint or use client_state"
+        )
+
+
+def _user_state(
+    loaded: LoadedShards,
+    rank: int,
+    size: int,
+    client_state: Mapping[str, Any] | None,
+    rank_state: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The saved global and per-rank entries asked for, checked (no side effects)."""
+    where = f"checkpoint {loaded.path}"
+    glob: dict[str, Any] = {}
+    mine: dict[str, Any] = {}
+    if client_state is not None:
+        glob = saved_scope(loaded.extras.get(0), GLOBAL, where)
+        check_requested(glob, client_state, f"{where}'s {GLOBAL}")
+    if rank_state is not None:
+        saved_size = loaded.meta.world_size
+        if saved_size != size:
+            raise CheckpointError(
+                f"{where} was saved by {saved_size} ranks; this job has {size}: per-rank "
+                f"state ({PER_RANK}: RNG states, data positions) cannot be given to another "
+                f"number of ranks. Load without {PER_RANK} (and set it afresh) or at "
+                f"{saved_size} ranks; the model, optimizer and {GLOBAL} load at any size"
+            )
+        mine = saved_scope(loaded.extras.get(rank), PER_RANK, f"{where} (rank {rank})")
+        check_requested(mine, rank_state, f"{where}'s {PER_RANK} of rank {rank}")
+    return glob, mine
 
 
 @torch.no_grad()
@@ -224,18 +295,31 @@ def load_checkpoint(
     *,
     tag: str | None = None,
     step: int | None = None,
+    client_state: MutableMapping[str, Any] | None = None,
+    rank_state: MutableMapping[str, Any] | None = None,
 ) -> int:
     """Restore model and optimizer from a checkpoint saved at any world size; return its step.
 
     `directory` is a checkpoint or the root holding `latest`, ours or DeepSpeed's ZeRO
     1/2/3 (docs/deepspeed.md). A checkpoint of another model (names or shapes) raises
     `zeroshard.ckpt.ModelMismatchError` listing the differences. Call on every rank.
+
+    `client_state` / `rank_state` name the saved entries to restore, as saved by
+    `save_checkpoint`: objects are loaded in place, plain data is put back into the
+    mapping. `rank_state` loads only at the world size it was saved at (a clear error
+    on every rank otherwise). Nothing is changed unless everything could be read.
     """
     model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    _refuse_rank_state_replicated(state, rank_state)
     if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
+        if client_state is not None or rank_state is not None:
+            raise ValueError(
+                "DeepSpeed (named) checkpoints keep their client state in pickles, which "
+                "zeroshard does not load: pass neither client_state nor rank_state"
+            )
         own = sorted(
             {
                 n
@@ -261,21 +345,29 @@ def load_checkpoint(
     expected.update({alias: expected[name] for alias, name in _aliases(model, state).items()})
     buffers = _buffers(model)
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
-    # One outcome on every rank (a file bad on one rank fails the load everywhere).
-    loaded = agreed(
-        shard_group,
-        f"load_checkpoint({str(directory)!r})",
-        lambda: load(
+    me, size = shard_group.rank, shard_group.size
+    extras = {0} if client_state is not None else set()
+    if rank_state is not None:
+        extras.add(me)
+
+    def read() -> tuple[LoadedShards, dict[str, Any], dict[str, Any]]:
+        got = load(
             Path(directory),
-            rank=shard_group.rank,
-            world_size=shard_group.size,
+            rank=me,
+            world_size=size,
             tag=tag,
             step=step,
             expected=expected,
             layouts={_group_name(g): g.layout for g in state.groups},
             placements=placements,
             device=shard_group.device,
-        ),
+            extras=extras,
+        )
+        return (got, *_user_state(got, me, size, client_state, rank_state))
+
+    # One outcome on every rank (a file bad on one rank fails the load everywhere).
+    loaded, saved_global, saved_mine = agreed(
+        shard_group, f"load_checkpoint({str(directory)!r})", read
     )
     meta = loaded.meta
     inner = state.optimizer.inner
@@ -309,4 +401,11 @@ def load_checkpoint(
     if state.optimizer.scaler is not None and scaler_state is not None:
         state.optimizer.scaler.load_state_dict(scaler_state)
     state.optimizer.republish()
+    if client_state is not None or rank_state is not None:
+
+        def put_back() -> None:
+            restore(saved_global, client_state if client_state is not None else {})
+            restore(saved_mine, rank_state if rank_state is not None else {})
+
+        agreed(shard_group, f"load_checkpoint({str(directory)!r}): user state", put_back)
     return meta.step
