@@ -82,9 +82,20 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         _train_rows(args, results),
     )
     if args.search_layers:
-        fits = [r for p, r in results.items() if r.get("ok")]
-        largest = f"{fits[-1]['params'] / 1e9:.2f}B" if fits else "none of those tried"
-        body += f"\n\nLargest that trains: {largest}."
+        fits = [r for r in results.values() if r.get("ok")]
+        # A size skipped for lack of time is no failure: only a size that ran and failed
+        # bounds the search from above.
+        failed = [r for r in results.values() if not r.get("ok") and "skipped" not in r["error"]]
+        if not fits:
+            body += "\n\nLargest that trains: none of those tried."
+        elif not failed:
+            # No size failed: the limit lies above the search, which says nothing more.
+            body += (
+                f"\n\nLargest that trains: at least {fits[-1]['params'] / 1e9:.2f}B "
+                "(every size tried trained; the limit lies above the search)."
+            )
+        else:
+            body += f"\n\nLargest that trains: {fits[-1]['params'] / 1e9:.2f}B."
     ds = results.get("train-ds", {})
     for k in ("train-zs-overlap", "train-zs"):
         zs = results.get(k, {})
