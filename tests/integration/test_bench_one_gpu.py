@@ -1,4 +1,5 @@
-"""benchmarks/train_step's `floor32` engine against plain PyTorch."""
+"""benchmarks/train_step's one-GPU pieces: the `floor32` engine against plain PyTorch, the
+alternating order and the median of rounds, and the goals table of issue 25."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import copy
 import pytest
 import torch
 
+from benchmarks.train_step.__main__ import round_order
+from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._goals import one_gpu_goals
+from benchmarks.train_step._result import Result
+from benchmarks.train_step._run import combine
 from benchmarks.train_step._settings import LR, Settings
 from benchmarks.train_step._torch_engines import setup_floor32
 from examples import gpt
@@ -77,3 +83,40 @@ def test_floor32_in_bf16_steps_fp32_masters() -> None:
     before = gpt.GPT(CFG).to(torch.bfloat16)
     pairs = zip(model.parameters(), before.parameters(), strict=True)
     assert sum(not torch.equal(p, q) for p, q in pairs) >= len(list(before.parameters())) // 2
+
+
+def test_rounds_alternate_and_deepspeed_stays_last() -> None:
+    names = ["floor", "floor32", "zs3", "ds3"]
+    assert round_order(names, 0) == ["floor", "floor32", "zs3", "ds3"]
+    assert round_order(names, 1) == ["zs3", "floor32", "floor", "ds3"]
+    assert round_order(names, 2) == round_order(names, 0)
+    assert ENGINES["ds3"].runs_last
+
+
+def test_combine_takes_the_median_round_and_the_largest_peak() -> None:
+    rounds = [
+        Result("zs3", "w", 0.1, 300.0, 40.0, build_s=1.0),
+        Result("zs3", "w", 0.3, 280.0, 41.0, build_s=1.0),
+        Result("zs3", "w", 0.2, 290.0, 39.0, build_s=1.0),
+    ]
+    r = combine(rounds)
+    assert (r.step_ms, r.init_s, r.peak_gib) == (290.0, 0.2, 41.0)
+    assert r.rounds_ms == (300.0, 280.0, 290.0)
+    failed = Result("zs3", "w", error="OOM")
+    assert combine([rounds[0], failed]) is failed
+
+
+def test_goals_say_not_measured_never_met_without_figures() -> None:
+    by = {
+        "floor32": Result("floor32", "w", 0.0, 100.0, 30.0),
+        "zs3": Result("zs3", "w", 0.0, 100.5, 29.0),
+        "zs2": Result("zs2", "w", 0.0, 110.0, 31.0),
+    }
+    table = "\n".join(one_gpu_goals(by, []))
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    assert rows["2. `zs3` speed / `floor32`"].endswith("| met |")  # 100 / 100.5 = 0.995
+    assert rows["2. `zs2` speed / `floor32`"].endswith("| MISSED |")  # 0.909
+    assert rows["5. `zs3` peak / `floor32`'s"].endswith("| met |")
+    assert rows["1. `fsdp2c` measured"].endswith("| MISSED |")
+    for goal in ("3. `zs3c` speed / `floorc`", "4. `zs3c` cold compile, s"):
+        assert rows[goal].endswith("| not measured |"), goal
