@@ -5,6 +5,8 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step \
         --model llama --preset 7b --profile
+    torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --model hf-llama \
+        --engines floor,floor32,floorc,fsdp2,fsdp2c,zs2,zs3,zs3c --rounds 3 --compile-time
     torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
 
 Models (`--model`, see `_models.py`): `gpt` (examples/gpt.py), `llama`
@@ -22,24 +24,28 @@ which brings its dependencies along: huggingface-hub, tokenizers, safetensors, r
 pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
 
 Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
-device with no communication, on rank 0 while the others wait), `floorc` (the floor with
-every block under `torch.compile`, the reference of the compiled engines), `ddp`, `fsdp2`,
-`fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `ds1`-`ds3` (DeepSpeed, always run last) and the
-hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within `--shard-group-size` ranks, replicate across
-the rest). Each gets the same freshly built model (`--activation-checkpointing` recomputes
-every block in backward, for every engine), the same random tokens and
-torch.optim.AdamW. Per engine: init time (wrapping, model construction excluded), median
-step time over `--steps` after `--warmup` (CUDA-synchronized; the slowest rank),
-tokens/s/GPU, MFU, peak memory and the memory kept between steps. An engine that fails
-gets a row saying why and the run goes on.
-`--profile` adds, per engine, the split of the step into compute, optimizer, exposed
+device with no communication, on rank 0 while the others wait), `floor32` (the same with
+fp32 master weights, the like-for-like floor of zs1-zs3 at one GPU), `floorc` (the floor
+with every block under `torch.compile`, the reference of the compiled engines), `ddp`,
+`fsdp2`, `fsdp2c` (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c`
+(compiled), `ds1`-`ds3` (DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`,
+`fsdp2h` (shard within `--shard-group-size` ranks, replicate across the rest). Each gets
+the same freshly built model (`--activation-checkpointing` recomputes every block in
+backward, for every engine), the same random tokens and torch.optim.AdamW. Per engine:
+init time (wrapping, model construction excluded), median step time over `--steps` after
+`--warmup` (CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the
+memory kept between steps. An engine that fails gets a row saying why and the run goes on.
+`--rounds N` runs every engine N times, in alternating order, and reports the median of
+the rounds. `--compile-time` times the compiled engines' cold and warm compile apart from
+the steps, in child processes of one rank (`_compile.py`), with their recompiles after
+step 2. `--profile` adds, per engine, the split of the step into compute, optimizer, exposed
 communication and idle time, and of its gap to the floor into (a) exposed communication
 and (b) compute kernels slowed by the collectives overlapping them (`_trace.py`).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling reads); full runs also write the "<section>" section of
 docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
-`_<preset>` for any preset but 1.3b) and docs/<section>.png, `--smoke` and `--no-write`
-only bench-out/.
+`_<preset>` for any preset but 1.3b, `_1gpu` in a world of one) and docs/<section>.png,
+`--smoke` and `--no-write` only bench-out/.
 """
 
 from __future__ import annotations
@@ -47,19 +53,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
+from benchmarks.train_step._compile import CompileTime, cache_dir, measure, probe
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._models import MODELS, BenchModel, bench_model
 from benchmarks.train_step._plots import plot, plot_split
 from benchmarks.train_step._report import report
-from benchmarks.train_step._result import save_json
-from benchmarks.train_step._run import run_engine, warm_up_process
+from benchmarks.train_step._result import Result, save_json
+from benchmarks.train_step._run import combine, run_engine, warm_up_process
 from benchmarks.train_step._settings import NOTES, Settings
 
 DOCS = ROOT / "docs"
@@ -101,6 +111,19 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="profile 2 extra steps per engine: exposed communication, idle time",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every engine this many times, in alternating order; report the median",
+    )
+    p.add_argument(
+        "--compile-time",
+        action="store_true",
+        help="time the compiled engines' cold and warm compile apart, in child processes",
+    )
+    # A child process of --compile-time: NAME=PATH, one engine's probe written to PATH.
+    p.add_argument("--compile-probe", default=None, help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU/gloo, bench-out only")
     p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
     p.add_argument(
@@ -119,7 +142,13 @@ def parse_args() -> argparse.Namespace:
     if args.section is None:
         model = "" if args.model == "gpt" else f"_{args.model}"
         preset = "" if args.preset == "1.3b" else f"_{args.preset}"
-        args.section = f"train_step{model}{preset}".replace("-", "_").replace(".", "_")
+        # One GPU has sections of its own: the 2-GPU ones (no suffix) stay as measured.
+        one = "_1gpu" if os.environ.get("WORLD_SIZE", "1") == "1" else ""
+        args.section = f"train_step{model}{preset}{one}".replace("-", "_").replace(".", "_")
+    if args.rounds < 1:
+        p.error(f"--rounds must be a positive integer, got {args.rounds}")
+    if args.compile_probe is not None and "=" not in args.compile_probe:
+        p.error(f"--compile-probe takes ENGINE=PATH, got {args.compile_probe!r}")
     if args.shard_group_size < 1:
         p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
     return args
@@ -134,6 +163,28 @@ def model_of(args: argparse.Namespace) -> BenchModel:
         seq_len=args.seq_len,
         activation_checkpointing=args.activation_checkpointing,
     )
+
+
+def round_order(names: list[str], index: int) -> list[str]:
+    """The engines of round `index`: as listed in even rounds, reversed in odd ones, so no
+    engine always runs after the same one; those that run last stay last."""
+    first = [n for n in names if not ENGINES[n].runs_last]
+    last = [n for n in names if ENGINES[n].runs_last]
+    return (first if index % 2 == 0 else first[::-1]) + last
+
+
+def _progress(name: str, index: int, rounds: int, r: Result, seconds: float) -> None:
+    state = (
+        r.error
+        or (r.skipped and f"skipped: {r.skipped}")
+        or (
+            f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s, build {r.build_s:.1f} s, "
+            f"peak {r.peak_gib or 0:.1f} GiB, states {r.states_gib or 0:.1f} GiB"
+        )
+    )
+    state += f", {r.left_gib:.2f} GiB left allocated" if r.left_gib else ""
+    where = f" (round {index + 1}/{rounds})" if rounds > 1 else ""
+    print(f"[train_step] {name}{where}: {state} ({seconds:.0f} s)", flush=True)
 
 
 def main() -> None:
@@ -175,27 +226,39 @@ def main() -> None:
     data = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
     warm_up_process(device)
-    results = []
-    for name in names:
-        t0 = time.perf_counter()
-        r = run_engine(name, bm, settings, args, data)
-        results.append(r)
-        if rank == 0:
-            # Saved after every engine: a run cut short by a time limit keeps what it measured.
-            save_json(results, bm, args, settings, world, placement.describe())
-            state = (
-                r.error
-                or (r.skipped and f"skipped: {r.skipped}")
-                or (
-                    f"{r.step_ms:.1f} ms/step, init {r.init_s:.2f} s, build {r.build_s:.1f} s, "
-                    f"peak {r.peak_gib or 0:.1f} GiB, states {r.states_gib or 0:.1f} GiB"
-                )
-            )
-            state += f", {r.left_gib:.2f} GiB left allocated" if r.left_gib else ""
-            print(f"[train_step] {name}: {state} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.compile_probe is not None:  # a child of --compile-time: one engine, then out
+        name, out = args.compile_probe.split("=", 1)
+        probe(name, bm, settings, data, Path(out))
+        dist.destroy_process_group()
+        return
+    cache_root: Path | None = None
+    compile_times: list[CompileTime] = []
+    if args.compile_time and rank == 0:
+        cache_root = Path(tempfile.mkdtemp(prefix="train_step_inductor_"))
+        compile_times = measure(names, cache_root)
+    dist.barrier()  # the other ranks wait while rank 0's children compile
+    rounds: dict[str, list[Result]] = {name: [] for name in names}
+    for index in range(args.rounds):
+        last_round = index == args.rounds - 1
+        for name in round_order(names, index):
+            if cache_root is not None and ENGINES[name].compiled:
+                # Warm from this engine's probes: its warm-up steps need not compile cold.
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir(cache_root, name))
+            t0 = time.perf_counter()
+            r = run_engine(name, bm, settings, args, data, profiled=args.profile and last_round)
+            rounds[name].append(r)
+            if rank == 0:
+                _progress(name, index, args.rounds, r, time.perf_counter() - t0)
+                # Saved after every engine: a run cut short by a time limit keeps what it
+                # measured.
+                results = [combine(rs) for rs in rounds.values() if rs]
+                save_json(results, bm, args, settings, world, placement.describe(), compile_times)
+    results = [combine(rs) for rs in rounds.values()]
+    if cache_root is not None:
+        shutil.rmtree(cache_root, ignore_errors=True)
 
     if rank == 0:
-        body = report(results, bm, args, settings, placement.describe())
+        body = report(results, bm, args, settings, placement.describe(), world, compile_times)
         if NOTES:
             body += "\n\n" + "\n".join(f"- `{name}`: {note}." for name, note in NOTES.items())
         print(body)
@@ -213,7 +276,8 @@ def main() -> None:
                     "\n\n![step time split into compute, optimizer, exposed communication "
                     f"and the rest, per engine]({split.name})"
                 )
-            title = f"Training step ({bm.name}): zeroshard vs DDP, FSDP2, DeepSpeed"
+            where = " on one GPU" if world == 1 else ""
+            title = f"Training step ({bm.name}){where}: zeroshard vs DDP, FSDP2, DeepSpeed"
             if args.section != "train_step":
                 title += f" ({args.section})"
             write_section(args.section, title, body, ranks=placement.describe())

@@ -92,6 +92,13 @@ ENGINES: dict[str, Engine] = {
             rank0_only=True,
         ),
         Engine(
+            "floor32",
+            "1 device, no communication, compute-dtype weights, fp32 masters stepped by AdamW",
+            tch.setup_floor32,
+            _always,
+            rank0_only=True,
+        ),
+        Engine(
             "floorc",
             "the floor with every block torch.compile'd",
             tch.setup_floorc,

@@ -8,9 +8,13 @@ peers measured in the same run.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import subprocess
 
-from benchmarks._common import markdown_table
+from benchmarks._common import ROOT, markdown_table
+from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._goals import compile_table, one_gpu_goals
 from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings
@@ -20,10 +24,35 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def versions(bm: BenchModel) -> str:
+    """zeroshard's commit (and transformers' version for the `transformers` models)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown (not a git checkout)"
+    line = f"zeroshard commit {commit}"
+    if bm.name.startswith("hf-"):
+        line += f", transformers {importlib.metadata.version('transformers')}"
+    return line
+
+
 def report(
-    results: list[Result], bm: BenchModel, args: argparse.Namespace, settings: Settings, ranks: str
+    results: list[Result],
+    bm: BenchModel,
+    args: argparse.Namespace,
+    settings: Settings,
+    ranks: str,
+    world: int,
+    compile_times: list[CompileTime],
 ) -> str:
-    """The markdown body: settings, the table, ratios, goals, and the profile summary."""
+    """The markdown body: settings, the table, ratios, goals, compile times and the profile
+    summary."""
     tokens = args.micro_batch * bm.seq_len
     on_gpu = settings.device.type == "cuda"
     by = {r.engine: r for r in results if r.step_ms is not None}
@@ -38,12 +67,13 @@ def report(
         tps = tokens / (r.step_ms / 1000)
         mfu = 100 * bm.flops_per_token * tps / (args.peak_tflops * 1e12) if on_gpu else None
         vs = _fmt(r.step_ms / floor.step_ms, ".3f") if floor and floor.step_ms else "-"
+        spread = " / ".join(f"{t:.1f}" for t in r.rounds_ms)
         rows.append(
             [
                 f"`{r.engine}`",
                 r.what,
                 _fmt(r.init_s, ".2f"),
-                _fmt(r.step_ms, ".1f"),
+                _fmt(r.step_ms, ".1f") + (f" ({spread})" if len(r.rounds_ms) > 1 else ""),
                 _fmt(tps, ",.0f"),
                 _fmt(mfu, ".1f"),
                 _fmt(r.peak_gib, ".1f"),
@@ -67,8 +97,19 @@ def report(
         f"per rank, {ranks}, compute "
         f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
         f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
+        f"- versions: {versions(bm)}.\n"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
-        "synchronized, on the slowest rank; `floor` runs alone on rank 0.\n"
+        "synchronized, on the slowest rank; the floors (`floor`, `floor32`, `floorc`) run "
+        "alone on rank 0."
+        + (
+            f" {args.rounds} rounds, engines in alternating order (as listed, then "
+            "reversed, ...), each engine built afresh every round: the median of the "
+            "rounds' medians, each round's in brackets in the order run; peak and states "
+            "the largest of any round; the profile from the last round."
+            if args.rounds > 1
+            else ""
+        )
+        + "\n"
         f"- MFU: {bm.flops_per_token / 1e9:.2f} GFLOP/token (6N + 12 L d T, PaLM's "
         f"convention, see examples/{bm.name.removeprefix('hf-')}.py) x tokens/s/GPU / "
         f"{args.peak_tflops:g} TFLOP/s.\n"
@@ -94,6 +135,10 @@ def report(
         "status",
     ]
     body = [head, "", markdown_table(header, rows), "", ratios(by)]
+    if world == 1:
+        body += ["", *one_gpu_goals(by, compile_times)]
+    if compile_times:
+        body += ["", *compile_table(compile_times)]
     leaks = [f"`{r.engine}` {r.left_gib:.2f} GiB" for r in results if r.left_gib > 0.25]
     if leaks:
         body += [
@@ -191,7 +236,7 @@ def ratios(by: dict[str, Result]) -> str:
         if zs is None or zs.step_ms is None:
             continue
         parts = []
-        for peer in ("floor", fsdp, ds):
+        for peer in ("floor32", "floor", fsdp, ds):
             p = by.get(peer)
             if p is not None and p.step_ms:
                 parts.append(f"{p.step_ms / zs.step_ms:.3f}x the speed of `{peer}`")

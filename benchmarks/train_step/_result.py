@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import SMOKE_OUT, command
+from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._settings import Settings
 from benchmarks.train_step._trace import TraceSummary
@@ -31,6 +32,7 @@ class Result:
     build_s: float | None = None  # model construction on the device, before wrapping
     states_gib: float | None = None  # kept allocated between steps (model states)
     skipped: str | None = None
+    rounds_ms: tuple[float, ...] = ()  # each round's median step, in the order run
 
 
 def save_json(
@@ -40,6 +42,7 @@ def save_json(
     settings: Settings,
     world: int,
     ranks: str,
+    compile_times: list[CompileTime],
 ) -> Path:
     """bench-out/<section>.json: every row plus what it was measured on and with."""
     cuda = settings.device.type == "cuda"
@@ -62,6 +65,7 @@ def save_json(
         "clip": args.clip,
         "warmup": args.warmup,
         "steps": args.steps,
+        "rounds": args.rounds,
         "zs_config": settings.zs_config,
         "device": torch.cuda.get_device_name(settings.device) if cuda else "cpu",
         "torch": torch.__version__,
@@ -76,5 +80,6 @@ def save_json(
         rows.append(row)
     SMOKE_OUT.mkdir(exist_ok=True)
     path = SMOKE_OUT / f"{args.section}.json"
-    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    compiled = [asdict(t) for t in compile_times]
+    path.write_text(json.dumps({"meta": meta, "results": rows, "compile": compiled}, indent=1))
     return path

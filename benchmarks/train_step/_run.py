@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import time
@@ -67,13 +68,19 @@ def _measure(
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
+    profiled: bool,
 ) -> Measured:
-    """Build, wrap, warm up, time (and profile) one engine on this rank.
+    """Build, wrap, warm up, time (and, if `profiled`, profile) one engine on this rank.
 
     Everything the engine allocates is local to this frame, so it is all released when
     the function returns or raises (see `_free`).
     """
     device = settings.device
+    if ENGINES[name].compiled:
+        # Every compiled engine traces afresh, in every round: none reuses the graphs of
+        # another (or its own of an earlier round), and none runs into Dynamo's
+        # recompile limit, past which it would fall back to eager without an error.
+        torch._dynamo.reset()
     # A first, untimed set-up on a tiny model pays what any engine pays only once per
     # process (imports, DeepSpeed's accelerator and communication set-up, kernel caches),
     # so `init_s` is the cost of wrapping THIS model whichever engine runs first.
@@ -110,7 +117,7 @@ def _measure(
     # Between steps an engine keeps its model states (parameters, optimizer state, any
     # persistent gradient shards): what the 16 psi / N bound is about.
     states = (torch.cuda.memory_allocated(device) - before) / GIB if cuda else 0.0
-    trace = profile(name, step, data, device, SMOKE_OUT / args.section) if args.profile else None
+    trace = profile(name, step, data, device, SMOKE_OUT / args.section) if profiled else None
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
     return Measured(build_s, init_s, times, peak, states, trace)
 
@@ -121,8 +128,10 @@ def run_engine(
     settings: Settings,
     args: argparse.Namespace,
     data: tuple[torch.Tensor, torch.Tensor],
+    profiled: bool,
 ) -> Result:
-    """Build, wrap, warm up and time one engine; every rank calls this."""
+    """Build, wrap, warm up and time (and, if `profiled`, profile) one engine; every rank
+    calls this."""
     engine = ENGINES[name]
     world = dist.get_world_size()
     shard = settings.shard_group_size
@@ -134,7 +143,7 @@ def run_engine(
     dist.barrier()
     if rank == 0 or not engine.rank0_only:
         try:
-            m = _measure(name, bm, settings, args, data)
+            m = _measure(name, bm, settings, args, data, profiled)
         except Skipped as e:  # the same on every rank: the world decides it
             skipped = str(e)
         except Exception as e:  # OOM, import error, engine bug: a row, not the end
@@ -165,6 +174,32 @@ def run_engine(
         left,
         build_s=build_s,
         states_gib=states or None,
+    )
+
+
+def combine(rounds: list[Result]) -> Result:
+    """One engine's row from its rounds: the median of the rounds' median steps (and of
+    their init and build times), the largest peak, states and leftover, the last trace;
+    a round that failed or was skipped is the row."""
+    failed = next((r for r in rounds if r.step_ms is None), None)
+    if failed is not None:
+        return failed
+    steps = tuple(r.step_ms for r in rounds if r.step_ms is not None)
+
+    def most(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return max(present) if present else None
+
+    return dataclasses.replace(
+        rounds[-1],
+        init_s=statistics.median(r.init_s or 0.0 for r in rounds),
+        step_ms=statistics.median(steps),
+        build_s=statistics.median(r.build_s or 0.0 for r in rounds),
+        peak_gib=most([r.peak_gib for r in rounds]),
+        states_gib=most([r.states_gib for r in rounds]),
+        left_gib=max(r.left_gib for r in rounds),
+        trace=next((r.trace for r in reversed(rounds) if r.trace is not None), None),
+        rounds_ms=steps,
     )
 
 

@@ -133,6 +133,21 @@ class FlatParamGroup:
         self.grad_shard = self.master.grad = torch.empty_like(self.master)
         return self.grad_shard
 
+    def adopt_grad_shard(self, reduced: torch.Tensor) -> bool:
+        """Make `reduced` (a fresh fp32 reduced shard nobody else holds) the gradient shard
+        itself, as `master.grad`, instead of copying it into new memory; False where it
+        cannot be (an offloaded group's shard lives on the host, or another dtype)."""
+        assert self.grad_shard is None
+        if (
+            self.grad_home is not None
+            or reduced.dtype != self.master.dtype
+            or reduced.device != self.master.device
+            or reduced.shape != self.master.shape
+        ):
+            return False
+        self.grad_shard = self.master.grad = reduced
+        return True
+
     def start_gather(self) -> Handle:
         """Stage 3: give `param_buffer` its storage back and all-gather the compute shard into it.
 

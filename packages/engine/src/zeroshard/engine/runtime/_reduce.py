@@ -183,8 +183,11 @@ class GradReducer:
             assert self.offload is not None
             self.offload.receive(g, out)
         elif g.grad_shard is None:
-            # The first gradient since zero_grad: copy (upcast) into fresh memory, no zero fill.
-            g.claim_grad_shard().copy_(out)
+            # The first gradient since zero_grad: the reduce-scatter's output, fresh and
+            # fp32, becomes the shard (no copy of it); another dtype is upcast into fresh
+            # memory, no zero fill.
+            if not g.adopt_grad_shard(out):
+                g.claim_grad_shard().copy_(out)
         else:
             g.grad_shard.add_(out)
 

@@ -1,0 +1,174 @@
+"""The one-GPU goals of issue 25 and the compile-time table, as markdown for the report.
+
+Each goal is a row: the figure measured in this run, its target, met or missed; a goal
+whose engines were not run (or failed) says "not measured", never "met".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks._common import markdown_table
+from benchmarks.train_step._compile import CompileTime, Probe
+from benchmarks.train_step._result import Result
+
+
+def compile_table(times: list[CompileTime]) -> list[str]:
+    """Cold and warm compile time and recompiles per compiled engine (`_compile.py`)."""
+    rows: list[list[object]] = []
+    for t in times:
+        if t.cold is None or t.warm is None:
+            rows.append([f"`{t.engine}`", *["-"] * 6, f"FAILED: {t.error}"])
+            continue
+        rows.append(
+            [
+                f"`{t.engine}`",
+                f"{t.cold.compile_s:.1f}",
+                f"{t.warm.compile_s:.1f}",
+                f"{t.cold.first_step_s:.1f}",
+                f"{t.cold.steady_step_s * 1000:.1f}",
+                t.cold.graphs,
+                f"{t.cold.recompiles} / {t.warm.recompiles}",
+                "ok",
+            ]
+        )
+    return [
+        "Compile time, apart from the steps (`--compile-time`): each compiled engine in a "
+        "child process of one rank with a fresh inductor cache directory (cold), then in a "
+        "second process on the same directory (warm). Compile time: the first two steps "
+        "beyond two steady steps. Graphs: captured by Dynamo by the end of step 2; "
+        "recompiles: captured after it, over 3 more steps (cold / warm process).",
+        "",
+        markdown_table(
+            [
+                "engine",
+                "cold compile s",
+                "warm compile s",
+                "first step s (cold)",
+                "steady step ms",
+                "graphs",
+                "recompiles after step 2",
+                "status",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _speed(by: dict[str, Result], engine: str, peer: str) -> float | None:
+    """How many times faster `engine` steps than `peer` (tokens/s ratio), if both ran."""
+    a, b = by.get(engine), by.get(peer)
+    if a is None or b is None or not a.step_ms or not b.step_ms:
+        return None
+    return b.step_ms / a.step_ms
+
+
+def _peak(by: dict[str, Result], engine: str) -> float | None:
+    r = by.get(engine)
+    return None if r is None else r.peak_gib
+
+
+def one_gpu_goals(by: dict[str, Result], times: list[CompileTime]) -> list[str]:
+    """The goals table of issue 25 (one GPU) for the engines of this run."""
+    compiled = {t.engine: t for t in times}
+
+    def probe(engine: str, warm: bool = False) -> Probe | None:
+        t = compiled.get(engine)
+        return None if t is None else (t.warm if warm else t.cold)
+
+    rows: list[list[str]] = []
+
+    def goal(
+        what: str, figure: float | None, spec: str, target: str, ok: Callable[[float], bool]
+    ) -> None:
+        if figure is None:
+            rows.append([what, "not measured", target, "not measured"])
+        else:
+            rows.append([what, format(figure, spec), target, "met" if ok(figure) else "MISSED"])
+
+    for engine in ("floor32", "fsdp2c"):
+        r = by.get(engine)
+        ran = r is not None and r.step_ms is not None
+        rows.append(
+            [f"1. `{engine}` measured", "yes" if ran else "no", "yes", "met" if ran else "MISSED"]
+        )
+    for engine in ("zs2", "zs3"):
+        goal(
+            f"2. `{engine}` speed / `floor32`",
+            _speed(by, engine, "floor32"),
+            ".3f",
+            ">= 0.99",
+            lambda x: x >= 0.99,
+        )
+    goal(
+        "2. `zs3` speed / `fsdp2`",
+        _speed(by, "zs3", "fsdp2"),
+        ".3f",
+        ">= 1.05",
+        lambda x: x >= 1.05,
+    )
+    goal(
+        "3. `zs3c` speed / `floorc`",
+        _speed(by, "zs3c", "floorc"),
+        ".3f",
+        ">= 0.98",
+        lambda x: x >= 0.98,
+    )
+    goal(
+        "3. `zs3c` speed / `fsdp2c`",
+        _speed(by, "zs3c", "fsdp2c"),
+        ".3f",
+        ">= 1.10",
+        lambda x: x >= 1.10,
+    )
+    zc, fc = probe("zs3c"), probe("floorc")
+    goal(
+        "4. `zs3c` cold compile / `floorc`'s",
+        zc.compile_s / fc.compile_s if zc and fc and fc.compile_s > 0 else None,
+        ".2f",
+        "<= 1.5",
+        lambda x: x <= 1.5,
+    )
+    goal(
+        "4. `zs3c` cold compile, s",
+        zc.compile_s if zc else None,
+        ".1f",
+        "<= 60",
+        lambda x: x <= 60,
+    )
+    warm = probe("zs3c", warm=True)
+    goal(
+        "4. `zs3c` warm compile (second process), s",
+        warm.compile_s if warm else None,
+        ".1f",
+        "<= 10",
+        lambda x: x <= 10,
+    )
+    goal(
+        "4. `zs3c` recompiles after step 2 (cold + warm)",
+        zc.recompiles + warm.recompiles if zc and warm else None,
+        "d",
+        "0",
+        lambda x: x == 0,
+    )
+    zs3, f32, zs3c = _peak(by, "zs3"), _peak(by, "floor32"), _peak(by, "zs3c")
+    goal(
+        "5. `zs3` peak / `floor32`'s",
+        zs3 / f32 if zs3 and f32 else None,
+        ".3f",
+        "<= 1",
+        lambda x: x <= 1,
+    )
+    goal(
+        "5. `zs3c` peak / `zs3`'s",
+        zs3c / zs3 if zs3c and zs3 else None,
+        ".3f",
+        "<= 1",
+        lambda x: x <= 1,
+    )
+    return [
+        "Goals of issue 25 (one GPU; speed: tokens/s ratio, > 1 is faster; peaks: "
+        "torch.cuda.max_memory_allocated):",
+        "",
+        markdown_table(["goal", "figure", "target", "status"], rows),
+    ]

@@ -1,0 +1,122 @@
+"""benchmarks/train_step's one-GPU pieces: the `floor32` engine against plain PyTorch, the
+alternating order and the median of rounds, and the goals table of issue 25."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from benchmarks.train_step.__main__ import round_order
+from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._goals import one_gpu_goals
+from benchmarks.train_step._result import Result
+from benchmarks.train_step._run import combine
+from benchmarks.train_step._settings import LR, Settings
+from benchmarks.train_step._torch_engines import setup_floor32
+from examples import gpt
+
+CFG = gpt.GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, seq_len=16)
+
+
+def _settings(dtype: torch.dtype, clip: float = 0.0) -> Settings:
+    return Settings(torch.device("cpu"), dtype, clip, 2, {})
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_floor32_in_fp32_is_plain_adamw(clip: float) -> None:
+    """With an fp32 compute dtype the masters ARE the weights: three steps of floor32 must
+    give bit for bit what plain AdamW on the model gives (tied head included)."""
+    torch.manual_seed(0)
+    model = gpt.GPT(CFG)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=(0.9, 0.95))
+    step = setup_floor32(model, _settings(torch.float32, clip))
+    x, y = _data()
+    for _ in range(3):
+        step(x, y)
+        reference(x, y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        assert p.grad is None, f"{name}: gradient left after the step"
+
+
+def test_floor32_in_bf16_steps_fp32_masters() -> None:
+    """In bf16 the weights are the bf16 image of fp32 masters that AdamW steps with the
+    bf16 gradients in fp32: the same as a hand-written reference, step for step."""
+    torch.manual_seed(0)
+    model = gpt.GPT(CFG)
+    masters = copy.deepcopy(model)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters.parameters(), lr=LR, betas=(0.9, 0.95))
+    step = setup_floor32(model, _settings(torch.bfloat16))
+    x, y = _data()
+    for _ in range(2):
+        step(x, y)
+        low(x, y).backward()
+        for m, p in zip(masters.parameters(), low.parameters(), strict=True):
+            assert p.grad is not None
+            m.grad = p.grad.float()
+        low.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(masters.parameters(), low.parameters(), strict=True):
+                p.copy_(m)
+    for (name, p), q in zip(model.named_parameters(), low.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16, name
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    # The same seed's initial weights: the steps moved them (not all: a step of lr 1e-4 is
+    # below bf16's resolution on the norms' ones, which only the fp32 masters keep).
+    torch.manual_seed(0)
+    before = gpt.GPT(CFG).to(torch.bfloat16)
+    pairs = zip(model.parameters(), before.parameters(), strict=True)
+    assert sum(not torch.equal(p, q) for p, q in pairs) >= len(list(before.parameters())) // 2
+
+
+def test_rounds_alternate_and_deepspeed_stays_last() -> None:
+    names = ["floor", "floor32", "zs3", "ds3"]
+    assert round_order(names, 0) == ["floor", "floor32", "zs3", "ds3"]
+    assert round_order(names, 1) == ["zs3", "floor32", "floor", "ds3"]
+    assert round_order(names, 2) == round_order(names, 0)
+    assert ENGINES["ds3"].runs_last
+
+
+def test_combine_takes_the_median_round_and_the_largest_peak() -> None:
+    rounds = [
+        Result("zs3", "w", 0.1, 300.0, 40.0, build_s=1.0),
+        Result("zs3", "w", 0.3, 280.0, 41.0, build_s=1.0),
+        Result("zs3", "w", 0.2, 290.0, 39.0, build_s=1.0),
+    ]
+    r = combine(rounds)
+    assert (r.step_ms, r.init_s, r.peak_gib) == (290.0, 0.2, 41.0)
+    assert r.rounds_ms == (300.0, 280.0, 290.0)
+    failed = Result("zs3", "w", error="OOM")
+    assert combine([rounds[0], failed]) is failed
+
+
+def test_goals_say_not_measured_never_met_without_figures() -> None:
+    by = {
+        "floor32": Result("floor32", "w", 0.0, 100.0, 30.0),
+        "zs3": Result("zs3", "w", 0.0, 100.5, 29.0),
+        "zs2": Result("zs2", "w", 0.0, 110.0, 31.0),
+    }
+    table = "\n".join(one_gpu_goals(by, []))
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    assert rows["2. `zs3` speed / `floor32`"].endswith("| met |")  # 100 / 100.5 = 0.995
+    assert rows["2. `zs2` speed / `floor32`"].endswith("| MISSED |")  # 0.909
+    assert rows["5. `zs3` peak / `floor32`'s"].endswith("| met |")
+    assert rows["1. `fsdp2c` measured"].endswith("| MISSED |")
+    for goal in ("3. `zs3c` speed / `floorc`", "4. `zs3c` cold compile, s"):
+        assert rows[goal].endswith("| not measured |"), goal
