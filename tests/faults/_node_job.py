@@ -9,6 +9,7 @@ ACTION is one of:
                  (over all its attempts: marked by a file), it writes its pid to
                  NAME-{LOCAL_RANK}.pid in the working directory and sleeps: the test
                  SIGKILLs it, or its agent stops it to restart.
+Local rank 0 prints the agent's `TORCHELASTIC_RESTART_COUNT` and the world size.
 Only the fault is injected: saving, loading and training are the example's own code.
 """
 
@@ -80,6 +81,9 @@ def main() -> None:
         _pause_in_step(int(action[1]), action[2])
     elif action != ["-"]:
         raise SystemExit(f"unknown action {raw!r}")
+    if os.environ["LOCAL_RANK"] == "0":  # which attempt this agent thinks it runs
+        count, world = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["WORLD_SIZE"]
+        print(f"_node_job: restart count {count} at world {world}", file=sys.stderr, flush=True)
     torch.set_num_threads(1)
     sys.path.insert(0, str(EXAMPLES))
     import train_gpt  # type: ignore[import-not-found]

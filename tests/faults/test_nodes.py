@@ -12,15 +12,18 @@ agents' `TORCHELASTIC_RESTART_COUNT`s differ (1 and 0); `zeroshard.comm.
 init_process_group` still finds one store prefix for the round (see [Note: stale store
 keys after a restart]) and the job resumes from step-6 at world 4.
 
-The reference runs the same steps at the same worlds without faults (4 ranks to step-4,
-2 to step-6, 4 to the end). The final fp32 weights agree within 1e-6, not bit for bit:
-a step redone after the resume at another world reduces its gradients over another
-number of ranks in another order, so float rounding differs in the last bits.
+A job that lost a node cannot end bit-identical to one that never did: the steps at
+world 2 sum gradients over another number of ranks, each with another slice of the
+batch, in another order, so rounding differs (only ~1e-6 closeness is possible). The
+reference therefore runs the same steps at the same worlds without faults (4 ranks to
+step-4, 2 to step-6, 4 to the end): then every step replays exactly, and the final
+fp32 weights are bit-identical (the issue asks for 1e-6; equality is what we measure).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,11 +111,15 @@ def test_node_lost_then_joining(tmp_path: Path) -> None:
     assert a.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-5000:]
     assert b2.wait(timeout=60) == 0, (tmp_path / "b2.log").read_text()[-5000:]
 
-    log_a = (tmp_path / "a.log").read_text()
+    log_a, log_b2 = (tmp_path / "a.log").read_text(), (tmp_path / "b2.log").read_text()
     # World 4 from the start, world 2 from step-4, world 4 again from step-6.
     assert "resumed from step 4" in log_a and "resumed from step 6" in log_a, log_a[-5000:]
+    counts = re.findall(r"restart count (\d+) at world (\d+)", log_a)
+    assert counts == [("0", "4"), ("1", "2"), ("1", "4")], log_a[-5000:]
+    # The joining node's agent counts from 0: the agents' counts differ in the last round.
+    assert re.findall(r"restart count (\d+) at world (\d+)", log_b2) == [("0", "4")]
     want = load_file(ref / "final.safetensors")
     got = load_file(tmp_path / "final.safetensors")
     assert got.keys() == want.keys()
     for name, t in want.items():
-        torch.testing.assert_close(got[name], t, rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(got[name], t), f"{name} differs from the reference"
