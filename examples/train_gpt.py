@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="characters to generate at the end on rank 0; 0 = none",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        help="hybrid sharding: shard within groups of N ranks (a node), replicate across",
+    )
     p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint root (none: no saves)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps; 0 = never")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
@@ -115,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--save-every needs --ckpt-dir and a count >= 0")
     if args.ckpt_dir is not None and args.stage == 0:
         p.error("--ckpt-dir needs a ZeRO stage (1-3)")
+    if args.shard_group_size is not None and args.stage == 0:
+        p.error("--shard-group-size needs a ZeRO stage (1-3)")
     return args
 
 
@@ -211,6 +219,8 @@ def wrap(
             autocast,
         )
     config = {"stage": args.stage, "compute_dtype": args.dtype}
+    if args.shard_group_size is not None:
+        config["shard_group_size"] = args.shard_group_size
     zmodel, zopt = zs.initialize(model, opt, config)
     return (
         zmodel,
@@ -315,9 +325,13 @@ def main() -> None:
     )
     # What the run depends on besides model and optimizer. Global: the scheduler and the
     # data position (batches here are a function of the step alone). Per rank: the RNGs.
+    # Under hybrid sharding only the first replica writes files, so there is no per-rank
+    # state (and a job that lost a node resumes at another world size, where per-rank
+    # state could not load): nothing here draws random numbers after the seeded init
+    # (no dropout; batches come from their own seeded generators), so none is lost.
     data = {"next_step": 0}
     client_state: dict[str, Any] = {"scheduler": sched, "data": data}
-    rank_state: dict[str, Any] = {"rng": zs.RNGState()}
+    rank_state = None if args.shard_group_size else {"rng": zs.RNGState()}
     if args.ckpt_dir is not None and args.resume == "auto":
         resumed = zs.resume_checkpoint(
             model, opt, args.ckpt_dir, client_state=client_state, rank_state=rank_state
