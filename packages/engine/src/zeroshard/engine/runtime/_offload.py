@@ -67,6 +67,7 @@ from torch import nn
 
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._host_norm import shard_norm
 from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS, offload_sizes
 
@@ -237,9 +238,10 @@ class HostOffload:
 
     # -- the step's gradients ------------------------------------------------------------
     def grad_norm(self, g: FlatParamGroup) -> torch.Tensor:
-        """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived)."""
+        """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived), on
+        every core ([Note: host gradient norm])."""
         grad = self.grad_fp32(g)
-        return torch.zeros(()) if grad is None else torch.linalg.vector_norm(grad)
+        return torch.zeros(()) if grad is None else shard_norm(grad)
 
     def scale_grads(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
         """Multiply the gradients of `groups` by `factor`: in place where fp32, else when

@@ -18,6 +18,7 @@ from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._host_norm import shard_norm
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_step import EarlyStep, step_offloaded
@@ -142,7 +143,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
         # Shards on the device, and on the host: one norm per device.
         shards = [g.ensure_grad_shard() for g in self._on_device()]
-        norms = [n for same in _by_device(shards).values() for n in torch._foreach_norm(same)]
+        norms: list[torch.Tensor] = []
+        for device, same in _by_device(shards).items():
+            # CPU shards as offloaded ones are ([Note: host gradient norm]): on every core.
+            norms += (
+                [shard_norm(s) for s in same] if device.type == "cpu" else torch._foreach_norm(same)
+            )
         if self.offload is not None:
             # One offloaded group upcast at a time ([Note: offload host memory]).
             norms += [self.offload.grad_norm(g) for g in self._on_host()]
