@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-import zeroshard.engine as zs
+# A sibling module: torchrun runs this file as a script, its folder first on sys.path.
+from _restart_job import after_save, on_step_forward  # type: ignore[import-not-found]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -33,42 +33,17 @@ def _pause_in_step(step: int, name: str) -> None:
     marker = Path(f"{name}-{os.environ['LOCAL_RANK']}.pid")
     if marker.exists():  # paused in an earlier attempt of this agent
         return
-    real_init, real_resume = zs.initialize, zs.resume_checkpoint
-    first = [0]  # the step this attempt starts at
 
-    def resume(*args: Any, **kwargs: Any) -> int | None:
-        got = real_resume(*args, **kwargs)
-        first[0] = got or 0
-        return got
+    def pause() -> None:
+        marker.write_text(str(os.getpid()))
+        while True:
+            time.sleep(1)
 
-    def initialize(*args: Any, **kwargs: Any) -> Any:
-        model, opt = real_init(*args, **kwargs)
-        forwards = [0]
-
-        def hook(module: nn.Module, _: Any) -> None:
-            if module.training:  # one training forward per step (no accumulation)
-                if first[0] + forwards[0] == step:
-                    marker.write_text(str(os.getpid()))
-                    while True:
-                        time.sleep(1)
-                forwards[0] += 1
-
-        model.register_forward_pre_hook(hook)
-        return model, opt
-
-    zs.initialize, zs.resume_checkpoint = initialize, resume  # type: ignore[assignment]
+    on_step_forward(step, pause)
 
 
-def _stop_after_save(step: int) -> None:
-    real = zs.save_checkpoint
-
-    def save(*args: Any, **kwargs: Any) -> Any:
-        handle = real(*args, **kwargs)  # a sync save returns once committed on every rank
-        if kwargs["step"] == step:
-            sys.exit(0)
-        return handle
-
-    zs.save_checkpoint = save  # type: ignore[assignment]
+def _stop(handle: Any, kwargs: dict[str, Any]) -> None:
+    sys.exit(0)  # a sync save returns once committed on every rank
 
 
 def main() -> None:
@@ -76,7 +51,7 @@ def main() -> None:
     action = raw.split(":")
     sys.argv = [str(EXAMPLES / "train_gpt.py"), *sys.argv[2:]]
     if action[0] == "stop":
-        _stop_after_save(int(action[1]))
+        after_save(int(action[1]), _stop)
     elif action[0] == "pause":
         _pause_in_step(int(action[1]), action[2])
     elif action != ["-"]:

@@ -34,7 +34,9 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_in_step(step: int) -> None:
+def on_step_forward(step: int, act: Callable[[], None]) -> None:
+    """Call `act` in the training forward of step `step` (steps counted from the one this
+    attempt resumes at), by wrapping the example's `zs.initialize` and `resume_checkpoint`."""
     real_init, real_resume = zs.initialize, zs.resume_checkpoint
     first = [0]  # the step this attempt starts at
 
@@ -49,8 +51,8 @@ def _kill_in_step(step: int) -> None:
 
         def hook(module: nn.Module, _: Any) -> None:
             if module.training:  # one training forward per step (no accumulation)
-                if first[0] + forwards[0] == step and dist.get_rank() == 1:
-                    _die()
+                if first[0] + forwards[0] == step:
+                    act()
                 forwards[0] += 1
 
         model.register_forward_pre_hook(hook)
@@ -59,7 +61,12 @@ def _kill_in_step(step: int) -> None:
     zs.initialize, zs.resume_checkpoint = initialize, resume  # type: ignore[assignment]
 
 
-def _after_save(step: int, act: Callable[[Any, dict[str, Any]], None]) -> None:
+def _kill_rank1() -> None:
+    if dist.get_rank() == 1:
+        _die()
+
+
+def after_save(step: int, act: Callable[[Any, dict[str, Any]], None]) -> None:
     real = zs.save_checkpoint
 
     def save(*args: Any, **kwargs: Any) -> Any:
@@ -72,8 +79,7 @@ def _after_save(step: int, act: Callable[[Any, dict[str, Any]], None]) -> None:
 
 
 def _kill_async(handle: Any, kwargs: dict[str, Any]) -> None:
-    if dist.get_rank() == 1:
-        _die()
+    _kill_rank1()
 
 
 def _lose_file(handle: Any, kwargs: dict[str, Any]) -> None:
@@ -107,13 +113,13 @@ def main() -> None:
         kind, at = faults[attempt].split(":")
         step = int(at)
         if kind == "step":
-            _kill_in_step(step)
+            on_step_forward(step, _kill_rank1)
         elif kind == "async":
-            _after_save(step, _kill_async)
+            after_save(step, _kill_async)
         elif kind == "commit":
             _kill_at_commit(step)
         elif kind == "lose":
-            _after_save(step, _lose_file)
+            after_save(step, _lose_file)
         else:
             raise SystemExit(f"unknown fault {kind!r}")
     torch.set_num_threads(1)
