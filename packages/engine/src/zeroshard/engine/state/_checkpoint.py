@@ -172,9 +172,12 @@ def save_checkpoint(
     _refuse_rank_state_replicated(state, rank_state)
     # Encoded on every rank, client_state too (only rank 0 stores it), so that bad input
     # fails on every rank alike, before any file is touched.
+    # Labelled as the save's later agreements are (ckpt's `save of 'step-N': ...`); the
+    # name is only formatted here, checked inside the agreed save below.
+    name = tag if tag is not None else f"step-{step}"
     extra = agreed(
         state.shard_group,
-        "save_checkpoint: user state",
+        f"save of {name!r}: user state",
         lambda: encode_state({GLOBAL: client_state, PER_RANK: rank_state}),
     )
     if extra is not None and state.shard_group.rank != 0:
