@@ -137,6 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "groups were stepped on their unclipped gradients; clip without it"
             )
         self._prepare_grads()
+        # Every group holds a gradient from here on, offloaded ones too: zeros where none
+        # arrived in this window, so no norm below reads a host buffer's stale bytes.
         self._grad_shards()
         if self._overflow:
             return torch.tensor(math.inf)
