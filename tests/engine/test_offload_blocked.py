@@ -227,8 +227,16 @@ def test_upload_slots_cast_every_chunk(order: str) -> None:
         made.append(torch.zeros(numel, dtype=dtype))
         return made[-1]
 
+    used = n * s - 10  # the rest is padding: zeros in the masters
+    master.view(-1)[used:] = 0
     up = ShardUpload(
-        master, torch.device("cpu"), torch.bfloat16, pin=False, offload_params=False, alloc=alloc
+        master,
+        used,
+        torch.device("cpu"),
+        torch.bfloat16,
+        pin=False,
+        offload_params=False,
+        alloc=alloc,
     )
     ranges = [(0, 130), (130, 345), (380, 560), (560, 690)]
     up.begin(ranges)

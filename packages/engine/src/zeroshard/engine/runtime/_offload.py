@@ -134,6 +134,7 @@ class HostOffload:
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
             self.master,
+            sum(g.layout.shard_numel for g in self.groups),
             self.device,
             compute_dtype,
             pin=pin,

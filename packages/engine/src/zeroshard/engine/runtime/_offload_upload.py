@@ -34,12 +34,14 @@ Alloc = Callable[[int, torch.dtype, bool], torch.Tensor]
 
 
 class ShardUpload:
-    """The compute shards of the chunk space `master` (chunks x shard elements), on the
-    device behind pinned slots, or on the host (pinned) with offload_params."""
+    """The compute shards of the chunk space `master` (chunks x shard elements, the first
+    `used` of them masters), on the device behind pinned slots, or on the host (pinned)
+    with offload_params."""
 
     def __init__(
         self,
         master: torch.Tensor,
+        used: int,
         device: torch.device,
         compute_dtype: torch.dtype,
         *,
@@ -48,7 +50,7 @@ class ShardUpload:
         alloc: Alloc,
     ) -> None:
         n, s = master.shape
-        self.master, self.device, self.shard_numel = master, device, s
+        self.master, self.used, self.device, self.shard_numel = master, used, device, s
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
         if offload_params:
@@ -93,8 +95,10 @@ class ShardUpload:
                 if a > at:
                     rest.append((at, a))
                 at = max(at, b)
-            if at < (i + 1) * s:
-                rest.append((at, (i + 1) * s))
+            # Past `used` the chunk space is padding: zeros in the masters and the shards.
+            end = min((i + 1) * s, self.used)
+            if at < end:
+                rest.append((at, end))
             self._rest[i] = rest
         if self._waiting and self.compute_host is not None and self.device.type == "cuda":
             # Gathers issued in the last step may still copy from the host shards; device
@@ -141,8 +145,10 @@ class ShardUpload:
         for a, b in rest:
             slot[a - off : b - off].copy_(flat[a:b])
         assert self.compute_dev is not None
+        # Only the masters go up: the padding's shard stays the zeros it was made as.
+        n = min(self.shard_numel, self.used - off)
         with self._stream.after_current(self._main):
-            self.compute_dev[i].copy_(slot, non_blocking=True)
+            self.compute_dev[i, :n].copy_(slot[:n], non_blocking=True)
             self._ready[i] = self._stream.event()
         self._busy.append((slot, self._ready[i]))
 
