@@ -17,10 +17,13 @@ of every parameter down and up (`transfer`), and the CPU's AdamW over as many pa
 gives step / max of the three. CPU optimizer rows: parameters/s of one AdamW step over
 `--adam-params` fp32 parameters in tensors of `--chunk` elements, with every core:
 torch's fused and foreach AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds
-first, an untimed part (outside `--budget-s`). Every part runs in a process of its own
-under a time limit, so an out-of-memory (host or GPU), a failed JIT build or a timeout
-becomes a row saying so. `--search-layers` instead trains zeroshard alone at each block
-count in turn, up to the first that fails: the largest that trains, with its peaks.
+first, an untimed part (outside `--budget-s`), and zeroshard's offloaded step alone
+(`adam-zs-host`: bf16 gradients in, fused AdamW, bf16 shards out through the pinned
+upload slots, no forward or backward) over as many parameters. Every part runs in a
+process of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT
+build or a timeout becomes a row saying so. `--search-layers` instead trains zeroshard
+alone at each block count in turn, up to the first that fails: the largest that trains,
+with its peaks.
 A full run writes the "offload" section of docs/benchmarks.md (a search writes
 "offload-largest-stage<N>"); --smoke writes bench-out/.
 """
@@ -49,8 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--parts",
         default=(
-            "fwd-bwd,transfer,adam-torch-fused,train-zs-overlap,train-zs,train-zs-clip,"
-            "ds-build,adam-ds,train-ds"
+            "fwd-bwd,transfer,adam-torch-fused,adam-zs-host,train-zs-overlap,train-zs,"
+            "train-zs-clip,ds-build,adam-ds,train-ds"
         ),
     )
     p.add_argument("--preset", default="7b")
@@ -90,6 +93,7 @@ LIMITS = {
     "transfer": 40.0,
     "adam-torch-fused": 40.0,
     "adam-torch-foreach": 30.0,
+    "adam-zs-host": 120.0,
     "train-zs-overlap": 110.0,
     "train-zs": 100.0,
     "train-zs-clip": 100.0,

@@ -107,6 +107,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         "adam-torch-fused": "torch AdamW fused=True (CPU)",
         "adam-torch-foreach": "torch AdamW foreach=True (CPU)",
         "adam-ds": "DeepSpeedCPUAdam",
+        "adam-zs-host": "zeroshard offloaded step alone (bf16 grads in, bf16 shards out)",
     }
     adam_rows = []
     for p, label in adam_names.items():
@@ -138,6 +139,13 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     if fused.get("ok") and dsa.get("ok"):
         ratio = fused["params_per_s"] / dsa["params_per_s"]
         body += f"\n\ntorch fused / DeepSpeedCPUAdam params/s: {ratio:.2f}"
+    host = results.get("adam-zs-host", {})
+    if fused.get("ok") and host.get("ok"):
+        ratio = fused["params_per_s"] / host["params_per_s"]
+        body += (
+            "\n\nzeroshard's offloaded step alone / torch fused AdamW alone, time per "
+            f"parameter (goal <= 1.15): {ratio:.2f}"
+        )
     build = results.get("ds-build", {})
     if build:
         done = f"{build['build_s']:.0f} s" if build.get("ok") else build["error"]

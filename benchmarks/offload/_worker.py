@@ -3,7 +3,8 @@
     python -m benchmarks.offload._worker PART ARGS_JSON OUT_JSON
 
 PART is `train-zs`, `train-zs-overlap`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
-`transfer`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach` or `adam-ds`.
+`transfer`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach`, `adam-ds` or
+`adam-zs-host`.
 Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
 extension, costs only its own row, and so that every part starts with the host memory
 empty. The result (or the
@@ -246,6 +247,46 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
+def zs_host(a: dict[str, Any]) -> dict[str, Any]:
+    """zeroshard's offloaded step alone, as `train-zs` runs it after backward: bf16
+    gradients on the host in, torch's fused AdamW on the fp32 masters, bf16 shards out
+    through the pinned upload slots; no forward or backward. The same element count as
+    the CPU optimizer rows, in tensors of `a['chunk']` elements."""
+    import zeroshard.engine as zs
+    from zeroshard.engine.runtime._offload_step import step_offloaded
+
+    device = _join_alone(a["smoke"])
+    n, chunk = a["adam_params"], a["chunk"]
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.zeros(min(chunk, n - i), device=device).normal_(0, 0.02))
+        for i in range(0, n, chunk)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
+    config = {"stage": 2, "compute_dtype": "bf16", "offload_optimizer": True}
+    start = time.perf_counter()
+    model, zopt = zs.initialize(model, opt, config)
+    init_s = time.perf_counter() - start
+    offload = zs.engine_state(model).offload
+    assert offload is not None
+    groups = [g for g in zopt.flat_groups if g.trainable]
+    for g in groups:
+        # The reduced gradient as it lands on the host (bf16); the step never clears it.
+        g.claim_grad_shard().fill_(1e-3)
+
+    def step() -> None:
+        step_offloaded(zopt.inner, offload, [], groups)
+
+    seconds = _time_steps(step, device, 1, a["adam_steps"])
+    return {
+        "params": n,
+        "step_s": seconds,
+        "params_per_s": n / seconds,
+        "threads": torch.get_num_threads(),
+        "init_s": init_s,
+        "host_peak_gib": _host_peak_gib(),
+    }
+
+
 def main() -> None:
     """Run PART with the JSON arguments; write the result or the error to OUT_JSON."""
     part, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
@@ -253,8 +294,9 @@ def main() -> None:
     try:
         if part.startswith("train-"):
             result = train(args, part.removeprefix("train-"))
-        elif part in ("fwd-bwd", "transfer", "ds-build"):
-            result = {"fwd-bwd": fwd_bwd, "transfer": transfer, "ds-build": ds_build}[part](args)
+        elif part in ("fwd-bwd", "transfer", "ds-build", "adam-zs-host"):
+            parts = {"fwd-bwd": fwd_bwd, "transfer": transfer, "ds-build": ds_build}
+            result = {**parts, "adam-zs-host": zs_host}[part](args)
         else:
             result = adam(args, part.removeprefix("adam-"))
         result["ok"] = True

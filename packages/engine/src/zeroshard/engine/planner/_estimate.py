@@ -23,6 +23,7 @@ from zeroshard.engine.planner._activations import LossFn, default_loss, measure_
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
 from zeroshard.engine.planner._step_time import Compute, StepTime, project_step
+from zeroshard.engine.runtime._host_adam import steps_in_blocks
 
 GIB = 2**30
 
@@ -165,7 +166,9 @@ def estimate(
     groups_of = None
     if optimizer is not None:
         groups_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
-    plan = plan_groups(model, cfg, shard, groups_of)
+    # Without the optimizer, the host counts one group's fp32 upcast (the larger case).
+    blocked = optimizer is not None and steps_in_blocks(optimizer)
+    plan = plan_groups(model, cfg, shard, groups_of, blocked)
     # The engine computes in the compute dtype: the activations are measured on such a copy.
     runnable = copy.deepcopy(model).to(cfg.precision.compute_dtype)
     acts = measure_activations(runnable, plan, cfg, micro_batch, seq_len, loss_fn)

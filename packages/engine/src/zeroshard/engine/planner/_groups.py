@@ -74,10 +74,13 @@ def plan_groups(
     cfg: ZeroConfig,
     shard_size: int,
     param_group_of: Mapping[int, int] | None = None,
+    blocked_step: bool = False,
 ) -> GroupPlan:
     """The flat groups one rank holds when `model` is sharded over `shard_size` ranks.
 
-    `param_group_of` maps id(parameter) to its optimizer param group (None: all in one).
+    `param_group_of` maps id(parameter) to its optimizer param group (None: all in one);
+    `blocked_step`: the optimizer steps offloaded groups in blocks (torch's fused
+    Adam/AdamW), so the host needs one block's fp32 upcast, not one group's.
     """
     planned: list[tuple[GroupKey, FlatLayout, int | None, bool]] = []
     units: list[PlannedUnit] = []
@@ -118,6 +121,7 @@ def plan_groups(
             compute_dtype=cfg.precision.compute_dtype,
             reduce_dtype=cfg.precision.grad_reduce_dtype,
             offload_params=cfg.offload.params,
+            blocked_step=blocked_step,
         )
     return GroupPlan(groups, tuple(units), offload, shard_size)
 

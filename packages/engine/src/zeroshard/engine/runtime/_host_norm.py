@@ -20,12 +20,23 @@ import torch
 NORM_ROW = 1 << 16
 
 
-def shard_norm(x: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of a contiguous fp32 CPU tensor, as the norm of its rows' norms."""
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """The 2-norms of the rows of a contiguous fp32 CPU tensor (the last row: the rest). A
+    shard's rows are the rows of its pieces where every piece but the last is whole rows."""
     x = x.view(-1)
     full = x.numel() // NORM_ROW * NORM_ROW
     rows = [torch.linalg.vector_norm(x[:full].view(-1, NORM_ROW), dim=1)]
     if full < x.numel():
         rows.append(torch.linalg.vector_norm(x[full:]).reshape(1))
+    return torch.cat(rows)
+
+
+def norm_of_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A shard's 2-norm from its rows' norms, in order."""
     norm: torch.Tensor = torch.linalg.vector_norm(torch.cat(rows))
     return norm
+
+
+def shard_norm(x: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of a contiguous fp32 CPU tensor, as the norm of its rows' norms."""
+    return norm_of_rows([row_norms(x)])

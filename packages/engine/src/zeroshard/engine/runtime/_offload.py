@@ -10,9 +10,11 @@ allocates beside each master. Compute-dtype shards go out through pinned memory 
 
 [Note: offload host memory]
 With bf16 gradients an offloaded element costs 4 (master) + 2 (gradient) + the optimizer's
-state (AdamW: 8) = 14 bytes: no fp32 gradient of the whole model is ever on the host. The
-step upcasts one group's gradient at a time into an fp32 buffer of the largest group
-(`grad_fp32`), steps that group and drops it. Clipping and fp16 unscaling do not touch a
+state (AdamW: 8) = 14 bytes: no fp32 gradient of the whole model is ever on the host. With
+torch's fused Adam/AdamW the step upcasts one block of a group's gradient at a time into
+one fp32 block (`grad_block`, [Note: blocked host step] in _host_adam.py); the clip norm
+reads the same blocks. Any other optimizer steps a group at a time on its whole upcast,
+in an fp32 buffer of the largest group (`grad_fp32`). Clipping and fp16 unscaling do not touch a
 gradient in a dtype narrower than fp32 (that would round it): their factors are kept per
 group and applied in that upcast, in the order they came, the same fp32 multiplications
 the gradient would have had in place. Gradient accumulation in such a dtype must add in
@@ -39,10 +41,10 @@ Shards out. After a step (or any change of the masters) the compute shards are r
 from the masters. The H2D stream waits on the current stream first: gathers issued in the
 last step may still read the compute shards on the device; with offload_params,
 `begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
-gathers read. Then, chunk by chunk, the CPU casts the master to the compute dtype into a
-pinned buffer and the H2D stream copies it to the device and records the chunk's event.
-The step uploads a chunk as soon as every group in it was stepped (`stepped`), so the
-copy of one chunk overlaps the CPU step of the next groups. A pinned staging slot is
+gathers read. The step casts each block of masters it finished (`written`) into the
+pinned slot of its chunk, and the H2D stream copies a chunk to the device and records its
+event as soon as all of it is final, so the copy of one chunk overlaps the CPU step of
+the next ([Note: offload upload slots] in _offload_upload.py). A pinned slot is
 rewritten only after the event of its previous copy completed. A gather or publish of a
 group makes the current stream wait on the events of the group's chunks, so nothing reads
 a half-copied shard.
@@ -67,9 +69,11 @@ from torch import nn
 
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_norm import shard_norm
+from zeroshard.engine.runtime._host_adam import STEP_BLOCK
+from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
 from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
-from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS, offload_sizes
+from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, offload_sizes
+from zeroshard.engine.runtime._offload_upload import ShardUpload
 
 # Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
 _MAX_PENDING = 4
@@ -98,6 +102,7 @@ class HostOffload:
         reduce_dtype: torch.dtype,
         pin: bool,
         offload_params: bool,
+        blocked_step: bool,
     ) -> None:
         self.groups = list(groups)
         self.device = shard_group.device
@@ -110,6 +115,7 @@ class HostOffload:
             compute_dtype=compute_dtype,
             reduce_dtype=reduce_dtype,
             offload_params=offload_params,
+            blocked_step=blocked_step,
         )
         self.offset = {g.index: lo for g, lo in zip(self.groups, sizes.offsets, strict=True)}
         self.layout = sizes.chunks
@@ -121,32 +127,26 @@ class HostOffload:
         # The fp32 gradient of gradient accumulation, made on first use (see the Note);
         # without one (`grad` is fp32 already) accumulation adds into `grad`.
         self._acc: torch.Tensor | None = self.grad if reduce_dtype == torch.float32 else None
-        # The step's upcast of one group's gradient; pageable: only the CPU reads it.
-        self._upcast = self._host(sizes.grad_slot_numel, torch.float32, False)
+        # The step's fp32 upcast: one block, or one group's where the step is not blocked
+        # (grown to that on first need); pageable: only the CPU reads it.
+        self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
-        # offload_params: the compute shards live here; else pinned slots stage uploads.
-        self.compute_host: torch.Tensor | None = None
-        self.compute_dev: torch.Tensor | None = None
-        if offload_params:
-            self.compute_host = self._host(n * s, compute_dtype, pin).view(n, s)
-        else:
-            self.compute_dev = torch.zeros(n, s, dtype=compute_dtype, device=self.device)
-        self._up = SideStream(self.device)
-        self._down = SideStream(self.device)
-        self._up_slots = (
-            self._slots(UPLOAD_SLOTS, s, compute_dtype, pin) if not offload_params else []
+        self._out = ShardUpload(
+            self.master,
+            sum(g.layout.shard_numel for g in self.groups),
+            self.device,
+            compute_dtype,
+            pin=pin,
+            offload_params=offload_params,
+            alloc=self._host,
         )
-        self._up_busy: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._down = SideStream(self.device)
         self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, reduce_dtype, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         self._worker = grad_worker(self.device)
-        self._ready: list[torch.cuda.Event | None] = [None] * n
-        # Chunk -> groups of this step not yet `stepped` in it (see `begin_upload`).
-        self._waiting: dict[int, int] = {}
         # Set while a backward steps each group as its gradient lands (`step_in_backward`).
         self._step_one: Callable[[FlatParamGroup], None] | None = None
-        self._main: torch.cuda.Stream | None = None
         for g in self.groups:
             self._adopt(g)
 
@@ -230,18 +230,33 @@ class HostOffload:
         while self._pending:
             self._retire_oldest()
 
-    # -- shards out ----------------------------------------------------------------------
-    def _chunks_of(self, g: FlatParamGroup) -> range:
-        s = self.layout.shard_numel
-        lo = self.offset[g.index]
-        return range(lo // s, -(-(lo + g.layout.shard_numel) // s))
-
     # -- the step's gradients ------------------------------------------------------------
+    def blocks(self, g: FlatParamGroup) -> list[tuple[int, int]]:
+        """[lo, hi) of each block of `g`'s shard, in order ([Note: blocked host step])."""
+        n = g.layout.shard_numel
+        return [(lo, min(n, lo + STEP_BLOCK)) for lo in range(0, n, STEP_BLOCK)]
+
+    @torch.no_grad()
+    def grad_block(self, g: FlatParamGroup, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `g`'s gradient in fp32, its factors applied: a view of the
+        fp32 gradient itself, or an upcast valid until the next call."""
+        grad = g.grad_shard
+        assert grad is not None
+        if grad.dtype == torch.float32:
+            return grad[lo:hi]
+        out = self._upcast[: hi - lo]
+        out.copy_(grad[lo:hi])
+        for f in self._factors.get(g.index, ()):
+            out.mul_(f)
+        return out
+
     def grad_norm(self, g: FlatParamGroup) -> torch.Tensor:
         """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived), on
-        every core ([Note: host gradient norm])."""
-        grad = self.grad_fp32(g)
-        return torch.zeros(()) if grad is None else shard_norm(grad)
+        every core, block by block ([Note: host gradient norm])."""
+        if g.grad_shard is None:
+            return torch.zeros(())
+        rows = [row_norms(self.grad_block(g, lo, hi)) for lo, hi in self.blocks(g)]
+        return norm_of_rows(rows)
 
     def scale_grads(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
         """Multiply the gradients of `groups` by `factor`: in place where fp32, else when
@@ -261,46 +276,41 @@ class HostOffload:
 
     @torch.no_grad()
     def grad_fp32(self, g: FlatParamGroup) -> torch.Tensor | None:
-        """`g`'s gradient in fp32, its factors applied: the fp32 gradient itself, or an
-        upcast valid until the next call; None if `g` has none."""
+        """`g`'s whole gradient in fp32, its factors applied (the step outside [Note:
+        blocked host step]): the fp32 gradient itself, or an upcast valid until the next
+        call; None if `g` has none."""
         grad = g.grad_shard
         if grad is None or grad.dtype == torch.float32:
             return grad
-        out = self._upcast[: grad.numel()]
-        out.copy_(grad)
-        for f in self._factors.get(g.index, ()):
-            out.mul_(f)
-        return out
+        if self._upcast.numel() < grad.numel():
+            # Planned as one block (the optimizer steps in blocks) but this step is not.
+            self._host_bytes -= self._upcast.nbytes
+            largest = max(h.layout.shard_numel for h in self.groups)
+            self._upcast = self._host(largest, torch.float32, False)
+        return self.grad_block(g, 0, grad.numel())
 
     # -- shards out ----------------------------------------------------------------------
     def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Start rewriting the compute shards of `groups` from their masters: each chunk
-        goes up once every group of `groups` in it was `stepped`."""
-        self.finish_upload()
-        if self.device.type == "cuda":
-            # Uploads may be queued from the worker thread: they follow this stream.
-            self._main = torch.cuda.current_stream(self.device)
-        for g in groups:
-            for i in self._chunks_of(g):
-                self._waiting[i] = self._waiting.get(i, 0) + 1
-        if self._waiting and self.compute_host is not None and self.device.type == "cuda":
-            # Gathers issued in the last step may still copy from the host shards (see
-            # the Note); device shards are ordered by the upload stream's wait instead.
-            torch.cuda.current_stream(self.device).synchronize()
+        """Start rewriting the compute shards of `groups` from their masters ([Note:
+        offload upload slots])."""
+        lo = [self.offset[g.index] for g in groups]
+        self._out.begin([(a, a + g.layout.shard_numel) for a, g in zip(lo, groups, strict=True)])
+
+    def written(self, g: FlatParamGroup, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of `g`'s master are final for this step: cast them for the
+        upload now."""
+        base = self.offset[g.index]
+        self._out.written(base + lo, base + hi)
 
     def stepped(self, g: FlatParamGroup) -> None:
-        """`g`'s master is final for this step: upload the chunks that were waiting on it."""
-        for i in self._chunks_of(g):
-            self._waiting[i] -= 1
-            if self._waiting[i] == 0:
-                del self._waiting[i]
-                self._upload(i)
+        """All of `g`'s master is final for this step: cast it for the upload, block by
+        block."""
+        for lo, hi in self.blocks(g):
+            self.written(g, lo, hi)
 
     def finish_upload(self) -> None:
         """Upload the chunks `begin_upload` named that have not gone yet."""
-        for i in sorted(self._waiting):
-            self._upload(i)
-        self._waiting.clear()
+        self._out.finish()
 
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
@@ -308,41 +318,20 @@ class HostOffload:
         self.begin_upload(groups)
         self.finish_upload()
 
-    @torch.no_grad()
-    def _upload(self, i: int) -> None:
-        if self.compute_host is not None:
-            self.compute_host[i].copy_(self.master[i])
-            return
-        slot = self._free_up_slot()
-        slot.copy_(self.master[i])
-        assert self.compute_dev is not None
-        with self._up.after_current(self._main):
-            self.compute_dev[i].copy_(slot, non_blocking=True)
-            self._ready[i] = self._up.event()
-        self._up_busy.append((slot, self._ready[i]))
+    @property
+    def compute_host(self) -> torch.Tensor | None:
+        """offload_params: the compute shards, on the host."""
+        return self._out.compute_host
 
-    def _free_up_slot(self) -> torch.Tensor:
-        if len(self._up_busy) == len(self._up_slots):
-            slot, event = self._up_busy.popleft()
-            if event is not None:
-                event.synchronize()
-            return slot
-        used = {id(s) for s, _ in self._up_busy}
-        return next(s for s in self._up_slots if id(s) not in used)
+    @property
+    def compute_dev(self) -> torch.Tensor | None:
+        """Without offload_params: the compute shards, on the device."""
+        return self._out.compute_dev
 
     def compute_shard(self, g: FlatParamGroup) -> torch.Tensor:
         """`g`'s compute-dtype shard on the device, ready for the current stream to read."""
-        if self.compute_host is not None:
-            host = self._flat(self.compute_host, g)
-            return host.to(self.device, non_blocking=host.is_pinned())
-        if self.device.type == "cuda":
-            current = torch.cuda.current_stream(self.device)
-            for i in self._chunks_of(g):
-                event = self._ready[i]
-                if event is not None:
-                    current.wait_event(event)
-        assert self.compute_dev is not None
-        return self._flat(self.compute_dev, g)
+        lo = self.offset[g.index]
+        return self._out.shard(lo, lo + g.layout.shard_numel)
 
     def nbytes(self) -> OffloadBytes:
         """What this rank holds and moves (equal on every rank: the chunks are even)."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.engine.runtime._host_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
 # Pinned staging slots, two each so that one can fill while the other drains: compute-
@@ -38,7 +39,8 @@ class OffloadSizes:
     in a chunk space of `chunks`, an fp32 master (pageable) and a gradient in the reduce
     dtype (pinned) per chunk, the compute-dtype shards (pinned on the host with
     offload_params, else on the device behind pinned upload slots), the gradient staging
-    slots (pinned) and one shard's fp32 gradient, the step's upcast (pageable).
+    slots (pinned) and the step's fp32 upcast (pageable): one block where the optimizer
+    steps in blocks, else one shard.
 
     Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
     gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
@@ -49,6 +51,15 @@ class OffloadSizes:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     offload_params: bool
+    blocked_step: bool  # the optimizer steps in blocks: the upcast is one block
+
+    @property
+    def upcast_numel(self) -> int:
+        """Elements of the step's fp32 upcast: one block, or one shard where the optimizer
+        steps whole groups ([Note: blocked host step])."""
+        if self.blocked_step:
+            return min(STEP_BLOCK, self.grad_slot_numel)
+        return self.grad_slot_numel
 
     @property
     def chunk_space_numel(self) -> int:
@@ -67,7 +78,7 @@ class OffloadSizes:
     @property
     def host_bytes(self) -> int:
         """All host bytes: the pinned ones, the fp32 masters and the step's upcast."""
-        return (self.chunk_space_numel + self.grad_slot_numel) * 4 + self.pinned_bytes
+        return (self.chunk_space_numel + self.upcast_numel) * 4 + self.pinned_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -83,6 +94,7 @@ def offload_sizes(
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     offload_params: bool,
+    blocked_step: bool,
 ) -> OffloadSizes:
     """What offloading shards of `shard_numels` elements takes on each of `shard_size` ranks,
     in chunks of about `chunk_bytes` of fp32 master per rank."""
@@ -95,4 +107,5 @@ def offload_sizes(
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
         offload_params=offload_params,
+        blocked_step=blocked_step,
     )

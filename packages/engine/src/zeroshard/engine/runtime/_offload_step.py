@@ -3,12 +3,15 @@
 [Note: offload step pipeline]
 The wrapped optimizer first steps the groups that stay on the device (the offloaded
 masters have no `.grad` yet, so it skips them). Then, in chunk-space order, each
-offloaded group gets its fp32 gradient as `master.grad` (upcast from the reduce dtype
-into one group's buffer: [Note: offload host memory] in _offload.py), is stepped alone,
-and drops it; every chunk whose groups are all stepped goes up to the device on the H2D
-stream while the CPU steps the next groups ([Note: offload stream order]). The step thus
-takes about max(CPU step, upload) rather than their sum, and the host never holds more
-than one group's fp32 gradient.
+offloaded group is stepped alone. With torch's fused Adam/AdamW that is one pass over
+the group in cache-sized blocks: upcast a block's gradient, step it, cast its master for
+the upload ([Note: blocked host step] in _host_adam.py). Otherwise the group gets its
+whole fp32 gradient as `master.grad` (upcast from the reduce dtype into one group's
+buffer: [Note: offload host memory] in _offload.py), is stepped by the optimizer, drops
+it, and is cast for the upload after. Every chunk whose masters are all final goes up to
+the device on the H2D stream while the CPU steps the next groups ([Note: offload stream
+order]). The step thus takes about max(CPU step, upload) rather than their sum, and the
+host never holds more than one group's fp32 gradient (one block's with the fused kernel).
 
 Stepping a group alone gives the same bits as one step over all of them only for an
 optimizer that updates each element from that element's own state, gradient and
@@ -32,6 +35,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._host_adam import fused_adam
 from zeroshard.engine.runtime._offload import HostOffload
 
 _PER_ELEMENT: tuple[type[torch.optim.Optimizer], ...] = (
@@ -104,7 +108,17 @@ def _step_masters(
 def _step_group(
     step: Callable[[], Any], inner: torch.optim.Optimizer, offload: HostOffload, g: FlatParamGroup
 ) -> None:
-    """Step `g`'s master alone on its fp32 gradient, then let its chunks go up."""
+    """Step `g`'s master alone on its fp32 gradient, casting it for the upload as it goes."""
+    adam = fused_adam(inner, g.key.param_group) if g.grad_shard is not None else None
+    if adam is not None:
+        # [Note: blocked host step]: upcast, step and downcast one block at a time (no
+        # autograd: this may run on the offload worker, where grad mode is on).
+        with torch.no_grad():
+            state = adam.begin(inner, g.master)
+            for lo, hi in offload.blocks(g):
+                adam.step(g.master, state, lo, hi, offload.grad_block(g, lo, hi))
+                offload.written(g, lo, hi)
+        return
     grad = offload.grad_fp32(g)
     if grad is not None:
         g.master.grad = grad

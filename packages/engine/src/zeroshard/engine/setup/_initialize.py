@@ -17,6 +17,7 @@ from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
+from zeroshard.engine.runtime._host_adam import steps_in_blocks
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
@@ -211,6 +212,7 @@ def initialize(
             reduce_dtype=cfg.precision.grad_reduce_dtype,
             pin=cfg.offload.pin_memory,
             offload_params=cfg.offload.params,
+            blocked_step=steps_in_blocks(optimizer),
         )
         _warn_unfused(optimizer)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
@@ -290,6 +292,7 @@ def _check_offload_fits(
         compute_dtype=cfg.precision.compute_dtype,
         reduce_dtype=cfg.precision.grad_reduce_dtype,
         offload_params=cfg.offload.params,
+        blocked_step=steps_in_blocks(optimizer),
     )
     floats = _state_floats(optimizer)
     state = 4 * floats * sum(g.layout.shard_numel for g in chosen if g.trainable)
