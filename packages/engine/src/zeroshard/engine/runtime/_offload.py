@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -145,8 +145,11 @@ class HostOffload:
         self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, reduce_dtype, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         self._worker = grad_worker(self.device)
-        # Set while a backward steps each group as its gradient lands (`step_in_backward`).
+        # Set while a backward steps each group as its gradient lands (`step_in_backward`),
+        # on a thread of its own (made on first use) with its steps outstanding.
         self._step_one: Callable[[FlatParamGroup], None] | None = None
+        self._stepper: ThreadPoolExecutor | None = None
+        self._steps: deque[Future[None]] = deque()
         for g in self.groups:
             self._adopt(g)
 
@@ -197,8 +200,13 @@ class HostOffload:
         future = self._worker.submit(land, event, add)
         self._pending.append((future, slot))
         if self._step_one is not None:
-            # The same worker, after the copy (and add): see [Note: offload step pipeline].
-            self._pending.append((self._worker.submit(self._step_one, g), None))
+            # After the copy (and add), on the stepping thread ([Note: offload step
+            # pipeline]): not on the worker, where a receive waiting for its oldest copy
+            # to retire would wait behind the CPU steps queued before it, so backward
+            # would stall on the optimizer.
+            if self._stepper is None:
+                self._stepper = grad_worker(self.device, "zeroshard-offload-step")
+            self._steps.append(self._stepper.submit(_after, future, self._step_one, g))
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
         """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
@@ -222,13 +230,17 @@ class HostOffload:
                 self._free_grad_slots.append(slot)
 
     def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
-        """From now on step each group on the worker as its gradient lands (None: stop)."""
+        """From now on step each group on the stepping thread as its gradient lands (None:
+        stop)."""
         self._step_one = step_one
 
     def drain(self) -> None:
-        """Wait until every gradient copy has landed and every staged one was added."""
+        """Wait until every gradient copy has landed, every staged one was added and every
+        group stepped in backward was stepped."""
         while self._pending:
             self._retire_oldest()
+        while self._steps:
+            self._steps.popleft().result()
 
     # -- the step's gradients ------------------------------------------------------------
     def blocks(self, g: FlatParamGroup) -> list[tuple[int, int]]:
@@ -339,3 +351,11 @@ class HostOffload:
         compute = self.compute_host if self.compute_host is not None else self.compute_dev
         assert compute is not None
         return OffloadBytes(n, self._host_bytes, self._pinned_bytes, n * s * compute.element_size())
+
+
+def _after(
+    landed: Future[None], step_one: Callable[[FlatParamGroup], None], g: FlatParamGroup
+) -> None:
+    """On the stepping thread: step `g` once its gradient landed (and was added)."""
+    landed.result()
+    step_one(g)

@@ -62,15 +62,14 @@ class SideStream:
         return ev
 
 
-def grad_worker(device: torch.device) -> ThreadPoolExecutor:
-    """The one thread that waits on gradient copies and adds staged gradients."""
+def grad_worker(device: torch.device, name: str = "zeroshard-offload-grads") -> ThreadPoolExecutor:
+    """One thread running its tasks in order: the one that waits on gradient copies and adds
+    staged gradients, or (named) the one that steps groups in backward."""
     if device.type != "cuda":
-        return ThreadPoolExecutor(1, "zeroshard-offload-grads")
+        return ThreadPoolExecutor(1, name)
     # It waits on CUDA events: make this rank's device its current one, not device 0
     # (where a first CUDA call would otherwise create a context).
-    return ThreadPoolExecutor(
-        1, "zeroshard-offload-grads", initializer=torch.cuda.set_device, initargs=(device,)
-    )
+    return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device, initargs=(device,))
 
 
 @dataclass(frozen=True)

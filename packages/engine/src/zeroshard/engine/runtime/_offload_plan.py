@@ -13,10 +13,13 @@ import torch
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
-# Pinned staging slots, two each so that one can fill while the other drains: compute-
-# dtype shards going up (without offload_params) and reduce-dtype gradients coming down
-# under gradient accumulation (see [Note: offload stream order] in _offload.py).
-UPLOAD_SLOTS = 2
+# Pinned staging slots: reduce-dtype gradients coming down under gradient accumulation,
+# two so that one can fill while the other drains (see [Note: offload stream order] in
+# _offload.py); compute-dtype shards going up (without offload_params), four: under
+# `step_in_backward` groups step last to first, so each leaves its first chunk (shared with
+# the group before it) open in a slot until that group steps, and with two slots every
+# other chunk waited for the previous one's copy to land ([Note: offload upload slots]).
+UPLOAD_SLOTS = 4
 GRAD_SLOTS = 2
 
 

@@ -12,6 +12,9 @@ it, and is cast for the upload after. Every chunk whose masters are all final go
 the device on the H2D stream while the CPU steps the next groups ([Note: offload stream
 order]). The step thus takes about max(CPU step, upload) rather than their sum, and the
 host never holds more than one group's fp32 gradient (one block's with the fused kernel).
+Under `step_in_backward` each group is stepped this way as its gradient lands, on a
+thread of its own: the thread that lands the gradients must stay free, or backward would
+wait on the optimizer (a gradient's receive waits for the oldest copy to land).
 
 Stepping a group alone gives the same bits as one step over all of them only for an
 optimizer that updates each element from that element's own state, gradient and
@@ -112,7 +115,7 @@ def _step_group(
     adam = fused_adam(inner, g.key.param_group) if g.grad_shard is not None else None
     if adam is not None:
         # [Note: blocked host step]: upcast, step and downcast one block at a time (no
-        # autograd: this may run on the offload worker, where grad mode is on).
+        # autograd: this may run on the stepping thread, where grad mode is on).
         with torch.no_grad():
             state = adam.begin(inner, g.master)
             for lo, hi in offload.blocks(g):

@@ -81,7 +81,7 @@ class ShardUpload:
         they touch goes up once all of its part in them was `written`."""
         self.finish()
         if self.device.type == "cuda":
-            # Uploads may be queued from the offload worker thread: they follow this stream.
+            # Uploads may be queued from the stepping thread: they follow this stream.
             self._main = torch.cuda.current_stream(self.device)
         covered: dict[int, list[tuple[int, int]]] = {}
         for lo, hi in ranges:
