@@ -57,7 +57,8 @@ _TORCHRUN_VARS = (
     "MASTER_PORT",
 )
 # The phases of a compile, each the sum of torch's compile-time metrics (`dynamo_timed`
-# keys) named; a key torch does not record (another version) leaves its phase out. Some
+# keys) named; a phase none of whose keys was recorded (it did not run, or another torch
+# names it otherwise) is left out. Some
 # nest: zeroshard's JOINT pass runs inside the joint-graph passes, codegen includes the
 # scheduler's codegen, and kernel compile is what codegen waits for the compile workers.
 PHASES: dict[str, tuple[str, ...]] = {

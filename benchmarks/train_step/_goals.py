@@ -70,8 +70,9 @@ def _split_table(times: list[CompileTime]) -> list[str]:
         "Where the compile seconds go, per probe, from torch's compile-time metrics "
         "(`torch._dynamo.utils.compile_times()`; zeroshard.compile's passes are recorded "
         "there too): the joint passes include zeroshard's JOINT pass, codegen includes "
-        "the wait for the kernel compile workers; '-' is a phase this torch does not "
-        "record. Caches: the FX graph and AOTAutograd cache hits and misses.",
+        "the wait for the kernel compile workers; '-': the phase did not run in that "
+        "process (a warm one loads from the caches) or this torch does not record it. "
+        "Caches: the FX graph and AOTAutograd cache hits and misses.",
         "",
         markdown_table(["probe", *(f"{k} s" for k in PHASES), *CACHES], rows),
     ]
