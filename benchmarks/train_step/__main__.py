@@ -38,9 +38,11 @@ memory kept between steps. An engine that fails gets a row saying why and the ru
 `--rounds N` runs every engine N times, in alternating order, and reports the median of
 the rounds. `--compile-time` times the compiled engines' cold and warm compile apart from
 the steps, in child processes of one rank (`_compile.py`), with their recompiles after
-step 2. `--profile` adds, per engine, the split of the step into compute, optimizer, exposed
-communication and idle time, and of its gap to the floor into (a) exposed communication
-and (b) compute kernels slowed by the collectives overlapping them (`_trace.py`).
+step 2 and the split of each compile into Dynamo, AOTAutograd, zeroshard's passes and
+inductor's phases, with the compile caches' hits and misses. `--profile` adds, per
+engine, the split of the step into compute, optimizer, exposed communication and idle
+time, and of its gap to the floor into (a) exposed communication and (b) compute kernels
+slowed by the collectives overlapping them (`_trace.py`).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling reads); full runs also write the "<section>" section of
 docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,

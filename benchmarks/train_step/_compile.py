@@ -10,7 +10,10 @@ would reuse. The child times its first steps: compile time is what the first two
 take beyond two steady steps (AOTAutograd compiles the backward lazily, in the first
 backward; a recompile at step 2 counts too). Recompiles after step 2 are the graphs Dynamo
 captured after step 2 (`torch._dynamo.utils.counters["stats"]["unique_graphs"]`), which
-must stay at zero.
+must stay at zero. The probe also splits the compile into its phases, from torch's own
+compile-time metrics (`PHASES`; zeroshard.compile's passes are timed there too), and
+counts the compile caches' hits and misses (`CACHES`): on the warm path, what still runs
+and whether the FX graph and AOTAutograd caches were hit.
 
 The main process then runs each compiled engine with the directory its probes left warm
 (`cache_dir`), so its warm-up steps do not pay a cold compile again.
@@ -34,6 +37,7 @@ from benchmarks._common import ROOT
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._settings import Settings
+from zeroshard.compile import PASSES_KEY
 
 # Steps a probe runs: 2 that may compile, then steady ones for the baseline and for the
 # recompile count after step 2.
@@ -52,6 +56,30 @@ _TORCHRUN_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+# The phases of a compile, each the sum of torch's compile-time metrics (`dynamo_timed`
+# keys) named; a phase none of whose keys was recorded (it did not run, or another torch
+# names it otherwise) is left out. Some
+# nest: zeroshard's JOINT pass runs inside the joint-graph passes, codegen includes the
+# scheduler's codegen, and kernel compile is what codegen waits for the compile workers.
+PHASES: dict[str, tuple[str, ...]] = {
+    "dynamo": ("bytecode_tracing",),
+    "aot trace": ("aot_collect_metadata", "aot_trace_joint_graph"),
+    "joint passes": ("_recursive_joint_graph_passes",),
+    "partition": ("min_cut_rematerialization_partition",),
+    "zeroshard passes": (PASSES_KEY,),
+    "post-grad passes": ("_recursive_post_grad_passes",),
+    "lowering": ("GraphLowering.run",),
+    "scheduler": ("Scheduler.__init__",),
+    "codegen": ("GraphLowering.codegen",),
+    "kernel compile": ("async_compile.wait",),
+}
+# The compile caches' counters (`torch._dynamo.utils.counters[group][name]`).
+CACHES: dict[str, tuple[str, str]] = {
+    "fx graph hit": ("inductor", "fxgraph_cache_hit"),
+    "fx graph miss": ("inductor", "fxgraph_cache_miss"),
+    "aot hit": ("aot_autograd", "autograd_cache_hit"),
+    "aot miss": ("aot_autograd", "autograd_cache_miss"),
+}
 # A probe that runs longer has hung (a cold compile of a 7B model takes minutes, not ten).
 _PROBE_TIMEOUT_S = 600
 
@@ -65,6 +93,8 @@ class Probe:
     steady_step_s: float
     graphs: int  # captured by the end of step 2
     recompiles: int  # captured after step 2
+    phases: dict[str, float]  # seconds per phase of `PHASES` over the probe
+    caches: dict[str, int]  # hits and misses per counter of `CACHES` over the probe
 
 
 @dataclass(frozen=True)
@@ -88,6 +118,22 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _phases() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {
+        phase: sum(sum(compilation_time_metrics[k]) for k in keys)
+        for phase, keys in PHASES.items()
+        if any(k in compilation_time_metrics for k in keys)
+    }
+
+
+def _caches() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {name: int(counters[group][key]) for name, (group, key) in CACHES.items()}
+
+
 def probe(
     name: str,
     bm: BenchModel,
@@ -98,6 +144,8 @@ def probe(
     """In the child: build, set up and step engine `name` PROBE_STEPS times; write a `Probe`
     as JSON to `out`."""
     device = settings.device
+    # The process's own warm-up may have compiled: only what this engine adds counts.
+    phases0, caches0 = _phases(), _caches()
     torch.manual_seed(0)
     with torch.device(device):
         model = bm.build()
@@ -118,6 +166,8 @@ def probe(
         steady_step_s=steady,
         graphs=graphs[1],
         recompiles=graphs[-1] - graphs[1],
+        phases={k: v - phases0.get(k, 0.0) for k, v in _phases().items()},
+        caches={k: v - caches0[k] for k, v in _caches().items()},
     )
     out.write_text(json.dumps(result.__dict__))
 
@@ -182,11 +232,20 @@ def measure(names: list[str], root: Path) -> list[CompileTime]:
     return results
 
 
+def split(p: Probe) -> str:
+    """A probe's phases (seconds) and cache counters, in one line."""
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in p.phases.items())
+    caches = ", ".join(f"{k} {v}" for k, v in p.caches.items())
+    return f"{phases}; caches: {caches}"
+
+
 def describe(r: CompileTime) -> str:
-    """One line: the cold and warm compile times and recompiles, or the error."""
+    """The cold and warm compile times and recompiles, then each probe's split; or the
+    error."""
     if r.cold is None or r.warm is None:
         return r.error or "not measured"
     return (
         f"cold {r.cold.compile_s:.1f} s, warm {r.warm.compile_s:.1f} s, recompiles after "
-        f"step 2: {r.cold.recompiles} cold, {r.warm.recompiles} warm"
+        f"step 2: {r.cold.recompiles} cold, {r.warm.recompiles} warm\n"
+        f"  cold: {split(r.cold)}\n  warm: {split(r.warm)}"
     )

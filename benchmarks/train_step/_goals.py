@@ -7,7 +7,7 @@ whose engines were not run (or failed) says "not measured", never "met".
 from __future__ import annotations
 
 from benchmarks._common import markdown_table
-from benchmarks.train_step._compile import CompileTime, Probe
+from benchmarks.train_step._compile import CACHES, PHASES, CompileTime, Probe
 from benchmarks.train_step._result import Result
 
 
@@ -50,6 +50,31 @@ def compile_table(times: list[CompileTime]) -> list[str]:
             ],
             rows,
         ),
+        "",
+        *_split_table(times),
+    ]
+
+
+def _split_table(times: list[CompileTime]) -> list[str]:
+    """Where each probe's compile seconds went, phase by phase, and its cache counters."""
+    rows: list[list[object]] = []
+    for t in times:
+        for kind, p in (("cold", t.cold), ("warm", t.warm)):
+            if p is None:
+                continue
+            phases = [f"{p.phases[k]:.1f}" if k in p.phases else "-" for k in PHASES]
+            rows.append([f"`{t.engine}` {kind}", *phases, *(p.caches[k] for k in CACHES)])
+    if not rows:
+        return []
+    return [
+        "Where the compile seconds go, per probe, from torch's compile-time metrics "
+        "(`torch._dynamo.utils.compile_times()`; zeroshard.compile's passes are recorded "
+        "there too): the joint passes include zeroshard's JOINT pass, codegen includes "
+        "the wait for the kernel compile workers; '-': the phase did not run in that "
+        "process (a warm one loads from the caches) or this torch does not record it. "
+        "Caches: the FX graph and AOTAutograd cache hits and misses.",
+        "",
+        markdown_table(["probe", *(f"{k} s" for k in PHASES), *CACHES], rows),
     ]
 
 

@@ -18,10 +18,11 @@ from zeroshard.compile._passes import (
     mark_recompute,
     prefetch,
 )
-from zeroshard.compile._pipeline import GraphPass, PassContext, Phase, Pipeline, Step
+from zeroshard.compile._pipeline import PASSES_KEY, GraphPass, PassContext, Phase, Pipeline, Step
 from zeroshard.compile._tables import save_tables
 
 __all__ = [
+    "PASSES_KEY",
     "CompiledModel",
     "GraphPass",
     "PassContext",

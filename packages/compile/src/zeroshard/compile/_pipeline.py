@@ -7,6 +7,10 @@ Each step of a pipeline names the phases it runs in:
   into forward and backward (recompute/save tags set here steer that split; autocast's
   casts exist from here on);
 - FORWARD and BACKWARD: the aten-level graphs AOTAutograd hands to the compiler.
+
+`run` is timed under `PASSES_KEY` in torch's own compile-time metrics
+(`torch._dynamo.utils.compile_times()`), next to Dynamo's, AOTAutograd's and inductor's
+phases, so a compile's seconds can be split between them and these passes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from torch import fx
+from torch._dynamo.utils import dynamo_timed
+
+# The name the passes' time is recorded under in torch's compile-time metrics.
+PASSES_KEY = "zeroshard.compile passes"
 
 
 class Phase(Enum):
@@ -89,7 +97,8 @@ class Pipeline:
 
     def run(self, graph: fx.Graph, context: PassContext) -> None:
         """Apply every step that runs in `context.phase`, in order, then lint the graph."""
-        for step in self.steps:
-            if context.phase in step.phases:
-                step.fn(graph, context)
-        graph.lint()
+        with dynamo_timed(PASSES_KEY):
+            for step in self.steps:
+                if context.phase in step.phases:
+                    step.fn(graph, context)
+            graph.lint()
