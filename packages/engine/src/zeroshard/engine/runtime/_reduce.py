@@ -88,8 +88,9 @@ class GradReducer:
         self.max_inflight = max_inflight
         self._slot_of: dict[nn.Parameter, tuple[FlatParamGroup, int]] = {}
         self._buckets: dict[int, torch.Tensor] = {}
-        self._ready: list[int] = [0] * len(self.order)
-        self._position = {g.index: i for i, g in enumerate(self.order)}
+        # Per group in a bucket: the slots written so far ([Note: bucket fill]).
+        self._filled: dict[int, list[int]] = {}
+        self._gaps = {g.index: _gaps(g) for g in groups if g.trainable}
         self._next = 0
         self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, Handle]] = deque()
         self._callback_queued = False
@@ -125,15 +126,14 @@ class GradReducer:
         assert p.grad is not None
         bucket = self._buckets.get(g.index)
         if bucket is None:
-            # Zeros: alignment gaps, padding and not-yet-arrived gradients must add nothing.
-            bucket = torch.zeros(g.layout.padded_numel, dtype=self.reduce_dtype, device=p.device)
-            self._buckets[g.index] = bucket
+            bucket = self._new_bucket(g, p.device)
         slot = g.layout.slots[i]
         bucket[slot.offset : slot.end].copy_(p.grad.reshape(-1))
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
-        self._ready[self._position[g.index]] += 1
-        if self.events is not None and self._ready[self._position[g.index]] == len(g.params):
+        filled = self._filled[g.index]
+        filled.append(i)
+        if self.events is not None and len(filled) == len(g.params):
             self.events.grads_ready(g)
         if self.overlap:
             self._launch_ready()
@@ -141,16 +141,36 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.order):
             g = self.order[self._next]
-            if self._ready[self._next] < len(g.params):
+            if len(self._filled.get(g.index, ())) < len(g.params):
                 return
             self._launch(g)
 
+    def _new_bucket(self, g: FlatParamGroup, device: torch.device) -> torch.Tensor:
+        """[Note: bucket fill] A bucket is not zero-filled: every slot is overwritten by its
+        gradient, so only what no gradient writes must be zeroed to add nothing: the
+        alignment gaps and the padding now (one foreach op), and the slots of parameters
+        whose gradient never arrived when the bucket is launched (`_launch`)."""
+        bucket = torch.empty(g.layout.padded_numel, dtype=self.reduce_dtype, device=device)
+        gaps = [bucket[a:b] for a, b in self._gaps[g.index]]
+        if gaps:
+            torch._foreach_zero_(gaps)
+        self._buckets[g.index] = bucket
+        self._filled[g.index] = []
+        return bucket
+
     def _launch(self, g: FlatParamGroup) -> None:
         bucket = self._buckets.pop(g.index, None)
+        filled = self._filled.pop(g.index, [])
         if bucket is None:
             bucket = torch.zeros(
                 g.layout.padded_numel, dtype=self.reduce_dtype, device=g.process_group.device
             )
+        elif len(filled) < len(g.params):
+            # Unused parameters: their slots add nothing ([Note: bucket fill]).
+            done = set(filled)
+            slots = g.layout.slots
+            missing = [bucket[s.offset : s.end] for k, s in enumerate(slots) if k not in done]
+            torch._foreach_zero_(missing)
         out, handle = self._reduce_scatter(g, bucket)
         self._inflight.append((g, out, handle))
         self._next += 1
@@ -199,8 +219,6 @@ class GradReducer:
         assert not self._inflight and self._next == 0
         self._order_source = groups
         self.order = [g for g in groups if g.trainable]
-        self._position = {g.index: i for i, g in enumerate(self.order)}
-        self._ready = [0] * len(self.order)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -212,7 +230,6 @@ class GradReducer:
             if self.offload is not None:
                 self.offload.drain()
             self._next = 0
-            self._ready = [0] * len(self.order)
         if self.events is not None:
             self.events.backward_done()
 
@@ -268,3 +285,16 @@ def _grad_buffer(g: FlatParamGroup) -> torch.Tensor:
     if buf is None:
         raise RuntimeError(f"flat group {g.index} has no stage-1 gradient buffer")
     return buf
+
+
+def _gaps(g: FlatParamGroup) -> list[tuple[int, int]]:
+    """[start, end) of what no slot of `g` covers: alignment gaps and the end's padding."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for slot in sorted(g.layout.slots, key=lambda s: s.offset):
+        if slot.offset > at:
+            out.append((at, slot.offset))
+        at = max(at, slot.end)
+    if g.layout.padded_numel > at:
+        out.append((at, g.layout.padded_numel))
+    return out
