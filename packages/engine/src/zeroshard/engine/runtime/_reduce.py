@@ -92,7 +92,8 @@ class GradReducer:
         self._filled: dict[int, list[int]] = {}
         self._gaps = {g.index: _gaps(g) for g in groups if g.trainable}
         self._next = 0
-        self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, Handle]] = deque()
+        # (group, reduced shard, whether that is a part of the bucket, handle)
+        self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, bool, Handle]] = deque()
         self._callback_queued = False
         # Stage 1: set when autograd has written gradients that are not reduced yet.
         self._stage1_dirty = False
@@ -171,15 +172,23 @@ class GradReducer:
             slots = g.layout.slots
             missing = [bucket[s.offset : s.end] for k, s in enumerate(slots) if k not in done]
             torch._foreach_zero_(missing)
-        out, handle = self._reduce_scatter(g, bucket)
-        self._inflight.append((g, out, handle))
+        in_place = self._in_place(g)
+        out, handle = self._reduce_scatter(g, bucket, in_place=in_place)
+        self._inflight.append((g, out, in_place, handle))
         self._next += 1
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
-    def _reduce_scatter(self, g: FlatParamGroup, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
-        """Start averaging `full` over `g`'s process group into a new shard-sized tensor."""
-        out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
+    def _reduce_scatter(
+        self, g: FlatParamGroup, full: torch.Tensor, *, in_place: bool = False
+    ) -> tuple[torch.Tensor, Handle]:
+        """Start averaging `full` over `g`'s process group into this rank's part of it
+        (`in_place`), or else into a new shard-sized tensor."""
+        if in_place:
+            lo, hi = g.shard_range
+            out = full[lo:hi]
+        else:
+            out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
         with record_function("zeroshard::reduce_scatter"):
             handle = g.process_group.reduce_scatter(
                 out, full, op="avg", label=f"grads of group {g.index}"
@@ -188,13 +197,26 @@ class GradReducer:
             self.stats.reduced(full.nbytes)
         return out, handle
 
-    def _finish_oldest(self) -> None:
-        g, out, handle = self._inflight.popleft()
-        handle.wait()
-        self._fold(g, out)
+    def _in_place(self, g: FlatParamGroup) -> bool:
+        """[Note: in-place reduce-scatter] Where the reduced shard is only read once, by
+        `_fold` (added into the gradient shard, or upcast into it), the reduce-scatter
+        writes it into this rank's part of the bucket itself, as FSDP2's does: no output is
+        allocated, and with one rank the collective moves nothing. Where the shard becomes
+        the gradient itself (the window's first fp32 shard, `adopt_grad_shard`), it must be
+        new memory, or the whole bucket would live on as the gradient; an offloaded shard
+        is copied to the host after the wait, so it keeps its own small tensor too."""
+        if g.offload is not None:
+            return False
+        return g.grad_shard is not None or self.reduce_dtype != g.master.dtype
 
-    def _fold(self, g: FlatParamGroup, out: torch.Tensor) -> None:
-        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard."""
+    def _finish_oldest(self) -> None:
+        g, out, in_place, handle = self._inflight.popleft()
+        handle.wait()
+        self._fold(g, out, fresh=not in_place)
+
+    def _fold(self, g: FlatParamGroup, out: torch.Tensor, *, fresh: bool) -> None:
+        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard;
+        `fresh`: `out` is new memory nobody else holds (it may become the shard)."""
         if self.replicate is not None:
             self.replicate.all_reduce(
                 out, op="avg", label=f"grads of group {g.index} (replicas)"
@@ -206,7 +228,7 @@ class GradReducer:
             # The first gradient since zero_grad: the reduce-scatter's output, fresh and
             # fp32, becomes the shard (no copy of it); another dtype is upcast into fresh
             # memory, no zero fill.
-            if not g.adopt_grad_shard(out):
+            if not (fresh and g.adopt_grad_shard(out)):
                 g.claim_grad_shard().copy_(out)
         else:
             g.grad_shard.add_(out)
@@ -245,7 +267,7 @@ class GradReducer:
             pending.append((g, buf, *self._reduce_scatter(g, buf.to(self.reduce_dtype))))
         for g, buf, out, handle in pending:
             handle.wait()
-            self._fold(g, out)
+            self._fold(g, out, fresh=True)
             buf.zero_()
         if self.offload is not None:
             self.offload.drain()
