@@ -29,11 +29,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
+from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._stats import EngineStats
 
@@ -189,7 +189,7 @@ class GradReducer:
             out = full[lo:hi]
         else:
             out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
-        with record_function("zeroshard::reduce_scatter"):
+        with phase("zeroshard::reduce_scatter"):
             handle = g.process_group.reduce_scatter(
                 out, full, op="avg", label=f"grads of group {g.index}"
             )
