@@ -200,11 +200,13 @@ class GradReducer:
     def _in_place(self, g: FlatParamGroup) -> bool:
         """[Note: in-place reduce-scatter] Where the reduced shard is only read once, by
         `_fold` (added into the gradient shard, or upcast into it), the reduce-scatter
-        writes it into this rank's part of the bucket itself, as FSDP2's does: no output is
-        allocated, and with one rank the collective moves nothing. Where the shard becomes
-        the gradient itself (the window's first fp32 shard, `adopt_grad_shard`), it must be
-        new memory, or the whole bucket would live on as the gradient; an offloaded shard
-        is copied to the host after the wait, so it keeps its own small tensor too."""
+        writes it into this rank's part of the bucket itself: no shard-sized output is
+        allocated per reduction in flight. (It saves no pass over the data: NCCL's float
+        average scales every element, in place or not, even with one rank.) Where the
+        shard becomes the gradient itself (the window's first fp32 shard,
+        `adopt_grad_shard`), it must be new memory, or the whole bucket would live on as
+        the gradient; an offloaded shard is copied to the host after the wait, so it keeps
+        its own small tensor too."""
         if g.offload is not None:
             return False
         return g.grad_shard is not None or self.reduce_dtype != g.master.dtype
