@@ -13,6 +13,14 @@ waits for the groups before it. At the end of each backward, groups whose gradie
 not all arrive (unused parameters) are reduced too, missing gradients counting as zero,
 so every rank issues every group's collective exactly once per backward.
 
+[Note: averaging in the copy]
+Stages 2/3 average over the process group by scaling each gradient by 1/size as it is
+copied into its bucket (the copy is a pass over it anyway), and the reduce-scatter sums.
+That is what NCCL's float average does inside the collective (it multiplies every input
+by 1/size before the sum), so the numbers are the same, but the collective has no pass of
+its own left: an in-place sum over one rank is no work at all, where an average still
+scales every element. Stage 1 reduces its accumulated buffers with the average.
+
 [Note: bucket memory]
 A bucket is held until its reduce-scatter is waited on. At most
 `max_inflight_reductions` are in flight: launching one more first waits on the oldest
@@ -30,7 +38,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from zeroshard.comm import Group, Handle
+from zeroshard.comm import Group, Handle, ReduceOp
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
@@ -129,7 +137,9 @@ class GradReducer:
         if bucket is None:
             bucket = self._new_bucket(g, p.device)
         slot = g.layout.slots[i]
-        bucket[slot.offset : slot.end].copy_(p.grad.reshape(-1))
+        # The average's 1/size, in the copy ([Note: averaging in the copy]).
+        scale = 1.0 / g.process_group.size
+        torch.mul(p.grad.reshape(-1), scale, out=bucket[slot.offset : slot.end])
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
         filled = self._filled[g.index]
@@ -173,17 +183,17 @@ class GradReducer:
             missing = [bucket[s.offset : s.end] for k, s in enumerate(slots) if k not in done]
             torch._foreach_zero_(missing)
         in_place = self._in_place(g)
-        out, handle = self._reduce_scatter(g, bucket, in_place=in_place)
+        out, handle = self._reduce_scatter(g, bucket, op="sum", in_place=in_place)
         self._inflight.append((g, out, in_place, handle))
         self._next += 1
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
     def _reduce_scatter(
-        self, g: FlatParamGroup, full: torch.Tensor, *, in_place: bool = False
+        self, g: FlatParamGroup, full: torch.Tensor, *, op: ReduceOp, in_place: bool = False
     ) -> tuple[torch.Tensor, Handle]:
-        """Start averaging `full` over `g`'s process group into this rank's part of it
-        (`in_place`), or else into a new shard-sized tensor."""
+        """Start reducing `full` over `g`'s process group by `op` into this rank's part of
+        it (`in_place`), or else into a new shard-sized tensor."""
         if in_place:
             lo, hi = g.shard_range
             out = full[lo:hi]
@@ -191,7 +201,7 @@ class GradReducer:
             out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
         with phase("zeroshard::reduce_scatter"):
             handle = g.process_group.reduce_scatter(
-                out, full, op="avg", label=f"grads of group {g.index}"
+                out, full, op=op, label=f"grads of group {g.index}"
             )
         if self.stats is not None:
             self.stats.reduced(full.nbytes)
@@ -201,12 +211,11 @@ class GradReducer:
         """[Note: in-place reduce-scatter] Where the reduced shard is only read once, by
         `_fold` (added into the gradient shard, or upcast into it), the reduce-scatter
         writes it into this rank's part of the bucket itself: no shard-sized output is
-        allocated per reduction in flight. (It saves no pass over the data: NCCL's float
-        average scales every element, in place or not, even with one rank.) Where the
-        shard becomes the gradient itself (the window's first fp32 shard,
-        `adopt_grad_shard`), it must be new memory, or the whole bucket would live on as
-        the gradient; an offloaded shard is copied to the host after the wait, so it keeps
-        its own small tensor too."""
+        allocated per reduction in flight, and NCCL's sum over one rank is no work at all
+        in place (a copy otherwise). Where the shard becomes the gradient itself (the
+        window's first fp32 shard, `adopt_grad_shard`), it must be new memory, or the
+        whole bucket would live on as the gradient; an offloaded shard is copied to the
+        host after the wait, so it keeps its own small tensor too."""
         if g.offload is not None:
             return False
         return g.grad_shard is not None or self.reduce_dtype != g.master.dtype
@@ -266,7 +275,8 @@ class GradReducer:
         for g in self.order:
             buf = _grad_buffer(g)
             self._repoint_stage1_grads(g, buf)
-            pending.append((g, buf, *self._reduce_scatter(g, buf.to(self.reduce_dtype))))
+            full = buf.to(self.reduce_dtype)
+            pending.append((g, buf, *self._reduce_scatter(g, full, op="avg")))
         for g, buf, out, handle in pending:
             handle.wait()
             self._fold(g, out, fresh=True)
