@@ -160,20 +160,26 @@ class FlatParamGroup:
         """
         buffer = self._sharded().param_buffer
         buffer.untyped_storage().resize_(self.layout.padded_numel * buffer.element_size())
-        return self.process_group.all_gather_into(
-            buffer, self._send(), label=f"gather of group {self.index}"
-        )
+        return self._gather_into(buffer, label=f"gather of group {self.index}")
 
     def _sharded(self) -> ShardedStorage:
         if not isinstance(self.storage, ShardedStorage):
             raise TypeError(f"flat group {self.index} is replicated: it is never gathered")
         return self.storage
 
-    def _send(self) -> torch.Tensor:
-        # The downcast before the gather: `send` lives in the handle until wait().
+    def _gather_into(self, buffer: torch.Tensor, *, label: str) -> Handle:
+        """[Note: in-place gather] The master shard is downcast straight into this rank's
+        part of `buffer`, and the all-gather runs in place (its input is that part, as
+        FSDP2's): no send buffer is allocated, and the collective does not copy this
+        rank's own part again (NCCL skips it in place; with one rank nothing is left to
+        move). The downcast is ordered before the collective on the current stream."""
+        lo, hi = self.shard_range
+        mine = buffer[lo:hi]
         if self.offload is not None:
-            return self.offload.compute_shard(self)
-        return self.master.detach().to(self.param_buffer.dtype)
+            mine.copy_(self.offload.compute_shard(self))
+        else:
+            mine.copy_(self.master.detach())
+        return self.process_group.all_gather_into(buffer, mine, label=label)
 
     def expose(self) -> None:
         """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
@@ -193,13 +199,11 @@ class FlatParamGroup:
 
         Stage 3 has nothing to do (gathers read the master, in forward). Stages 1
         and 2 start the all-gather into `param_buffer`; the cast happens before the gather,
-        so only compute-dtype bytes travel, and `send` lives in the handle until `wait()`.
+        so only compute-dtype bytes travel ([Note: in-place gather]).
         """
         if self.sharded:
             return completed_handle()
-        return self.process_group.all_gather_into(
-            self.param_buffer, self._send(), label=f"params of group {self.index}"
-        )
+        return self._gather_into(self.param_buffer, label=f"params of group {self.index}")
 
 
 def slot_views(buffer: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:

@@ -37,9 +37,9 @@ class GradGuard(torch.Tensor):
     """A storage-less stand-in for a gradient the engine holds as a shard; see the Note."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor) -> GradGuard:
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> GradGuard:
         return torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
+            cls, shape, dtype=dtype, device=device, requires_grad=False
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -57,7 +57,7 @@ class GradGuard(torch.Tensor):
         if func is torch.ops.aten.zero_.default:
             return args[0]
         if func is torch.ops.aten.detach.default:
-            return GradGuard(args[0])
+            return GradGuard(args[0].shape, args[0].dtype, args[0].device)
         raise RuntimeError(f"parameter.grad is not readable ({func}): {GUIDANCE}")
 
 
@@ -79,14 +79,17 @@ def install_grad_guards(groups: Sequence[FlatParamGroup], stage: int) -> None:
             if g.grad_buffer is not None
             else [None] * len(g.params)
         )
-        for p, view in zip(g.params, views, strict=True):
+        for p, view, slot in zip(g.params, views, g.layout.slots, strict=True):
             # Weakly, as the reducer's hooks: the hooks live in C++ where the cycle
             # collector cannot see a parameter -> hook -> view -> buffer cycle.
             # A leaf's tensor hook runs before autograd accumulates into `.grad`.
             before = _before_accumulate(weakref.ref(p), view)
             p.register_hook(before)  # type: ignore[no-untyped-call]  # untyped in torch
             register = p.register_post_accumulate_grad_hook  # untyped in torch
-            register(_after_accumulate(view))  # type: ignore[no-untyped-call]
+            # One guard per parameter for its whole life: it holds no memory and no
+            # state, and making one costs more than the rest of the hook.
+            guard = GradGuard(torch.Size(slot.shape), p.dtype, p.device)
+            register(_after_accumulate(view, guard))  # type: ignore[no-untyped-call]
 
 
 def _before_accumulate(
@@ -101,13 +104,17 @@ def _before_accumulate(
     return hook
 
 
-def _after_accumulate(view: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+def _after_accumulate(
+    view: torch.Tensor | None, guard: GradGuard
+) -> Callable[[torch.Tensor], None]:
     def hook(p: torch.Tensor) -> None:
         grad = p.grad
         if view is not None and grad is not None and grad.data_ptr() != view.data_ptr():
             # Stage 1 after `model.zero_grad()`: autograd made a fresh gradient outside
             # the buffer; fold it in before the slot is guarded.
             view.add_(grad.reshape(view.shape))
-        p.grad = GradGuard(p)
+        # The guard matches the parameter's shape now: a stage-3 unit released by this
+        # parameter's own gradient (the last of its unit) left it empty.
+        p.grad = guard if p.shape == guard.shape else GradGuard(p.shape, p.dtype, p.device)
 
     return hook

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_norm import shard_norm
+from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_step import EarlyStep, step_offloaded
@@ -180,7 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if overflow:
             self.reducer.zero_grad()
             return None
-        with record_function("zeroshard::optimizer_step"):
+        with phase("zeroshard::optimizer_step"):
             if self._early is not None:
                 self._early.finish(self._on_device())
                 self._early = None

@@ -13,6 +13,14 @@ waits for the groups before it. At the end of each backward, groups whose gradie
 not all arrive (unused parameters) are reduced too, missing gradients counting as zero,
 so every rank issues every group's collective exactly once per backward.
 
+[Note: averaging in the copy]
+Stages 2/3 average over the process group by scaling each gradient by 1/size as it is
+copied into its bucket (the copy is a pass over it anyway), and the reduce-scatter sums.
+That is what NCCL's float average does inside the collective (it multiplies every input
+by 1/size before the sum), so the numbers are the same, but the collective has no pass of
+its own left: an in-place sum over one rank is no work at all, where an average still
+scales every element. Stage 1 reduces its accumulated buffers with the average.
+
 [Note: bucket memory]
 A bucket is held until its reduce-scatter is waited on. At most
 `max_inflight_reductions` are in flight: launching one more first waits on the oldest
@@ -29,11 +37,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
-from zeroshard.comm import Group, Handle
+from zeroshard.comm import Group, Handle, ReduceOp
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
+from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._stats import EngineStats
 
@@ -88,10 +96,12 @@ class GradReducer:
         self.max_inflight = max_inflight
         self._slot_of: dict[nn.Parameter, tuple[FlatParamGroup, int]] = {}
         self._buckets: dict[int, torch.Tensor] = {}
-        self._ready: list[int] = [0] * len(self.order)
-        self._position = {g.index: i for i, g in enumerate(self.order)}
+        # Per group in a bucket: the slots written so far ([Note: bucket fill]).
+        self._filled: dict[int, list[int]] = {}
+        self._gaps = {g.index: _gaps(g) for g in groups if g.trainable}
         self._next = 0
-        self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, Handle]] = deque()
+        # (group, reduced shard, whether that is a part of the bucket, handle)
+        self._inflight: deque[tuple[FlatParamGroup, torch.Tensor, bool, Handle]] = deque()
         self._callback_queued = False
         # Stage 1: set when autograd has written gradients that are not reduced yet.
         self._stage1_dirty = False
@@ -125,15 +135,16 @@ class GradReducer:
         assert p.grad is not None
         bucket = self._buckets.get(g.index)
         if bucket is None:
-            # Zeros: alignment gaps, padding and not-yet-arrived gradients must add nothing.
-            bucket = torch.zeros(g.layout.padded_numel, dtype=self.reduce_dtype, device=p.device)
-            self._buckets[g.index] = bucket
+            bucket = self._new_bucket(g, p.device)
         slot = g.layout.slots[i]
-        bucket[slot.offset : slot.end].copy_(p.grad.reshape(-1))
+        # The average's 1/size, in the copy ([Note: averaging in the copy]).
+        scale = 1.0 / g.process_group.size
+        torch.mul(p.grad.reshape(-1), scale, out=bucket[slot.offset : slot.end])
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
-        self._ready[self._position[g.index]] += 1
-        if self.events is not None and self._ready[self._position[g.index]] == len(g.params):
+        filled = self._filled[g.index]
+        filled.append(i)
+        if self.events is not None and len(filled) == len(g.params):
             self.events.grads_ready(g)
         if self.overlap:
             self._launch_ready()
@@ -141,40 +152,82 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.order):
             g = self.order[self._next]
-            if self._ready[self._next] < len(g.params):
+            if len(self._filled.get(g.index, ())) < len(g.params):
                 return
             self._launch(g)
 
+    def _new_bucket(self, g: FlatParamGroup, device: torch.device) -> torch.Tensor:
+        """[Note: bucket fill] A bucket is not zero-filled: every slot is overwritten by its
+        gradient, so only what no gradient writes must be zeroed to add nothing: the
+        alignment gaps and the padding now (one foreach op), and the slots of parameters
+        whose gradient never arrived when the bucket is launched (`_launch`)."""
+        bucket = torch.empty(g.layout.padded_numel, dtype=self.reduce_dtype, device=device)
+        gaps = [bucket[a:b] for a, b in self._gaps[g.index]]
+        if gaps:
+            torch._foreach_zero_(gaps)
+        self._buckets[g.index] = bucket
+        self._filled[g.index] = []
+        return bucket
+
     def _launch(self, g: FlatParamGroup) -> None:
         bucket = self._buckets.pop(g.index, None)
+        filled = self._filled.pop(g.index, [])
         if bucket is None:
             bucket = torch.zeros(
                 g.layout.padded_numel, dtype=self.reduce_dtype, device=g.process_group.device
             )
-        out, handle = self._reduce_scatter(g, bucket)
-        self._inflight.append((g, out, handle))
+        elif len(filled) < len(g.params):
+            # Unused parameters: their slots add nothing ([Note: bucket fill]).
+            done = set(filled)
+            slots = g.layout.slots
+            missing = [bucket[s.offset : s.end] for k, s in enumerate(slots) if k not in done]
+            torch._foreach_zero_(missing)
+        in_place = self._in_place(g)
+        out, handle = self._reduce_scatter(g, bucket, op="sum", in_place=in_place)
+        self._inflight.append((g, out, in_place, handle))
         self._next += 1
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
-    def _reduce_scatter(self, g: FlatParamGroup, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
-        """Start averaging `full` over `g`'s process group into a new shard-sized tensor."""
-        out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
-        with record_function("zeroshard::reduce_scatter"):
+    def _reduce_scatter(
+        self, g: FlatParamGroup, full: torch.Tensor, *, op: ReduceOp, in_place: bool = False
+    ) -> tuple[torch.Tensor, Handle]:
+        """Start reducing `full` over `g`'s process group by `op` into this rank's part of
+        it (`in_place`), or else into a new shard-sized tensor."""
+        if in_place:
+            lo, hi = g.shard_range
+            out = full[lo:hi]
+        else:
+            out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
+        with phase("zeroshard::reduce_scatter"):
             handle = g.process_group.reduce_scatter(
-                out, full, op="avg", label=f"grads of group {g.index}"
+                out, full, op=op, label=f"grads of group {g.index}"
             )
         if self.stats is not None:
             self.stats.reduced(full.nbytes)
         return out, handle
 
-    def _finish_oldest(self) -> None:
-        g, out, handle = self._inflight.popleft()
-        handle.wait()
-        self._fold(g, out)
+    def _in_place(self, g: FlatParamGroup) -> bool:
+        """[Note: in-place reduce-scatter] Where the reduced shard is only read once, by
+        `_fold` (added into the gradient shard, or upcast into it), the reduce-scatter
+        writes it into this rank's part of the bucket itself: no shard-sized output is
+        allocated per reduction in flight, and NCCL's sum over one rank is no work at all
+        in place (a copy otherwise). Where the shard becomes the gradient itself (the
+        window's first fp32 shard, `adopt_grad_shard`), it must be new memory, or the
+        whole bucket would live on as the gradient; an offloaded shard is copied to the
+        host after the wait, so it keeps its own small tensor too."""
+        if g.offload is not None:
+            return False
+        return g.grad_shard is not None or self.reduce_dtype != g.master.dtype
 
-    def _fold(self, g: FlatParamGroup, out: torch.Tensor) -> None:
-        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard."""
+    def _finish_oldest(self) -> None:
+        g, out, in_place, handle = self._inflight.popleft()
+        handle.wait()
+        self._fold(g, out, fresh=not in_place)
+
+    def _fold(self, g: FlatParamGroup, out: torch.Tensor, *, fresh: bool) -> None:
+        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard;
+        `fresh`: `out` is new memory nobody else holds (it may become the shard)."""
         if self.replicate is not None:
             self.replicate.all_reduce(
                 out, op="avg", label=f"grads of group {g.index} (replicas)"
@@ -186,7 +239,7 @@ class GradReducer:
             # The first gradient since zero_grad: the reduce-scatter's output, fresh and
             # fp32, becomes the shard (no copy of it); another dtype is upcast into fresh
             # memory, no zero fill.
-            if not g.adopt_grad_shard(out):
+            if not (fresh and g.adopt_grad_shard(out)):
                 g.claim_grad_shard().copy_(out)
         else:
             g.grad_shard.add_(out)
@@ -199,8 +252,6 @@ class GradReducer:
         assert not self._inflight and self._next == 0
         self._order_source = groups
         self.order = [g for g in groups if g.trainable]
-        self._position = {g.index: i for i, g in enumerate(self.order)}
-        self._ready = [0] * len(self.order)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -212,7 +263,6 @@ class GradReducer:
             if self.offload is not None:
                 self.offload.drain()
             self._next = 0
-            self._ready = [0] * len(self.order)
         if self.events is not None:
             self.events.backward_done()
 
@@ -225,10 +275,11 @@ class GradReducer:
         for g in self.order:
             buf = _grad_buffer(g)
             self._repoint_stage1_grads(g, buf)
-            pending.append((g, buf, *self._reduce_scatter(g, buf.to(self.reduce_dtype))))
+            full = buf.to(self.reduce_dtype)
+            pending.append((g, buf, *self._reduce_scatter(g, full, op="avg")))
         for g, buf, out, handle in pending:
             handle.wait()
-            self._fold(g, out)
+            self._fold(g, out, fresh=True)
             buf.zero_()
         if self.offload is not None:
             self.offload.drain()
@@ -268,3 +319,16 @@ def _grad_buffer(g: FlatParamGroup) -> torch.Tensor:
     if buf is None:
         raise RuntimeError(f"flat group {g.index} has no stage-1 gradient buffer")
     return buf
+
+
+def _gaps(g: FlatParamGroup) -> list[tuple[int, int]]:
+    """[start, end) of what no slot of `g` covers: alignment gaps and the end's padding."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for slot in sorted(g.layout.slots, key=lambda s: s.offset):
+        if slot.offset > at:
+            out.append((at, slot.offset))
+        at = max(at, slot.end)
+    if g.layout.padded_numel > at:
+        out.append((at, g.layout.padded_numel))
+    return out

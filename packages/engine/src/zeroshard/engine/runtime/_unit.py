@@ -23,10 +23,10 @@ from collections.abc import Callable
 from enum import Enum
 
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from zeroshard.comm import Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._stats import EngineStats
 
 
@@ -91,7 +91,7 @@ class Unit:
         if self.state is not UnitState.RELEASED:
             return
         self._check_gather(self)
-        with record_function("zeroshard::gather"):
+        with phase("zeroshard::gather"):
             self._handles = [g.start_gather() for g in self.groups]
         self.state = UnitState.GATHERING
         self._stats.gathered(self.nbytes, prefetch=prefetch)
@@ -111,7 +111,7 @@ class Unit:
         if self.state is UnitState.RELEASED:
             return
         self._wait()
-        with record_function("zeroshard::release"):
+        with phase("zeroshard::release"):
             for g in self.groups:
                 g.release()
         self._stats.released(self.nbytes)
