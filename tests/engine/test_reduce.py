@@ -112,3 +112,33 @@ def _all() -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_unused_gaps_and_padding_add_nothing(world_size: int) -> None:
     run_ranks(_all, world_size)
+
+
+def _mixed_dtypes() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=3)
+    config = {"stage": 2, "compute_dtype": "bf16", "reduce_dtype": "fp32"}
+    model, _ = zs.initialize(model, make_optimizer(model, "sgd"), config)
+    groups = [g for g in zs.engine_state(model).groups if g.trainable]
+    local: dict[str, torch.Tensor] = {}
+    for g in groups:
+        for name, p in zip(g.names, g.params, strict=True):
+            p.register_hook(lambda grad, n=name: local.__setitem__(n, grad.detach().float()))
+    batches = global_batches(1, 1, world, MICRO)
+    loss_fn(model, batches[0, 0, rank]).backward()
+    every: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+    dist.all_gather_object(every, local)
+    mean = {n: sum(r[n] for r in every) / world for n in local}
+    for g in groups:
+        assert g.grad_shard is not None and g.grad_shard.dtype == torch.float32
+        # fp32 sums of the same terms in another order: a few ulps. A product rounded to
+        # bf16 before the sum would be off by up to 2**-9 of each term.
+        torch.testing.assert_close(
+            g.grad_shard, _expected_shard(g, dict(mean)), rtol=1e-5, atol=1e-7
+        )
+
+
+def test_fp32_reduction_of_bf16_gradients_scales_in_fp32() -> None:
+    """bf16 gradients reduced in fp32 over 3 ranks (1/3 is not a power of two): the
+    average's scaling must not round them to bf16 first ([Note: averaging in the copy])."""
+    run_ranks(_mixed_dtypes, 3)

@@ -139,7 +139,14 @@ class GradReducer:
         slot = g.layout.slots[i]
         # The average's 1/size, in the copy ([Note: averaging in the copy]).
         scale = 1.0 / g.process_group.size
-        torch.mul(p.grad.reshape(-1), scale, out=bucket[slot.offset : slot.end])
+        grad, dst = p.grad.reshape(-1), bucket[slot.offset : slot.end]
+        if grad.dtype == dst.dtype or scale == 1.0:
+            torch.mul(grad, scale, out=dst)
+        else:
+            # A product in the gradient's narrower dtype would round before the wider sum
+            # the user asked for (bf16 x 1/3 keeps 8 bits): upcast first, then scale.
+            dst.copy_(grad)
+            dst.mul_(scale)
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
         filled = self._filled[g.index]
