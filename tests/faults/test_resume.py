@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import zeroshard.engine as zs
 from tests._dist import run_ranks
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from zeroshard.ckpt import CheckpointError
 
 
 def _on_rank0(fn: object) -> None:
@@ -54,9 +56,16 @@ def _resume_cases(root_s: str) -> None:
     warned = pytest.warns(UserWarning, match="skipping checkpoint .*step-2.*missing rank00001")
     with warned if dist.get_rank() == 0 else contextlib.nullcontext():
         check(1)
+    # step-1 is damaged too: no checkpoint loads, and none is started over from step 0.
+    _on_rank0(lambda: (root / "step-1" / "rank00000.safetensors").unlink())
+    damaged = r"every checkpoint under .* is damaged \(step-2, step-1\)"
+    with pytest.raises(CheckpointError, match=damaged), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zs.resume_checkpoint(model, opt, root, client_state=data)
 
 
 def test_resume_newest_complete(tmp_path: Path) -> None:
     """None on an empty root; `latest` over a newer uncommitted or not-yet-latest one;
-    a checkpoint missing a rank's file skipped on every rank for the previous one."""
+    a checkpoint missing a rank's file skipped on every rank for the previous one; an
+    error on every rank when every checkpoint is damaged."""
     run_ranks(_resume_cases, 2, str(tmp_path / "ckpt"))

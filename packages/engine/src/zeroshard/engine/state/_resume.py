@@ -8,7 +8,9 @@ pointer update): `latest` is tried first, so that one is skipped, never half-rea
 checkpoint damaged after its commit (a rank file lost or truncated) fails its load on
 every rank alike (`load_checkpoint` agrees on one outcome), so every rank falls back to
 the same older one. Other errors (another model, per-rank state at another world size)
-are the caller's to see and are raised, not skipped.
+are the caller's to see and are raised, not skipped. When checkpoints exist and every one
+is damaged, resuming raises rather than starting fresh: a run from step 0 would go on
+saving over the only record of the old one, which someone may still repair.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 
 import torch
 
-from zeroshard.ckpt import ChecksumError, MissingShardError, list_checkpoints, read_latest
+from zeroshard.ckpt import (
+    CheckpointError,
+    ChecksumError,
+    MissingShardError,
+    list_checkpoints,
+    read_latest,
+)
 from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.runtime._state import EngineModel
 from zeroshard.engine.state._checkpoint import load_checkpoint
@@ -55,9 +63,11 @@ def resume_checkpoint(
 
     Tries `latest` first, then older `step-N` checkpoints, newest first, skipping those
     whose files are missing or corrupt (with a warning): see [Note: resuming after a
-    crash]. `client_state` / `rank_state` are restored as by `load_checkpoint`.
+    crash]. Raises `CheckpointError` when there are checkpoints and all are damaged.
+    `client_state` / `rank_state` are restored as by `load_checkpoint`.
     """
     root = Path(directory)
+    damaged = []
     for name in resume_candidates(root):
         try:
             return load_checkpoint(
@@ -69,4 +79,10 @@ def resume_checkpoint(
             )
         except (MissingShardError, ChecksumError) as e:
             warn_on_rank0(f"resume: skipping checkpoint {root / name}, which is damaged: {e}")
+            damaged.append(name)
+    if damaged:
+        raise CheckpointError(
+            f"resume: every checkpoint under {root} is damaged ({', '.join(damaged)}); not "
+            "starting from step 0 over them: repair them, or move them aside to start fresh"
+        )
     return None
