@@ -26,6 +26,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn
+from tests.engine._offload_train import train_and_collect
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS
@@ -90,7 +91,6 @@ def _train(
     ratio: float = 1.0,
     params: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(stage)
     model = Wide().to(device)
     cfg: dict[str, Any] = {
@@ -105,23 +105,10 @@ def _train(
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, _optimizer(model, kind, own), cfg)
-    batches = global_batches(STEPS, accum, world, MICRO)
-    for step in range(STEPS):
-        for a in range(accum):
-            loss = loss_fn(model, batches[step, a, rank].to(device)) / accum
-            if early and a == accum - 1:
-                with opt.step_in_backward():
-                    loss.backward()
-            else:
-                loss.backward()
-        if clip is not None:
-            opt.clip_grad_norm_(clip)
-        opt.step()
-        opt.zero_grad()
-    state = [
-        {k: v.cpu() for k, v in opt.state[g.master].items()} for g in opt.flat_groups if g.trainable
-    ]
-    return zs.full_state_dict(model), state
+    weights, state = train_and_collect(
+        model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, early=early, clip=clip
+    )
+    return weights, state
 
 
 def _same_case(device: str, stage: int, dtype: str = "bf16", accum: int = 1, **kw: Any) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from tests.engine._offload_train import train_and_collect
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS
 
 STEPS = 3
@@ -47,7 +48,6 @@ def _train(
     ratio: float = 1.0,
     params: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict[str, int]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(seed=stage).to(device)
     inner = make_optimizer(model)
     if own:
@@ -67,23 +67,10 @@ def _train(
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, inner, cfg)
-    batches = global_batches(STEPS, accum, world, MICRO)
-    for step in range(STEPS):
-        for a in range(accum):
-            loss = loss_fn(model, batches[step, a, rank].to(device)) / accum
-            if early and a == accum - 1:
-                with opt.step_in_backward():
-                    loss.backward()
-            else:
-                loss.backward()
-        if clip is not None:
-            opt.clip_grad_norm_(clip)
-        opt.step()
-        opt.zero_grad()
-    state = [
-        {k: v.cpu() for k, v in opt.state[g.master].items()} for g in opt.flat_groups if g.trainable
-    ]
-    return zs.full_state_dict(model), state, calls
+    weights, state = train_and_collect(
+        model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, early=early, clip=clip
+    )
+    return weights, state, calls
 
 
 def _same_case(
