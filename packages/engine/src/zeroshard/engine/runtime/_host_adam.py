@@ -123,8 +123,10 @@ def fused_adam(inner: torch.optim.Optimizer, param_group: int) -> FusedAdam | No
     if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
         # As torch does for CPU parameters: the kernel reads a CPU lr.
         lr = lr.to("cpu")
+    # torch < 2.7 keeps AdamW apart from Adam, with no `decoupled_weight_decay` key.
+    decoupled = pg.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW))
     return FusedAdam(
-        torch._fused_adamw_ if pg["decoupled_weight_decay"] else torch._fused_adam_,
+        torch._fused_adamw_ if decoupled else torch._fused_adam_,
         lr,
         beta1,
         beta2,
