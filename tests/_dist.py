@@ -7,6 +7,9 @@ deadline kills all ranks and fails the test instead of hanging CI; once one rank
 failed, the others get a short grace period (they may be stuck in a collective that
 the failed rank never joined) and are then killed.
 
+If another process takes the free port before rank 0 binds it, the ranks start again on
+a new one (at most `PORT_ATTEMPTS` times).
+
 `subtests(params)` is the product of a parameter dict; run it inside one spawn with
 `run_each` so that a dozen combinations cost one process start, not a dozen.
 """
@@ -27,6 +30,7 @@ from typing import Any
 
 DEFAULT_TIMEOUT_S = 180.0
 GRACE_AFTER_FAILURE_S = 10.0
+PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -100,6 +104,32 @@ def run_ranks(
     `fn` must be importable by name (a module-level function) because ranks are
     spawned, not forked.
     """
+    for _ in range(PORT_ATTEMPTS):
+        failures, missing = _run_once(fn, world_size, args, device, timeout_s, pg_timeout_s)
+        # Between `free_port` and rank 0's store binding it, another process (a parallel
+        # test, NCCL's own sockets) may take the port: then no rank got past the
+        # rendezvous, nothing of `fn` ran, and the same ranks go again on another port.
+        rank0 = failures.get(0, "")
+        if not ("EADDRINUSE" in rank0 and "init_process_group" in rank0):
+            break
+    if failures or missing:
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+        if missing:
+            why = "after another rank failed" if failures else f"within {timeout_s:.0f}s"
+            parts.append(f"ranks {missing} did not finish {why} and were killed")
+        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(parts))
+
+
+def _run_once(
+    fn: Callable[..., None],
+    world_size: int,
+    args: tuple[Any, ...],
+    device: str,
+    timeout_s: float,
+    pg_timeout_s: float,
+) -> tuple[dict[int, str], list[int]]:
+    """Spawn the ranks once on a fresh port: each failing rank's traceback, and the ranks
+    that never reported."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -147,13 +177,7 @@ def run_ranks(
                 p.kill()
         for p in procs:
             p.join(timeout=5)
-    missing = sorted(set(range(world_size)) - done)
-    if failures or missing:
-        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
-        if missing:
-            why = "after another rank failed" if failures else f"within {timeout_s:.0f}s"
-            parts.append(f"ranks {missing} did not finish {why} and were killed")
-        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(parts))
+    return failures, sorted(set(range(world_size)) - done)
 
 
 def subtests(params: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:

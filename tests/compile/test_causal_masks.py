@@ -152,6 +152,11 @@ def _old_torch_masks() -> Iterator[None]:
     torch.compile and builds it in the graph. This is the check transformers makes."""
     import transformers.masking_utils as masking
 
+    if not hasattr(masking, "is_torchdynamo_exporting"):
+        # transformers before that check (the GPU image's) never skips the mask while
+        # compiling: its behaviour is the one emulated.
+        yield
+        return
     saved = masking.is_torchdynamo_exporting
     masking.is_torchdynamo_exporting = lambda: True
     try:

@@ -54,7 +54,9 @@ def _fp16(device: str) -> None:
             scales.append(opt.scaler.scale if opt.scaler else 0.0)
         # An overflow: the step is skipped (parameters unchanged), the scale halves.
         before = zs.full_state_dict(m)
-        loss = runner(batches[0, 0, rank, :, :-1].to(device)).float().sum() * math.inf
+        # Sliced after the move, as loss_fn slices: the input keeps the strides the graph
+        # was captured with (`.to("cuda")` of a slice would copy it contiguous: a recompile).
+        loss = runner(batches[0, 0, rank].to(device)[:, :-1]).float().sum() * math.inf
         loss.backward()
         opt.step()
         opt.zero_grad()
