@@ -71,6 +71,7 @@ from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
+from zeroshard.engine.runtime._host_threads import cut_team, stepping_threads
 from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, offload_sizes
 from zeroshard.engine.runtime._offload_upload import ShardUpload
@@ -149,6 +150,9 @@ class HostOffload:
         # on a thread of its own (made on first use) with its steps outstanding.
         self._step_one: Callable[[FlatParamGroup], None] | None = None
         self._stepper: ThreadPoolExecutor | None = None
+        # The main thread's intra-op threads while its team is cut ([Note: host step
+        # threads] in _host_threads.py).
+        self._main_threads: int | None = None
         self._steps: deque[Future[None]] = deque()
         for g in self.groups:
             self._adopt(g)
@@ -205,7 +209,10 @@ class HostOffload:
             # to retire would wait behind the CPU steps queued before it, so backward
             # would stall on the optimizer.
             if self._stepper is None:
-                self._stepper = grad_worker(self.device, "zeroshard-offload-step")
+                threads = None
+                if self._main_threads is not None:
+                    threads = stepping_threads(self._main_threads)
+                self._stepper = grad_worker(self.device, "zeroshard-offload-step", threads=threads)
             self._steps.append(self._stepper.submit(_after, future, self._step_one, g))
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
@@ -232,6 +239,11 @@ class HostOffload:
     def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
         """From now on step each group on the stepping thread as its gradient lands (None:
         stop)."""
+        if step_one is not None and self._main_threads is None and self.device.type == "cuda":
+            self._main_threads = cut_team()
+        if step_one is None and self._main_threads is not None:
+            torch.set_num_threads(self._main_threads)
+            self._main_threads = None
         self._step_one = step_one
 
     def drain(self) -> None:

@@ -62,14 +62,22 @@ class SideStream:
         return ev
 
 
-def grad_worker(device: torch.device, name: str = "zeroshard-offload-grads") -> ThreadPoolExecutor:
+def grad_worker(
+    device: torch.device, name: str = "zeroshard-offload-grads", *, threads: int | None = None
+) -> ThreadPoolExecutor:
     """One thread running its tasks in order: the one that waits on gradient copies and adds
-    staged gradients, or (named) the one that steps groups in backward."""
-    if device.type != "cuda":
-        return ThreadPoolExecutor(1, name)
-    # It waits on CUDA events: make this rank's device its current one, not device 0
-    # (where a first CUDA call would otherwise create a context).
-    return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device, initargs=(device,))
+    staged gradients, or (named) the one that steps groups in backward, with `threads`
+    intra-op threads if given ([Note: host step threads] in _host_threads.py)."""
+
+    def init() -> None:
+        if device.type == "cuda":
+            # It waits on CUDA events: make this rank's device its current one, not
+            # device 0 (where a first CUDA call would otherwise create a context).
+            torch.cuda.set_device(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+    return ThreadPoolExecutor(1, name, initializer=init)
 
 
 @dataclass(frozen=True)
