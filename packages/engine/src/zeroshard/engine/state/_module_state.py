@@ -58,6 +58,8 @@ def install_state_dict_hooks(model: nn.Module, state: EngineState) -> None:
     taken: set[str] = set()
 
     def pre_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # Stage 3 reads the masters: those of every step() so far (delay_param_update).
+        state.optimizer.settle()
         mode.in_root = True
 
     def post_save(
@@ -81,6 +83,8 @@ def install_state_dict_hooks(model: nn.Module, state: EngineState) -> None:
                 "load_state_dict(assign=True) would replace the engine's sharded parameters; "
                 "load without assign (values are copied into the shards)"
             )
+        # A delayed step in flight (delay_param_update) must not write over what is loaded.
+        state.optimizer.settle()
         taken.update(_scatter(state, module, state_dict, prefix, error_msgs))
 
     def post_load(module: nn.Module, incompatible: Any) -> None:
