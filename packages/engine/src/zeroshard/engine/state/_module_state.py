@@ -58,8 +58,6 @@ def install_state_dict_hooks(model: nn.Module, state: EngineState) -> None:
     taken: set[str] = set()
 
     def pre_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        # Stage 3 reads the masters: those of every step() so far (delay_param_update).
-        state.optimizer.settle()
         mode.in_root = True
 
     def post_save(
