@@ -56,7 +56,11 @@ run computes its first window at the saved weights, without the lag.
 
 On a GPU the uploads follow the current stream as the stepping thread queues them
 ([Note: offload stream order]); the publish that reads the compute shards was queued at
-step(), before the thread started, so no upload overwrites a shard it still reads.
+step(), before the thread started, so no upload overwrites a shard it still reads. Each
+copy also waits for the next forward and backward as queued so far, and a slot is reused
+only after its copy, so the step may be paced by that compute; at world > 1 this cannot
+deadlock: the rank that queued the fewest collectives waits only on collectives every
+rank has queued, so it moves on, and the others after it.
 """
 
 from __future__ import annotations
