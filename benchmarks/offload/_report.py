@@ -14,6 +14,7 @@ def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
 
 NAMES = {
     "train-zs-overlap": "zeroshard offload_optimizer, step_in_backward",
+    "train-zs-dpu": "zeroshard offload_optimizer, delay_param_update",
     "train-zs": "zeroshard offload_optimizer",
     "train-zs-clip": "zeroshard offload_optimizer, clip_grad_norm_",
     "train-ds": "DeepSpeed ZeRO-Offload",
@@ -46,7 +47,8 @@ def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
 def _resources(results: dict[str, dict[str, Any]]) -> str:
     """The step against the GPU, the bus and the CPU alone (what overlap can reach)."""
     fb, tr, adam = (results.get(k, {}) for k in ("fwd-bwd", "transfer", "adam-torch-fused"))
-    runs = {k: results.get(k, {}) for k in ("train-zs-overlap", "train-zs", "train-zs-clip")}
+    zs_rows = ("train-zs-overlap", "train-zs-dpu", "train-zs", "train-zs-clip")
+    runs = {k: results.get(k, {}) for k in zs_rows}
     done = {k: r for k, r in runs.items() if r.get("ok")}
     if not (fb.get("ok") and tr.get("ok") and adam.get("ok") and done):
         return ""
@@ -97,7 +99,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         else:
             body += f"\n\nLargest that trains: {fits[-1]['params'] / 1e9:.2f}B."
     ds = results.get("train-ds", {})
-    for k in ("train-zs-overlap", "train-zs"):
+    for k in ("train-zs-overlap", "train-zs-dpu", "train-zs"):
         zs = results.get(k, {})
         if zs.get("ok") and ds.get("ok"):
             ratio = zs["tokens_per_s"] / ds["tokens_per_s"]

@@ -2,7 +2,7 @@
 
     python -m benchmarks.offload._worker PART ARGS_JSON OUT_JSON
 
-PART is `train-zs`, `train-zs-overlap`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
+PART is `train-zs`, `train-zs-overlap`, `train-zs-dpu`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
 `transfer`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach`, `adam-ds` or
 `adam-zs-host`.
 Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
@@ -78,8 +78,9 @@ def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTC
 
 def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     """Time one offloaded training step (bf16 compute, AdamW on the CPU); `zs-overlap`
-    steps the CPU inside backward (`step_in_backward`), `zs-clip` clips the gradients'
-    global norm first."""
+    steps the CPU inside backward (`step_in_backward`), `zs-dpu` beside the next forward and
+    backward (`offload_delay_param_update`: weights one step behind), `zs-clip` clips the
+    gradients' global norm first."""
     device = _join_alone(a["smoke"])
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -114,6 +115,7 @@ def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callab
         "compute_dtype": "bf16",
         "offload_optimizer": True,
         "offload_params": a["offload_params"],
+        "offload_delay_param_update": mode == "zs-dpu",
     }
     zmodel, zopt = zs.initialize(model, opt, config)
 

@@ -58,6 +58,8 @@ def test_every_flat_key_lands_in_its_policy() -> None:
         "offload_params": True,
         "offload_pin_memory": False,
         "offload_chunk_bytes": 512,
+        # True needs stage 1 or 2: it lands in its policy below, at stage 2.
+        "offload_delay_param_update": False,
     }
     assert sorted(flat) == sorted(FLAT_KEYS)  # the test covers every key
     cfg = ZeroConfig.from_dict(flat)
@@ -77,6 +79,8 @@ def test_every_flat_key_lands_in_its_policy() -> None:
     assert cfg.to_dict() == {**flat, "compute_dtype": "fp16", "reduce_dtype": "fp32"}
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
     assert ZeroConfig.from_dict(ZeroConfig().to_dict()) == ZeroConfig()
+    delayed = cfg.replace(stage=2, offload_params=False, offload_delay_param_update=True)
+    assert delayed.offload == OffloadPolicy(True, 0.25, False, False, 512, True)
 
 
 def test_policies_as_nested_dicts_and_replace() -> None:

@@ -106,6 +106,11 @@ class ZeroConfig:
                 f"offload.params (offload_params) needs stage 3 (parameters are whole on every "
                 f"rank at stage {self.stage}); use offload_optimizer to offload optimizer state"
             )
+        if self.offload.delay_param_update and self.stage == 3:
+            raise ValueError(
+                "offload.delay_param_update (offload_delay_param_update) needs stage 1 or 2: "
+                "at stage 3 the next forward gathers the shards the delayed step rewrites"
+            )
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> ZeroConfig:

@@ -85,6 +85,9 @@ _TRANSLATED = (
     "stage3_param_persistence_threshold",
     "offload_optimizer",
     "offload_param",
+    # Not in DeepSpeed's releases: the ZeRO-Offload paper's DPU, as its authors' DeepSpeed
+    # branch spells it (beside `cpu_offload`).
+    "delay_param_update",
     *_ELEMENTS_TO_BYTES,
 )
 # Keys whose DeepSpeed value is what zeroshard always does; any other value is refused.
@@ -334,6 +337,10 @@ def _translate_zero(
             )
         out["offload_params"] = on
         out["offload_pin_memory"] = out.get("offload_pin_memory", True) and pin
+    if "delay_param_update" in z:
+        out["offload_delay_param_update"] = check_bool(
+            "zero_optimization.delay_param_update", z["delay_param_update"]
+        )
     return out
 
 

@@ -179,10 +179,20 @@ class OffloadPolicy:
     """Offloaded state is cut into chunks holding this many bytes of fp32 master per rank;
     host-to-device copies go chunk by chunk (flat key `offload_chunk_bytes`)."""
 
+    delay_param_update: bool = False
+    """ZeRO-Offload's delayed parameter update: `step()` starts the CPU step and returns,
+    and the step runs while the next forward and backward compute, so they use the
+    weights of the step before; the weights lag one step (stages 1/2; needs `optimizer`
+    and torch's Adam/AdamW with fused=True; flat key `offload_delay_param_update`,
+    DeepSpeed's `zero_optimization.delay_param_update`)."""
+
     def __post_init__(self) -> None:
         check_bool("offload.optimizer (offload_optimizer)", self.optimizer)
         check_bool("offload.params (offload_params)", self.params)
         check_bool("offload.pin_memory (offload_pin_memory)", self.pin_memory)
+        check_bool(
+            "offload.delay_param_update (offload_delay_param_update)", self.delay_param_update
+        )
         check_int("offload.chunk_bytes (offload_chunk_bytes)", self.chunk_bytes, minimum=1)
         ratio = check_positive_float("offload.ratio (offload_ratio)", self.ratio)
         if ratio > 1:
@@ -191,6 +201,11 @@ class OffloadPolicy:
         if ratio != 1.0 and not self.optimizer:
             raise ValueError(
                 f"offload.ratio={ratio} needs offload.optimizer=True (offload_optimizer)"
+            )
+        if self.delay_param_update and not self.optimizer:
+            raise ValueError(
+                "offload.delay_param_update (offload_delay_param_update) needs "
+                "offload.optimizer=True: it delays the CPU step of offloaded optimizer state"
             )
         if self.params and not self.optimizer:
             raise ValueError(

@@ -10,12 +10,13 @@ host (16 cores) a 1M-element block of the step took 0.23-0.28 ms with one team a
 0.34-0.38 ms with the main thread's team beside the stepping thread's, whichever of the
 two ran it; and `step_in_backward`, whose groups step on a thread of their own
 ([Note: offload step pipeline]), stepped 2.3-3.1 G elements/s against 3.8-4.2 for the
-serial step on the main thread. So while groups step on the stepping thread, the main
-thread's team is cut to `MAIN_KEEP` threads (libgomp ends a pool's surplus threads when
-a smaller region starts) and the stepping thread takes the other cores. The main thread
-waits in backward meanwhile (a CUDA backward runs on autograd's device thread) and gets
-its thread count back when the stepping stops. On the CPU (gloo) nothing changes: there
-the backward itself computes on the main thread's team.
+serial step on the main thread. So while groups step on the stepping thread (under
+`step_in_backward`, and `delay_param_update`'s step in flight), the main thread's team is
+cut to `MAIN_KEEP` threads (libgomp ends a pool's surplus threads when a smaller region
+starts) and the stepping thread takes the other cores. Meanwhile the main thread only
+queues CUDA work (or waits in a backward that autograd's device thread runs); it gets
+its thread count back when the stepping stops (`step()`, `settle`). On the CPU (gloo)
+nothing changes: there forward and backward compute on the main thread's team.
 """
 
 from __future__ import annotations

@@ -81,6 +81,16 @@ _MAX_PENDING = 4
 
 
 @dataclass(frozen=True)
+class HostGrad:
+    """An offloaded group's gradient as its step reads it: the tensor (the reduce dtype or
+    fp32) and the clipping / unscaling factors not applied to it yet ([Note: offload host
+    memory]). A delayed step holds this while `zero_grad` forgets the group's gradient."""
+
+    tensor: torch.Tensor
+    factors: tuple[torch.Tensor | float, ...]
+
+
+@dataclass(frozen=True)
 class OffloadBytes:
     """Bytes one rank holds for offload: on the host, pinned, and moved per step each way."""
 
@@ -154,6 +164,10 @@ class HostOffload:
         # threads] in _host_threads.py).
         self._main_threads: int | None = None
         self._steps: deque[Future[None]] = deque()
+        # delay_param_update: the step of each group in flight on the stepping thread, and
+        # the upload after them ([Note: delayed parameter update] in _offload_step.py).
+        self._delayed: dict[int, Future[None]] = {}
+        self._delayed_tail: Future[None] | None = None
         for g in self.groups:
             self._adopt(g)
 
@@ -186,6 +200,10 @@ class HostOffload:
         `g`'s fp32 host gradient, without waiting for it (see [Note: offload stream order])."""
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
+        step = self._delayed.pop(g.index, None)
+        if step is not None:
+            # The delayed step of the last window still reads this group's host gradient.
+            step.result()
         slot: torch.Tensor | None = None
         add = None
         if g.grad_shard is None:
@@ -208,12 +226,27 @@ class HostOffload:
             # pipeline]): not on the worker, where a receive waiting for its oldest copy
             # to retire would wait behind the CPU steps queued before it, so backward
             # would stall on the optimizer.
-            if self._stepper is None:
-                threads = None
-                if self._main_threads is not None:
-                    threads = stepping_threads(self._main_threads)
-                self._stepper = grad_worker(self.device, "zeroshard-offload-step", threads=threads)
-            self._steps.append(self._stepper.submit(_after, future, self._step_one, g))
+            self._steps.append(self._stepping().submit(_after, future, self._step_one, g))
+
+    def _stepping(self) -> ThreadPoolExecutor:
+        """The stepping thread (made on first use, with the cores `_take_cores` freed)."""
+        if self._stepper is None:
+            threads = None
+            if self._main_threads is not None:
+                threads = stepping_threads(self._main_threads)
+            self._stepper = grad_worker(self.device, "zeroshard-offload-step", threads=threads)
+        return self._stepper
+
+    def _take_cores(self) -> None:
+        """Cut the main thread's OpenMP team while the stepping thread steps ([Note: host
+        step threads] in _host_threads.py); on the CPU the backward needs them."""
+        if self._main_threads is None and self.device.type == "cuda":
+            self._main_threads = cut_team()
+
+    def _give_cores_back(self) -> None:
+        if self._main_threads is not None:
+            torch.set_num_threads(self._main_threads)
+            self._main_threads = None
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
         """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
@@ -239,12 +272,36 @@ class HostOffload:
     def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
         """From now on step each group on the stepping thread as its gradient lands (None:
         stop)."""
-        if step_one is not None and self._main_threads is None and self.device.type == "cuda":
-            self._main_threads = cut_team()
-        if step_one is None and self._main_threads is not None:
-            torch.set_num_threads(self._main_threads)
-            self._main_threads = None
+        if step_one is not None:
+            self._take_cores()
+        else:
+            self._give_cores_back()
         self._step_one = step_one
+
+    def step_delayed(
+        self, order: Sequence[FlatParamGroup], step_one: Callable[[FlatParamGroup], None]
+    ) -> None:
+        """delay_param_update: step the groups of `order` one after another on the stepping
+        thread, then send the chunks not sent yet, and return at once. A group's next
+        gradient waits in `receive` for its step; `settle` waits for all of it."""
+        assert not self._delayed and self._delayed_tail is None
+        self._take_cores()
+        stepper = self._stepping()
+        for g in order:
+            self._delayed[g.index] = stepper.submit(step_one, g)
+        self._delayed_tail = stepper.submit(self.finish_upload)
+
+    def settle(self) -> None:
+        """Wait for the delayed step in flight, if any (raising what it raised)."""
+        futures = [*self._delayed.values(), *([self._delayed_tail] if self._delayed_tail else [])]
+        self._delayed.clear()
+        self._delayed_tail = None
+        for f in futures:
+            # Every one is waited, so none is still running when the first error raises.
+            f.exception()
+        self._give_cores_back()
+        for f in futures:
+            f.result()
 
     def drain(self) -> None:
         """Wait until every gradient copy has landed, every staged one was added and every
@@ -260,26 +317,31 @@ class HostOffload:
         n = g.layout.shard_numel
         return [(lo, min(n, lo + STEP_BLOCK)) for lo in range(0, n, STEP_BLOCK)]
 
+    def host_grad(self, g: FlatParamGroup) -> HostGrad | None:
+        """`g`'s gradient of this window with its pending factors; None if none arrived."""
+        if g.grad_shard is None:
+            return None
+        return HostGrad(g.grad_shard, tuple(self._factors.get(g.index, ())))
+
     @torch.no_grad()
-    def grad_block(self, g: FlatParamGroup, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of `g`'s gradient in fp32, its factors applied: a view of the
-        fp32 gradient itself, or an upcast valid until the next call."""
-        grad = g.grad_shard
-        assert grad is not None
-        if grad.dtype == torch.float32:
-            return grad[lo:hi]
+    def grad_block(self, grad: HostGrad, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `grad` in fp32, its factors applied: a view of the fp32
+        gradient itself, or an upcast valid until the next call."""
+        if grad.tensor.dtype == torch.float32:
+            return grad.tensor[lo:hi]
         out = self._upcast[: hi - lo]
-        out.copy_(grad[lo:hi])
-        for f in self._factors.get(g.index, ()):
+        out.copy_(grad.tensor[lo:hi])
+        for f in grad.factors:
             out.mul_(f)
         return out
 
     def grad_norm(self, g: FlatParamGroup) -> torch.Tensor:
         """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived), on
         every core, block by block ([Note: host gradient norm])."""
-        if g.grad_shard is None:
+        grad = self.host_grad(g)
+        if grad is None:
             return torch.zeros(())
-        rows = [row_norms(self.grad_block(g, lo, hi)) for lo, hi in self.blocks(g)]
+        rows = [row_norms(self.grad_block(grad, lo, hi)) for lo, hi in self.blocks(g)]
         return norm_of_rows(rows)
 
     def scale_grads(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
@@ -303,15 +365,15 @@ class HostOffload:
         """`g`'s whole gradient in fp32, its factors applied (the step outside [Note:
         blocked host step]): the fp32 gradient itself, or an upcast valid until the next
         call; None if `g` has none."""
-        grad = g.grad_shard
-        if grad is None or grad.dtype == torch.float32:
-            return grad
-        if self._upcast.numel() < grad.numel():
+        grad = self.host_grad(g)
+        if grad is None or grad.tensor.dtype == torch.float32:
+            return None if grad is None else grad.tensor
+        if self._upcast.numel() < grad.tensor.numel():
             # Planned as one block (the optimizer steps in blocks) but this step is not.
             self._host_bytes -= self._upcast.nbytes
             largest = max(h.layout.shard_numel for h in self.groups)
             self._upcast = self._host(largest, torch.float32, False)
-        return self.grad_block(g, 0, grad.numel())
+        return self.grad_block(grad, 0, grad.tensor.numel())
 
     # -- shards out ----------------------------------------------------------------------
     def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:

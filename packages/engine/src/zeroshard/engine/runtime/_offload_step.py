@@ -25,11 +25,48 @@ and the upload after it.
 
 The user's step hooks on the wrapped optimizer run once around the whole step, as they
 would around one `step()`: the per-group calls go to the class's unhooked `step`.
+
+[Note: delayed parameter update]
+With `offload.delay_param_update` (ZeRO-Offload's DPU) `step()` k steps the groups left on
+the device at once, then hands the offloaded groups to the stepping thread (`DelayedStep`)
+and returns: their CPU step, and the upload of their compute shards as each chunk is
+final, run while the forward and backward of window k+1 compute with the parameters
+published at step() k, the weights of step k-1. Step() k+1 waits for step k (`settle`),
+publishes its weights (the device groups' too, so every weight lags alike), and only then
+starts step k+1. So g_k is computed at w_{k-2} (w_{-1} = w_0) and w_k = step(w_{k-1}, g_k):
+the step time tends to max(GPU forward + backward, CPU step) instead of their sum.
+
+What the thread reads is fixed at step(): each group's gradient and pending factors
+(`HostGrad`: `zero_grad` forgets them at once) and the fused kernel's hyperparameters
+(`FusedAdam`, a tensor lr copied: an LR scheduler changes them after step()). Only torch's
+fused Adam/AdamW step this way (`delayed_step_refusal`): any other optimizer reads its
+param groups while it steps. The thread steps the last group first: the next backward's
+first gradients are the last groups', and a gradient lands in the host gradient its
+group's step still reads only after that step finished (`HostOffload.receive` waits for
+it), so no second host gradient is held (0 more host bytes per parameter) and backward
+waits on the CPU only where the CPU is slower. Gradient accumulation and stage 1's
+reduction at the step land in the same buffers after the same wait.
+
+The masters and the optimizer state are those of step k only once it finished: clipping
+(its upcasts share the step's scratch), `state_dict`, checkpoints, loads,
+`full_state_dict` and `gathered_parameters` call `ZeroOptimizer.settle` first. None of
+them publishes: the parameters stay one step behind until the next `step()`, so saving
+does not change what training computes. A load publishes what it loaded, so a resumed
+run computes its first window at the saved weights, without the lag.
+
+On a GPU the uploads follow the current stream as the stepping thread queues them
+([Note: offload stream order]); the publish that reads the compute shards was queued at
+step(), before the thread started, so no upload overwrites a shard it still reads. Each
+copy also waits for the next forward and backward as queued so far, and a slot is reused
+only after its copy, so the step may be paced by that compute; at world > 1 this cannot
+deadlock: the rank that queued the fewest collectives waits only on collectives every
+rank has queued, so it moves on, and the others after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any
@@ -38,8 +75,8 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_adam import fused_adam
-from zeroshard.engine.runtime._offload import HostOffload
+from zeroshard.engine.runtime._host_adam import FusedAdam, fused_adam, steps_in_blocks
+from zeroshard.engine.runtime._offload import HostGrad, HostOffload
 
 _PER_ELEMENT: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -108,19 +145,30 @@ def _step_masters(
             step()
 
 
+def _step_blocked(
+    adam: FusedAdam,
+    inner: torch.optim.Optimizer,
+    offload: HostOffload,
+    g: FlatParamGroup,
+    grad: HostGrad,
+) -> None:
+    """[Note: blocked host step]: upcast, step and downcast `g` one block at a time (no
+    autograd: this may run on the stepping thread, where grad mode is on)."""
+    with torch.no_grad():
+        state = adam.begin(inner, g.master)
+        for lo, hi in offload.blocks(g):
+            adam.step(g.master, state, lo, hi, offload.grad_block(grad, lo, hi))
+            offload.written(g, lo, hi)
+
+
 def _step_group(
     step: Callable[[], Any], inner: torch.optim.Optimizer, offload: HostOffload, g: FlatParamGroup
 ) -> None:
     """Step `g`'s master alone on its fp32 gradient, casting it for the upload as it goes."""
-    adam = fused_adam(inner, g.key.param_group) if g.grad_shard is not None else None
-    if adam is not None:
-        # [Note: blocked host step]: upcast, step and downcast one block at a time (no
-        # autograd: this may run on the stepping thread, where grad mode is on).
-        with torch.no_grad():
-            state = adam.begin(inner, g.master)
-            for lo, hi in offload.blocks(g):
-                adam.step(g.master, state, lo, hi, offload.grad_block(g, lo, hi))
-                offload.written(g, lo, hi)
+    host = offload.host_grad(g)
+    adam = fused_adam(inner, g.key.param_group) if host is not None else None
+    if adam is not None and host is not None:
+        _step_blocked(adam, inner, offload, g, host)
         return
     grad = offload.grad_fp32(g)
     if grad is not None:
@@ -187,3 +235,68 @@ class EarlyStep:
         _step_masters(self.step, self.inner, [g.master for g in on_device])
         self.offload.finish_upload()
         self._hooks.close()
+
+
+class DelayedStep:
+    """The step of one window's offloaded groups, run on the stepping thread while the
+    next window's forward and backward compute (delay_param_update: [Note: delayed
+    parameter update]); `wait` waits for it."""
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        offload: HostOffload,
+        on_device: Sequence[FlatParamGroup],
+        on_host: Sequence[FlatParamGroup],
+    ) -> None:
+        why = delayed_step_refusal(inner)
+        if why:
+            raise ValueError(why)
+        step = _unhooked_step(inner)
+        assert step is not None
+        adams = {g.index: fused_adam(inner, g.key.param_group) for g in on_host}
+        # What the thread reads is taken now: an LR scheduler may change the param groups
+        # and `zero_grad` forget the gradients before the thread gets to a group.
+        work: dict[int, tuple[FusedAdam, HostGrad]] = {}
+        for g in on_host:
+            adam, grad = adams[g.index], offload.host_grad(g)
+            if adam is None or grad is None:
+                continue
+            if isinstance(adam.lr, torch.Tensor):
+                adam = dataclasses.replace(adam, lr=adam.lr.clone())
+            work[g.index] = (adam, grad)
+        self.offload = offload
+        self._hooks = contextlib.ExitStack()
+        # The user's step hooks: pre now, post in `wait` (on this thread, not the stepper).
+        self._hooks.enter_context(_step_hooks(inner))
+        _step_masters(step, inner, [g.master for g in on_device])
+        offload.begin_upload(on_host)
+
+        def step_one(g: FlatParamGroup) -> None:
+            if g.index in work:
+                adam, grad = work[g.index]
+                _step_blocked(adam, inner, offload, g, grad)
+            else:
+                offload.stepped(g)
+
+        # Last group first: the next backward's first gradients are the last groups',
+        # and each waits for its group's step ([Note: delayed parameter update]).
+        offload.step_delayed(list(reversed(on_host)), step_one)
+
+    def wait(self) -> None:
+        """Wait until every group was stepped and uploaded, then run the post-hooks (not
+        after an error, as around a `step()` that raised)."""
+        with self._hooks:
+            self.offload.settle()
+
+
+def delayed_step_refusal(inner: torch.optim.Optimizer) -> str:
+    """Why delay_param_update cannot step with `inner`, or "" where it can."""
+    blocked = type(inner) in _PER_ELEMENT and steps_in_blocks(inner)
+    if blocked:
+        return ""
+    return (
+        "offload.delay_param_update steps on a thread with the hyperparameters its step() "
+        "saw: it needs torch's Adam or AdamW built with fused=True (not capturable, "
+        f"differentiable or with tensor betas), got {type(inner).__name__}"
+    )

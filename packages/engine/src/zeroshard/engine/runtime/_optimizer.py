@@ -21,7 +21,7 @@ from zeroshard.engine.runtime._host_norm import shard_norm
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
-from zeroshard.engine.runtime._offload_step import EarlyStep, step_offloaded
+from zeroshard.engine.runtime._offload_step import DelayedStep, EarlyStep, step_offloaded
 from zeroshard.engine.runtime._reduce import GradReducer
 
 
@@ -62,6 +62,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         hooks: StepHooks | None = None,
         offload: HostOffload | None = None,
+        delay_param_update: bool = False,
     ) -> None:
         self.inner = inner
         self.offload = offload
@@ -74,6 +75,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._overflow = False
         self._early: EarlyStep | None = None
+        # delay_param_update: the offloaded step in flight, and whether the parameters
+        # still hold the weights from before the last step ([Note: delayed parameter update]).
+        self.delay_param_update = delay_param_update
+        self._delayed: DelayedStep | None = None
+        self._unpublished = False
         masters = [g.master for g in self.flat_groups if g.trainable]
         # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
         # master shards of the flat groups built from each group's parameters.
@@ -136,6 +142,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_ after a backward under step_in_backward(): the offloaded "
                 "groups were stepped on their unclipped gradients; clip without it"
             )
+        # The norm's upcasts share the delayed step's scratch, and groups that took no
+        # gradient in this window may still be stepping.
+        self.settle()
         self._prepare_grads()
         # Every group holds a gradient from here on, offloaded ones too: zeros where none
         # arrived in this window, so no norm below reads a host buffer's stale bytes.
@@ -171,6 +180,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure")
         if self.hooks is not None:
             self.hooks.before_step()
+        self.settle()
+        if self._unpublished:
+            # delay_param_update: the weights of the last step, uploaded while this window
+            # computed with the ones before them.
+            self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
         self._prepare_grads()
         overflow = self._overflow
         self._unscaled = False
@@ -186,6 +200,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._early = None
             elif self.offload is None:
                 self.inner.step()
+            elif self.delay_param_update:
+                self._delayed = DelayedStep(
+                    self.inner, self.offload, self._on_device(), self._on_host()
+                )
+                # Published at the next step(), after this window's successor computed.
+                self._unpublished = True
+                return None
             else:
                 step_offloaded(self.inner, self.offload, self._on_device(), self._on_host())
         self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
@@ -210,6 +231,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             why = "stage 1 reduces the gradients at the step, after backward"
         elif self.scaler is not None:
             why = "fp16 loss scaling checks every gradient for overflow first"
+        elif self.delay_param_update:
+            why = "offload.delay_param_update already overlaps the step with the next backward"
         elif self._early is not None:
             why = "the step of the previous backward under it has not run: call step()"
         if why:
@@ -224,9 +247,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._early = None
             raise
 
+    def settle(self) -> None:
+        """offload.delay_param_update: wait for the step in flight (the last `step()`'s CPU
+        step), so the masters and optimizer state are those of every `step()` so far;
+        raises what that step raised. Everything here and in the engine that reads or
+        writes them (clipping, state dicts, checkpoints, loads, `full_state_dict`,
+        `gathered_parameters`) calls it first; call it before reading `optimizer.state`
+        yourself. It publishes nothing: the parameters forward computes with stay one step
+        behind until the next `step()`. Without the option there is nothing to wait for."""
+        if self._delayed is not None:
+            delayed, self._delayed = self._delayed, None
+            delayed.wait()
+
     def republish(self) -> None:
         """Make every master shard what forward computes with, after it changed in place
         (a load): stage 3 drops what is gathered, stages 1/2 all-gather the parameters."""
+        self.settle()
         self._publish(self.flat_groups)
 
     def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
@@ -249,6 +285,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pending -= done
         for _, handle in inflight:
             handle.wait()
+        self._unpublished = False
         if self.hooks is not None:
             self.hooks.after_publish()
 
@@ -259,6 +296,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state, master shards and loss scale (same world size only)."""
+        self.settle()
         return {
             "inner": self.inner.state_dict(),
             "master": [g.master.detach().clone() for g in self.flat_groups],
@@ -268,6 +306,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()` output taken at the same world size, and re-gather params."""
+        self.settle()
         if state_dict.get("world_size") != self.shard_group.size:
             raise ValueError(
                 f"optimizer state was saved at world size {state_dict.get('world_size')}, "

@@ -21,6 +21,7 @@ from zeroshard.engine.runtime._host_adam import steps_in_blocks
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
+from zeroshard.engine.runtime._offload_step import delayed_step_refusal
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
@@ -155,6 +156,9 @@ def initialize(
     """
     cfg = as_config(config)
     check_model(model, cfg)
+    refusal = delayed_step_refusal(optimizer) if cfg.offload.delay_param_update else ""
+    if refusal:
+        raise ValueError(refusal)
     check_module_paths(model, process_groups or {})
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
@@ -237,6 +241,7 @@ def initialize(
         cfg.comm.allgather_bucket_bytes,
         hooks=runtime,
         offload=offload,
+        delay_param_update=cfg.offload.delay_param_update,
     )
     if offload is not None:
         # The compute shards of the offloaded groups are made from the masters once here,

@@ -170,6 +170,8 @@ def save_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _refuse_rank_state_replicated(state, rank_state)
+    # A delayed step in flight (delay_param_update) is part of this step's state.
+    state.optimizer.settle()
     # Encoded on every rank, client_state too (only rank 0 stores it), so that bad input
     # fails on every rank alike, before any file is touched.
     # Labelled as the save's later agreements are (ckpt's `save of 'step-N': ...`); the
@@ -317,6 +319,8 @@ def load_checkpoint(
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     _refuse_rank_state_replicated(state, rank_state)
+    # A delayed step in flight (delay_param_update) is part of this step's state.
+    state.optimizer.settle()
     if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
         if client_state is not None or rank_state is not None:
             raise ValueError(

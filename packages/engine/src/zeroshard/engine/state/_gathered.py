@@ -184,6 +184,8 @@ def gathered_parameters(
     are discarded otherwise, and also when the block raises. See [Note: what the context holds].
     """
     state, named = _resolve(module_or_params, model)
+    # The masters of every step() so far, a delayed one (delay_param_update) included.
+    state.optimizer.settle()
     size = state.shard_group.size
     if modifier_rank is not None and not 0 <= modifier_rank < size:
         raise ValueError(

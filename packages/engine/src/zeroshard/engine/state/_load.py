@@ -190,6 +190,8 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
         raise SafetensorsLoadError("safetensors data is little-endian; this host is not")
     model = engine_module(model)
     state = engine_state(model)
+    # A delayed step in flight (delay_param_update) must not write over what is loaded.
+    state.optimizer.settle()
     entries, header_bytes = index_tensors(path)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -39,8 +39,11 @@ def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     appear under each of their names, as in `state_dict()`; buffers keep their dtype.
     """
     model = engine_module(model)
+    state = engine_state(model)
+    # The masters of every step() so far, a delayed one (delay_param_update) included.
+    state.optimizer.settle()
     full: dict[int, torch.Tensor] = {}
-    for g in engine_state(model).groups:
+    for g in state.groups:
         # One group at a time: at most one full fp32 group lives on the device.
         (out,) = gather_masters([g], "full_state_dict")
         for p, slot in zip(g.params, g.layout.slots, strict=True):

@@ -81,6 +81,8 @@ def install_state_dict_hooks(model: nn.Module, state: EngineState) -> None:
                 "load_state_dict(assign=True) would replace the engine's sharded parameters; "
                 "load without assign (values are copied into the shards)"
             )
+        # A delayed step in flight (delay_param_update) must not write over what is loaded.
+        state.optimizer.settle()
         taken.update(_scatter(state, module, state_dict, prefix, error_msgs))
 
     def post_load(module: nn.Module, incompatible: Any) -> None:
