@@ -117,10 +117,7 @@ def _step_group(
         # [Note: blocked host step]: upcast, step and downcast one block at a time (no
         # autograd: this may run on the stepping thread, where grad mode is on).
         with torch.no_grad():
-            state = adam.begin(inner, g.master)
-            for lo, hi in offload.blocks(g):
-                adam.step(g.master, state, lo, hi, offload.grad_block(g, lo, hi))
-                offload.written(g, lo, hi)
+            offload.step_blocked(g, adam, adam.begin(inner, g.master))
         return
     grad = offload.grad_fp32(g)
     if grad is not None:
