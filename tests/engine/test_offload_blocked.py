@@ -162,7 +162,7 @@ def _same(device: str) -> None:
         {"stage": 2, "clip": 0.05, "ratio": 0.5},
         # Blocks stepped by several threads at once ([Note: blocked step loop]).
         {"stage": 2, "accum": 2, "clip": 0.05, "threads": 2},
-        {"stage": 3, "accum": 2, "early": True, "threads": 3},
+        {"stage": 3, "accum": 2, "early": True, "params": True, "threads": 3},
     ]
     run_each(cases, lambda **c: _same_case(device, **c))
 

@@ -261,8 +261,9 @@ class HostOffload:
             self._out.written(base + lo, base + hi, src)
 
         factors = self._factors.get(g.index, ())
+        grad, out = g.grad_shard, self._out
         self._blocked.step(
-            g.index, adam, state, g.master, g.grad_shard, factors, self._upcast, written
+            g.index, adam, state, g.master, grad, factors, self._upcast, written, out.compute_dtype
         )
 
     def forget_state(self) -> None:

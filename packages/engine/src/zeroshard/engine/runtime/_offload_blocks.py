@@ -15,7 +15,10 @@ k by thread k % STEP_THREADS, each with its own fp32 upcast and an equal share o
 cores for torch's kernels: one thread's Python between kernels, and each kernel's
 fork and join, then run while the other threads' kernels do. Every element still goes
 through the same kernel on the same inputs, so the bits do not depend on the thread
-count. The upload's bookkeeping is not thread-safe: its `written` calls hold a lock.
+count. The upload's bookkeeping is not thread-safe: its `written` calls hold a lock. So
+that the casts do not queue for it, each thread casts its block into its own scratch first
+(as the compute dtype, over the fp32 gradient the kernel has consumed), and under the lock
+the upload only copies those bytes: the same bits as casting into the slot.
 
 torch takes a thread's intra-op thread count (OpenMP's, per thread) from the process-wide
 one on the thread's first parallel op, and `set_num_threads` sets both. So each stepping
@@ -94,11 +97,12 @@ class BlockedStep:
         factors: Sequence[torch.Tensor | float],
         upcast: torch.Tensor,
         written: Written,
+        compute_dtype: torch.dtype,
     ) -> None:
         """Step `master` (with `state`, its step count advanced) on `grad`, in its reduce
         dtype with `factors` still to apply, or fp32 with them applied; `upcast` is the
-        scratch (STEP_THREADS blocks of fp32); `written(lo, hi, master[lo:hi])` after
-        each block."""
+        scratch (STEP_THREADS blocks of fp32); after each block `written(lo, hi, src)`,
+        `src` its master or (on several threads) their cast to `compute_dtype`."""
         names = _STATE[: 3 if adam.amsgrad else 2]
         tensors = (master, *(state[k] for k in names))
         cached = self._views.get(key)
@@ -107,7 +111,7 @@ class BlockedStep:
         blocks = cached[1]
         grad = grad.view(-1)
         if STEP_THREADS == 1 or len(blocks) == 1:
-            _run(blocks, adam, state["step"], grad, factors, upcast, written)
+            _run(blocks, adam, state["step"], grad, factors, upcast, written, None)
             return
 
         def locked(lo: int, hi: int, src: torch.Tensor) -> None:
@@ -126,6 +130,7 @@ class BlockedStep:
                 factors,
                 upcast[k * width : (k + 1) * width],
                 locked,
+                compute_dtype,
             )
             for k in range(STEP_THREADS)
         ]
@@ -167,8 +172,10 @@ def _run(
     factors: Sequence[torch.Tensor | float],
     upcast: torch.Tensor,
     written: Written,
+    cast: torch.dtype | None,
 ) -> None:
-    """Step `blocks` one after another on this thread."""
+    """Step `blocks` one after another on this thread; with `cast`, cast each block's
+    master into `upcast` as that dtype before `written` ([Note: blocked step loop])."""
     steps, options, narrow = [step], adam.options, grad.dtype != torch.float32
     # No autograd: this may run on a thread of its own, where grad mode is on.
     with torch.no_grad():
@@ -183,4 +190,7 @@ def _run(
                 b.params, [g], b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, steps, **options
             )
             # The block's master is final: cast it for the upload while it is in cache.
-            written(b.lo, b.hi, b.params[0])
+            src = b.params[0]
+            if cast is not None:
+                src = upcast.view(cast)[: b.hi - b.lo].copy_(src)
+            written(b.lo, b.hi, src)
