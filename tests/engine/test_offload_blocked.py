@@ -14,12 +14,9 @@ whatever order the ranges are written in.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import random
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,9 +29,7 @@ from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn
 from tests.engine._offload_train import train_and_collect
 from zeroshard.engine.planner._estimate import estimate
-from zeroshard.engine.runtime import _offload_blocks, _offload_plan
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
-from zeroshard.engine.runtime._offload_blocks import STEP_THREADS
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS
 from zeroshard.engine.runtime._offload_upload import ShardUpload
 
@@ -83,17 +78,6 @@ def _optimizer(model: nn.Module, kind: str, own: bool = False) -> torch.optim.Op
     return cls(groups, **kw)
 
 
-@contextlib.contextmanager
-def _stepping_threads(n: int) -> Iterator[None]:
-    """Within the block, engines made step their groups' blocks on `n` threads."""
-    saved = _offload_blocks.STEP_THREADS
-    _offload_blocks.STEP_THREADS = _offload_plan.STEP_THREADS = n
-    try:
-        yield
-    finally:
-        _offload_blocks.STEP_THREADS = _offload_plan.STEP_THREADS = saved
-
-
 def _train(
     device: str,
     stage: int,
@@ -107,7 +91,6 @@ def _train(
     early: bool = False,
     ratio: float = 1.0,
     params: bool = False,
-    threads: int = STEP_THREADS,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     torch.manual_seed(stage)
     model = Wide().to(device)
@@ -122,11 +105,10 @@ def _train(
         cfg.update(offload_chunk_bytes=3 * 10**6, offload_ratio=ratio, offload_params=params)
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
-    with _stepping_threads(threads):
-        model, opt = zs.initialize(model, _optimizer(model, kind, own), cfg)
-        return train_and_collect(
-            model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, early=early, clip=clip
-        )
+    model, opt = zs.initialize(model, _optimizer(model, kind, own), cfg)
+    return train_and_collect(
+        model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, early=early, clip=clip
+    )
 
 
 def _same_case(device: str, stage: int, dtype: str = "bf16", accum: int = 1, **kw: Any) -> None:
@@ -160,9 +142,6 @@ def _same(device: str) -> None:
         {"stage": 2, "accum": 2, "early": True},
         {"stage": 3, "early": True, "params": True},
         {"stage": 2, "clip": 0.05, "ratio": 0.5},
-        # Blocks stepped by several threads at once ([Note: blocked step loop]).
-        {"stage": 2, "accum": 2, "clip": 0.05, "threads": 2},
-        {"stage": 3, "accum": 2, "early": True, "params": True, "threads": 3},
     ]
     run_each(cases, lambda **c: _same_case(device, **c))
 
@@ -200,9 +179,9 @@ def _host_bytes(device: str) -> None:
     biggest = max(g.layout.shard_numel for g in off.groups)
     assert biggest > STEP_BLOCK, "the test needs a group past one block"
     # fp32 master + bf16 gradient per element; bf16 staging and upload slots; one
-    # block's fp32 upcast per stepping thread (the fallback would grow it to one group's).
+    # block's fp32 upcast (the fallback would grow it to one group's).
     fixed = GRAD_SLOTS * biggest * 2 + UPLOAD_SLOTS * off.layout.shard_numel * 2
-    fixed += STEP_THREADS * STEP_BLOCK * 4
+    fixed += STEP_BLOCK * 4
     assert off.nbytes().host == space * 6 + fixed
     batches = global_batches(2, 1, world, MICRO)
     for step in range(2):
@@ -267,35 +246,6 @@ def test_upload_slots_cast_every_chunk(order: str) -> None:
     up.begin([(0, n * s)])
     up.finish()
     assert torch.equal(up.compute_dev, master.to(torch.bfloat16))
-
-
-def _shares(device: str) -> None:
-    torch.set_num_threads(2)
-    with _stepping_threads(2):
-        torch.manual_seed(0)
-        model = Wide()
-        cfg = {"stage": 2, "compute_dtype": "bf16", "offload_optimizer": True}
-        model, opt = zs.initialize(model, _optimizer(model, "adamw"), cfg)
-        loss_fn(model, global_batches(1, 1, 1, MICRO)[0, 0, 0]).backward()
-        opt.step()
-    off = zs.engine_state(model).offload
-    assert off is not None
-    pool = off._blocked._pool
-    assert pool is not None, "the step did not start its stepping threads"
-    # Each stepping thread has its share of the cores; this thread and threads started
-    # later keep the process's count.
-    shares = {pool.submit(torch.get_num_threads).result() for _ in range(8)}
-    assert shares == {1}, shares
-    assert torch.get_num_threads() == 2
-    later: list[int] = []
-    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    assert later == [2]
-
-
-def test_stepping_threads_share_the_cores() -> None:
-    run_ranks(_shares, 1, "cpu")
 
 
 def _reloaded(device: str) -> None:

@@ -132,7 +132,7 @@ class HostOffload:
         # The step's fp32 upcast: one block, or one group's where the step is not blocked
         # (grown to that on first need); pageable: only the CPU reads it.
         self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
-        self._blocked = BlockedStep(self.device)
+        self._blocked = BlockedStep()
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
@@ -261,9 +261,8 @@ class HostOffload:
             self._out.written(base + lo, base + hi, src)
 
         factors = self._factors.get(g.index, ())
-        grad, out = g.grad_shard, self._out
         self._blocked.step(
-            g.index, adam, state, g.master, grad, factors, self._upcast, written, out.compute_dtype
+            g.index, adam, state, g.master, g.grad_shard, factors, self._upcast, written
         )
 
     def forget_state(self) -> None:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
-from zeroshard.engine.runtime._offload_blocks import STEP_THREADS
 from zeroshard.partition import ChunkLayout
 
 # Pinned staging slots: reduce-dtype gradients coming down under gradient accumulation,
@@ -43,8 +42,8 @@ class OffloadSizes:
     in a chunk space of `chunks`, an fp32 master (pageable) and a gradient in the reduce
     dtype (pinned) per chunk, the compute-dtype shards (pinned on the host with
     offload_params, else on the device behind pinned upload slots), the gradient staging
-    slots (pinned) and the step's fp32 upcast (pageable): one block per stepping thread
-    where the optimizer steps in blocks, else one shard.
+    slots (pinned) and the step's fp32 upcast (pageable): one block where the optimizer
+    steps in blocks, else one shard.
 
     Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
     gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
@@ -59,10 +58,10 @@ class OffloadSizes:
 
     @property
     def upcast_numel(self) -> int:
-        """Elements of the step's fp32 upcast: one block per stepping thread, or one shard
-        where the optimizer steps whole groups ([Note: blocked host step])."""
+        """Elements of the step's fp32 upcast: one block, or one shard where the optimizer
+        steps whole groups ([Note: blocked host step])."""
         if self.blocked_step:
-            return STEP_THREADS * min(STEP_BLOCK, self.grad_slot_numel)
+            return min(STEP_BLOCK, self.grad_slot_numel)
         return self.grad_slot_numel
 
     @property

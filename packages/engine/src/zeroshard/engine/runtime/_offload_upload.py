@@ -52,7 +52,6 @@ class ShardUpload:
         n, s = master.shape
         self.master, self.used, self.device, self.shard_numel = master, used, device, s
         self._flat = master.view(-1)
-        self.compute_dtype = compute_dtype
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
         if offload_params:
