@@ -12,7 +12,8 @@ fp32 scratch (its clipping / unscaling factors applied there, [Note: offload hos
 memory]), torch's fused kernel steps the block's views of the master and its state, and
 the block's master is cast into its upload slot while still in cache ([Note: offload
 upload slots]). Memory then sees the optimizer's own traffic plus the bf16 gradient read
-and the bf16 shard written.
+and the bf16 shard written. The loop, its kept views and its threads: [Note: blocked step
+loop] in _offload_blocks.py.
 
 The same bits as torch's step over the whole group: its kernel updates each element from
 that element's gradient, state and hyperparameters alone. The step count is advanced
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -78,32 +80,20 @@ class FusedAdam:
         torch._foreach_add_([state["step"]], 1)
         return state
 
-    def step(
-        self,
-        master: torch.Tensor,
-        state: dict[str, Any],
-        lo: int,
-        hi: int,
-        grad: torch.Tensor,
-    ) -> None:
-        """Step elements [lo, hi) of `master` on `grad` (their fp32 gradient)."""
-        self.kernel(
-            [master[lo:hi]],
-            [grad],
-            [state["exp_avg"][lo:hi]],
-            [state["exp_avg_sq"][lo:hi]],
-            [state["max_exp_avg_sq"][lo:hi]] if self.amsgrad else [],
-            [state["step"]],
-            amsgrad=self.amsgrad,
-            lr=self.lr,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            weight_decay=self.weight_decay,
-            eps=self.eps,
-            maximize=self.maximize,
-            grad_scale=None,
-            found_inf=None,
-        )
+    @cached_property
+    def options(self) -> dict[str, Any]:
+        """The kernel's keyword arguments: the same for every block of the group."""
+        return {
+            "amsgrad": self.amsgrad,
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "weight_decay": self.weight_decay,
+            "eps": self.eps,
+            "maximize": self.maximize,
+            "grad_scale": None,
+            "found_inf": None,
+        }
 
 
 def fused_adam(inner: torch.optim.Optimizer, param_group: int) -> FusedAdam | None:

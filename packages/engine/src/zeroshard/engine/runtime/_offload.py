@@ -63,15 +63,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_adam import STEP_BLOCK
+from zeroshard.engine.runtime._host_adam import STEP_BLOCK, FusedAdam
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
 from zeroshard.engine.runtime._host_threads import cut_team, stepping_threads
+from zeroshard.engine.runtime._offload_blocks import BlockedStep
 from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, offload_sizes
 from zeroshard.engine.runtime._offload_upload import ShardUpload
@@ -141,6 +143,7 @@ class HostOffload:
         # The step's fp32 upcast: one block, or one group's where the step is not blocked
         # (grown to that on first need); pageable: only the CPU reads it.
         self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
+        self._blocked = BlockedStep()
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
@@ -322,6 +325,24 @@ class HostOffload:
         if g.grad_shard is None:
             return None
         return HostGrad(g.grad_shard, tuple(self._factors.get(g.index, ())))
+
+    def step_blocked(
+        self, g: FlatParamGroup, adam: FusedAdam, state: dict[str, Any], grad: HostGrad
+    ) -> None:
+        """Step `g` (its state's step count advanced) on `grad` block by block, casting each
+        block for the upload as it goes ([Note: blocked step loop] in _offload_blocks.py)."""
+        base = self.offset[g.index]
+
+        def written(lo: int, hi: int, src: torch.Tensor) -> None:
+            self._out.written(base + lo, base + hi, src)
+
+        self._blocked.step(
+            g.index, adam, state, g.master, grad.tensor, grad.factors, self._upcast, written
+        )
+
+    def forget_state(self) -> None:
+        """The optimizer's state is about to be replaced (a state dict loaded)."""
+        self._blocked.forget()
 
     @torch.no_grad()
     def grad_block(self, grad: HostGrad, lo: int, hi: int) -> torch.Tensor:

@@ -155,10 +155,7 @@ def _step_blocked(
     """[Note: blocked host step]: upcast, step and downcast `g` one block at a time (no
     autograd: this may run on the stepping thread, where grad mode is on)."""
     with torch.no_grad():
-        state = adam.begin(inner, g.master)
-        for lo, hi in offload.blocks(g):
-            adam.step(g.master, state, lo, hi, offload.grad_block(grad, lo, hi))
-            offload.written(g, lo, hi)
+        offload.step_blocked(g, adam, adam.begin(inner, g.master), grad)
 
 
 def _step_group(

@@ -51,6 +51,7 @@ class ShardUpload:
     ) -> None:
         n, s = master.shape
         self.master, self.used, self.device, self.shard_numel = master, used, device, s
+        self._flat = master.view(-1)
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
         if offload_params:
@@ -105,23 +106,34 @@ class ShardUpload:
             # shards are ordered by the upload stream's wait instead.
             torch.cuda.current_stream(self.device).synchronize()
 
-    def written(self, lo: int, hi: int) -> None:
-        """The masters of [lo, hi) are final for this round: cast them now; send each
-        chunk this completes."""
-        flat = self.master.view(-1)
+    def written(self, lo: int, hi: int, src: torch.Tensor | None = None) -> None:
+        """The masters of [lo, hi) (`src`, if given, is their view) are final for this
+        round: cast them now; send each chunk this completes."""
+        s = self.shard_numel
+        i = lo // s
+        if hi <= (i + 1) * s:
+            # Within one chunk, as nearly every block of the step is: no cutting.
+            self._write(i, lo, hi, self._flat[lo:hi] if src is None else src)
+            return
         for i, a, b in self._pieces(lo, hi):
-            if self.compute_host is not None:
-                self.compute_host.view(-1)[a:b].copy_(flat[a:b])
-            elif i not in self._spilled:
-                slot = self._open.get(i)
-                if slot is None:
-                    slot = self._open[i] = self._take_slot()
-                off = i * self.shard_numel
-                slot[a - off : b - off].copy_(flat[a:b])
-            self._waiting[i] -= b - a
-            if self._waiting[i] == 0:
-                del self._waiting[i]
-                self._complete(i, whole=False)
+            self._write(i, a, b, self._flat[a:b] if src is None else src[a - lo : b - lo])
+
+    def _write(self, i: int, a: int, b: int, piece: torch.Tensor) -> None:
+        """Cast `piece`, the masters of [a, b) in chunk `i`."""
+        if self.compute_host is not None:
+            self.compute_host.view(-1)[a:b].copy_(piece)
+        elif i not in self._spilled:
+            slot = self._open.get(i)
+            if slot is None:
+                slot = self._open[i] = self._take_slot()
+            off = i * self.shard_numel
+            slot[a - off : b - off].copy_(piece)
+        left = self._waiting[i] - (b - a)
+        if left:
+            self._waiting[i] = left
+        else:
+            del self._waiting[i]
+            self._complete(i, whole=False)
 
     def finish(self) -> None:
         """Send the chunks of this round that are not complete, cast whole."""
@@ -132,7 +144,7 @@ class ShardUpload:
     def _complete(self, i: int, *, whole: bool) -> None:
         rest = self._rest.pop(i, [])
         off = i * self.shard_numel
-        flat = self.master.view(-1)
+        flat = self._flat
         if self.compute_host is not None:
             for a, b in [(off, off + self.shard_numel)] if whole else rest:
                 self.compute_host.view(-1)[a:b].copy_(flat[a:b])

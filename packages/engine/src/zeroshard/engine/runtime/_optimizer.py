@@ -92,6 +92,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(masters, dict(inner.defaults))
         self.param_groups = inner.param_groups
         self.state = inner.state
+        if offload is not None:
+            # The blocked step keeps views of the state: drop them before a load replaces
+            # it, or they would keep the old state's memory ([Note: blocked step loop]).
+            inner.register_load_state_dict_pre_hook(lambda *_: offload.forget_state())
 
     # -- gradients -----------------------------------------------------------------------
     def _trainable(self) -> list[FlatParamGroup]:
