@@ -38,8 +38,9 @@ the staging memory. `drain` (end of backward, stage 1's reduction) waits for eve
 and add, so the optimizer, clipping and checkpoints read complete gradients.
 
 Shards out. After a step (or any change of the masters) the compute shards are rewritten
-from the masters. The H2D stream waits on the current stream first: gathers issued in the
-last step may still read the compute shards on the device; with offload_params,
+from the masters. The H2D stream waits on the current stream as of `begin_upload` first:
+gathers issued before may still read the compute shards on the device ([Note: upload
+stream order] in _offload_upload.py); with offload_params,
 `begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
 gathers read. The step casts each block of masters it finished (`written`) into the
 pinned slot of its chunk, and the H2D stream copies a chunk to the device and records its

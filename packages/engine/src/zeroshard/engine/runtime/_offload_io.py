@@ -43,13 +43,23 @@ class SideStream:
             self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     @contextlib.contextmanager
-    def after_current(self, current: torch.cuda.Stream | None = None) -> Iterator[None]:
-        """Run the block on this stream, after what the current stream (or `current`, the
-        stream of the thread that queues the work this block must follow) queued so far."""
+    def after_current(self) -> Iterator[None]:
+        """Run the block on this stream, after what the current stream queued so far."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(current or torch.cuda.current_stream(self.stream.device))
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    @contextlib.contextmanager
+    def after(self, event: torch.cuda.Event | None) -> Iterator[None]:
+        """Run the block on this stream, after `event` (recorded on another stream)."""
+        if self.stream is None:
+            yield
+            return
+        if event is not None:
+            self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
             yield
 

@@ -54,13 +54,12 @@ them publishes: the parameters stay one step behind until the next `step()`, so 
 does not change what training computes. A load publishes what it loaded, so a resumed
 run computes its first window at the saved weights, without the lag.
 
-On a GPU the uploads follow the current stream as the stepping thread queues them
-([Note: offload stream order]); the publish that reads the compute shards was queued at
-step(), before the thread started, so no upload overwrites a shard it still reads. Each
-copy also waits for the next forward and backward as queued so far, and a slot is reused
-only after its copy, so the step may be paced by that compute; at world > 1 this cannot
-deadlock: the rank that queued the fewest collectives waits only on collectives every
-rank has queued, so it moves on, and the others after it.
+On a GPU the uploads wait on the current stream as of `begin_upload`, at step()
+([Note: upload stream order] in _offload_upload.py): that covers the publish that reads
+the compute shards, queued at step() before the thread started, so no upload overwrites
+a shard it still reads; the next forward and backward, queued later, read the parameters
+(stages 1/2), not the compute shards, so the uploads and the slots they free need not
+wait for that compute.
 """
 
 from __future__ import annotations

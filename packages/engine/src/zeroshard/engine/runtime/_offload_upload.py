@@ -17,6 +17,21 @@ every slot holds a chunk still incomplete (groups stepped out of order, as under
 from the masters when it completes, as every chunk was before this pass structure. The
 bits are the same either way: a cast of the same fp32 value.
 
+[Note: upload stream order]
+A chunk's copy overwrites the device shard that gathers and the publish read. The H2D
+stream waits on an event the current stream recorded at `begin`: every reader queued
+before the round began (the last forward and backward for the serial step; the last
+step's publish and this forward for `step_in_backward`, which begins before backward;
+the publish for `delay_param_update`'s step, which begins at step()).
+Readers queued later, by a backward still running, need no wait: a chunk goes up only
+once every group with a part in it was stepped, so each one's gradient was on the host,
+and the CPU saw it there only after its D2H copy completed, which followed on the device
+the group's backward and so every gather of its shard. Parts of no named range (frozen
+groups, groups with no gradient) are rewritten with the bits they hold. Waiting instead
+on the current stream as queued when a chunk completes held each copy behind every
+backward kernel queued ahead of it, and a slot is reused only after its copy: under
+`step_in_backward` the host step was paced by the GPU's backward.
+
 On the CPU (gloo) there are no streams or events: the copies complete as they return.
 """
 
@@ -69,7 +84,7 @@ class ShardUpload:
         self._open: dict[int, torch.Tensor] = {}
         self._spilled: set[int] = set()
         self._rest: dict[int, list[tuple[int, int]]] = {}
-        self._main: torch.cuda.Stream | None = None
+        self._begun: torch.cuda.Event | None = None
 
     def _pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """(chunk, start, end) of [lo, hi) cut at chunk boundaries, in order."""
@@ -82,8 +97,8 @@ class ShardUpload:
         they touch goes up once all of its part in them was `written`."""
         self.finish()
         if self.device.type == "cuda":
-            # Uploads may be queued from the stepping thread: they follow this stream.
-            self._main = torch.cuda.current_stream(self.device)
+            # [Note: upload stream order]
+            self._begun = torch.cuda.current_stream(self.device).record_event()
         covered: dict[int, list[tuple[int, int]]] = {}
         for lo, hi in ranges:
             for i, a, b in self._pieces(lo, hi):
@@ -159,7 +174,7 @@ class ShardUpload:
         assert self.compute_dev is not None
         # Only the masters go up: the padding's shard stays the zeros it was made as.
         n = min(self.shard_numel, self.used - off)
-        with self._stream.after_current(self._main):
+        with self._stream.after(self._begun):
             self.compute_dev[i, :n].copy_(slot[:n], non_blocking=True)
             self._ready[i] = self._stream.event()
         self._busy.append((slot, self._ready[i]))
