@@ -94,6 +94,42 @@ def test_optimizer_state_dict_round_trip(device: str) -> None:
     run_ranks(_state_round_trip, 2, device, device=device)
 
 
+def _scheduled_resume(device: str) -> None:
+    """An LR scheduler made on the optimizer before its state is loaded (as a resume
+    does) drives the learning rate the step uses: the resumed run ends where the
+    uninterrupted one does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = global_batches(4, 1, world, 2)
+    for stage in (2, 3):
+        runs = []
+        for resume in (False, True):
+            model = make_model(6).to(device)
+            model, opt = zs.initialize(model, make_optimizer(model), {"stage": stage})
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+            for s in range(4):
+                if resume and s == 2:
+                    saved = copy.deepcopy((opt.state_dict(), sched.state_dict()))
+                    weights = _params(model)
+                    model = make_model(6).to(device)
+                    model.load_state_dict(weights)
+                    model, opt = zs.initialize(model, make_optimizer(model), {"stage": stage})
+                    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+                    opt.load_state_dict(saved[0])
+                    sched.load_state_dict(saved[1])
+                _train(model, opt, batches[s, 0, rank].to(device))
+                sched.step()
+            assert opt.param_groups[0]["lr"] == opt.inner.param_groups[0]["lr"]
+            runs.append(_params(model))
+        for k in runs[0]:
+            assert torch.equal(runs[0][k], runs[1][k]), f"stage {stage}: {k} differs on resume"
+
+
+@pytest.mark.gpu
+def test_lr_scheduler_drives_the_step_after_a_state_load(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_scheduled_resume, 2, device, device=device)
+
+
 def _not_in_optimizer() -> None:
     model = make_model(0)
     opt = torch.optim.SGD([model.l1.weight], lr=0.1)

@@ -90,12 +90,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
         # replaced by the inner optimizer's own, so both see the same objects.
         super().__init__(masters, dict(inner.defaults))
-        self.param_groups = inner.param_groups
-        self.state = inner.state
+        self._share_inner()
+        # torch's load_state_dict gives the inner optimizer new param_groups and state:
+        # share those too, or an LR scheduler on this optimizer would set learning rates
+        # the inner one never reads again.
+        inner.register_load_state_dict_post_hook(lambda _: self._share_inner())
         if offload is not None:
             # The blocked step keeps views of the state: drop them before a load replaces
             # it, or they would keep the old state's memory ([Note: blocked step loop]).
             inner.register_load_state_dict_pre_hook(lambda *_: offload.forget_state())
+
+    def _share_inner(self) -> None:
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
 
     # -- gradients -----------------------------------------------------------------------
     def _trainable(self) -> list[FlatParamGroup]:
