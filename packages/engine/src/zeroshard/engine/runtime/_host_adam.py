@@ -12,7 +12,7 @@ fp32 scratch (its clipping / unscaling factors applied there, [Note: offload hos
 memory]), torch's fused kernel steps the block's views of the master and its state, and
 the block's master is cast into its upload slot while still in cache ([Note: offload
 upload slots]). Memory then sees the optimizer's own traffic plus the bf16 gradient read
-and the bf16 shard written. The loop, its kept views and its threads: [Note: blocked step
+and the bf16 shard written. The loop and the views it keeps: [Note: blocked step
 loop] in _offload_blocks.py.
 
 The same bits as torch's step over the whole group: its kernel updates each element from
