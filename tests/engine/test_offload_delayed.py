@@ -35,6 +35,17 @@ MICRO = 2
 RTOL, ATOL = 1e-5, 1e-6
 
 
+def _backward_window(model: nn.Module, micro_batches: torch.Tensor, device: str) -> torch.Tensor:
+    """Backward over one accumulation window's micro-batches; their summed loss."""
+    accum = micro_batches.shape[0]
+    total = torch.zeros(1, device=device)
+    for tokens in micro_batches:
+        loss = loss_fn(model, tokens.to(device)) / accum
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -103,11 +114,7 @@ def _delayed_case(device: str, stage: int, accum: int, clip: int, ratio: float) 
     model, opt = zs.initialize(model, _adamw(model), config)
     sched = _schedule(opt)
     for step in range(STEPS):
-        total = torch.zeros(1, device=device)
-        for a in range(accum):
-            loss = loss_fn(model, batches[step, a, rank].to(device)) / accum
-            loss.backward()
-            total += loss.detach()
+        total = _backward_window(model, batches[step, :, rank], device)
         if max_norm is not None:
             opt.clip_grad_norm_(max_norm)
         opt.step()
@@ -163,11 +170,7 @@ def _train_lagged(
     published = [p.detach().clone() for p in params]
     losses = []
     for step in range(STEPS):
-        total = torch.zeros(1, device=device)
-        for a in range(accum):
-            loss = loss_fn(model, batches[step, a, rank].to(device)) / accum
-            loss.backward()
-            total += loss.detach()
+        total = _backward_window(model, batches[step, :, rank], device)
         opt.clip_grad_norm_(0.05)
         opt.step()
         opt.zero_grad()

@@ -250,12 +250,11 @@ class DelayedStep:
             raise ValueError(why)
         step = _unhooked_step(inner)
         assert step is not None
-        adams = {g.index: fused_adam(inner, g.key.param_group) for g in on_host}
         # What the thread reads is taken now: an LR scheduler may change the param groups
         # and `zero_grad` forget the gradients before the thread gets to a group.
         work: dict[int, tuple[FusedAdam, HostGrad]] = {}
         for g in on_host:
-            adam, grad = adams[g.index], offload.host_grad(g)
+            adam, grad = fused_adam(inner, g.key.param_group), offload.host_grad(g)
             if adam is None or grad is None:
                 continue
             if isinstance(adam.lr, torch.Tensor):
