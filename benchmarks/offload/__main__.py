@@ -2,6 +2,7 @@
 
     python -m benchmarks.offload                 # one GPU (H100 80 GB, 128 GiB host)
     python -m benchmarks.offload --smoke         # tiny model on the CPU, gloo
+    python -m benchmarks.offload --rounds 3      # train rows: median of 3 rounds
     python -m benchmarks.offload --search-layers 40,48,56 --stage 3 --offload-params
 
 Training rows: zeroshard with `offload_optimizer` (stage 2 by default) stepping the CPU
@@ -23,9 +24,16 @@ first, an untimed part (outside `--budget-s`), and zeroshard's offloaded step al
 (`adam-zs-host`: bf16 gradients in, fused AdamW, bf16 shards out through the pinned
 upload slots, no forward or backward) over as many parameters. Every part runs in a
 process of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT
-build or a timeout becomes a row saying so. `--search-layers` instead trains zeroshard
-alone at each block count in turn, up to the first that fails: the largest that trains,
-with its peaks.
+build or a timeout becomes a row saying so. `--rounds R` runs the `train-*` parts R
+times, each time in a process of its own, in alternating order (as listed in `--parts` in
+the first round, reversed in the second, ...); the other parts run once, in the first
+round where `--parts` lists them. A train row's step is the median of its rounds' (each
+a median of `--steps`), with every round's in brackets in the order run, tokens/s from
+it, the largest peaks and the median init; a part that fails is not run again and its
+row is the first failure. `--budget-s` covers every round: runs it has no time for
+become skipped rows, or a count of skipped rounds beside a row's done ones.
+`--search-layers` instead trains zeroshard alone at each block count in turn, up to the
+first that fails: the largest that trains, with its peaks.
 A full run writes the "offload" section of docs/benchmarks.md (a search writes
 "offload-largest-stage<N>"); --smoke writes bench-out/.
 """
@@ -43,6 +51,7 @@ from typing import Any
 
 from benchmarks._common import place_ranks, publish
 from benchmarks.offload._report import report
+from benchmarks.offload._rounds import SKIPPED, combine, is_train, schedule
 
 WORKER = "benchmarks.offload._worker"  # run with -m from the repository root
 
@@ -78,7 +87,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adam-steps", type=int, default=3)
     p.add_argument("--section", default="", help="docs/benchmarks.md section to write")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall time for all parts")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="runs of each train part, in alternating order"
+    )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
+    if args.rounds > 1 and args.search_layers:
+        p.error("--rounds repeats the train parts; --search-layers trains each size once")
     if args.offload_params and args.stage != 3:
         p.error("--offload-params needs --stage 3")
     if args.stage == 3:
@@ -147,21 +163,31 @@ def _limit(part: str, left: float, smoke: bool) -> float:
 
 
 def run_parts(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each part of `--parts` in order, within the budget (untimed parts outside it)."""
-    spent = 0.0
-    results: dict[str, dict[str, Any]] = {}
-    for part in args.parts.split(","):
+    """Each part of `--parts` in order, then the train parts' further rounds, all within
+    the budget (untimed parts outside it); a train part's row from its rounds."""
+    parts = args.parts.split(",")
+    for part in parts:
         if part not in LIMITS:
             raise SystemExit(f"unknown part {part!r}; valid: {', '.join(LIMITS)}")
+        if parts.count(part) > 1:
+            raise SystemExit(f"--parts lists {part!r} twice; --rounds repeats train parts")
+    spent = 0.0
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for part, index in schedule(parts, args.rounds):
+        ran = runs.setdefault(part, [])
+        if any(not r["ok"] and r["error"] != SKIPPED for r in ran):
+            continue  # failed in an earlier round: its row is that failure, not a median
         left = args.budget_s - spent
         if left < 10 and part not in UNTIMED:
-            results[part] = {"ok": False, "error": "skipped: time budget spent", "wall_s": 0.0}
+            ran.append({"ok": False, "error": SKIPPED, "wall_s": 0.0})
             continue
-        results[part] = run_part(part, shared, _limit(part, left, args.smoke))
+        ran.append(run_part(part, shared, _limit(part, left, args.smoke)))
         if part not in UNTIMED:
-            spent += results[part]["wall_s"]
-        print(f"{part}: {json.dumps(results[part])[:300]}", flush=True)
-    return results
+            spent += ran[-1]["wall_s"]
+        where = f" (round {index + 1}/{args.rounds})" if args.rounds > 1 and is_train(part) else ""
+        print(f"{part}{where}: {json.dumps(ran[-1])[:300]}", flush=True)
+    tokens = args.micro_batch * args.seq_len
+    return {p: combine(rs, args.rounds, tokens) if is_train(p) else rs[0] for p, rs in runs.items()}
 
 
 def search(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -171,10 +197,7 @@ def search(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[s
     for layers in sorted(int(x) for x in args.search_layers.split(",")):
         left = deadline - time.perf_counter()
         if left < 10:
-            results[f"train-zs-overlap@{layers}"] = {
-                "ok": False,
-                "error": "skipped: time budget spent",
-            }
+            results[f"train-zs-overlap@{layers}"] = {"ok": False, "error": SKIPPED}
             break
         r = run_part("train-zs-overlap", {**shared, "layers": layers}, min(left, 200.0))
         results[f"train-zs-overlap@{layers}"] = r

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from benchmarks._common import markdown_table
+from benchmarks.offload._rounds import SKIPPED
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
@@ -21,6 +22,25 @@ NAMES = {
 }
 
 
+def _step(args: argparse.Namespace, r: dict[str, Any]) -> str:
+    """The median step, and with rounds each round's step in the order run."""
+    if not r.get("ok") or args.rounds == 1:
+        return _cell(r, "step_s", ".2f")
+    spread = " / ".join(f"{s:.2f}" for s in r["rounds_step_s"])
+    return f"{r['step_s']:.2f} ({spread})"
+
+
+def _status(r: dict[str, Any]) -> str:
+    if not r.get("ok"):
+        return str(r["error"])
+    skipped = r.get("skipped_rounds", 0)
+    return (
+        f"ok; {skipped} of {skipped + len(r['rounds_step_s'])} rounds {SKIPPED}"
+        if skipped
+        else "ok"
+    )
+
+
 def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> list[list[str]]:
     rows = []
     for p, r in results.items():
@@ -33,12 +53,12 @@ def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
             [
                 label,
                 f"{r['params'] / 1e9:.2f}B" if r.get("ok") else "-",
-                _cell(r, "step_s", ".2f"),
+                _step(args, r),
                 _cell(r, "tokens_per_s", ",.0f"),
                 _cell(r, "gpu_peak_gib", ".1f"),
                 _cell(r, "host_peak_gib", ".1f"),
                 _cell(r, "init_s", ".0f"),
-                "ok" if r.get("ok") else r["error"],
+                _status(r),
             ]
         )
     return rows
@@ -68,6 +88,12 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def _wall(r: dict[str, Any]) -> str:
+    walls = r.get("rounds_wall_s", [])
+    each = " (" + " / ".join(f"{w:.0f}" for w in walls) + ")" if len(walls) > 1 else ""
+    return f"{r.get('wall_s', 0.0):.0f}s{each}"
+
+
 def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     """The markdown body: training rows, the resources alone, CPU AdamW rows, part times."""
     recompute = "on" if args.activation_checkpointing else "off"
@@ -75,7 +101,18 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         f"GPT `{args.preset}` width, {args.layers} blocks, seq {args.seq_len}, micro-batch "
         f"{args.micro_batch}, activation checkpointing {recompute}, "
         f"bf16 compute, AdamW; median of {args.steps} steps after "
-        f"{args.warmup} warmup. One process per row.\n\n"
+        f"{args.warmup} warmup. One process per row"
+        + (
+            f" and round: {args.rounds} rounds of the training rows in alternating order (as "
+            "listed in --parts, then reversed, ...); step s is the median of the rounds' "
+            "medians, each round's in brackets in the order run, tokens/s from the median, "
+            "peaks the largest of any round, init the median. A row that fails in a round is "
+            "not run again and has no median. The other parts run once, in the first round "
+            "where --parts lists them."
+            if args.rounds > 1
+            else "."
+        )
+        + "\n\n"
     )
     if args.search_layers:
         body = body.replace(f"{args.layers} blocks", "blocks as below")
@@ -152,6 +189,6 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     if build:
         done = f"{build['build_s']:.0f} s" if build.get("ok") else build["error"]
         body += f"\n\nDeepSpeedCPUAdam extension build (untimed, outside the budget): {done}."
-    times = ", ".join(f"{p} {r.get('wall_s', 0.0):.0f}s" for p, r in results.items())
+    times = ", ".join(f"{p} {_wall(r)}" for p, r in results.items())
     body += f"\n\nWall time per part: {times}."
     return body

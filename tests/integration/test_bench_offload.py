@@ -1,0 +1,166 @@
+"""benchmarks/offload's rounds: the train parts in alternating order, each row the median of
+its rounds with every round's step in brackets, failures and the time budget.
+
+The smoke test runs the benchmark's CPU mode (gloo, tiny GPT) with `--rounds 2` and checks
+its report against the figures each run printed as it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.offload.__main__ import parse_args, run_parts
+from benchmarks.offload._report import report
+from benchmarks.offload._rounds import SKIPPED, combine, schedule
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = 2 * 64  # the smoke run's micro-batch x seq len
+
+
+def _run(step_s: float, gpu: float = 1.0, host: float = 2.0, init: float = 5.0) -> dict[str, Any]:
+    """One train part's result as its worker writes it (and run_part adds wall_s)."""
+    return {
+        "ok": True,
+        "params": 10**9,
+        "init_s": init,
+        "step_s": step_s,
+        "tokens_per_s": TOKENS / step_s,
+        "gpu_peak_gib": gpu,
+        "host_peak_gib": host,
+        "wall_s": 30.0,
+    }
+
+
+def _args(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    monkeypatch.setattr(sys, "argv", ["benchmarks.offload", "--smoke", *argv])
+    return parse_args()
+
+
+def test_schedule_runs_other_parts_once_and_alternates_train_parts() -> None:
+    parts = ["fwd-bwd", "train-zs", "transfer", "train-zs-dpu", "train-ds"]
+    assert schedule(parts, 1) == [(p, 0) for p in parts]
+    assert schedule(parts, 3) == [
+        *[(p, 0) for p in parts],
+        ("train-ds", 1),
+        ("train-zs-dpu", 1),
+        ("train-zs", 1),
+        ("train-zs", 2),
+        ("train-zs-dpu", 2),
+        ("train-ds", 2),
+    ]
+
+
+def test_combine_median_of_rounds_largest_peaks() -> None:
+    runs = [_run(3.0, gpu=30.0, init=9.0), _run(2.0, host=90.0, init=7.0), _run(2.6, init=8.0)]
+    row = combine(runs, 3, TOKENS)
+    assert row["ok"] and row["step_s"] == 2.6 and row["init_s"] == 8.0
+    assert row["tokens_per_s"] == TOKENS / 2.6
+    assert (row["gpu_peak_gib"], row["host_peak_gib"]) == (30.0, 90.0)
+    assert row["rounds_step_s"] == [3.0, 2.0, 2.6] and row["skipped_rounds"] == 0
+    # One round: the row is that run's figures (today's report).
+    one = combine([_run(2.5)], 1, TOKENS)
+    assert {k: one[k] for k in _run(2.5)} == _run(2.5)
+
+
+def test_combine_failure_is_the_row_and_budget_skips_are_counted() -> None:
+    crash: dict[str, Any] = {
+        "ok": False,
+        "error": "killed (host out of memory?), rc -9: ",
+        "wall_s": 4.0,
+    }
+    failed = combine([_run(2.0), crash], 3, TOKENS)
+    assert not failed["ok"] and failed["error"] == "round 2/3: " + crash["error"]
+    assert "step_s" not in failed
+    skip = {"ok": False, "error": SKIPPED, "wall_s": 0.0}
+    part = combine([_run(2.0), _run(3.0), skip], 3, TOKENS)
+    assert part["ok"] and part["step_s"] == 2.5 and part["skipped_rounds"] == 1
+    assert combine([skip, skip], 2, TOKENS) == skip
+
+    args = argparse.Namespace(
+        preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
+        steps=3, warmup=1, rounds=3, search_layers="", offload_params=False, stage=2,
+        chunk=2**20, adam_steps=3,
+    )  # fmt: skip
+    body = report(args, {"train-zs": part, "train-zs-dpu": failed})
+    assert "| 2.50 (2.00 / 3.00) |" in body
+    assert f"| ok; 1 of 3 rounds {SKIPPED} |" in body
+    assert f"| - | {failed['error']} |" in body
+    assert "train-zs 60s (30 / 30)" in body
+
+
+def test_budget_spent_skips_every_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _args(["--parts", "fwd-bwd,train-zs", "--rounds", "2", "--budget-s", "0"], monkeypatch)
+    results = run_parts(args, {})
+    assert results == {
+        p: {"ok": False, "error": SKIPPED, "wall_s": 0.0} for p in args.parts.split(",")
+    }
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--rounds", "0"], ["--rounds", "2", "--search-layers", "2,3"]],
+)
+def test_bad_rounds_are_refused(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit):
+        _args(argv, monkeypatch)
+
+
+def test_a_part_listed_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _args(["--parts", "train-zs,fwd-bwd,train-zs", "--rounds", "2"], monkeypatch)
+    with pytest.raises(SystemExit, match="lists 'train-zs' twice"):
+        run_parts(args, {})
+
+
+@pytest.mark.slow
+def test_smoke_two_rounds_report_median_of_each_round() -> None:
+    """Two rounds of two train rows on the CPU: the rows run in alternating order, and each
+    row's step is the median of the rounds' steps the runs printed, shown in run order."""
+    train = ["train-zs", "train-zs-overlap"]
+    parts = ",".join(["fwd-bwd", "transfer", "adam-torch-fused", *train])
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.offload", "--smoke", "--parts", parts, "--rounds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    runs = re.findall(r'^(train-[\w-]+) \(round (\d)/2\): .*?"step_s": ([0-9.e-]+)', out, re.M)
+    assert [(p, int(i)) for p, i, _ in runs] == [
+        ("train-zs", 1),
+        ("train-zs-overlap", 1),
+        ("train-zs-overlap", 2),
+        ("train-zs", 2),
+    ]
+    assert "2 rounds of the training rows in alternating order" in out
+
+    def printed(part: str, key: str) -> float:
+        """`key` of the first run of `part`, as it printed when it finished."""
+        found = re.search(rf'^{part}[ :].*?"{key}": ([0-9.e-]+)', out, re.M)
+        assert found, (part, key)
+        return float(found.group(1))
+
+    # What the resources line divides by: the slowest of the three alone.
+    cpu = printed("train-zs", "params") / printed("adam-torch-fused", "params_per_s")
+    slowest = max(printed("fwd-bwd", "step_s"), printed("transfer", "step_s"), cpu)
+    labels = ["zeroshard offload_optimizer", "zeroshard offload_optimizer, step_in_backward"]
+    for part, label in zip(train, labels, strict=True):
+        steps = [float(s) for p, _, s in runs if p == part]
+        row = next(line for line in out.splitlines() if line.startswith(f"| {label} (stage"))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        median = statistics.median(steps)
+        spread = " / ".join(f"{s:.2f}" for s in steps)
+        assert cells[2] == f"{median:.2f} ({spread})", (row, steps)
+        assert cells[3] == f"{TOKENS / median:,.0f}"
+        assert cells[-1] == "ok"
+        # The resources line: the median step over the slowest resource alone.
+        assert f"{median / slowest:.2f} ({label})" in out
