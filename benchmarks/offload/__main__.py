@@ -79,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--offload-params", action="store_true", help="stage 3: parameters too")
+    p.add_argument(
+        "--compiled-step", action="store_true", help="zeroshard rows: offload_compiled_step"
+    )
     p.add_argument("--search-layers", default="", help="e.g. 40,48,56: largest that trains")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
@@ -225,6 +228,7 @@ def main() -> None:
             "adam_steps",
             "activation_checkpointing",
             "offload_params",
+            "compiled_step",
             "smoke",
         )
     }

@@ -48,6 +48,8 @@ def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
             continue
         name, _, layers = p.partition("@")
         label = NAMES[name] + (" + offload_params" if args.offload_params else "")
+        if args.compiled_step and name != "train-ds":
+            label += " + compiled_step"
         label += f" (stage {args.stage})" + (f", {layers} blocks" if layers else "")
         rows.append(
             [

@@ -116,6 +116,7 @@ def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callab
         "offload_optimizer": True,
         "offload_params": a["offload_params"],
         "offload_delay_param_update": mode == "zs-dpu",
+        "offload_compiled_step": a["compiled_step"],
     }
     zmodel, zopt = zs.initialize(model, opt, config)
 
@@ -251,8 +252,9 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def zs_host(a: dict[str, Any]) -> dict[str, Any]:
     """zeroshard's offloaded step alone, as `train-zs` runs it after backward: bf16
-    gradients on the host in, torch's fused AdamW on the fp32 masters, bf16 shards out
-    through the pinned upload slots; no forward or backward. The same element count as
+    gradients on the host in, torch's fused AdamW on the fp32 masters (or the compiled
+    step, with --compiled-step), bf16 shards out through the pinned upload slots; no
+    forward or backward. The same element count as
     the CPU optimizer rows, in tensors of `a['chunk']` elements."""
     import zeroshard.engine as zs
     from zeroshard.engine.runtime._offload_step import step_offloaded
@@ -264,7 +266,12 @@ def zs_host(a: dict[str, Any]) -> dict[str, Any]:
         for i in range(0, n, chunk)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
-    config = {"stage": 2, "compute_dtype": "bf16", "offload_optimizer": True}
+    config = {
+        "stage": 2,
+        "compute_dtype": "bf16",
+        "offload_optimizer": True,
+        "offload_compiled_step": a["compiled_step"],
+    }
     start = time.perf_counter()
     model, zopt = zs.initialize(model, opt, config)
     init_s = time.perf_counter() - start

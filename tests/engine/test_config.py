@@ -60,6 +60,7 @@ def test_every_flat_key_lands_in_its_policy() -> None:
         "offload_chunk_bytes": 512,
         # True needs stage 1 or 2: it lands in its policy below, at stage 2.
         "offload_delay_param_update": False,
+        "offload_compiled_step": True,
     }
     assert sorted(flat) == sorted(FLAT_KEYS)  # the test covers every key
     cfg = ZeroConfig.from_dict(flat)
@@ -73,14 +74,14 @@ def test_every_flat_key_lands_in_its_policy() -> None:
             1000, 2000, overlap=False, max_inflight_reductions=3, collective_timeout_s=30.0
         ),
         stage3=Stage3Policy(("Block",), ("MoE",), 7, 5, 2, 4096, 8192, 11),
-        offload=OffloadPolicy(True, 0.25, True, False, 512),
+        offload=OffloadPolicy(True, 0.25, True, False, 512, compiled_step=True),
     )
     # Round trip: to_dict gives the same flat keys back, JSON-ready.
     assert cfg.to_dict() == {**flat, "compute_dtype": "fp16", "reduce_dtype": "fp32"}
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
     assert ZeroConfig.from_dict(ZeroConfig().to_dict()) == ZeroConfig()
     delayed = cfg.replace(stage=2, offload_params=False, offload_delay_param_update=True)
-    assert delayed.offload == OffloadPolicy(True, 0.25, False, False, 512, True)
+    assert delayed.offload == OffloadPolicy(True, 0.25, False, False, 512, True, True)
 
 
 def test_policies_as_nested_dicts_and_replace() -> None:

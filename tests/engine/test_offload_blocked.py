@@ -91,6 +91,8 @@ def _train(
     early: bool = False,
     ratio: float = 1.0,
     params: bool = False,
+    compiled: bool = False,
+    steps: int = STEPS,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     torch.manual_seed(stage)
     model = Wide().to(device)
@@ -103,11 +105,12 @@ def _train(
     if offload:
         # Chunks of 750K elements per rank: groups and blocks straddle them.
         cfg.update(offload_chunk_bytes=3 * 10**6, offload_ratio=ratio, offload_params=params)
+        cfg.update(offload_compiled_step=compiled)
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, _optimizer(model, kind, own), cfg)
     return train_and_collect(
-        model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, early=early, clip=clip
+        model, opt, steps=steps, accum=accum, micro=MICRO, device=device, early=early, clip=clip
     )
 
 

@@ -72,6 +72,7 @@ from torch import nn
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK, FusedAdam
+from zeroshard.engine.runtime._host_kernel import coefficients, scale_of, step_piece
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
 from zeroshard.engine.runtime._host_threads import cut_team, stepping_threads
 from zeroshard.engine.runtime._offload_blocks import BlockedStep
@@ -117,6 +118,7 @@ class HostOffload:
         pin: bool,
         offload_params: bool,
         blocked_step: bool,
+        compiled_step: bool = False,
     ) -> None:
         self.groups = list(groups)
         self.device = shard_group.device
@@ -145,6 +147,11 @@ class HostOffload:
         # (grown to that on first need); pageable: only the CPU reads it.
         self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
         self._blocked = BlockedStep()
+        # offload.compiled_step: each group in one compiled pass per chunk ([Note: compiled
+        # host step] in _host_kernel.py); a spilled chunk's cast goes to `_spill` (made on
+        # first need), as that chunk is cast whole from the masters when it completes.
+        self._compiled = compiled_step
+        self._spill: torch.Tensor | None = None
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
@@ -331,7 +338,11 @@ class HostOffload:
         self, g: FlatParamGroup, adam: FusedAdam, state: dict[str, Any], grad: HostGrad
     ) -> None:
         """Step `g` (its state's step count advanced) on `grad` block by block, casting each
-        block for the upload as it goes ([Note: blocked step loop] in _offload_blocks.py)."""
+        block for the upload as it goes ([Note: blocked step loop] in _offload_blocks.py),
+        or chunk by chunk in one compiled pass with offload.compiled_step."""
+        if self._compiled:
+            self._step_compiled(g, adam, state, grad)
+            return
         base = self.offset[g.index]
 
         def written(lo: int, hi: int, src: torch.Tensor) -> None:
@@ -340,6 +351,36 @@ class HostOffload:
         self._blocked.step(
             g.index, adam, state, g.master, grad.tensor, grad.factors, self._upcast, written
         )
+
+    def _step_compiled(
+        self, g: FlatParamGroup, adam: FusedAdam, state: dict[str, Any], grad: HostGrad
+    ) -> None:
+        """[Note: compiled host step]: one pass per piece of `g` cut at upload chunks, its
+        cast written straight into the chunk's upload slot (or host shard)."""
+        names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if adam.amsgrad else 2]
+        master = g.master.detach().view(-1)
+        moments = [state[k].view(-1) for k in names]
+        source = grad.tensor.view(-1)
+        coef = coefficients(adam, float(state["step"]))
+        scale = scale_of(grad.factors)
+        base, s, n = self.offset[g.index], self.layout.shard_numel, g.layout.shard_numel
+        lo = 0
+        while lo < n:
+            hi = min(n, ((base + lo) // s + 1) * s - base)
+            out = self._out.target(base + lo, base + hi)
+            if out is None:
+                out = self._spilled_out(hi - lo)
+            piece = [t[lo:hi] for t in moments]
+            step_piece(adam, coef, scale, master[lo:hi], source[lo:hi], piece, out)
+            self._out.written(base + lo, base + hi, cast=False)
+            lo = hi
+
+    def _spilled_out(self, numel: int) -> torch.Tensor:
+        """Somewhere to write a cast nobody reads (its chunk gave its slot up)."""
+        if self._spill is None:
+            dtype = self._out.compute_dtype
+            self._spill = self._host(self.layout.shard_numel, dtype, False)
+        return self._spill[:numel]
 
     def forget_state(self) -> None:
         """The optimizer's state is about to be replaced (a state dict loaded)."""

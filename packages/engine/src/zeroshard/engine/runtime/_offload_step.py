@@ -287,11 +287,17 @@ class DelayedStep:
 
 def delayed_step_refusal(inner: torch.optim.Optimizer) -> str:
     """Why delay_param_update cannot step with `inner`, or "" where it can."""
+    what = "offload.delay_param_update steps on a thread with the hyperparameters its step() saw"
+    return blocked_step_refusal(inner, what)
+
+
+def blocked_step_refusal(inner: torch.optim.Optimizer, what: str) -> str:
+    """Why an option that needs the blocked step ([Note: blocked host step]) cannot step
+    with `inner` (`what` says what the option does), or "" where it can."""
     blocked = type(inner) in _PER_ELEMENT and steps_in_blocks(inner)
     if blocked:
         return ""
     return (
-        "offload.delay_param_update steps on a thread with the hyperparameters its step() "
-        "saw: it needs torch's Adam or AdamW built with fused=True (not capturable, "
+        f"{what}: it needs torch's Adam or AdamW built with fused=True (not capturable, "
         f"differentiable or with tensor betas), got {type(inner).__name__}"
     )

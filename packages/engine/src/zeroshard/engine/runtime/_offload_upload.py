@@ -66,6 +66,7 @@ class ShardUpload:
     ) -> None:
         n, s = master.shape
         self.master, self.used, self.device, self.shard_numel = master, used, device, s
+        self.compute_dtype = compute_dtype
         self._flat = master.view(-1)
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
@@ -121,21 +122,44 @@ class ShardUpload:
             # shards are ordered by the upload stream's wait instead.
             torch.cuda.current_stream(self.device).synchronize()
 
-    def written(self, lo: int, hi: int, src: torch.Tensor | None = None) -> None:
-        """The masters of [lo, hi) (`src`, if given, is their view) are final for this
-        round: cast them now; send each chunk this completes."""
+    def target(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Where the cast of the masters of [lo, hi) (within one chunk) goes: its part of
+        the chunk's slot (taken now if the chunk has none) or of the host shards, for a
+        step that writes the cast itself before `written(lo, hi, cast=False)`; None if the
+        chunk gave its slot up (it is cast whole from the masters when complete)."""
         s = self.shard_numel
         i = lo // s
-        if hi <= (i + 1) * s:
+        assert hi <= (i + 1) * s, "a target lies within one chunk"
+        if self.compute_host is not None:
+            return self.compute_host.view(-1)[lo:hi]
+        if i in self._spilled:
+            return None
+        slot = self._open.get(i)
+        if slot is None:
+            slot = self._open[i] = self._take_slot()
+        return slot[lo - i * s : hi - i * s]
+
+    def written(
+        self, lo: int, hi: int, src: torch.Tensor | None = None, *, cast: bool = True
+    ) -> None:
+        """The masters of [lo, hi) (`src`, if given, is their view) are final for this
+        round: cast them now (unless `cast` is False: the step wrote the cast into its
+        `target`); send each chunk this completes."""
+        s = self.shard_numel
+        i = lo // s
+        if not cast or hi <= (i + 1) * s:
             # Within one chunk, as nearly every block of the step is: no cutting.
-            self._write(i, lo, hi, self._flat[lo:hi] if src is None else src)
+            piece = None if not cast else self._flat[lo:hi] if src is None else src
+            self._write(i, lo, hi, piece)
             return
         for i, a, b in self._pieces(lo, hi):
             self._write(i, a, b, self._flat[a:b] if src is None else src[a - lo : b - lo])
 
-    def _write(self, i: int, a: int, b: int, piece: torch.Tensor) -> None:
-        """Cast `piece`, the masters of [a, b) in chunk `i`."""
-        if self.compute_host is not None:
+    def _write(self, i: int, a: int, b: int, piece: torch.Tensor | None) -> None:
+        """Cast `piece`, the masters of [a, b) in chunk `i` (None: cast already)."""
+        if piece is None:
+            pass
+        elif self.compute_host is not None:
             self.compute_host.view(-1)[a:b].copy_(piece)
         elif i not in self._spilled:
             slot = self._open.get(i)

@@ -21,7 +21,7 @@ from zeroshard.engine.runtime._host_adam import steps_in_blocks
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
-from zeroshard.engine.runtime._offload_step import delayed_step_refusal
+from zeroshard.engine.runtime._offload_step import blocked_step_refusal, delayed_step_refusal
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
@@ -157,6 +157,9 @@ def initialize(
     cfg = as_config(config)
     check_model(model, cfg)
     refusal = delayed_step_refusal(optimizer) if cfg.offload.delay_param_update else ""
+    if cfg.offload.compiled_step and not refusal:
+        what = "offload.compiled_step compiles torch's Adam/AdamW update"
+        refusal = blocked_step_refusal(optimizer, what)
     if refusal:
         raise ValueError(refusal)
     check_module_paths(model, process_groups or {})
@@ -217,6 +220,7 @@ def initialize(
             pin=cfg.offload.pin_memory,
             offload_params=cfg.offload.params,
             blocked_step=steps_in_blocks(optimizer),
+            compiled_step=cfg.offload.compiled_step,
         )
         _warn_unfused(optimizer)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
