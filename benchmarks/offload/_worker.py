@@ -4,7 +4,8 @@
 
 PART is `train-zs`, `train-zs-overlap`, `train-zs-dpu`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
 `transfer`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach`, `adam-ds` or
-`adam-zs-host`.
+`adam-zs-host`; a zeroshard part with `-compiled` after its name runs with
+`offload_compiled_step`.
 Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
 extension, costs only its own row, and so that every part starts with the host memory
 empty. The result (or the
@@ -109,6 +110,9 @@ def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
 def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callable[..., None]:
     import zeroshard.engine as zs
 
+    # A `-compiled` part is the same row with offload_compiled_step.
+    compiled = mode.endswith("-compiled")
+    mode = mode.removesuffix("-compiled")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
     config = {
         "stage": a["stage"],
@@ -116,7 +120,7 @@ def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callab
         "offload_optimizer": True,
         "offload_params": a["offload_params"],
         "offload_delay_param_update": mode == "zs-dpu",
-        "offload_compiled_step": a["compiled_step"],
+        "offload_compiled_step": compiled,
     }
     zmodel, zopt = zs.initialize(model, opt, config)
 
@@ -250,12 +254,12 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
-def zs_host(a: dict[str, Any]) -> dict[str, Any]:
+def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
     """zeroshard's offloaded step alone, as `train-zs` runs it after backward: bf16
     gradients on the host in, torch's fused AdamW on the fp32 masters (or the compiled
-    step, with --compiled-step), bf16 shards out through the pinned upload slots; no
-    forward or backward. The same element count as
-    the CPU optimizer rows, in tensors of `a['chunk']` elements."""
+    step: `adam-zs-host-compiled`), bf16 shards out through the pinned upload slots; no
+    forward or backward. The same element count as the CPU optimizer rows, in tensors of
+    `a['chunk']` elements."""
     import zeroshard.engine as zs
     from zeroshard.engine.runtime._offload_step import step_offloaded
 
@@ -270,7 +274,7 @@ def zs_host(a: dict[str, Any]) -> dict[str, Any]:
         "stage": 2,
         "compute_dtype": "bf16",
         "offload_optimizer": True,
-        "offload_compiled_step": a["compiled_step"],
+        "offload_compiled_step": compiled,
     }
     start = time.perf_counter()
     model, zopt = zs.initialize(model, opt, config)
@@ -303,9 +307,11 @@ def main() -> None:
     try:
         if part.startswith("train-"):
             result = train(args, part.removeprefix("train-"))
-        elif part in ("fwd-bwd", "transfer", "ds-build", "adam-zs-host"):
+        elif part.startswith("adam-zs-host"):
+            result = zs_host(args, compiled=part.endswith("-compiled"))
+        elif part in ("fwd-bwd", "transfer", "ds-build"):
             parts = {"fwd-bwd": fwd_bwd, "transfer": transfer, "ds-build": ds_build}
-            result = {**parts, "adam-zs-host": zs_host}[part](args)
+            result = parts[part](args)
         else:
             result = adam(args, part.removeprefix("adam-"))
         result["ok"] = True
