@@ -121,12 +121,13 @@ LIMITS = {
     "train-zs-dpu": 100.0,
     "train-zs": 100.0,
     "train-zs-clip": 100.0,
-    # The zeroshard rows with offload_compiled_step (one compile of the step's kernel).
-    "adam-zs-host-compiled": 120.0,
-    "train-zs-overlap-compiled": 110.0,
-    "train-zs-dpu-compiled": 100.0,
-    "train-zs-compiled": 100.0,
-    "train-zs-clip-compiled": 100.0,
+    # The zeroshard rows with offload_compiled_step: one compile of the step's kernel
+    # first (55-70 s on a GPU host with a cold inductor cache, in the warmup).
+    "adam-zs-host-compiled": 150.0,
+    "train-zs-overlap-compiled": 180.0,
+    "train-zs-dpu-compiled": 180.0,
+    "train-zs-compiled": 180.0,
+    "train-zs-clip-compiled": 180.0,
     # DeepSpeedCPUAdam's extension (ninja, cached): built here, outside the budget, so
     # that the parts after it time steps only.
     "ds-build": 300.0,
