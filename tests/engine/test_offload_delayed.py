@@ -149,11 +149,12 @@ def test_delayed_update_matches_lagged_reference(world_size: int, device: str) -
 
 
 def _train_lagged(
-    device: str, stage: int, dtype: str, accum: int, *, delayed: bool
+    device: str, stage: int, dtype: str, accum: int, *, delayed: bool, compiled: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Losses, masters and optimizer state after STEPS steps in `dtype` with clipping:
     with delay_param_update, or with the plain step and the lag applied by hand (after
-    each step the parameters are set back to the weights the step before published)."""
+    each step the parameters are set back to the weights the step before published);
+    with offload_compiled_step if `compiled`."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(seed=stage).to(device)
     batches = global_batches(STEPS, accum, world, MICRO)
@@ -164,6 +165,7 @@ def _train_lagged(
         "offload_optimizer": True,
         "offload_chunk_bytes": 2000,
         "offload_delay_param_update": delayed,
+        "offload_compiled_step": compiled,
     }
     model, opt = zs.initialize(model, _adamw(model), config)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -190,6 +192,8 @@ def _train_lagged(
 def _same_as_lag_by_hand(device: str) -> None:
     cases = [{"stage": 2, "dtype": "bf16", "accum": 2}, {"stage": 1, "dtype": "bf16", "accum": 1}]
     cases.append({"stage": 2, "dtype": "fp16", "accum": 1})
+    # The compiled host step ([Note: compiled host step]) delayed, against itself lagged.
+    cases.append({"stage": 2, "dtype": "bf16", "accum": 2, "compiled": True})
     for case in cases:
         ours = _train_lagged(device, **case, delayed=True)
         ref = _train_lagged(device, **case, delayed=False)
@@ -203,7 +207,7 @@ def _same_as_lag_by_hand(device: str) -> None:
 def test_delayed_update_is_the_plain_step_lagged(world_size: int, device: str) -> None:
     """In bf16 / fp16, with the gradient factors (clipping, unscaling) and fp32
     accumulation the host keeps per group, bit for bit the plain offloaded step with the
-    lag applied by hand."""
+    lag applied by hand; so too with offload_compiled_step."""
     world_fits(device, world_size)
     run_ranks(_same_as_lag_by_hand, world_size, device, device=device)
 
