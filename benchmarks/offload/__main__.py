@@ -122,7 +122,7 @@ LIMITS = {
     "train-zs": 100.0,
     "train-zs-clip": 100.0,
     # The zeroshard rows with offload_compiled_step: one compile of the step's kernel
-    # first (55-70 s on a GPU host with a cold inductor cache, in the warmup).
+    # first (40-70 s a process on the H200 host, with a warm inductor cache too).
     "adam-zs-host-compiled": 150.0,
     "train-zs-overlap-compiled": 180.0,
     "train-zs-dpu-compiled": 180.0,
