@@ -207,11 +207,13 @@ def test_blocked_step_upcasts_one_block(device: str) -> None:
     run_ranks(_host_bytes, 1, device, device=device)
 
 
+@pytest.mark.parametrize("mode", ["cast", "target"])
 @pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
-def test_upload_slots_cast_every_chunk(order: str) -> None:
+def test_upload_slots_cast_every_chunk(order: str, mode: str) -> None:
     """Ranges with gaps between them (left as they are) and a padded tail, written in
-    pieces in any order: each chunk's compute shard is the cast of its masters, even when
-    chunks must give their slot up (more open chunks than slots)."""
+    pieces in any order, cast by the upload or (`target`) by the writer as the compiled
+    step does: each chunk's compute shard is the cast of its masters, even when chunks
+    must give their slot up (more open chunks than slots)."""
     n, s = 7, 100
     master = torch.randn(n, s)
     made: list[torch.Tensor] = []
@@ -234,13 +236,22 @@ def test_upload_slots_cast_every_chunk(order: str) -> None:
     ranges = [(0, 130), (130, 345), (380, 560), (560, 690)]
     up.begin(ranges)
     pieces = [(lo, min(hi, lo + 40)) for a, hi in ranges for lo in range(a, hi, 40)]
+    # Cut at chunks too: a target lies within one.
+    pieces = [(max(lo, c), min(hi, c + s)) for lo, hi in pieces for c in range(0, n * s, s)]
+    pieces = [(lo, hi) for lo, hi in pieces if lo < hi]
     if order == "descending":
         pieces.reverse()
     elif order == "shuffled":
         random.Random(0).shuffle(pieces)
     for k, (lo, hi) in enumerate(pieces):
-        # Every other piece names its masters' view, as the blocked step does.
-        up.written(lo, hi, master.view(-1)[lo:hi] if k % 2 else None)
+        if mode == "target":
+            out = up.target(lo, hi)
+            if out is not None:  # None: the chunk gave its slot up
+                out.copy_(master.view(-1)[lo:hi])
+            up.written(lo, hi, cast=False)
+        else:
+            # Every other piece names its masters' view, as the blocked step does.
+            up.written(lo, hi, master.view(-1)[lo:hi] if k % 2 else None)
     up.finish()
     assert up.compute_dev is not None
     assert torch.equal(up.compute_dev, master.to(torch.bfloat16))

@@ -8,21 +8,31 @@ bf16 or fp16: see `_close_case`), at stages 1-3 with gradient accumulation, clip
 loss scaling, fp32 gradients, a share offloaded, offload_params and the step inside
 backward; for Adam and AdamW with amsgrad, maximize and a tensor lr. Stepping inside
 backward gives the serial compiled step's bits. An optimizer it cannot compile is
-refused at initialize.
+refused at initialize; the kernels compile there (the steps after compile nothing), and
+a rank without a C++ compiler fails initialize on every rank.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch._dynamo.utils import counters
 
 import zeroshard.engine as zs
+import zeroshard.engine.runtime._offload as offload_module
+import zeroshard.engine.runtime._offload_upload as upload_module
 from tests._dist import run_each, run_ranks, world_fits
-from tests.engine.test_offload_blocked import Wide, _optimizer, _train
+from tests.engine._offload_train import train_and_collect
+from tests.engine.test_offload_blocked import MICRO, Wide, _optimizer, _train
 from zeroshard.engine.runtime._host_adam import FusedAdam
-from zeroshard.engine.runtime._host_kernel import _kernel, coefficients, scale_of, step_piece
+from zeroshard.engine.runtime._host_kernel import coefficients, scale_of, step_piece
+from zeroshard.engine.runtime._offload_upload import ShardUpload
 
 LR, STEPS = 1e-3, 3  # test_offload_blocked's optimizer and loop
 
@@ -40,9 +50,9 @@ def _close_case(device: str, stage: int, dtype: str = "bf16", accum: int = 1, **
     # Three fp32 steps: test_parity's fp32 tolerance (an element or two of a million
     # moves 2e-7 by then); one step: a few last bits.
     atol = 1e-6 if dtype == "fp32" else 1e-7
-    _kernel.cache_clear()
-    ours, ours_state = _train(device, stage, dtype, accum, offload=True, compiled=True, **kw)
-    assert _kernel.cache_info().currsize > 0, "the compiled step did not run"
+    with mock.patch.object(offload_module, "step_piece", wraps=step_piece) as calls:
+        ours, ours_state = _train(device, stage, dtype, accum, offload=True, compiled=True, **kw)
+    assert calls.call_count > 0, "the compiled step did not run"
     ref, ref_state = _train(device, stage, dtype, accum, offload=True, **kw)
     if kw.get("early"):
         # The serial compiled step, bit for bit.
@@ -83,6 +93,109 @@ def _close(device: str) -> None:
 def test_compiled_step_matches_torchs_step(world_size: int, device: str) -> None:
     world_fits(device, world_size)
     run_ranks(_close, world_size, device, device=device, timeout_s=900.0)
+
+
+def _compiled_config() -> dict[str, Any]:
+    # Chunks of 750K elements per rank, as test_offload_blocked's.
+    return {
+        "stage": 2,
+        "compute_dtype": "bf16",
+        "offload_optimizer": True,
+        "offload_chunk_bytes": 3 * 10**6,
+        "offload_compiled_step": True,
+    }
+
+
+def _compiles_at_initialize(device: str) -> None:
+    torch.manual_seed(0)
+    model = Wide().to(device)
+    model, opt = zs.initialize(model, _optimizer(model, "adamw"), _compiled_config())
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0, "initialize compiled nothing"
+    # Gradients in bf16 and, accumulated, in fp32; stepped on the main thread and on the
+    # stepping thread (step_in_backward), in pieces of many lengths and offsets.
+    with mock.patch.object(offload_module, "step_piece", wraps=step_piece) as calls:
+        for accum, early in ((1, False), (2, True), (1, True)):
+            train_and_collect(
+                model, opt, steps=2, accum=accum, micro=MICRO, device=device, early=early, clip=None
+            )
+    assert calls.call_count > 0, "the compiled step did not run"
+    lengths = {c.args[4].numel() for c in calls.call_args_list}
+    assert len(lengths) > 1, lengths
+    assert counters["stats"]["unique_graphs"] == compiled, "a step compiled the kernel again"
+
+
+@pytest.mark.gpu
+def test_compiled_step_compiles_at_initialize(device: str) -> None:
+    """The kernels compile in initialize: the steps after it compile nothing."""
+    run_ranks(_compiles_at_initialize, 2 if device == "cpu" else 1, device, device=device)
+
+
+def _deep(device: str) -> dict[str, torch.Tensor]:
+    """Two steps inside backward of six layers, each a unit of its own at stage 3 (so the
+    groups step last to first), in chunks of 10K elements per rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(300, 300) for _ in range(6))).to(device)
+    cfg = _compiled_config() | {"stage": 3, "min_unit_params": 1, "persistence_threshold": 0}
+    cfg["offload_chunk_bytes"] = 40_000
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    model, zopt = zs.initialize(model, opt, cfg)
+    x = torch.randn(8, 300, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        with zopt.step_in_backward():
+            model(x.to(device)).square().mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+    return zs.full_state_dict(model)
+
+
+def _slot_given_up(device: str) -> None:
+    want = _deep(device)
+    given_up: list[bool] = []
+    target = ShardUpload.target
+
+    def counted(up: ShardUpload, lo: int, hi: int) -> torch.Tensor | None:
+        out = target(up, lo, hi)
+        given_up.append(out is None)
+        return out
+
+    # One upload slot: each group's first chunk (shared with the group before it, which
+    # steps next) is still open when the group's next chunk opens, and gives its slot up.
+    with (
+        mock.patch.object(upload_module, "UPLOAD_SLOTS", 1),
+        mock.patch.object(ShardUpload, "target", counted),
+    ):
+        ours = _deep(device)
+    assert any(given_up), "no chunk gave its slot up"
+    for name, w in want.items():
+        assert torch.equal(ours[name], w), name
+
+
+@pytest.mark.gpu
+def test_compiled_step_when_chunks_give_their_slot_up(device: str) -> None:
+    """A chunk that gave its slot up is cast whole when complete: the step's own cast of
+    it goes to scratch, and the weights are those of a run with enough slots."""
+    run_ranks(_slot_given_up, 2 if device == "cpu" else 1, device, device=device)
+
+
+def _no_compiler(device: str, missing_on: int) -> None:
+    # A cache of this rank's own, so no kernel built by another test is found instead.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ['ZS_TEST_TMP']}/r{dist.get_rank()}"
+    torch._inductor.config.fx_graph_cache = False
+    if dist.get_rank() == missing_on:
+        torch._inductor.config.cpp.cxx = ("/nonexistent/g++",)  # type: ignore[assignment]
+    model = Wide().to(device)
+    pattern = rf"offload\.compiled_step.*C\+\+ compiler.*failed on rank\(s\) \[{missing_on}\]"
+    with pytest.raises(RuntimeError, match=pattern):
+        zs.initialize(model, _optimizer(model, "adamw"), _compiled_config())
+
+
+def test_compiled_step_without_a_compiler_fails_initialize_on_every_rank(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 has no C++ compiler: initialize raises on both ranks, naming rank 1."""
+    monkeypatch.setenv("ZS_TEST_TMP", str(tmp_path))
+    run_ranks(_no_compiler, 2, "cpu", 1, device="cpu")
 
 
 def _refuses(device: str) -> None:

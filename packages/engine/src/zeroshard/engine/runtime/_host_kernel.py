@@ -19,16 +19,26 @@ bit for bit torch's. With it every mode (the serial step, `step_in_backward`,
 `delay_param_update`) runs this same kernel, and they agree bit for bit.
 
 One compiled loop per variant (Adam or AdamW, amsgrad, maximize; the dtypes are guarded)
-with a dynamic length, compiled on the first step that needs it, on whichever thread
-steps; it runs on that thread's OpenMP team ([Note: host step threads]). Pieces are cut
-at upload chunks, so each writes one slot, and are a chunk long, so a call's own cost
-(Dynamo's guards, the coefficients) stays small beside it.
+with a dynamic length, compiled by `initialize` (`compile_variants`) for the gradient in
+the reduce dtype and in fp32 (gradient accumulation's), so a rank without a working C++
+compiler fails there on every rank and the first step compiles nothing; it runs on the
+stepping thread's OpenMP team ([Note: host step threads]). Pieces are cut at upload
+chunks, so each writes one slot, and are a chunk long, so a call's own cost (Dynamo's
+guards, the coefficients) stays small beside it.
+
+Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
+base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
+equalities it happened to see between them (an offset equal to a length, the first
+group's offset 0), and pieces of a later step recompiled. Alone, a piece's length is
+the only guard, and one compile serves every length but 1 (Dynamo specializes a length
+of 1: such a piece compiles once more). Marking the lengths unbacked instead removes
+even that, but inductor's loop over an unbacked length ran 7x slower on the CPU box.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from typing import Any
 
@@ -99,6 +109,36 @@ def scale_of(factors: Sequence[torch.Tensor | float]) -> torch.Tensor:
     return scale
 
 
+def compile_variants(
+    adams: Iterable[FusedAdam], grad_dtypes: Iterable[torch.dtype], out_dtype: torch.dtype
+) -> None:
+    """Compile the update of each of `adams`' variants for each gradient dtype now, on a
+    few elements: the first step then compiles nothing ([Note: compiled host step])."""
+    n = 64  # any length but 0 and 1, which Dynamo specializes
+    for adam in adams:
+        for dtype in grad_dtypes:
+            moments = [torch.zeros(n) for _ in range(3 if adam.amsgrad else 2)]
+            grad = torch.zeros(n, dtype=dtype)
+            out = torch.empty(n, dtype=out_dtype)
+            step_piece(
+                adam, coefficients(adam, 1.0), scale_of(()), torch.zeros(n), grad, moments, out
+            )
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """`t` (1-D, contiguous) as a tensor of its own slice of its storage: no view base,
+    offset 0, so Dynamo guards its length alone ([Note: compiled host step])."""
+    assert t.dim() == 1 and t.is_contiguous(), "a piece is 1-D and contiguous"
+    size = t.element_size()
+    start = t.storage_offset() * size
+    # The slice holds a reference to the whole storage, as a view would.
+    part = t.untyped_storage()[start : start + t.numel() * size]
+    return torch.empty(0, dtype=t.dtype).set_(part)
+
+
+# Grad mode off whatever the caller's: Dynamo guards it, and initialize (which compiles)
+# runs with it on, the step without it; a thread's mode is its own.
+@torch.no_grad()
 def step_piece(
     adam: FusedAdam,
     coef: torch.Tensor,
@@ -111,5 +151,14 @@ def step_piece(
     """Step `master` (a piece) on `grad` times `scale`, with its `moments` (exp_avg,
     exp_avg_sq[, max_exp_avg_sq]), and write its compute-dtype cast to `out`."""
     kernel = _kernel(adam.kernel is torch._fused_adamw_, adam.amsgrad, adam.maximize)
-    third = moments[2] if adam.amsgrad else None
-    kernel(master, grad, moments[0], moments[1], third, out, coef, scale)
+    third = _alone(moments[2]) if adam.amsgrad else None
+    kernel(
+        _alone(master),
+        _alone(grad),
+        _alone(moments[0]),
+        _alone(moments[1]),
+        third,
+        _alone(out),
+        coef,
+        scale,
+    )

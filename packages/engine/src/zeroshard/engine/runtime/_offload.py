@@ -148,10 +148,8 @@ class HostOffload:
         self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
         self._blocked = BlockedStep()
         # offload.compiled_step: each group in one compiled pass per chunk ([Note: compiled
-        # host step] in _host_kernel.py); a spilled chunk's cast goes to `_spill` (made on
-        # first need), as that chunk is cast whole from the masters when it completes.
+        # host step] in _host_kernel.py).
         self._compiled = compiled_step
-        self._spill: torch.Tensor | None = None
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
@@ -369,18 +367,17 @@ class HostOffload:
             hi = min(n, ((base + lo) // s + 1) * s - base)
             out = self._out.target(base + lo, base + hi)
             if out is None:
-                out = self._spilled_out(hi - lo)
+                # The chunk gave its slot up: it is cast whole from the masters when it
+                # completes, so this cast is read by nobody. It goes to the blocked step's
+                # upcast, unused by this step (and by the norm until the step settles), a
+                # scratch's length at a time.
+                scratch = self._upcast.view(self._out.compute_dtype)
+                hi = min(hi, lo + scratch.numel())
+                out = scratch[: hi - lo]
             piece = [t[lo:hi] for t in moments]
             step_piece(adam, coef, scale, master[lo:hi], source[lo:hi], piece, out)
             self._out.written(base + lo, base + hi, cast=False)
             lo = hi
-
-    def _spilled_out(self, numel: int) -> torch.Tensor:
-        """Somewhere to write a cast nobody reads (its chunk gave its slot up)."""
-        if self._spill is None:
-            dtype = self._out.compute_dtype
-            self._spill = self._host(self.layout.shard_numel, dtype, False)
-        return self._spill[:numel]
 
     def forget_state(self) -> None:
         """The optimizer's state is about to be replaced (a state dict loaded)."""

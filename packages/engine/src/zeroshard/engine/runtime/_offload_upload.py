@@ -147,19 +147,20 @@ class ShardUpload:
         `target`); send each chunk this completes."""
         s = self.shard_numel
         i = lo // s
-        if not cast or hi <= (i + 1) * s:
+        if not cast:
+            assert hi <= (i + 1) * s, "a target lies within one chunk"
+            self._count(i, hi - lo)
+            return
+        if hi <= (i + 1) * s:
             # Within one chunk, as nearly every block of the step is: no cutting.
-            piece = None if not cast else self._flat[lo:hi] if src is None else src
-            self._write(i, lo, hi, piece)
+            self._write(i, lo, hi, self._flat[lo:hi] if src is None else src)
             return
         for i, a, b in self._pieces(lo, hi):
             self._write(i, a, b, self._flat[a:b] if src is None else src[a - lo : b - lo])
 
-    def _write(self, i: int, a: int, b: int, piece: torch.Tensor | None) -> None:
-        """Cast `piece`, the masters of [a, b) in chunk `i` (None: cast already)."""
-        if piece is None:
-            pass
-        elif self.compute_host is not None:
+    def _write(self, i: int, a: int, b: int, piece: torch.Tensor) -> None:
+        """Cast `piece`, the masters of [a, b) in chunk `i`."""
+        if self.compute_host is not None:
             self.compute_host.view(-1)[a:b].copy_(piece)
         elif i not in self._spilled:
             slot = self._open.get(i)
@@ -167,7 +168,11 @@ class ShardUpload:
                 slot = self._open[i] = self._take_slot()
             off = i * self.shard_numel
             slot[a - off : b - off].copy_(piece)
-        left = self._waiting[i] - (b - a)
+        self._count(i, b - a)
+
+    def _count(self, i: int, numel: int) -> None:
+        """`numel` more elements of chunk `i` are final: send it if that completes it."""
+        left = self._waiting[i] - numel
         if left:
             self._waiting[i] = left
         else:

@@ -1,4 +1,5 @@
-"""`check_ranks_agree`: every rank must initialize the same model with the same config.
+"""`check_ranks_agree`: every rank must initialize the same model with the same config;
+`raise_if_any_failed`: a step of initialize that failed on one rank fails it on every rank.
 
 [Note: the initialize digest]
 Ranks that disagree (stage 2 on one, 3 on another; fp32 against bf16; one extra layer)
@@ -92,3 +93,21 @@ def check_ranks_agree(world: Group, fields: Sequence[tuple[str, str]]) -> None:
         f"ranks disagree at initialize on {' / '.join(names) or key}: {holders}. Every rank "
         "must build the same model and pass the same config"
     )
+
+
+def raise_if_any_failed(world: Group, what: str, error: str) -> None:
+    """Raise the same RuntimeError on every rank if any rank's `error` is set ("" where
+    its `what` succeeded), naming the failing ranks and the first one's error."""
+    if world.size == 1:
+        failed = [0] if error else []
+    else:
+        flags = _gather(world, [int(bool(error))], f"initialize: {what}")
+        failed = [rank for rank, (bad,) in enumerate(flags) if bad]
+    if not failed:
+        return
+    text = error.encode()[:_VALUE_BYTES]
+    row = [len(text), *text, *([0] * (_VALUE_BYTES - len(text)))]
+    if world.size > 1:
+        row = _gather(world, row, f"initialize: {what}, the error")[failed[0]]
+    first = bytes(row[1 : 1 + row[0]]).decode(errors="replace")
+    raise RuntimeError(f"{what} failed on rank(s) {failed}; rank {failed[0]}: {first}")

@@ -17,7 +17,8 @@ from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
-from zeroshard.engine.runtime._host_adam import steps_in_blocks
+from zeroshard.engine.runtime._host_adam import fused_adam, steps_in_blocks
+from zeroshard.engine.runtime._host_kernel import compile_variants
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
@@ -28,7 +29,11 @@ from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
-from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
+from zeroshard.engine.setup._agreement import (
+    check_ranks_agree,
+    describe_rank,
+    raise_if_any_failed,
+)
 from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
 from zeroshard.engine.setup._host_memory import check_host_memory
 from zeroshard.engine.setup._materialize import (
@@ -166,6 +171,8 @@ def initialize(
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
     check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
+    if cfg.offload.compiled_step:
+        _compile_host_step(everyone, optimizer, cfg)
     shard_group, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -310,6 +317,26 @@ def _check_offload_fits(
         f"and {state:,} of {type(optimizer).__name__} state ({floats} fp32 per element)"
     )
     check_host_memory(everyone, sizes.host_bytes + state, what)
+
+
+def _compile_host_step(world: Group, optimizer: torch.optim.Optimizer, cfg: ZeroConfig) -> None:
+    """Compile offload.compiled_step's kernels now ([Note: compiled host step]): on every
+    rank, failing initialize on all of them if one cannot (no working C++ compiler)."""
+    adams = [fused_adam(optimizer, k) for k in range(len(optimizer.param_groups))]
+    if world.rank == 0:
+        log.info("offload.compiled_step: compiling the host step (once per process)")
+    error = ""
+    try:
+        grads = {cfg.precision.grad_reduce_dtype, torch.float32}
+        compile_variants([a for a in adams if a is not None], grads, cfg.precision.compute_dtype)
+    except Exception as e:  # whatever inductor raises: every rank must hear of it
+        error = f"{type(e).__name__}: {e}"
+    what = (
+        "offload.compiled_step (offload_compiled_step) compiles the host step with "
+        "torch.compile's CPU backend, which needs a working C++ compiler ($CXX, else g++); "
+        "install one or turn the option off. Compiling it"
+    )
+    raise_if_any_failed(world, what, error)
 
 
 def _warn_unfused(optimizer: torch.optim.Optimizer) -> None:
