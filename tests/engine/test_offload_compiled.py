@@ -15,6 +15,7 @@ a rank without a C++ compiler fails initialize on every rank.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -31,7 +32,12 @@ from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._offload_train import train_and_collect
 from tests.engine.test_offload_blocked import MICRO, Wide, _optimizer, _train
 from zeroshard.engine.runtime._host_adam import FusedAdam
-from zeroshard.engine.runtime._host_kernel import coefficients, scale_of, step_piece
+from zeroshard.engine.runtime._host_kernel import (
+    coefficients,
+    compile_variants,
+    scale_of,
+    step_piece,
+)
 from zeroshard.engine.runtime._offload_upload import ShardUpload
 
 LR, STEPS = 1e-3, 3  # test_offload_blocked's optimizer and loop
@@ -176,6 +182,31 @@ def test_compiled_step_when_chunks_give_their_slot_up(device: str) -> None:
     """A chunk that gave its slot up is cast whole when complete: the step's own cast of
     it goes to scratch, and the weights are those of a run with enough slots."""
     run_ranks(_slot_given_up, 2 if device == "cpu" else 1, device, device=device)
+
+
+def _one_thread_compile(device: str) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["ZS_TEST_TMP"]
+    # One intra-op thread while compiling (torchrun's OMP_NUM_THREADS=1 with several
+    # ranks per host): the loop must still be parallel, on the calling thread's team.
+    torch.set_num_threads(1)
+    adam = FusedAdam(torch._fused_adamw_, LR, 0.9, 0.95, 0.1, 1e-8, False, False)
+    compile_variants([adam], [torch.bfloat16], torch.bfloat16)
+    sources = [p.read_text() for p in Path(os.environ["ZS_TEST_TMP"]).rglob("*.cpp")]
+    # The kernel's source, not inductor's probes of the compiler: the one with a loop.
+    kernels = [text for text in sources if "for(int64_t" in text]
+    assert kernels, "no kernel source in the inductor cache"
+    for text in kernels:
+        assert "#pragma omp parallel" in text, "the compiled loop is serial"
+        assert "num_threads(" not in text, "the compiled loop fixes its thread count"
+
+
+def test_compiled_loop_runs_on_the_callers_threads(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel compiled in initialize is an OpenMP loop on the calling thread's team,
+    whatever the thread count it was compiled with ([Note: compiled host step])."""
+    monkeypatch.setenv("ZS_TEST_TMP", str(tmp_path))
+    run_ranks(_one_thread_compile, 1, "cpu", device="cpu")
 
 
 def _no_compiler(device: str, missing_on: int) -> None:

@@ -21,10 +21,15 @@ bit for bit torch's. With it every mode (the serial step, `step_in_backward`,
 One compiled loop per variant (Adam or AdamW, amsgrad, maximize; the dtypes are guarded)
 with a dynamic length, compiled by `initialize` (`compile_variants`) for the gradient in
 the reduce dtype and in fp32 (gradient accumulation's), so a rank without a working C++
-compiler fails there on every rank and the first step compiles nothing; it runs on the
-stepping thread's OpenMP team ([Note: host step threads]). Pieces are cut at upload
-chunks, so each writes one slot, and are a chunk long, so a call's own cost (Dynamo's
-guards, the coefficients) stays small beside it.
+compiler fails there on every rank and the first step compiles nothing. Pieces are cut
+at upload chunks, so each writes one slot, and are a chunk long, so a call's own cost
+(Dynamo's guards, the coefficients) stays small beside it.
+
+The loop is compiled with inductor's `cpp.dynamic_threads`: it always runs in parallel,
+on the team of whichever thread calls it ([Note: host step threads]). Without it
+inductor writes the compiling thread's count into the loop, or makes the loop serial
+when the length it sees is short for that count: compiled at initialize on 64
+elements, the step ran 7.4x slower than torch's fused AdamW on a 16-core host.
 
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
 base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
@@ -86,7 +91,11 @@ def _kernel(decoupled: bool, amsgrad: bool, maximize: bool) -> Callable[..., Any
     # limit) per code object, and the dtypes seen make a few of each.
     name = f"adam_update_{int(decoupled)}{int(amsgrad)}{int(maximize)}"
     update.__code__ = update.__code__.replace(co_name=name)
-    compiled: Callable[..., Any] = torch.compile(update, dynamic=True, fullgraph=True)
+    # dynamic_threads: the loop's team is the calling thread's ([Note: compiled host step]).
+    options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
+    compiled: Callable[..., Any] = torch.compile(
+        update, dynamic=True, fullgraph=True, options=options
+    )
     return compiled
 
 
@@ -114,7 +123,8 @@ def compile_variants(
 ) -> None:
     """Compile the update of each of `adams`' variants for each gradient dtype now, on a
     few elements: the first step then compiles nothing ([Note: compiled host step])."""
-    n = 64  # any length but 0 and 1, which Dynamo specializes
+    # Inductor tunes its loop to the length it sees here (its hint): a chunk-like one.
+    n = 1 << 20
     for adam in adams:
         for dtype in grad_dtypes:
             moments = [torch.zeros(n) for _ in range(3 if adam.amsgrad else 2)]
