@@ -121,8 +121,8 @@ LIMITS = {
     "train-zs-dpu": 100.0,
     "train-zs": 100.0,
     "train-zs-clip": 100.0,
-    # The zeroshard rows with offload_compiled_step: one compile of the step's kernel
-    # first (40-70 s a process on the H200 host, with a warm inductor cache too).
+    # The zeroshard rows with offload_compiled_step: one compile of the step's kernels in
+    # initialize (40-70 s a process on the H200 hosts, with a warm inductor cache too).
     "adam-zs-host-compiled": 150.0,
     "train-zs-overlap-compiled": 180.0,
     "train-zs-dpu-compiled": 180.0,
