@@ -123,8 +123,8 @@ def scale_of(factors: Sequence[torch.Tensor | float]) -> torch.Tensor:
 def compile_variants(
     adams: Iterable[FusedAdam], grad_dtypes: Iterable[torch.dtype], out_dtype: torch.dtype
 ) -> None:
-    """Compile the update of each of `adams`' variants for each gradient dtype now, on a
-    few elements: the first step then compiles nothing ([Note: compiled host step])."""
+    """Compile the update of each of `adams`' variants for each gradient dtype now, on one
+    piece of zeros: the first step then compiles nothing ([Note: compiled host step])."""
     # Inductor tunes its loop to the length it sees here (its hint): a chunk-like one.
     n = 1 << 20
     for adam in adams:

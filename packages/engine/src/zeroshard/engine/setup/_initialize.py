@@ -332,9 +332,9 @@ def _compile_host_step(world: Group, optimizer: torch.optim.Optimizer, cfg: Zero
     except Exception as e:  # whatever inductor raises: every rank must hear of it
         error = f"{type(e).__name__}: {e}"
     what = (
-        "offload.compiled_step (offload_compiled_step) compiles the host step with "
-        "torch.compile's CPU backend, which needs a working C++ compiler ($CXX, else g++); "
-        "install one or turn the option off. Compiling it"
+        "offload.compiled_step (offload_compiled_step): compiling the host step with "
+        "torch.compile's CPU backend (it needs a working C++ compiler, $CXX else g++: "
+        "install one or turn the option off)"
     )
     raise_if_any_failed(world, what, error)
 
