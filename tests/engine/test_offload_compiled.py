@@ -15,6 +15,7 @@ a rank without a C++ compiler fails initialize on every rank.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -113,6 +114,10 @@ def _compiled_config() -> dict[str, Any]:
 
 
 def _compiles_at_initialize(device: str) -> None:
+    if device == "cuda":
+        # More threads than the harness's one, so the stepping thread gets a share of its
+        # own ([Note: host step threads]): Dynamo guards the thread count.
+        torch.set_num_threads(4)
     torch.manual_seed(0)
     model = Wide().to(device)
     model, opt = zs.initialize(model, _optimizer(model, "adamw"), _compiled_config())
@@ -188,9 +193,8 @@ def _one_thread_compile(device: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["ZS_TEST_TMP"]
     # One intra-op thread while compiling (torchrun's OMP_NUM_THREADS=1 with several
     # ranks per host): the loop must still be parallel, on the calling thread's team.
-    torch.set_num_threads(1)
     adam = FusedAdam(torch._fused_adamw_, LR, 0.9, 0.95, 0.1, 1e-8, False, False)
-    compile_variants([adam], [torch.bfloat16], torch.bfloat16)
+    compile_variants([adam], [torch.bfloat16], torch.bfloat16, [1])
     sources = [p.read_text() for p in Path(os.environ["ZS_TEST_TMP"]).rglob("*.cpp")]
     # The kernel's source, not inductor's probes of the compiler: the one with a loop.
     kernels = [text for text in sources if "for(int64_t" in text]
@@ -207,6 +211,34 @@ def test_compiled_loop_runs_on_the_callers_threads(
     whatever the thread count it was compiled with ([Note: compiled host step])."""
     monkeypatch.setenv("ZS_TEST_TMP", str(tmp_path))
     run_ranks(_one_thread_compile, 1, "cpu", device="cpu")
+
+
+def _thread_counts(device: str) -> None:
+    adam = FusedAdam(torch._fused_adamw_, LR, 0.9, 0.95, 0.1, 1e-8, False, False)
+    compile_variants([adam], [torch.bfloat16], torch.bfloat16, [2, 1])
+    compiled = counters["stats"]["unique_graphs"]
+    n = 4099
+
+    def step(threads: int) -> None:
+        torch.set_num_threads(threads)
+        moments = [torch.zeros(n), torch.zeros(n)]
+        grad = torch.ones(n, dtype=torch.bfloat16)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        step_piece(adam, coefficients(adam, 1.0), scale_of(()), torch.ones(n), grad, moments, out)
+
+    step(2)
+    with ThreadPoolExecutor(1) as stepping:
+        stepping.submit(step, 1).result()
+    assert counters["stats"]["unique_graphs"] == compiled, "a compiled thread count compiled again"
+    # The guard the counts are compiled for: a count not compiled for compiles.
+    step(3)
+    assert counters["stats"]["unique_graphs"] > compiled, "Dynamo no longer guards thread counts"
+
+
+def test_kernel_compiled_for_each_thread_count() -> None:
+    """Compiled for the main thread's count and the stepping thread's, neither a step on
+    the main thread nor one on another thread compiles again."""
+    run_ranks(_thread_counts, 1, "cpu", device="cpu")
 
 
 def _no_compiler(device: str, missing_on: int) -> None:

@@ -23,7 +23,10 @@ bit for bit torch's. With it every mode (the serial step, `step_in_backward`,
 One compiled loop per variant (Adam or AdamW, amsgrad, maximize; the dtypes are guarded)
 with a dynamic length, compiled by `initialize` (`compile_variants`) for the gradient in
 the reduce dtype and in fp32 (gradient accumulation's), so a rank without a working C++
-compiler fails there on every rank and the first step compiles nothing. Pieces are cut
+compiler fails there on every rank and the first step compiles nothing. Dynamo also
+guards the calling thread's intra-op thread count, so it is compiled for the main
+thread's and, on a GPU, for the stepping thread's share ([Note: host step threads]):
+the first `step_in_backward` step recompiled on the stepping thread otherwise. Pieces are cut
 at upload chunks, so each writes one slot, and are a chunk long, so a call's own cost
 (Dynamo's guards, the coefficients) stays small beside it.
 
@@ -121,20 +124,30 @@ def scale_of(factors: Sequence[torch.Tensor | float]) -> torch.Tensor:
 
 
 def compile_variants(
-    adams: Iterable[FusedAdam], grad_dtypes: Iterable[torch.dtype], out_dtype: torch.dtype
+    adams: Iterable[FusedAdam],
+    grad_dtypes: Iterable[torch.dtype],
+    out_dtype: torch.dtype,
+    thread_counts: Iterable[int],
 ) -> None:
-    """Compile the update of each of `adams`' variants for each gradient dtype now, on one
-    piece of zeros: the first step then compiles nothing ([Note: compiled host step])."""
+    """Compile the update of each of `adams`' variants for each gradient dtype and each
+    intra-op thread count the step will run with, now, on one piece of zeros: the first
+    step then compiles nothing ([Note: compiled host step])."""
     # Inductor tunes its loop to the length it sees here (its hint): a chunk-like one.
     n = 1 << 20
-    for adam in adams:
-        for dtype in grad_dtypes:
-            moments = [torch.zeros(n) for _ in range(3 if adam.amsgrad else 2)]
-            grad = torch.zeros(n, dtype=dtype)
-            out = torch.empty(n, dtype=out_dtype)
-            step_piece(
-                adam, coefficients(adam, 1.0), scale_of(()), torch.zeros(n), grad, moments, out
-            )
+    own = torch.get_num_threads()
+    try:
+        for threads in thread_counts:
+            # Dynamo guards the caller's thread count (its global state).
+            torch.set_num_threads(threads)
+            for adam in adams:
+                for dtype in grad_dtypes:
+                    moments = [torch.zeros(n) for _ in range(3 if adam.amsgrad else 2)]
+                    grad = torch.zeros(n, dtype=dtype)
+                    out = torch.empty(n, dtype=out_dtype)
+                    coef, scale = coefficients(adam, 1.0), scale_of(())
+                    step_piece(adam, coef, scale, torch.zeros(n), grad, moments, out)
+    finally:
+        torch.set_num_threads(own)
 
 
 def _alone(t: torch.Tensor) -> torch.Tensor:

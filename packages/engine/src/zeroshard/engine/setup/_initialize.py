@@ -19,6 +19,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_grou
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
 from zeroshard.engine.runtime._host_adam import fused_adam, steps_in_blocks
 from zeroshard.engine.runtime._host_kernel import compile_variants
+from zeroshard.engine.runtime._host_threads import stepping_threads
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
@@ -328,7 +329,12 @@ def _compile_host_step(world: Group, optimizer: torch.optim.Optimizer, cfg: Zero
     error = ""
     try:
         grads = {cfg.precision.grad_reduce_dtype, torch.float32}
-        compile_variants([a for a in adams if a is not None], grads, cfg.precision.compute_dtype)
+        threads = {torch.get_num_threads()}
+        if world.device.type == "cuda":
+            # The stepping thread's share while groups step beside the main thread.
+            threads.add(stepping_threads(torch.get_num_threads()))
+        compute = cfg.precision.compute_dtype
+        compile_variants([a for a in adams if a is not None], grads, compute, threads)
     except Exception as e:  # whatever inductor raises: every rank must hear of it
         error = f"{type(e).__name__}: {e}"
     what = (
