@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
+import zeroshard.engine.runtime._offload as offload_module
+import zeroshard.engine.runtime._offload_step as step_module
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model
 
@@ -295,3 +298,49 @@ def _checkpoint_in_flight(root: str, device: str) -> None:
 def test_checkpoint_waits_for_the_step_in_flight(tmp_path: Any, device: str) -> None:
     world_fits(device, 2)
     run_ranks(_checkpoint_in_flight, 2, str(tmp_path), device, device=device)
+
+
+def _stepped_in_arrival_order(device: str) -> None:
+    arrived: list[int] = []
+    stepped: list[int] = []
+    receive = offload_module.HostOffload.receive
+    step_blocked = step_module._step_blocked
+
+    def arrive(self: offload_module.HostOffload, g: Any, out: torch.Tensor) -> None:
+        arrived.append(g.index)
+        receive(self, g, out)
+
+    def step(adam: Any, inner: Any, offload: Any, g: Any, grad: Any) -> None:
+        stepped.append(g.index)
+        step_blocked(adam, inner, offload, g, grad)
+
+    model = make_model(seed=2).to(device)
+    config = {
+        "stage": 2,
+        "reduce_bucket_bytes": 1500,
+        "offload_optimizer": True,
+        "offload_chunk_bytes": 2000,
+        "offload_delay_param_update": True,
+    }
+    model, opt = zs.initialize(model, _adamw(model), config)
+    batches = global_batches(STEPS, 1, dist.get_world_size(), MICRO)
+    with (
+        mock.patch.object(offload_module.HostOffload, "receive", arrive),
+        mock.patch.object(step_module, "_step_blocked", step),
+    ):
+        for k in range(STEPS):
+            arrived.clear()
+            _backward_window(model, batches[k, :, dist.get_rank()], device)
+            opt.step()
+            opt.settle()
+            opt.zero_grad()
+            assert len(set(arrived)) >= 3, "too few offloaded groups to tell an order"
+            assert stepped == arrived, (k, stepped, arrived)
+            stepped.clear()
+
+
+def test_delayed_step_steps_groups_in_arrival_order(device: str) -> None:
+    """The stepping thread steps the groups in the order their gradients arrived, the
+    order the next backward's come in, each waiting for its group's step ([Note: delayed
+    parameter update])."""
+    run_ranks(_stepped_in_arrival_order, 1, device, device=device)

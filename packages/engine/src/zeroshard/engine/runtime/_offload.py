@@ -60,6 +60,7 @@ and are complete when they return.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -177,6 +178,10 @@ class HostOffload:
         # the upload after them ([Note: delayed parameter update] in _offload_step.py).
         self._delayed: dict[int, Future[None]] = {}
         self._delayed_tail: Future[None] | None = None
+        # Each group's place in the order gradients arrived (the latest arrival counts):
+        # the order a delayed step steps them in.
+        self._arrival: dict[int, int] = {}
+        self._arrivals = itertools.count()
         for g in self.groups:
             self._adopt(g)
 
@@ -209,6 +214,7 @@ class HostOffload:
         `g`'s fp32 host gradient, without waiting for it (see [Note: offload stream order])."""
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
+        self._arrival[g.index] = next(self._arrivals)
         step = self._delayed.pop(g.index, None)
         if step is not None:
             # The delayed step of the last window still reads this group's host gradient.
@@ -288,15 +294,19 @@ class HostOffload:
         self._step_one = step_one
 
     def step_delayed(
-        self, order: Sequence[FlatParamGroup], step_one: Callable[[FlatParamGroup], None]
+        self, groups: Sequence[FlatParamGroup], step_one: Callable[[FlatParamGroup], None]
     ) -> None:
-        """delay_param_update: step the groups of `order` one after another on the stepping
-        thread, then send the chunks not sent yet, and return at once. A group's next
-        gradient waits in `receive` for its step; `settle` waits for all of it."""
+        """delay_param_update: step `groups` one after another on the stepping thread, in
+        the order their gradients arrived, then send the chunks not sent yet, and return at
+        once. A group's next gradient waits in `receive` for its step; `settle` waits for
+        all of it."""
         assert not self._delayed and self._delayed_tail is None
         self._take_cores()
         stepper = self._stepping()
-        for g in order:
+        # The next backward's gradients come in the last one's order, each waiting for its
+        # group's step: stepped in another order, the first waits for most of the step
+        # (groups with no gradient, stepped at no cost, go first).
+        for g in sorted(groups, key=lambda g: self._arrival.get(g.index, -1)):
             self._delayed[g.index] = stepper.submit(step_one, g)
         self._delayed_tail = stepper.submit(self.finish_upload)
 
