@@ -36,6 +36,17 @@ inductor writes the compiling thread's count into the loop, or makes the loop se
 when the length it sees is short for that count: compiled at initialize on 64
 elements, the step ran 7.4x slower than torch's fused AdamW on a 16-core host.
 
+The kernel holds the GIL for its whole call (inductor binds it to Python without
+releasing it), unlike torch's own ops. Where it runs on the stepping thread
+(`delay_param_update`, `step_in_backward`) the main thread's forward and the autograd
+thread's backward queue their kernels only between pieces: on H200 hosts at 7.06B
+parameters with `delay_param_update`, the forward took 0.8-1.2 s beside the step
+against 0.18 s beside the same kernel compiled with inductor's `cpp_wrapper`, which
+releases the GIL. That build is not used (yet): the whole step was no faster with it
+(2.76 s against 2.75 on one host, 2.96 against 2.84 on another), and the step's CPU
+share in training 3-6% slower, though those runs stepped the groups in the order that
+made the backward wait anyway ([Note: delayed parameter update] in _offload_step.py).
+
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
 base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
 equalities it happened to see between them (an offset equal to a length, the first
@@ -134,18 +145,20 @@ def compile_variants(
     step then compiles nothing ([Note: compiled host step])."""
     # Inductor tunes its loop to the length it sees here (its hint): a chunk-like one.
     n = 1 << 20
+    # One piece for every call: what it holds after a call does not matter, only its
+    # dtypes and length (zeros stay finite: the denominator is at least eps).
+    master, moments = torch.zeros(n), [torch.zeros(n) for _ in range(3)]
+    grads = [torch.zeros(n, dtype=dtype) for dtype in grad_dtypes]
+    out = torch.empty(n, dtype=out_dtype)
     own = torch.get_num_threads()
     try:
         for threads in thread_counts:
             # Dynamo guards the caller's thread count (its global state).
             torch.set_num_threads(threads)
             for adam in adams:
-                for dtype in grad_dtypes:
-                    moments = [torch.zeros(n) for _ in range(3 if adam.amsgrad else 2)]
-                    grad = torch.zeros(n, dtype=dtype)
-                    out = torch.empty(n, dtype=out_dtype)
-                    coef, scale = coefficients(adam, 1.0), scale_of(())
-                    step_piece(adam, coef, scale, torch.zeros(n), grad, moments, out)
+                coef, scale = coefficients(adam, 1.0), scale_of(())
+                for grad in grads:
+                    step_piece(adam, coef, scale, master, grad, moments, out)
     finally:
         torch.set_num_threads(own)
 

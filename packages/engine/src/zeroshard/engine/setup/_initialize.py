@@ -172,8 +172,6 @@ def initialize(
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
     check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
-    if cfg.offload.compiled_step:
-        _compile_host_step(everyone, optimizer, cfg)
     shard_group, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -188,6 +186,9 @@ def initialize(
         shard_group, replicate = hybrid.shard, hybrid.replicate
         if process_groups:
             raise ValueError("process_groups and shard_group_size cannot be combined yet")
+    if cfg.offload.compiled_step:
+        # After the checks above, which fail at once; this may take a minute.
+        _compile_host_step(everyone, optimizer, cfg)
     place = _Placement(
         shard_group, {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
     )
