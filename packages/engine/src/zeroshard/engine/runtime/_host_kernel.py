@@ -39,8 +39,8 @@ elements, the step ran 7.4x slower than torch's fused AdamW on a 16-core host.
 The kernel holds the GIL for its whole call (inductor binds it to Python without
 releasing it), unlike torch's own ops. Where it runs on the stepping thread
 (`delay_param_update`, `step_in_backward`) the main thread's forward and the autograd
-thread's backward queue their kernels only between pieces: on H200 hosts at 7.06B
-parameters with `delay_param_update`, the forward took 0.8-1.2 s beside the step
+thread's backward queue their kernels only between pieces: on H100 and H200 hosts at
+7.06B parameters with `delay_param_update`, the forward took 0.7-1.2 s beside the step
 against 0.18 s beside the same kernel compiled with inductor's `cpp_wrapper`, which
 releases the GIL. That build is not used (yet): the whole step was no faster with it
 (2.76 s against 2.75 on one host, 2.96 against 2.84 on another), and the step's CPU

@@ -48,7 +48,7 @@ host bytes per parameter) and backward waits on the CPU only where the CPU is sl
 Gradient accumulation and stage 1's reduction at the step land in the same buffers
 after the same wait. The order is the reducer's, not the groups' index order: stepped
 highest index first (as this thread once was), the next backward's first gradient
-waited for almost the whole step (0.9-2.2 s on one H200 host at 7.06B parameters, with
+waited for almost the whole step (0.9-2.3 s on one H200 host at 7.06B parameters, with
 205 of 206 gradients arriving after the step's last group).
 
 The masters and the optimizer state are those of step k only once it finished: clipping
