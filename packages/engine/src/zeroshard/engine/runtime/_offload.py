@@ -60,10 +60,9 @@ and are complete when they return.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +74,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK, FusedAdam
 from zeroshard.engine.runtime._host_kernel import coefficients, scale_of, step_piece
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
-from zeroshard.engine.runtime._host_threads import cut_team, stepping_threads
+from zeroshard.engine.runtime._host_stepper import HostStepper
 from zeroshard.engine.runtime._offload_blocks import BlockedStep
 from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
 from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, offload_sizes
@@ -166,22 +165,9 @@ class HostOffload:
         self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, reduce_dtype, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         self._worker = grad_worker(self.device)
-        # Set while a backward steps each group as its gradient lands (`step_in_backward`),
-        # on a thread of its own (made on first use) with its steps outstanding.
-        self._step_one: Callable[[FlatParamGroup], None] | None = None
-        self._stepper: ThreadPoolExecutor | None = None
-        # The main thread's intra-op threads while its team is cut ([Note: host step
-        # threads] in _host_threads.py).
-        self._main_threads: int | None = None
-        self._steps: deque[Future[None]] = deque()
-        # delay_param_update: the step of each group in flight on the stepping thread, and
-        # the upload after them ([Note: delayed parameter update] in _offload_step.py).
-        self._delayed: dict[int, Future[None]] = {}
-        self._delayed_tail: Future[None] | None = None
-        # Each group's place in the order gradients arrived (the latest arrival counts):
-        # the order a delayed step steps them in.
-        self._arrival: dict[int, int] = {}
-        self._arrivals = itertools.count()
+        # The thread that steps groups beside the main thread (step_in_backward,
+        # delay_param_update).
+        self.stepper = HostStepper(self.device)
         for g in self.groups:
             self._adopt(g)
 
@@ -214,11 +200,7 @@ class HostOffload:
         `g`'s fp32 host gradient, without waiting for it (see [Note: offload stream order])."""
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
-        self._arrival[g.index] = next(self._arrivals)
-        step = self._delayed.pop(g.index, None)
-        if step is not None:
-            # The delayed step of the last window still reads this group's host gradient.
-            step.result()
+        self.stepper.arrived(g)
         slot: torch.Tensor | None = None
         add = None
         if g.grad_shard is None:
@@ -236,32 +218,7 @@ class HostOffload:
             out.record_stream(self._down.stream)
         future = self._worker.submit(land, event, add)
         self._pending.append((future, slot))
-        if self._step_one is not None:
-            # After the copy (and add), on the stepping thread ([Note: offload step
-            # pipeline]): not on the worker, where a receive waiting for its oldest copy
-            # to retire would wait behind the CPU steps queued before it, so backward
-            # would stall on the optimizer.
-            self._steps.append(self._stepping().submit(_after, future, self._step_one, g))
-
-    def _stepping(self) -> ThreadPoolExecutor:
-        """The stepping thread (made on first use, with the cores `_take_cores` freed)."""
-        if self._stepper is None:
-            threads = None
-            if self._main_threads is not None:
-                threads = stepping_threads(self._main_threads)
-            self._stepper = grad_worker(self.device, "zeroshard-offload-step", threads=threads)
-        return self._stepper
-
-    def _take_cores(self) -> None:
-        """Cut the main thread's OpenMP team while the stepping thread steps ([Note: host
-        step threads] in _host_threads.py); on the CPU the backward needs them."""
-        if self._main_threads is None and self.device.type == "cuda":
-            self._main_threads = cut_team()
-
-    def _give_cores_back(self) -> None:
-        if self._main_threads is not None:
-            torch.set_num_threads(self._main_threads)
-            self._main_threads = None
+        self.stepper.landing(g, future)
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
         """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
@@ -284,51 +241,12 @@ class HostOffload:
             if slot is not None:
                 self._free_grad_slots.append(slot)
 
-    def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
-        """From now on step each group on the stepping thread as its gradient lands (None:
-        stop)."""
-        if step_one is not None:
-            self._take_cores()
-        else:
-            self._give_cores_back()
-        self._step_one = step_one
-
-    def step_delayed(
-        self, groups: Sequence[FlatParamGroup], step_one: Callable[[FlatParamGroup], None]
-    ) -> None:
-        """delay_param_update: step `groups` one after another on the stepping thread, in
-        the order their gradients arrived, then send the chunks not sent yet, and return at
-        once. A group's next gradient waits in `receive` for its step; `settle` waits for
-        all of it."""
-        assert not self._delayed and self._delayed_tail is None
-        self._take_cores()
-        stepper = self._stepping()
-        # The next backward's gradients come in the last one's order, each waiting for its
-        # group's step: stepped in another order, the first waits for most of the step
-        # (groups with no gradient, stepped at no cost, go first).
-        for g in sorted(groups, key=lambda g: self._arrival.get(g.index, -1)):
-            self._delayed[g.index] = stepper.submit(step_one, g)
-        self._delayed_tail = stepper.submit(self.finish_upload)
-
-    def settle(self) -> None:
-        """Wait for the delayed step in flight, if any (raising what it raised)."""
-        futures = [*self._delayed.values(), *([self._delayed_tail] if self._delayed_tail else [])]
-        self._delayed.clear()
-        self._delayed_tail = None
-        for f in futures:
-            # Every one is waited, so none is still running when the first error raises.
-            f.exception()
-        self._give_cores_back()
-        for f in futures:
-            f.result()
-
     def drain(self) -> None:
         """Wait until every gradient copy has landed, every staged one was added and every
         group stepped in backward was stepped."""
         while self._pending:
             self._retire_oldest()
-        while self._steps:
-            self._steps.popleft().result()
+        self.stepper.drain()
 
     # -- the step's gradients ------------------------------------------------------------
     def blocks(self, g: FlatParamGroup) -> list[tuple[int, int]]:
@@ -495,11 +413,3 @@ class HostOffload:
         compute = self.compute_host if self.compute_host is not None else self.compute_dev
         assert compute is not None
         return OffloadBytes(n, self._host_bytes, self._pinned_bytes, n * s * compute.element_size())
-
-
-def _after(
-    landed: Future[None], step_one: Callable[[FlatParamGroup], None], g: FlatParamGroup
-) -> None:
-    """On the stepping thread: step `g` once its gradient landed (and was added)."""
-    landed.result()
-    step_one(g)

@@ -226,12 +226,12 @@ class EarlyStep:
         # The user's step hooks: pre now (before the first group steps), post in `finish`.
         self._hooks.enter_context(_step_hooks(inner))
         offload.begin_upload(on_host)
-        offload.step_each(lambda g: _step_group(step, inner, offload, g))
+        offload.stepper.step_each(lambda g: _step_group(step, inner, offload, g))
 
     def finish(self, on_device: Sequence[FlatParamGroup]) -> None:
         """After the backward (its gradients and steps drained): the device groups, the
         chunks not sent yet, the post-hooks."""
-        self.offload.step_each(None)
+        self.offload.stepper.step_each(None)
         _step_masters(self.step, self.inner, [g.master for g in on_device])
         self.offload.finish_upload()
         self._hooks.close()
@@ -279,13 +279,13 @@ class DelayedStep:
                 offload.stepped(g)
 
         # In the order the gradients arrived ([Note: delayed parameter update]).
-        offload.step_delayed(on_host, step_one)
+        offload.stepper.step_delayed(on_host, step_one, then=offload.finish_upload)
 
     def wait(self) -> None:
         """Wait until every group was stepped and uploaded, then run the post-hooks (not
         after an error, as around a `step()` that raised)."""
         with self._hooks:
-            self.offload.settle()
+            self.offload.stepper.settle()
 
 
 def delayed_step_refusal(inner: torch.optim.Optimizer) -> str:

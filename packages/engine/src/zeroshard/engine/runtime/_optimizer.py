@@ -254,7 +254,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
         except BaseException:
             # A failed backward: stop stepping groups as they land; `step()` is not coming.
-            self.offload.step_each(None)
+            self.offload.stepper.step_each(None)
             self._early = None
             raise
 
