@@ -14,7 +14,10 @@ a rank without a C++ compiler fails initialize on every rank.
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -239,6 +242,44 @@ def test_kernel_compiled_for_each_thread_count() -> None:
     """Compiled for the main thread's count and the stepping thread's, neither a step on
     the main thread nor one on another thread compiles again."""
     run_ranks(_thread_counts, 1, "cpu", device="cpu")
+
+
+def _gil_free(device: str) -> None:
+    # One intra-op thread: the other core is the ticking thread's.
+    torch.set_num_threads(1)
+    adam = FusedAdam(torch._fused_adamw_, LR, 0.9, 0.95, 0.1, 1e-8, False, False)
+    compile_variants([adam], [torch.bfloat16], torch.bfloat16, [1])
+    n = 1 << 26
+    moments = [torch.zeros(n), torch.zeros(n)]
+    grad = torch.ones(n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    master = torch.ones(n)
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    step_piece(adam, coefficients(adam, 1.0), scale_of(()), master, grad, moments, out)
+    end = time.perf_counter()
+    done.set()
+    ticker.join()
+    during = [start, *(t for t in ticks if start < t < end), end]
+    longest = max(b - a for a, b in itertools.pairwise(during))
+    # Held, the ticker stops for the whole call (its longest gap is the call).
+    assert longest < 0.5 * (end - start), (
+        f"the kernel held the GIL: no tick for {longest:.3f} s of a {end - start:.3f} s call"
+    )
+
+
+def test_compiled_kernel_releases_the_gil() -> None:
+    """While a piece steps, other Python threads run (the main thread's forward and the
+    autograd thread's backward beside the stepping thread: [Note: compiled host step])."""
+    run_ranks(_gil_free, 1, "cpu", device="cpu")
 
 
 def _no_compiler(device: str, missing_on: int) -> None:

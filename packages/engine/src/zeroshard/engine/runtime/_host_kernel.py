@@ -36,16 +36,18 @@ inductor writes the compiling thread's count into the loop, or makes the loop se
 when the length it sees is short for that count: compiled at initialize on 64
 elements, the step ran 7.4x slower than torch's fused AdamW on a 16-core host.
 
-The kernel holds the GIL for its whole call (inductor binds it to Python without
-releasing it), unlike torch's own ops. Where it runs on the stepping thread
-(`delay_param_update`, `step_in_backward`) the main thread's forward and the autograd
-thread's backward queue their kernels only between pieces: on H100 and H200 hosts at
-7.06B parameters with `delay_param_update`, the forward took 0.7-1.2 s beside the step
-against 0.18 s beside the same kernel compiled with inductor's `cpp_wrapper`, which
-releases the GIL. That build is not used (yet): the whole step was no faster with it
-(2.76 s against 2.75 on one host, 2.96 against 2.84 on another), and the step's CPU
-share in training 3-6% slower, though those runs stepped the groups in the order that
-made the backward wait anyway ([Note: delayed parameter update] in _offload_step.py).
+The kernel is built with inductor's `cpp_wrapper`, whose entry point releases the GIL
+while the loop runs (the default Python binding holds it for the whole call, unlike
+torch's own ops). Where it runs on the stepping thread (`delay_param_update`,
+`step_in_backward`) the main thread's forward and the autograd thread's backward must
+queue their kernels meanwhile. Held, they queued them only between pieces: on one H200
+host at 7.06B parameters with `delay_param_update`, the forward took 0.86-1.14 s beside
+the step against 0.18 s with the GIL released, and the whole step 2.63-2.79 s against
+2.16-2.36 s (each group's step and each gradient's receive timed, both builds in one
+process, alternating). With the GIL free the stepping thread never waited for a
+gradient (its largest gap between groups 34 ms, against 420-450 ms held): the step is
+then the CPU step's own length.
+tests/engine/test_offload_compiled.py checks that another thread runs during a call.
 
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
 base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
@@ -108,7 +110,11 @@ def _kernel(decoupled: bool, amsgrad: bool, maximize: bool) -> Callable[..., Any
     name = f"adam_update_{int(decoupled)}{int(amsgrad)}{int(maximize)}"
     update.__code__ = update.__code__.replace(co_name=name)
     # dynamic_threads: the loop's team is the calling thread's ([Note: compiled host step]).
-    options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
+    options: dict[str, str | int | bool | Callable[..., Any]] = {
+        "cpp.dynamic_threads": True,
+        # Its entry point releases the GIL while the loop runs ([Note: compiled host step]).
+        "cpp_wrapper": True,
+    }
     compiled: Callable[..., Any] = torch.compile(
         update, dynamic=True, fullgraph=True, options=options
     )
