@@ -46,8 +46,12 @@ the step against 0.18 s with the GIL released, and the whole step 2.63-2.79 s ag
 2.16-2.36 s (each group's step and each gradient's receive timed, both builds in one
 process, alternating). With the GIL free the stepping thread never waited for a
 gradient (its largest gap between groups 34 ms, against 420-450 ms held): the step is
-then the CPU step's own length.
-tests/engine/test_offload_compiled.py checks that another thread runs during a call.
+then the CPU step's own length. tests/engine/test_offload_compiled.py checks that
+another thread runs during a call. This build alone, over 1B elements in 32M-element
+pieces on another H200 host, ran at 4.45 G elements/s on 14 threads against torch's
+fused AdamW's 4.44 (alternating, one process); the engine's whole step alone ran at
+3.4-3.5 on 14 threads on the hosts above, so what the step costs beyond torch's kernel
+lies around this one, not in it.
 
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
 base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
