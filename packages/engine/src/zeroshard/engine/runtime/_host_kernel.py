@@ -48,10 +48,11 @@ process, alternating). With the GIL free the stepping thread never waited for a
 gradient (its largest gap between groups 34 ms, against 420-450 ms held): the step is
 then the CPU step's own length. tests/engine/test_offload_compiled.py checks that
 another thread runs during a call. This build alone, over 1B elements in 32M-element
-pieces on another H200 host, ran at 4.45 G elements/s on 14 threads against torch's
-fused AdamW's 4.44 (alternating, one process); the engine's whole step alone ran at
-3.4-3.5 on 14 threads on the hosts above, so what the step costs beyond torch's kernel
-lies around this one, not in it.
+pieces, ran at torch's fused AdamW's speed on one H200 host (4.45 against 4.44 G
+elements/s on 14 threads) and at 0.91x on another (3.48 against 3.84 on 16). On that
+second host it ran at 3.28 on the stepping thread's 14 threads, 2.15 s over 7.06B
+elements, and the delay_param_update step in training took 2.25-2.34 s: the step there
+is this kernel's own time plus 5-9% (docs/benchmarks.md, offload-compiled).
 
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
 base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
