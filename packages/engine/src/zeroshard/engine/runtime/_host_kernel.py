@@ -48,15 +48,10 @@ process, alternating). With the GIL free the stepping thread never waited for a
 gradient (its largest gap between groups 34 ms, against 420-450 ms held): the step is
 then the CPU step's own length. tests/engine/test_offload_compiled.py checks that
 another thread runs during a call. This build alone, over 1B elements in 32M-element
-pieces, ran at torch's fused AdamW's speed on one H200 host (4.45 against 4.44 G
-elements/s on 14 threads) and at 0.91x on another (3.48 against 3.84 on 16). On that
-second host it ran at 3.28 on the stepping thread's 14 threads, 2.15 s over 7.06B
-elements, and the delay_param_update step in training took 2.25-2.34 s (one process with
-transparent huge pages, one without): the step there is this kernel's own time plus 5-9%.
-Timed step by step, each step was the stepping thread's time in group steps plus 35-60
-ms, and the kernel ran at 3.0-3.2 G elements/s in some runs of steps and 3.7-4.0 in
-others: the steps' spread is the kernel's speed beside the GPU work (docs/benchmarks.md,
-offload-compiled).
+pieces, ran at torch's fused AdamW's speed on one H200 host and at 0.91x on another.
+In training the delay_param_update step is this kernel's own time on the stepping
+thread's cores plus 5-9%, and its spread from step to step is the kernel's own speed
+beside the GPU work: the figures are in docs/benchmarks.md, offload-compiled.
 
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
 base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
