@@ -26,11 +26,15 @@ NAMES.update({f"{k}-compiled": f"{NAMES[k]}, compiled_step" for k in ZS_ROWS})
 
 
 def _step(args: argparse.Namespace, r: dict[str, Any]) -> str:
-    """The median step, and with rounds each round's step in the order run."""
-    if not r.get("ok") or args.rounds == 1:
-        return _cell(r, "step_s", ".2f")
+    """The median step, with rounds each round's step in the order run, and the fastest
+    and slowest step measured."""
+    if not r.get("ok"):
+        return "-"
+    steps = f"steps {r['fastest_step_s']:.2f}-{r['slowest_step_s']:.2f}"
+    if args.rounds == 1:
+        return f"{r['step_s']:.2f} ({steps})"
     spread = " / ".join(f"{s:.2f}" for s in r["rounds_step_s"])
-    return f"{r['step_s']:.2f} ({spread})"
+    return f"{r['step_s']:.2f} ({spread}; {steps})"
 
 
 def _status(r: dict[str, Any]) -> str:
@@ -103,7 +107,8 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         f"GPT `{args.preset}` width, {args.layers} blocks, seq {args.seq_len}, micro-batch "
         f"{args.micro_batch}, activation checkpointing {recompute}, "
         f"bf16 compute, AdamW; median of {args.steps} steps after "
-        f"{args.warmup} warmup. One process per row"
+        f"{args.warmup} warmup, the fastest and slowest of them after `steps`. One process "
+        "per row"
         + (
             f" and round: {args.rounds} rounds of the training rows in alternating order (as "
             "listed in --parts, then reversed, ...); step s is the median of the rounds' "

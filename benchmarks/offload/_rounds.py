@@ -32,7 +32,8 @@ def schedule(parts: list[str], rounds: int) -> list[tuple[str, int]]:
 def combine(runs: list[dict[str, Any]], rounds: int, tokens: int) -> dict[str, Any]:
     """One train row from its runs in the order run (`tokens` per step): the first failed
     round is the row (no median); else the median step (tokens/s from it) and init, the
-    largest peaks, each round's step, and how many rounds the budget skipped."""
+    largest peaks, each round's step, the fastest and slowest step of any round, and how
+    many rounds the budget skipped."""
     for index, r in enumerate(runs):
         if not r["ok"] and r["error"] != SKIPPED:
             where = f"round {index + 1}/{rounds}: " if rounds > 1 else ""
@@ -49,6 +50,8 @@ def combine(runs: list[dict[str, Any]], rounds: int, tokens: int) -> dict[str, A
         "gpu_peak_gib": max(r["gpu_peak_gib"] for r in done),
         "host_peak_gib": max(r["host_peak_gib"] for r in done),
         "rounds_step_s": [r["step_s"] for r in done],
+        "fastest_step_s": min(r["fastest_step_s"] for r in done),
+        "slowest_step_s": max(r["slowest_step_s"] for r in done),
         "rounds_wall_s": [r["wall_s"] for r in done],
         "wall_s": sum(r["wall_s"] for r in done),
         "skipped_rounds": len(runs) - len(done),

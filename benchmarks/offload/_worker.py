@@ -52,7 +52,9 @@ def _join_alone(smoke: bool) -> torch.device:
     return join(place_ranks(1, smoke=smoke))
 
 
-def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+def _step_times(
+    step: Callable[[], None], device: torch.device, warmup: int, steps: int
+) -> list[float]:
     for _ in range(warmup):
         step()
     times = []
@@ -62,7 +64,11 @@ def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, ste
         step()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+    return statistics.median(_step_times(step, device, warmup, steps))
 
 
 def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTConfig]:
@@ -94,11 +100,15 @@ def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     y = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = _time_steps(lambda: step(x, y), device, a["warmup"], a["steps"])
+    times = _step_times(lambda: step(x, y), device, a["warmup"], a["steps"])
+    seconds = statistics.median(times)
     return {
         "params": parameters_count(cfg),
         "init_s": init_s,
         "step_s": seconds,
+        # The offloaded step's speed moves from step to step (docs/benchmarks.md).
+        "fastest_step_s": min(times),
+        "slowest_step_s": max(times),
         "tokens_per_s": a["micro_batch"] * cfg.seq_len / seconds,
         "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB
         if device.type == "cuda"

@@ -8,6 +8,7 @@ its report against the figures each run printed as it finished.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import subprocess
@@ -32,6 +33,8 @@ def _run(step_s: float, gpu: float = 1.0, host: float = 2.0, init: float = 5.0) 
         "params": 10**9,
         "init_s": init,
         "step_s": step_s,
+        "fastest_step_s": step_s * 0.9,
+        "slowest_step_s": step_s * 1.2,
         "tokens_per_s": TOKENS / step_s,
         "gpu_peak_gib": gpu,
         "host_peak_gib": host,
@@ -65,6 +68,7 @@ def test_combine_median_of_rounds_largest_peaks() -> None:
     assert row["tokens_per_s"] == TOKENS / 2.6
     assert (row["gpu_peak_gib"], row["host_peak_gib"]) == (30.0, 90.0)
     assert row["rounds_step_s"] == [3.0, 2.0, 2.6] and row["skipped_rounds"] == 0
+    assert (row["fastest_step_s"], row["slowest_step_s"]) == (2.0 * 0.9, 3.0 * 1.2)
     # One round: the row is that run's figures (today's report).
     one = combine([_run(2.5)], 1, TOKENS)
     assert {k: one[k] for k in _run(2.5)} == _run(2.5)
@@ -90,7 +94,7 @@ def test_combine_failure_is_the_row_and_budget_skips_are_counted() -> None:
         chunk=2**20, adam_steps=3,
     )  # fmt: skip
     body = report(args, {"train-zs": part, "train-zs-dpu": failed})
-    assert "| 2.50 (2.00 / 3.00) |" in body
+    assert "| 2.50 (2.00 / 3.00; steps 1.80-3.60) |" in body
     assert f"| ok; 1 of 3 rounds {SKIPPED} |" in body
     assert f"| - | {failed['error']} |" in body
     assert "train-zs 60s (30 / 30)" in body
@@ -134,7 +138,7 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    runs = re.findall(r'^(train-[\w-]+) \(round (\d)/2\): .*?"step_s": ([0-9.e-]+)', out, re.M)
+    runs = re.findall(r"^(train-[\w-]+) \(round (\d)/2\): (\{.*\})$", out, re.M)
     assert [(p, int(i)) for p, i, _ in runs] == [
         ("train-zs", 1),
         ("train-zs-overlap", 1),
@@ -154,12 +158,17 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
     slowest = max(printed("fwd-bwd", "step_s"), printed("transfer", "step_s"), cpu)
     labels = ["zeroshard offload_optimizer", "zeroshard offload_optimizer, step_in_backward"]
     for part, label in zip(train, labels, strict=True):
-        steps = [float(s) for p, _, s in runs if p == part]
+        results = [json.loads(r) for p, _, r in runs if p == part]
+        steps = [r["step_s"] for r in results]
         row = next(line for line in out.splitlines() if line.startswith(f"| {label} (stage"))
         cells = [c.strip() for c in row.split("|")[1:-1]]
         median = statistics.median(steps)
         spread = " / ".join(f"{s:.2f}" for s in steps)
-        assert cells[2] == f"{median:.2f} ({spread})", (row, steps)
+        fastest = min(r["fastest_step_s"] for r in results)
+        slowest_step = max(r["slowest_step_s"] for r in results)
+        want = f"{median:.2f} ({spread}; steps {fastest:.2f}-{slowest_step:.2f})"
+        assert cells[2] == want, (row, results)
+        assert fastest <= min(steps) and max(steps) <= slowest_step
         assert cells[3] == f"{TOKENS / median:,.0f}"
         assert cells[-1] == "ok"
         # The resources line: the median step over the slowest resource alone.
