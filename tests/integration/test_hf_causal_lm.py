@@ -150,7 +150,9 @@ def _parity_case(root: str, arch: str, tied: bool, stage: int, compiled: bool) -
 
 def _parity(root: str) -> None:
     cases = subtests({"arch": ["llama", "gpt2"], "tied": [False, True], "stage": [1, 2, 3]})
-    cases.append({"arch": "llama", "tied": False, "stage": 3, "compiled": True})
+    # Compiled, untied and tied: the capture puts each gathered view in every module that
+    # holds the parameter ([Note: functional capture]).
+    cases += [{"arch": "llama", "tied": t, "stage": 3, "compiled": True} for t in (False, True)]
     run_each(
         cases,
         lambda arch, tied, stage, compiled=False: _parity_case(root, arch, tied, stage, compiled),

@@ -5,11 +5,19 @@ Eager stage 3 gathers in module hooks, which Dynamo cannot keep in one graph. He
 forward is rewritten as `forward(shards, args, kwargs)`: every flat group's fp32 master
 shard is gathered with `zeroshard::gather` (then cast to the compute dtype, which
 `fuse_downcast` folds into the gather), viewed into the group's parameters, and the
-module runs through `torch.func.functional_call` with those views. Dynamo sees one graph
-with no break at unit boundaries; AOTAutograd derives backward from the gather's autograd
+module runs with those views in place of its parameters. Dynamo sees one graph with no
+break at unit boundaries; AOTAutograd derives backward from the gather's autograd
 formula (a reduce-scatter into the shard's gradient). The shards are the real master
 parameters, so their gradients land where `ZeroOptimizer.step()` reads them (see
 `route_grads`).
+
+The views go straight into each holder's `_parameters` (every module and attribute that
+holds the parameter: tied weights have several) and the parameters go back in `finally`.
+`torch.func.functional_call` did the same through its generic reparametrization, which
+Dynamo traces too. On a 24-layer `transformers` Llama (hidden 256, one rank, aot_eager,
+a 2-core CPU machine) Dynamo's tracing took 8.8-12.5 s this way against 12.2-15.3 s
+through functional_call (two to three runs each); `torch.compile` of the plain model
+took 9.0-9.5 s.
 """
 
 from __future__ import annotations
@@ -76,19 +84,31 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
 
 def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
     """`forward(shards, args, kwargs)`: gather every group and run `model` on the views."""
+    holders = _holders(model)
+    # (holders, piece, shape) per parameter of each spec, in the specs' order.
+    places = [
+        [(holders[name], piece, shape) for name, piece, shape in spec.slots] for spec in specs
+    ]
 
     def forward(shards: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        params: dict[str, torch.Tensor] = {}
-        for spec, shard in zip(specs, shards, strict=True):
-            full = torch.ops.zeroshard.gather(
-                shard, spec.key, spec.world, torch.float32, spec.reduce_dtype
-            )
-            if spec.compute_dtype != torch.float32:
-                full = full.to(spec.compute_dtype)
-            split = full.split(spec.pieces)
-            for name, piece, shape in spec.slots:
-                params[name] = split[piece].view(shape)
-        return torch.func.functional_call(model, params, args, kwargs)
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for spec, shard, spec_places in zip(specs, shards, places, strict=True):
+                full = torch.ops.zeroshard.gather(
+                    shard, spec.key, spec.world, torch.float32, spec.reduce_dtype
+                )
+                if spec.compute_dtype != torch.float32:
+                    full = full.to(spec.compute_dtype)
+                split = full.split(spec.pieces)
+                for owners, piece, shape in spec_places:
+                    view = split[piece].view(shape)
+                    for params, attr in owners:
+                        swapped.append((params, attr, params[attr]))
+                        params[attr] = view
+            return model(*args, **kwargs)
+        finally:
+            for params, attr, original in reversed(swapped):
+                params[attr] = original
 
     # Dynamo caches per code object: one of its own for each model, so that a second
     # model is not a recompilation of the first, which would turn the differing op keys
@@ -97,6 +117,25 @@ def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
     return types.FunctionType(
         code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__
     )
+
+
+def _holders(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
+    """Each parameter's name in `model.named_parameters()` -> the `_parameters` dict and
+    attribute of every module holding it (a tied parameter has several)."""
+    name_of: dict[int, str] = {}
+    holders: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    seen: set[int] = set()
+    # Without removing duplicates every holder is seen; a parameter's first holder comes
+    # first, as named_parameters() names it. A module reached twice holds nothing new.
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for attr, p in module._parameters.items():
+            if p is not None:
+                name = name_of.setdefault(id(p), f"{prefix}.{attr}" if prefix else attr)
+                holders.setdefault(name, []).append((module._parameters, attr))
+    return holders
 
 
 def route_grads(state: EngineState) -> list[RemovableHandle]:
