@@ -32,8 +32,9 @@ the first round, reversed in the second, ...); the other parts run once, in the 
 round where `--parts` lists them. A train row's step is the median of its rounds' (each
 a median of `--steps`), with every round's in brackets in the order run and the fastest
 and slowest single step of any round after them; tokens/s from it, the largest peaks and
-the median init; a part that fails is not run again and its row is the first failure. `--budget-s` covers every round: runs it has no time for
-become skipped rows, or a count of skipped rounds beside a row's done ones.
+the median init; a part that fails is not run again and its row is the first failure.
+`--budget-s` covers every round: runs it has no time for become skipped rows, or a count
+of skipped rounds beside a row's done ones.
 `--search-layers` instead trains zeroshard alone at each block count in turn, up to the
 first that fails: the largest that trains, with its peaks.
 A full run writes the "offload" section of docs/benchmarks.md (a search writes
