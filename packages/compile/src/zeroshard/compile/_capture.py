@@ -124,13 +124,8 @@ def _holders(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
     attribute of every module holding it (a tied parameter has several)."""
     name_of: dict[int, str] = {}
     holders: dict[str, list[tuple[dict[str, Any], str]]] = {}
-    seen: set[int] = set()
-    # Without removing duplicates every holder is seen; a parameter's first holder comes
-    # first, as named_parameters() names it. A module reached twice holds nothing new.
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
+    # Each module once, in named_parameters()'s order: a parameter's first holder names it.
+    for prefix, module in model.named_modules():
         for attr, p in module._parameters.items():
             if p is not None:
                 name = name_of.setdefault(id(p), f"{prefix}.{attr}" if prefix else attr)
