@@ -101,21 +101,31 @@ def one_gpu_goals(by: dict[str, Result], times: list[CompileTime]) -> list[str]:
 
     rows: list[list[str]] = []
 
-    def goal(what: str, figure: float | None, spec: str, target: str) -> None:
-        """A row; `target` is ">= X", "<= X" or "X" (equal), as the table shows it."""
+    def goal(
+        what: str, figure: float | None, spec: str, target: str, at_floor: float | None = None
+    ) -> None:
+        """A row; `target` is ">= X", "<= X" or "X" (equal), as the table shows it;
+        `at_floor` is the figure an engine exactly as fast as its floor would show."""
+        floor = "-" if at_floor is None else format(at_floor, spec)
         if figure is None:
-            rows.append([what, "not measured", target, "not measured"])
+            rows.append([what, "not measured", target, "not measured", floor])
             return
         op, _, bound = target.rpartition(" ")
         limit = float(bound)
         ok = figure >= limit if op == ">=" else figure <= limit if op == "<=" else figure == limit
-        rows.append([what, format(figure, spec), target, "met" if ok else "MISSED"])
+        rows.append([what, format(figure, spec), target, "met" if ok else "MISSED", floor])
 
     for engine in ("floor32", "fsdp2c"):
         r = by.get(engine)
         ran = r is not None and r.step_ms is not None
         rows.append(
-            [f"1. `{engine}` measured", "yes" if ran else "no", "yes", "met" if ran else "MISSED"]
+            [
+                f"1. `{engine}` measured",
+                "yes" if ran else "no",
+                "yes",
+                "met" if ran else "MISSED",
+                "-",
+            ]
         )
     for engine in ("zs2", "zs3"):
         goal(
@@ -129,6 +139,7 @@ def one_gpu_goals(by: dict[str, Result], times: list[CompileTime]) -> list[str]:
         _speed(by, "zs3", "fsdp2"),
         ".3f",
         ">= 1.05",
+        _speed(by, "floor32", "fsdp2"),
     )
     goal(
         "3. `zs3c` speed / `floorc`",
@@ -141,6 +152,7 @@ def one_gpu_goals(by: dict[str, Result], times: list[CompileTime]) -> list[str]:
         _speed(by, "zs3c", "fsdp2c"),
         ".3f",
         ">= 1.10",
+        _speed(by, "floorc", "fsdp2c"),
     )
     zc, fc = probe("zs3c"), probe("floorc")
     goal(
@@ -183,7 +195,10 @@ def one_gpu_goals(by: dict[str, Result], times: list[CompileTime]) -> list[str]:
     )
     return [
         "Goals of issue 25 (one GPU; speed: tokens/s ratio, > 1 is faster; peaks: "
-        "torch.cuda.max_memory_allocated):",
+        "torch.cuda.max_memory_allocated). At the floor: the figure an engine exactly as "
+        "fast as its floor (`floor32` eager, `floorc` compiled) would show against the same "
+        "peer; where it is below the target, the goal asks for more than the hand-written "
+        "step gives.",
         "",
-        markdown_table(["goal", "figure", "target", "status"], rows),
+        markdown_table(["goal", "figure", "target", "status", "at the floor"], rows),
     ]

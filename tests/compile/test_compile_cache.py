@@ -4,9 +4,10 @@ the user's own.
 Three fresh processes (world 2 each, real process groups) share one empty inductor cache
 directory and compile the same model with inductor: the first misses AOTAutograd's cache
 and saves; the second hits it (and inductor's FX-graph cache for forward and backward),
-and its losses over two steps equal the first's exactly; the third, whose pipeline has a
-pass of its own, bypasses the cache (its code and state cannot be named in a key) and
-still matches. Nobody recompiles after the first step.
+and its losses over two steps equal the first's exactly (each rank has an entry of its own:
+the rank is part of the key); the third, whose pipeline has a pass of its own, bypasses
+the cache (its code and state cannot be named in a key) and still matches. Nobody
+recompiles after the first step.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def test_second_process_loads_the_compiled_graphs(
         out = tmp_path / f"run{i}.json"
         run_ranks(_run, 2, device, str(out), own_pass, device=device, timeout_s=600)
         runs.append(json.loads(out.read_text()))
+        if i == 0:
+            # One entry per rank: each rank's code writes its own part of the in-place
+            # collectives' buffers, so a rank must never load another's.
+            entries = list((tmp_path / "inductor" / "aotautograd").iterdir())
+            assert len(entries) == 2, entries
     first, second, own = (r["cache"] for r in runs)
     assert first.get("autograd_cache_miss") == 1 and first.get("autograd_cache_saved") == 1, first
     assert second.get("autograd_cache_hit") == 1 and not second.get("autograd_cache_miss"), second

@@ -12,6 +12,7 @@ cores).
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 from typing import Any
@@ -146,13 +147,17 @@ def _bf16_case(device: str) -> None:
     dtypes: set[torch.dtype] = set()
 
     collectives: dict[zc.Phase, int] = {}
+    reduce_scatters: dict[str, int] = collections.Counter()
 
     def gather_dtypes(graph: fx.Graph, context: zc.PassContext) -> None:
         # After the last pass: what the all-gathers actually send, and how many there are.
-        ag = torch.ops._c10d_functional.all_gather_into_tensor.default
-        starts = [n for n in graph.nodes if n.target is ag]
+        c10d = torch.ops._c10d_functional
+        ags = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
+        starts = [n for n in graph.nodes if n.target in ags]
         dtypes.update(n.meta["val"].dtype for n in starts)
         collectives[context.phase] = len(starts)
+        for rs in (c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_out.default):
+            reduce_scatters[rs.name()] += sum(n.target is rs for n in graph.nodes)
 
     pipeline = zc.default_pipeline().append(gather_dtypes)
     sizes = [g.layout.padded_numel * 2 for g in zs.engine_state(model).groups]  # bf16 bytes
@@ -169,6 +174,12 @@ def _bf16_case(device: str) -> None:
     assert compiled.compiles == 1
     # The groups are tiny and prefetch chains their gathers: fused into fewer collectives.
     assert collectives[zc.Phase.FORWARD] < len(sizes), collectives
+    # Each gradient is cast to fp32 for its reduce-scatter, which nothing else reads: every
+    # trainable group's reduce-scatter is in place (the losses above say it is right).
+    trained = sum(g.trainable for g in zs.engine_state(model).groups)
+    assert reduce_scatters == collections.Counter(
+        {"_c10d_functional::reduce_scatter_tensor_out": trained}
+    ), reduce_scatters
 
 
 def _async_case(device: str, fuse_bytes: int) -> None:
@@ -195,20 +206,28 @@ def _async_case(device: str, fuse_bytes: int) -> None:
     outs = [g.call_function(ops.aten.mul.Tensor, (f, 2.0)) for f in full]
     for f, k in zip(full, keys, strict=True):
         g.call_function(ops.zeroshard.release.default, (f, k))
+    # The first reduce-scatters a graph input (left as it is), the second a value of the
+    # graph's own that nothing else reads (reduced in place).
+    own = g.call_function(ops.aten.mul.Tensor, (inputs[4], 1.0))
     rs = [
         g.call_function(ops.zeroshard.reduce_scatter.default, (x, keys[0], world))
-        for x in inputs[3:]
+        for x in (inputs[3], own)
     ]
     g.output((*outs, *rs))
-    for node in [*full, *outs, *rs]:
+    for node in [*full, *outs, own, *rs]:
         refresh_val(node)
     zc.issue_async(g, zc.PassContext(zc.Phase.FORWARD, 0, 0, fuse_bytes))
     g.lint()
     index = {n: i for i, n in enumerate(g.nodes)}
     c10d = ops._c10d_functional
+    # A gather of its own is in place (see [Note: in-place collectives]), a fused run not.
     starts = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default]
-    assert len(starts) == (1 if fuse_bytes else 3)
-    rs_starts = [n for n in g.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    in_place = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor_out.default]
+    assert (len(starts), len(in_place)) == ((1, 0) if fuse_bytes else (0, 3))
+    # The reduce-scatters' inputs are the graph's own inputs: not overwritten, not in place.
+    rs_kinds = (c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_out.default)
+    rs_starts = [n for n in g.nodes if n.target in rs_kinds]
+    assert [n.target for n in rs_starts] == list(rs_kinds)
     (first_wait,) = rs_starts[0].users
     assert index[first_wait] < index[rs_starts[1]]
     gm = fx.GraphModule(nn.Module(), g)
