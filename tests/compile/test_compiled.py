@@ -147,7 +147,7 @@ def _bf16_case(device: str) -> None:
     dtypes: set[torch.dtype] = set()
 
     collectives: dict[zc.Phase, int] = {}
-    reduce_scatters: dict[str, int] = collections.Counter()
+    reduce_scatters: collections.Counter[str] = collections.Counter()
 
     def gather_dtypes(graph: fx.Graph, context: zc.PassContext) -> None:
         # After the last pass: what the all-gathers actually send, and how many there are.
