@@ -186,6 +186,8 @@ def _async_case(device: str, fuse_bytes: int) -> None:
     """`issue_async` on a hand-built graph, run for real: three small gathers chained as
     prefetch leaves them (fused into one collective when `fuse_bytes` allows), and two
     reduce-scatters, the first finished before the second starts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from zeroshard.comm import Group
     from zeroshard.compile._graph import refresh_val
     from zeroshard.compile._ops import register_target
@@ -197,8 +199,10 @@ def _async_case(device: str, fuse_bytes: int) -> None:
     sizes, rs_sizes = [3, 5, 4], [6, 8]
     g = fx.Graph()
     inputs = [g.placeholder(f"in{i}") for i in range(5)]
-    for node, size in zip(inputs, [*sizes, *rs_sizes], strict=True):
-        node.meta["val"] = torch.empty(size, device="meta")
+    # Fake values on the ranks' device: the pass builds the full buffers on it.
+    with FakeTensorMode():
+        for node, size in zip(inputs, [*sizes, *rs_sizes], strict=True):
+            node.meta["val"] = torch.empty(size, device=device)
     full = [
         g.call_function(ops.zeroshard.gather.default, (x, k, world, torch.float32, torch.float32))
         for x, k in zip(inputs, keys, strict=False)

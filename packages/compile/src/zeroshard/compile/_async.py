@@ -12,15 +12,17 @@ starts (one in flight: its full-size gradient input lives until the wait) or bef
 first use. `zeroshard::account` keeps `EngineStats` counting.
 
 [Note: in-place collectives]
-A gather of its own is in place: `zeroshard::gather_input` casts the shard straight into
-this rank's part of the full buffer, and `all_gather_into_tensor_out` gathers into that
-buffer from that part, so NCCL does not copy the rank's own part again (as the eager
-engine gathers: [Note: in-place gather] in zeroshard.engine). A reduce-scatter
-whose full-size input nothing else reads is in place too: its result is this rank's part
-of that input, so NCCL does not copy it out. What this saves is the rank's own part:
-1/world of the bytes, so all of them on one GPU (where NCCL's collectives are plain
-device copies: 3.6 ms of a 243 ms hf-llama 1.3b step on an H200) and little on many.
-Fused runs of small gathers are left out of place (they are copied apart anyway).
+A gather of its own is in place: the shard is cast straight into this rank's part of a
+new full buffer (`empty`, then `copy_` into the part, as inductor's bucketing does: plain
+aten, so inductor writes the cast into the part in one kernel), and
+`all_gather_into_tensor_out` gathers into that buffer from that part, so NCCL does not
+copy the rank's own part again (as the eager engine gathers: [Note: in-place gather] in
+zeroshard.engine). A reduce-scatter whose full-size input nothing else reads is in place
+too: its result is this rank's part of that input, so NCCL does not copy it out. What
+this saves is the rank's own part: 1/world of the bytes, so all of them on one GPU (where
+NCCL's collectives are plain device copies: 3.6 ms of a 243 ms hf-llama 1.3b step on an
+H200) and little on many. Fused runs of small gathers are left out of place (they are
+copied apart anyway).
 """
 
 from __future__ import annotations
@@ -100,11 +102,20 @@ def _send(graph: fx.Graph, gather: fx.Node) -> fx.Node:
 def _gather_in_place(graph: fx.Graph, gather: fx.Node) -> fx.Node:
     """An all-gather into a buffer whose own part already holds the cast shard (see
     [Note: in-place collectives]); returns the collective's (async) result."""
-    shard, key, world, dtype = gather.args[:4]
+    shard, key, world = gather.args[:3]
     assert isinstance(shard, fx.Node) and isinstance(key, int) and isinstance(world, int)
-    rank, size = rank_of(key), shard.meta["val"].numel()
-    full = _call(graph, torch.ops.zeroshard.gather_input.default, (shard, world, rank, dtype))
-    own = _call(graph, aten.slice.Tensor, (full, 0, rank * size, (rank + 1) * size))
+    cast = _send(graph, gather)
+    size = cast.meta["val"].numel()
+    full = graph.call_function(
+        aten.empty.memory_format,
+        ([world * size],),
+        {"dtype": cast.meta["val"].dtype, "device": cast.meta["val"].device},
+    )
+    # No inputs to trace it from: its value is made from the cast shard's (fake) one.
+    full.meta["val"] = cast.meta["val"].new_empty(world * size)
+    own = _own_part(graph, full, rank_of(key), size)
+    # The collective reads the part after this write: they are ordered by the graph.
+    _call(graph, aten.copy_.default, (own, cast))
     return _call(
         graph,
         _c10d.all_gather_into_tensor_out.default,
@@ -113,15 +124,18 @@ def _gather_in_place(graph: fx.Graph, gather: fx.Node) -> fx.Node:
     )
 
 
+def _own_part(graph: fx.Graph, full: fx.Node, rank: int, size: int) -> fx.Node:
+    """This rank's `size` elements of the flat buffer `full`."""
+    return _call(graph, aten.slice.Tensor, (full, 0, rank * size, (rank + 1) * size))
+
+
 def _reduce_scatter(graph: fx.Graph, full: fx.Node, key: int, world: int) -> fx.Node:
     """A sum reduce-scatter of `full`, into this rank's part of it when nothing else reads
     `full` (see [Note: in-place collectives]); returns the collective's (async) result."""
     name = group_name(key)
     if full.op != "call_function" or is_view(full) or len(full.users) != 1:
         return _call(graph, _c10d.reduce_scatter_tensor.default, (full, "sum", world, name))
-    size = full.meta["val"].numel() // world
-    rank = rank_of(key)
-    own = _call(graph, aten.slice.Tensor, (full, 0, rank * size, (rank + 1) * size))
+    own = _own_part(graph, full, rank_of(key), full.meta["val"].numel() // world)
     return _call(
         graph, _c10d.reduce_scatter_tensor_out.default, (full, "sum", world, name), {"out": own}
     )

@@ -106,22 +106,6 @@ def _reduce_scatter_fake(full: torch.Tensor, key: int, world: int) -> torch.Tens
     return full.new_empty(full.numel() // world)
 
 
-@torch.library.custom_op("zeroshard::gather_input", mutates_args=())
-def gather_input(shard: torch.Tensor, world: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat `dtype` buffer of world x the shard's size whose part `rank` already holds the
-    shard cast to `dtype`: the output of an in-place all-gather (see `issue_async`)."""
-    out = torch.empty(shard.numel() * world, dtype=dtype, device=shard.device)
-    out.narrow(0, shard.numel() * rank, shard.numel()).copy_(shard)
-    return out
-
-
-@gather_input.register_fake
-def _gather_input_fake(
-    shard: torch.Tensor, world: int, rank: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return shard.new_empty(shard.numel() * world, dtype=dtype)
-
-
 def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     shard, key, world, _, reduce_dtype = inputs
     ctx.key, ctx.world, ctx.reduce_dtype, ctx.shard_dtype = key, world, reduce_dtype, shard.dtype
