@@ -7,7 +7,8 @@ and saves; the second hits it (and inductor's FX-graph cache for forward and bac
 and its losses over two steps equal the first's exactly (each rank has an entry of its own:
 the rank is part of the key); the third, whose pipeline has a pass of its own, bypasses
 the cache (its code and state cannot be named in a key) and still matches. Nobody
-recompiles after the first step.
+recompiles after the first step. In one process, a model compiled after an earlier one
+was dropped loads that one's graphs.
 """
 
 from __future__ import annotations
@@ -81,3 +82,36 @@ def test_second_process_loads_the_compiled_graphs(
     assert own.get("autograd_cache_bypass") == 1 and not own.get("autograd_cache_hit"), own
     assert runs[1]["losses"] == runs[0]["losses"]
     torch.testing.assert_close(runs[2]["losses"], runs[0]["losses"], rtol=0, atol=0)
+
+
+def _twice(device: str) -> None:
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    seen = []
+    for _ in range(2):
+        base = make_model(seed=11).to(device)
+        model, opt = zs.initialize(base, make_optimizer(base), CONFIG)
+        compiled = zc.compile(model)
+        batch = global_batches(1, 1, dist.get_world_size(), 2)[0, 0, dist.get_rank()]
+        loss_fn(compiled, batch.to(device)).backward()
+        opt.step()
+        seen.append(dict(counters["aot_autograd"]))
+        del compiled, model, opt, base
+        gc.collect()
+    first, second = seen
+    assert first.get("autograd_cache_miss") == 1, first
+    # The second model got the keys the dropped one had: the same graph, a cache hit.
+    assert second.get("autograd_cache_hit") == 1, second
+    assert second.get("autograd_cache_miss") == 1, second  # the first model's, counted once
+
+
+@pytest.mark.gpu
+def test_a_model_compiled_after_a_dropped_one_loads_its_graphs(
+    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second compiled model in one process, the first one dropped, loads what the first
+    compiled (the ops' keys in the graph are given again once their model is gone)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    run_ranks(_twice, 1, device, device=device, timeout_s=600)

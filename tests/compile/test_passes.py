@@ -220,3 +220,30 @@ def test_pipeline_order_phases_and_edits() -> None:
     assert kinds(g).count("release") == 3
     with pytest.raises(ValueError, match="no pass named"):
         base.without("nonexistent")
+
+
+def test_positions_follow_moves_through_renumbering() -> None:
+    """`Positions` agrees with the graph's order after every move, including moves into one
+    gap until it is used up (which renumbers the graph)."""
+    import random
+
+    from zeroshard.compile._graph import Positions
+
+    g = mlp_graph(n=4)
+    place = Positions(g)
+    nodes = [n for n in g.nodes if n.op not in ("placeholder", "output")]
+    rng = random.Random(0)
+    # Moves that ignore data dependencies: Positions tracks the list, not what it means.
+    moves = [(rng.choice(nodes), rng.choice(nodes), rng.random() < 0.5) for _ in range(200)]
+    # 60 moves into the gap just before one node, each halving it: past the 32 halvings
+    # its room allows, so the graph is renumbered on the way.
+    anchor = nodes[len(nodes) // 2]
+    others = [n for n in nodes if n is not anchor]
+    moves += [(others[i % len(others)], anchor, True) for i in range(60)]
+    for node, target, before in moves:
+        if node is target:
+            continue
+        (place.move_before if before else place.move_after)(node, target)
+        # Sorted from the reverse, so that two nodes given one place fail too.
+        ranked = sorted(reversed(list(g.nodes)), key=place.__getitem__)
+        assert ranked == list(g.nodes), "out of order"

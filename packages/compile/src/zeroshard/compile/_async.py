@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from zeroshard.compile._graph import (
+    Positions,
     gathers,
     is_reduce_scatter,
     is_view,
@@ -202,7 +203,8 @@ def issue_async(graph: fx.Graph, context: PassContext) -> None:
         finished.append((start, tail))
     # One reduce-scatter in flight: each is finished before the next starts, so its
     # full-size gradient input is freed there (see [Note: start and wait]).
+    place = Positions(graph)
     for (_, tail), (start, _) in itertools.pairwise(finished):
-        if order(graph)[tail[0]] > order(graph)[start]:
+        if place[tail[0]] > place[start]:
             for node in tail:
-                start.prepend(node)
+                place.move_before(node, start)

@@ -7,7 +7,7 @@ Works on both levels a pass sees: Dynamo's torch-level graph (`call_method` view
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
@@ -93,8 +93,9 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
-def aliases(node: fx.Node) -> list[fx.Node]:
-    """`node` and every view of it (transitively), in graph order."""
+def aliases(node: fx.Node, position: Callable[[fx.Node], int] | None = None) -> list[fx.Node]:
+    """`node` and every view of it (transitively), in graph order (`position`, if given,
+    is each node's place in it, e.g. a `Positions` a pass keeps)."""
     found = {node}
     todo = [node]
     while todo:
@@ -102,13 +103,51 @@ def aliases(node: fx.Node) -> list[fx.Node]:
             if user not in found and is_view(user) and user.args[0] in found:
                 found.add(user)
                 todo.append(user)
-    index = order(node.graph)
-    return sorted(found, key=index.__getitem__)
+    return sorted(found, key=position or order(node.graph).__getitem__)
 
 
 def order(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each node's position in the graph."""
     return {n: i for i, n in enumerate(graph.nodes)}
+
+
+class Positions:
+    """Each node's place in a graph, kept up to date through the moves made with
+    `move_before` and `move_after` (for passes that move many nodes: renumbering the whole
+    graph after each move was about 40% of the passes' time on a 24-layer model). Only
+    nodes that were in the graph when it was made have a place."""
+
+    # Room between neighbours for this many moves into one gap before a renumbering.
+    _GAP = 1 << 32
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self._graph = graph
+        self._renumber()
+
+    def __getitem__(self, node: fx.Node) -> int:
+        return self._place[node]
+
+    def move_before(self, node: fx.Node, anchor: fx.Node) -> None:
+        """Move `node` to just before `anchor`."""
+        anchor.prepend(node)
+        self._settle(node)
+
+    def move_after(self, node: fx.Node, anchor: fx.Node) -> None:
+        """Move `node` to just after `anchor`."""
+        anchor.append(node)
+        self._settle(node)
+
+    def _renumber(self) -> None:
+        self._place = {n: i * self._GAP for i, n in enumerate(self._graph.nodes)}
+
+    def _settle(self, node: fx.Node) -> None:
+        # The graph's sentinel ("root") closes the list at both ends.
+        lo = self._place[node.prev] if node.prev.op != "root" else -self._GAP
+        hi = self._place[node.next] if node.next.op != "root" else lo + 2 * self._GAP
+        if hi - lo < 2:
+            self._renumber()
+        else:
+            self._place[node] = (lo + hi) // 2
 
 
 def users_of(nodes: Iterable[fx.Node]) -> list[fx.Node]:

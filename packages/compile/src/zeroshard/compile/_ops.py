@@ -35,15 +35,17 @@ class _Target:
 
 
 _TARGETS: dict[int, _Target] = {}
-_next_key = itertools.count()
 
 
 def register_target(
     process_group: Group, stats: EngineStats, label: str, replicate: Group | None = None
 ) -> int:
-    """A fresh key under which the ops find `process_group` (and `replicate`, under hybrid
-    sharding) and count into `stats`."""
-    key = next(_next_key)
+    """A key under which the ops find `process_group` (and `replicate`, under hybrid
+    sharding) and count into `stats`: the smallest one no live model holds."""
+    # Keys are constants in the traced graphs, so in the compile caches' keys too: a model
+    # compiled after an earlier one was dropped gets the keys that one had, and so loads
+    # its compiled code (with ever-new keys it would miss every cache, in-process too).
+    key = next(k for k in itertools.count() if k not in _TARGETS)
     _TARGETS[key] = _Target(process_group, stats, label, replicate)
     return key
 

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zeroshard.compile._async import issue_async
 from zeroshard.compile._attention import drop_causal_masks
 from zeroshard.compile._graph import (
+    Positions,
     aliases,
     cast_dtype,
     gathers,
@@ -108,14 +109,14 @@ def fuse_downcast(graph: fx.Graph, context: PassContext) -> None:
 
 def gather_at_first_use(graph: fx.Graph, context: PassContext) -> None:
     """Move each gather (with its views) to just before the first node that needs it."""
+    place = Positions(graph)
     for gather in gathers(graph):
         # Latest first: a view moves before its first user, then what it views before it.
-        for node in reversed(aliases(gather)):
-            index = order(graph)
+        for node in reversed(aliases(gather, place.__getitem__)):
             if node.users:
-                first = min(node.users, key=index.__getitem__)
-                if index[first] > index[node] + 1:
-                    first.prepend(node)
+                first = min(node.users, key=place.__getitem__)
+                if node.next is not first:
+                    place.move_before(node, first)
 
 
 def insert_releases(graph: fx.Graph, context: PassContext) -> None:
@@ -192,15 +193,15 @@ def free_early(graph: fx.Graph, context: PassContext) -> None:
     gathered = {a for g in gathers(graph) for a in aliases(g)}
     for rs in [n for n in graph.nodes if is_reduce_scatter(n)]:
         _hoist(graph, (_ancestors(rs) | {rs}) - gathered)
+    place = Positions(graph)
     for release in [n for n in graph.nodes if is_release(n)]:
         gather = release.args[0]
         assert isinstance(gather, fx.Node)
-        index = order(graph)
-        uses = [u for u in users_of(aliases(gather)) if u is not release]
-        last = max(uses, key=index.__getitem__, default=None)
+        uses = [u for u in users_of(aliases(gather, place.__getitem__)) if u is not release]
+        last = max(uses, key=place.__getitem__, default=None)
         anchor = last if last is not None else gather
-        if index[anchor] + 1 != index[release]:
-            anchor.append(release)
+        if anchor.next is not release:
+            place.move_after(release, anchor)
 
 
 def _live_bytes(graph: fx.Graph) -> list[int]:
