@@ -117,7 +117,8 @@ class Positions:
     graph after each move was about 40% of the passes' time on a 24-layer model). Only
     nodes that were in the graph when it was made have a place."""
 
-    # Room between neighbours for this many moves into one gap before a renumbering.
+    # Room between neighbours: each move into a gap halves it, so 32 moves into one gap
+    # fit before a renumbering.
     _GAP = 1 << 32
 
     def __init__(self, graph: fx.Graph) -> None:
