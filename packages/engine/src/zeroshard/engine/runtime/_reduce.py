@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, Handle, ReduceOp
+from zeroshard.engine.runtime._casts import cast_into
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
@@ -140,13 +141,14 @@ class GradReducer:
         # The average's 1/size, in the copy ([Note: averaging in the copy]).
         scale = 1.0 / g.process_group.size
         grad, dst = p.grad.reshape(-1), bucket[slot.offset : slot.end]
-        if grad.dtype == dst.dtype or scale == 1.0:
+        if grad.dtype == dst.dtype:
             torch.mul(grad, scale, out=dst)
         else:
             # A product in the gradient's narrower dtype would round before the wider sum
             # the user asked for (bf16 x 1/3 keeps 8 bits): upcast first, then scale.
-            dst.copy_(grad)
-            dst.mul_(scale)
+            cast_into(dst, grad)
+            if scale != 1.0:
+                dst.mul_(scale)
         # The full gradient now lives in the bucket: free it (ZeRO-2 keeps no full grads).
         p.grad = None
         filled = self._filled[g.index]
@@ -245,9 +247,9 @@ class GradReducer:
         elif g.grad_shard is None:
             # The first gradient since zero_grad: the reduce-scatter's output, fresh and
             # fp32, becomes the shard (no copy of it); another dtype is upcast into fresh
-            # memory, no zero fill.
+            # memory, no zero fill ([Note: widening copies]).
             if not (fresh and g.adopt_grad_shard(out)):
-                g.claim_grad_shard().copy_(out)
+                cast_into(g.claim_grad_shard(), out)
         else:
             g.grad_shard.add_(out)
 
@@ -282,7 +284,9 @@ class GradReducer:
         for g in self.order:
             buf = _grad_buffer(g)
             self._repoint_stage1_grads(g, buf)
-            full = buf.to(self.reduce_dtype)
+            full = buf
+            if buf.dtype != self.reduce_dtype:
+                full = cast_into(torch.empty_like(buf, dtype=self.reduce_dtype), buf)
             pending.append((g, buf, *self._reduce_scatter(g, full, op="avg")))
         for g, buf, out, handle in pending:
             handle.wait()
