@@ -17,7 +17,9 @@ RSS and init time. Beside the step, each of its resources alone, in the same run
 GPU's forward and backward without optimizer or offload (`fwd-bwd`), the bus's bf16 copy
 of every parameter down and up (`transfer`), and the CPU's AdamW over as many parameters
 (torch fused, measured over `--adam-params` and scaled to the model's count); the report
-gives step / max of the three. CPU optimizer rows: parameters/s of one AdamW step over
+gives step / max of the three, and the host memory's streaming rate (`host-stream`: c = a +
+b over fp32, every core) with what the CPU's AdamW and the bus's copies need of it: both
+go through host memory. CPU optimizer rows: parameters/s of one AdamW step over
 `--adam-params` fp32 parameters in tensors of `--chunk` elements, with every core:
 torch's fused and foreach AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds
 first, an untimed part (outside `--budget-s`), and zeroshard's offloaded step alone
@@ -66,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--parts",
         default=(
-            "fwd-bwd,transfer,adam-torch-fused,adam-zs-host,train-zs-overlap,train-zs-dpu,"
+            "fwd-bwd,transfer,host-stream,adam-torch-fused,adam-zs-host,train-zs-overlap,train-zs-dpu,"
             "train-zs,train-zs-clip,ds-build,adam-ds,train-ds"
         ),
     )
@@ -115,6 +117,7 @@ def parse_args() -> argparse.Namespace:
 LIMITS = {
     "fwd-bwd": 60.0,
     "transfer": 40.0,
+    "host-stream": 40.0,
     "adam-torch-fused": 40.0,
     "adam-torch-foreach": 30.0,
     "adam-zs-host": 120.0,

@@ -94,6 +94,40 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
+# Bytes an AdamW step moves through host memory per parameter, counted as host-stream
+# counts them: fp32 master, exp_avg and exp_avg_sq read and written, and an fp32 gradient
+# read (torch's fused AdamW) or a bf16 gradient read and a bf16 shard written (zeroshard's
+# offloaded step); the bus's copies, a bf16 gradient down and a bf16 shard up.
+ADAMW_BYTES = 28
+BUS_BYTES = 4
+
+
+def _host_memory(results: dict[str, dict[str, Any]]) -> str:
+    """The host memory's streaming rate, and what the CPU's AdamW and the bus need of it."""
+    stream, adam = results.get("host-stream", {}), results.get("adam-torch-fused", {})
+    if not stream.get("ok"):
+        return ""
+    bw = stream["gb_per_s"] * 1e9
+    trained = [r for k, r in results.items() if k.startswith("train-") and r.get("ok")]
+    params = trained[0]["params"] if trained else stream["elements"]
+    line = (
+        f"\n\nHost memory streams {bw / 1e9:.0f} GB/s (`host-stream`: c = a + b over "
+        f"{stream['elements'] / 1e9:g}B fp32 elements, 12 bytes an element, "
+        f"{stream['threads']} threads). An AdamW step moves {ADAMW_BYTES} bytes a parameter "
+        "through it (fp32 master, exp_avg and exp_avg_sq read and written; an fp32 gradient "
+        "read, or zeroshard's bf16 gradient read and bf16 shard written): "
+        f"{ADAMW_BYTES * params / bw:.2f} s at {params / 1e9:.2f}B parameters at that rate"
+    )
+    if adam.get("ok"):
+        moved = ADAMW_BYTES * adam["params_per_s"] / 1e9
+        line += f" (torch's fused AdamW alone moved {moved:.0f} GB/s)"
+    return line + (
+        f". The bus's bf16 copies down and up go through the same memory, {BUS_BYTES} bytes "
+        f"a parameter: {BUS_BYTES * params / bw:.2f} s more at that rate, shared with the "
+        "CPU step while they overlap."
+    )
+
+
 def _wall(r: dict[str, Any]) -> str:
     walls = r.get("rounds_wall_s", [])
     each = " (" + " / ".join(f"{w:.0f}" for w in walls) + ")" if len(walls) > 1 else ""
@@ -149,6 +183,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             ratio = zs["tokens_per_s"] / ds["tokens_per_s"]
             body += f"\n\n{NAMES[k]} / DeepSpeed tokens/s: {ratio:.2f}"
     body += _resources(results)
+    body += _host_memory(results)
     adam_names = {
         "adam-torch-fused": "torch AdamW fused=True (CPU)",
         "adam-torch-foreach": "torch AdamW foreach=True (CPU)",

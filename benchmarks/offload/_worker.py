@@ -3,8 +3,8 @@
     python -m benchmarks.offload._worker PART ARGS_JSON OUT_JSON
 
 PART is `train-zs`, `train-zs-overlap`, `train-zs-dpu`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
-`transfer`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach`, `adam-ds` or
-`adam-zs-host`; a zeroshard part with `-compiled` after its name runs with
+`transfer`, `host-stream`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach`, `adam-ds`
+or `adam-zs-host`; a zeroshard part with `-compiled` after its name runs with
 `offload_compiled_step`.
 Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
 extension, costs only its own row, and so that every part starts with the host memory
@@ -223,6 +223,31 @@ def transfer(a: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def host_stream(a: dict[str, Any]) -> dict[str, Any]:
+    """The host memory's streaming rate, with every core: `c = a + b` over as many fp32
+    elements as the CPU optimizer rows, in tensors of `a['chunk']` elements. Counted as
+    12 bytes an element (two reads, one write; the write's read-for-ownership not counted),
+    as the optimizer rows' bytes are."""
+    n, chunk = a["adam_params"], a["chunk"]
+    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    xs = [torch.full((s,), 1.0) for s in sizes]
+    ys = [torch.full((s,), 2.0) for s in sizes]
+    zs = [torch.empty(s) for s in sizes]
+
+    def step() -> None:
+        for x, y, z in zip(xs, ys, zs, strict=True):
+            torch.add(x, y, out=z)
+
+    seconds = _time_steps(step, torch.device("cpu"), 1, a["adam_steps"])
+    return {
+        "elements": n,
+        "step_s": seconds,
+        "gb_per_s": 12 * n / seconds / 1e9,
+        "threads": torch.get_num_threads(),
+        "host_peak_gib": _host_peak_gib(),
+    }
+
+
 def ds_build(a: dict[str, Any]) -> dict[str, Any]:
     """Build (or load from the cache) DeepSpeedCPUAdam's extension: untimed set-up."""
     from deepspeed.ops.op_builder import (  # type: ignore[import-not-found, import-untyped, unused-ignore]
@@ -319,8 +344,13 @@ def main() -> None:
             result = train(args, part.removeprefix("train-"))
         elif part.startswith("adam-zs-host"):
             result = zs_host(args, compiled=part.endswith("-compiled"))
-        elif part in ("fwd-bwd", "transfer", "ds-build"):
-            parts = {"fwd-bwd": fwd_bwd, "transfer": transfer, "ds-build": ds_build}
+        elif part in ("fwd-bwd", "transfer", "host-stream", "ds-build"):
+            parts = {
+                "fwd-bwd": fwd_bwd,
+                "transfer": transfer,
+                "host-stream": host_stream,
+                "ds-build": ds_build,
+            }
             result = parts[part](args)
         else:
             result = adam(args, part.removeprefix("adam-"))

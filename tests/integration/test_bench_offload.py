@@ -128,7 +128,7 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
     """Two rounds of two train rows on the CPU: the rows run in alternating order, and each
     row's step is the median of the rounds' steps the runs printed, shown in run order."""
     train = ["train-zs", "train-zs-overlap"]
-    parts = ",".join(["fwd-bwd", "transfer", "adam-torch-fused", *train])
+    parts = ",".join(["fwd-bwd", "transfer", "host-stream", "adam-torch-fused", *train])
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.offload", "--smoke", "--parts", parts, "--rounds", "2"],
         cwd=ROOT,
@@ -173,3 +173,10 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
         assert cells[-1] == "ok"
         # The resources line: the median step over the slowest resource alone.
         assert f"{median / slowest:.2f} ({label})" in out
+    # The host memory line: the streaming rate, and AdamW's 28 bytes a parameter at it.
+    bw = printed("host-stream", "gb_per_s") * 1e9
+    params = printed("train-zs", "params")
+    assert f"Host memory streams {bw / 1e9:.0f} GB/s" in out
+    assert f"{28 * params / bw:.2f} s at {params / 1e9:.2f}B parameters" in out
+    moved = 28 * printed("adam-torch-fused", "params_per_s") / 1e9
+    assert f"torch's fused AdamW alone moved {moved:.0f} GB/s" in out
