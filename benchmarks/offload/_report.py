@@ -94,37 +94,45 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
-# Bytes an AdamW step moves through host memory per parameter, counted as host-stream
-# counts them: fp32 master, exp_avg and exp_avg_sq read and written, and an fp32 gradient
-# read (torch's fused AdamW) or a bf16 gradient read and a bf16 shard written (zeroshard's
-# offloaded step); the bus's copies, a bf16 gradient down and a bf16 shard up.
-ADAMW_BYTES = 28
+# Bytes a parameter moves through host memory, counted as host-stream counts them (a
+# write into lines not in cache reads them first): torch's fused AdamW reads and writes
+# the fp32 master, exp_avg and exp_avg_sq and reads an fp32 gradient; zeroshard's
+# offloaded step reads a bf16 gradient instead and writes a bf16 shard into an upload slot
+# (2 + 2 bytes); the bus's copies take a bf16 gradient down and a bf16 shard up.
+FUSED_ADAMW_BYTES = 28
+OFFLOADED_STEP_BYTES = 30
 BUS_BYTES = 4
 
 
 def _host_memory(results: dict[str, dict[str, Any]]) -> str:
-    """The host memory's streaming rate, and what the CPU's AdamW and the bus need of it."""
+    """The host memory's streaming rate, and how long the CPU's AdamW and the bus's copies
+    take at it: they share that memory."""
     stream, adam = results.get("host-stream", {}), results.get("adam-torch-fused", {})
     if not stream.get("ok"):
         return ""
     bw = stream["gb_per_s"] * 1e9
     trained = [r for k, r in results.items() if k.startswith("train-") and r.get("ok")]
     params = trained[0]["params"] if trained else stream["elements"]
+
+    def at_rate(nbytes: int) -> str:
+        return f"{nbytes * params / bw:.2f} s"
+
     line = (
         f"\n\nHost memory streams {bw / 1e9:.0f} GB/s (`host-stream`: c = a + b over "
-        f"{stream['elements'] / 1e9:g}B fp32 elements, 12 bytes an element, "
-        f"{stream['threads']} threads). An AdamW step moves {ADAMW_BYTES} bytes a parameter "
-        "through it (fp32 master, exp_avg and exp_avg_sq read and written; an fp32 gradient "
-        "read, or zeroshard's bf16 gradient read and bf16 shard written): "
-        f"{ADAMW_BYTES * params / bw:.2f} s at {params / 1e9:.2f}B parameters at that rate"
+        f"{stream['elements'] / 1e9:g}B fp32 elements, {stream['threads']} threads; 16 bytes "
+        "an element: two reads, and a write into lines not in cache, which the core reads "
+        f"first). At that rate, for {params / 1e9:.2f}B parameters: torch's fused AdamW "
+        f"({FUSED_ADAMW_BYTES} bytes a parameter: fp32 master, exp_avg and exp_avg_sq read "
+        f"and written, an fp32 gradient read) {at_rate(FUSED_ADAMW_BYTES)}"
     )
     if adam.get("ok"):
-        moved = ADAMW_BYTES * adam["params_per_s"] / 1e9
-        line += f" (torch's fused AdamW alone moved {moved:.0f} GB/s)"
+        moved = FUSED_ADAMW_BYTES * adam["params_per_s"] / 1e9
+        line += f" (alone it moved {moved:.0f} GB/s)"
     return line + (
-        f". The bus's bf16 copies down and up go through the same memory, {BUS_BYTES} bytes "
-        f"a parameter: {BUS_BYTES * params / bw:.2f} s more at that rate, shared with the "
-        "CPU step while they overlap."
+        f"; zeroshard's offloaded step ({OFFLOADED_STEP_BYTES} bytes: a bf16 gradient read "
+        f"and a bf16 shard written instead of the fp32 gradient) {at_rate(OFFLOADED_STEP_BYTES)}"
+        f"; the bus's bf16 copies down and up ({BUS_BYTES} bytes), through the same memory, "
+        f"{at_rate(BUS_BYTES)} more."
     )
 
 
