@@ -91,7 +91,29 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
         f"{params / 1e9:.2f}B parameters at the rate measured over "
         f"{adam['params'] / 1e9:g}B). Their sum is {sum(alone):.2f} s."
         f"\n\nstep / max of the three (goal <= 1.15): {ratios}."
+        + _against_own_step(results, done, params)
     )
+
+
+def _against_own_step(
+    results: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]], params: int
+) -> str:
+    """Each zeroshard row's step over zeroshard's own offloaded step alone (same build:
+    compiled_step or not), scaled to the rows' parameters: how much of the step is not
+    the CPU step."""
+    lines = []
+    for part, what in (("adam-zs-host", ""), ("adam-zs-host-compiled", ", compiled_step")):
+        host = results.get(part, {})
+        rows = {k: r for k, r in done.items() if k.endswith("-compiled") == bool(what)}
+        if not (host.get("ok") and rows):
+            continue
+        own = params / host["params_per_s"]
+        ratios = ", ".join(f"{r['step_s'] / own:.2f} ({NAMES[k]})" for k, r in rows.items())
+        lines.append(
+            f"\n\nstep / zeroshard's offloaded step alone{what} ({own:.2f} s at "
+            f"{params / 1e9:.2f}B parameters, at the rate `{part}` measured): {ratios}."
+        )
+    return "".join(lines)
 
 
 # Bytes a parameter moves through host memory, counted as host-stream counts them (a

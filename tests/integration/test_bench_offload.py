@@ -128,7 +128,9 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
     """Two rounds of two train rows on the CPU: the rows run in alternating order, and each
     row's step is the median of the rounds' steps the runs printed, shown in run order."""
     train = ["train-zs", "train-zs-overlap"]
-    parts = ",".join(["fwd-bwd", "transfer", "host-stream", "adam-torch-fused", *train])
+    parts = ",".join(
+        ["fwd-bwd", "transfer", "host-stream", "adam-torch-fused", "adam-zs-host", *train]
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.offload", "--smoke", "--parts", parts, "--rounds", "2"],
         cwd=ROOT,
@@ -173,6 +175,16 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
         assert cells[-1] == "ok"
         # The resources line: the median step over the slowest resource alone.
         assert f"{median / slowest:.2f} ({label})" in out
+    # Each row against zeroshard's own offloaded step alone, scaled to the model.
+    own = printed("train-zs", "params") / printed("adam-zs-host", "params_per_s")
+    medians = {
+        label: statistics.median(json.loads(r)["step_s"] for p, _, r in runs if p == part)
+        for part, label in zip(train, labels, strict=True)
+    }
+    line = next(x for x in out.splitlines() if x.startswith("step / zeroshard's offloaded"))
+    assert f"alone ({own:.2f} s at" in line
+    for label, m in medians.items():
+        assert f"{m / own:.2f} ({label})" in line, (label, line)
     # The host memory line: the streaming rate, and the bytes a parameter moves at it.
     bw = printed("host-stream", "gb_per_s") * 1e9
     params = printed("train-zs", "params")
