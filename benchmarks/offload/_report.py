@@ -118,9 +118,10 @@ def _against_own_step(
 
 # Bytes a parameter moves through host memory, counted as host-stream counts them (a
 # write into lines not in cache reads them first): torch's fused AdamW reads and writes
-# the fp32 master, exp_avg and exp_avg_sq and reads an fp32 gradient; zeroshard's
-# offloaded step reads a bf16 gradient instead and writes a bf16 shard into an upload slot
-# (2 + 2 bytes); the bus's copies take a bf16 gradient down and a bf16 shard up.
+# the fp32 master, exp_avg and exp_avg_sq (24) and reads an fp32 gradient (4); zeroshard's
+# offloaded step reads a bf16 gradient (2) and writes a bf16 shard into an upload slot
+# whose lines are not in cache (2, and 2 to read them first); the bus's copies take a bf16
+# gradient down and a bf16 shard up (2 + 2).
 FUSED_ADAMW_BYTES = 28
 OFFLOADED_STEP_BYTES = 30
 BUS_BYTES = 4
