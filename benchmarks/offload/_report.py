@@ -23,6 +23,8 @@ NAMES = {
 # The zeroshard rows again with offload_compiled_step (part name + "-compiled").
 ZS_ROWS = ("train-zs-overlap", "train-zs-dpu", "train-zs", "train-zs-clip")
 NAMES.update({f"{k}-compiled": f"{NAMES[k]}, compiled_step" for k in ZS_ROWS})
+# zeroshard's offloaded step alone, without and with compiled_step (what its lines add).
+HOST_STEP_PARTS = (("adam-zs-host", ""), ("adam-zs-host-compiled", ", compiled_step"))
 
 
 def _step(args: argparse.Namespace, r: dict[str, Any]) -> str:
@@ -102,7 +104,7 @@ def _against_own_step(
     compiled_step or not), scaled to the rows' parameters: how much of the step is not
     the CPU step."""
     lines = []
-    for part, what in (("adam-zs-host", ""), ("adam-zs-host-compiled", ", compiled_step")):
+    for part, what in HOST_STEP_PARTS:
         host = results.get(part, {})
         rows = {k: r for k, r in done.items() if k.endswith("-compiled") == bool(what)}
         if not (host.get("ok") and rows):
@@ -252,7 +254,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     if fused.get("ok") and dsa.get("ok"):
         ratio = fused["params_per_s"] / dsa["params_per_s"]
         body += f"\n\ntorch fused / DeepSpeedCPUAdam params/s: {ratio:.2f}"
-    for part, what in (("adam-zs-host", ""), ("adam-zs-host-compiled", ", compiled_step")):
+    for part, what in HOST_STEP_PARTS:
         host = results.get(part, {})
         if fused.get("ok") and host.get("ok"):
             ratio = fused["params_per_s"] / host["params_per_s"]

@@ -181,6 +181,11 @@ def _setup_ds(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
     return step
 
 
+def _chunk_sizes(n: int, chunk: int) -> list[int]:
+    """The lengths of `n` elements cut into tensors of at most `chunk`."""
+    return [min(chunk, n - i) for i in range(0, n, chunk)]
+
+
 def fwd_bwd(a: dict[str, Any]) -> dict[str, Any]:
     """The GPU's share alone: forward and backward of the same GPT in bf16, no optimizer,
     no offload (the gradients stay on the device)."""
@@ -228,7 +233,7 @@ def host_stream(a: dict[str, Any]) -> dict[str, Any]:
     elements as the CPU optimizer rows, in tensors of `a['chunk']` elements. 16 bytes an
     element: two reads, and a write into lines not in cache, which the core reads first."""
     n, chunk = a["adam_params"], a["chunk"]
-    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    sizes = _chunk_sizes(n, chunk)
     xs = [torch.full((s,), 1.0) for s in sizes]
     ys = [torch.full((s,), 2.0) for s in sizes]
     zs = [torch.empty(s) for s in sizes]
@@ -264,7 +269,7 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
     n, chunk = a["adam_params"], a["chunk"]
     if kind == "torch-foreach":
         n //= 10  # op by op on CPU tensors, with temporaries: bound its time
-    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    sizes = _chunk_sizes(n, chunk)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in sizes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
