@@ -18,7 +18,7 @@ from torch import nn
 from benchmarks.train_step import _torch_engines as tch
 from benchmarks.train_step._deepspeed_engines import setup_ds
 from benchmarks.train_step._settings import Settings, Stepper
-from benchmarks.train_step._zeroshard_engines import setup_zs, setup_zs3c
+from benchmarks.train_step._zeroshard_engines import setup_zs, setup_zs3b, setup_zs3c
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,13 @@ ENGINES: dict[str, Engine] = {
                 ("zs3c", "zeroshard stage 3, compiled (zeroshard.compile, inductor)", True),
                 ("zs3c-nofuse", "zs3c without the fused downcast (fp32 gathers, then cast)", False),
             )
+        ),
+        Engine(
+            "zs3b",
+            "zeroshard stage 3, each block compiled in place (torch hooks eager, as fsdp2c)",
+            setup_zs3b,
+            _ZEROSHARD,
+            compiled=True,
         ),
         Engine(
             "fsdp2c",

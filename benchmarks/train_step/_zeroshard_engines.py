@@ -1,4 +1,5 @@
-"""zeroshard's engines: stages 1-3, the hybrids, and stage 3 compiled by zeroshard.compile."""
+"""zeroshard's engines: stages 1-3, the hybrids, stage 3 with compiled blocks, and stage 3
+compiled whole by zeroshard.compile."""
 
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ def setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) ->
     """zeroshard at `stage`; `hybrid`: shard within `shard_group_size` ranks."""
     extra = {"shard_group_size": hybrid_shape(s)[1]} if hybrid else {}
     zmodel, opt = _initialize(model, s, stage, **extra)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        _train_step(zmodel, opt, s, x, y)
+
+    return step
+
+
+def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
+    """zeroshard stage 3 with every block compiled in place (`block.compile()`), as a user
+    of torchtitan would: the engine's hooks run eagerly around the blocks' graphs, and one
+    graph serves every block of the same shape (the like-for-like of `fsdp2c`)."""
+    zmodel, opt = _initialize(model, s, 3)
+    blocks: Any = model.blocks
+    for block in blocks:
+        block.compile(fullgraph=True)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         _train_step(zmodel, opt, s, x, y)
