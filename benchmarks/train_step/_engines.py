@@ -140,7 +140,7 @@ ENGINES: dict[str, Engine] = {
         ),
         Engine(
             "zs3b",
-            "zeroshard stage 3, each block compiled in place (torch hooks eager, as fsdp2c)",
+            "zeroshard stage 3, each block's forward torch.compile'd (hooks eager, as fsdp2c)",
             setup_zs3b,
             _ZEROSHARD,
             compiled=True,

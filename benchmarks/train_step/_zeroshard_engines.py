@@ -49,13 +49,14 @@ def setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) ->
 
 
 def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
-    """zeroshard stage 3 with every block compiled in place (`block.compile()`), as a user
-    of torchtitan would: the engine's hooks run eagerly around the blocks' graphs, and one
-    graph serves every block of the same shape (the like-for-like of `fsdp2c`)."""
+    """zeroshard stage 3 with every block's `forward` under torch.compile, as a torchtitan
+    user compiles blocks: the engine's hooks run eagerly around the blocks' graphs, and one
+    graph serves every block of the same shape (the like-for-like of `fsdp2c`). The
+    forward, not the module: torch 2.11 traces a compiled module's hooks too."""
     zmodel, opt = _initialize(model, s, 3)
     blocks: Any = model.blocks
     for block in blocks:
-        block.compile(fullgraph=True)
+        block.forward = torch.compile(block.forward, fullgraph=True)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         _train_step(zmodel, opt, s, x, y)
