@@ -28,10 +28,11 @@ device with no communication, on rank 0 while the others wait), `floor32` (the s
 fp32 master weights, the like-for-like floor of zs1-zs3 at one GPU), `floorc` (the floor
 with every block under `torch.compile`, the reference of the compiled engines), `ddp`,
 `fsdp2`, `fsdp2c` (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c`
-(compiled), `ds1`-`ds3` (DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`,
-`fsdp2h` (shard within `--shard-group-size` ranks, replicate across the rest). Each gets
-the same freshly built model (`--activation-checkpointing` recomputes every block in
-backward, for every engine), the same random tokens and torch.optim.AdamW. Per engine:
+(compiled whole), `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
+(DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
+`--shard-group-size` ranks, replicate across the rest). Each gets the same freshly built
+model (`--activation-checkpointing` recomputes every block in backward, for every
+engine), the same random tokens and torch.optim.AdamW. Per engine:
 init time (wrapping, model construction excluded), median step time over `--steps` after
 `--warmup` (CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the
 memory kept between steps. An engine that fails gets a row saying why and the run goes on.
