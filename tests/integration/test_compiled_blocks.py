@@ -2,7 +2,7 @@
 way of compiling blocks, benchmarks.train_step's `zs3b`): the engine's hooks stay eager
 around the layers' graphs.
 
-A tiny `transformers` Llama (2 layers) trains 3 steps on 2 gloo ranks at stages 2 and 3,
+A tiny `transformers` Llama (2 layers) trains 3 steps on 2 gloo ranks at stages 1-3,
 once eager and once with compiled layers (aot_eager, fullgraph), beside a single-process
 copy on the same global batch. The compiled run must give the eager run's losses and
 weights bit for bit, both must match the reference, and Dynamo must capture one graph
@@ -19,26 +19,16 @@ from tests._dist import run_each, run_ranks, subtests
 
 pytest.importorskip("transformers")
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS = 128, 16, 4, 3
-LOSS_RTOL = 1e-5  # fp32: only the reduction order differs from the reference
-WEIGHT_ATOL = 5e-5  # after 3 AdamW steps at lr 1e-2 (Adam amplifies tiny differences)
-
-
-def _build() -> Any:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * SEQ,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config)
+# The tiny Llama, its batch and tolerances are the Hugging Face parity tests'.
+from tests.integration.test_hf_causal_lm import (
+    GLOBAL_BATCH,
+    LOSS_RTOL,
+    SEQ,
+    STEPS,
+    VOCAB,
+    WEIGHT_ATOL,
+    _build,
+)
 
 
 def _train(stage: int, compiled: bool) -> tuple[list[Any], dict[str, Any]]:
@@ -49,7 +39,7 @@ def _train(stage: int, compiled: bool) -> tuple[list[Any], dict[str, Any]]:
     import zeroshard.engine as zs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _build()
+    model = _build("llama", tied=False)
     model, opt = zs.initialize(
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"stage": stage}
     )
@@ -75,7 +65,7 @@ def _reference() -> tuple[list[Any], dict[str, Any]]:
     """Mean losses and weights of a plain single-process run on the global batch."""
     import torch
 
-    ref = _build()
+    ref = _build("llama", tied=False)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses = []
