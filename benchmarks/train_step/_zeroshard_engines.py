@@ -53,14 +53,10 @@ def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
     user compiles blocks: the engine's hooks run eagerly around the blocks' graphs, and one
     graph serves every block of the same shape (the like-for-like of `fsdp2c`). The
     forward, not the module: torch 2.11 traces a compiled module's hooks too."""
-    zmodel, opt = _initialize(model, s, 3)
+    step = setup_zs(model, s, 3)  # the engine keeps the model's block modules
     blocks: Any = model.blocks
     for block in blocks:
         block.forward = torch.compile(block.forward, fullgraph=True)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        _train_step(zmodel, opt, s, x, y)
-
     return step
 
 
