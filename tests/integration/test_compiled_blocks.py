@@ -1,12 +1,13 @@
-"""The eager engine with every decoder layer's `forward` under torch.compile (torchtitan's
-way of compiling blocks, benchmarks.train_step's `zs3b`): the engine's hooks stay eager
-around the layers' graphs.
+"""The eager engine with every decoder layer under torch.compile (torchtitan's way of
+compiling blocks, benchmarks.train_step's `zs3b`): the engine's hooks stay eager around
+the layers' graphs.
 
-A tiny `transformers` Llama (2 layers) trains 3 steps on 2 gloo ranks at stages 1-3,
-once eager and once with compiled layers (aot_eager, fullgraph), beside a single-process
-copy on the same global batch. The compiled run must give the eager run's losses and
-weights bit for bit, both must match the reference, and Dynamo must capture one graph
-for both layers (no graph break, no recompile per layer).
+A tiny `transformers` Llama (2 layers, each a stage-3 unit of its own) trains 3 steps on
+2 gloo ranks at stages 1-3, eagerly, with each layer's `forward` compiled after
+`initialize`, and with each layer compiled before it (aot_eager, fullgraph), beside a
+single-process copy on the same global batch. The compiled runs must give the eager
+run's losses and weights bit for bit, all must match the reference, and Dynamo must
+capture one graph for both layers (no graph break, no recompile per layer).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from tests.integration.test_hf_causal_lm import (
 )
 
 
-def _train(stage: int, compiled: bool) -> tuple[list[Any], dict[str, Any]]:
-    """Losses (this rank's micro-batch) and full weights after `STEPS` engine steps."""
+def _train(stage: int, compiled: str) -> tuple[list[Any], dict[str, Any], int]:
+    """Losses (this rank's micro-batch), full weights and stage 3's gathers (else 0)
+    after `STEPS` engine steps. `compiled`: "" (eager), "forward" (each layer's forward
+    compiled after `initialize`) or "module" (each layer compiled before, torchtitan's
+    order; its weights are returned without the wrapper's `_orig_mod.`)."""
     import torch
     import torch.distributed as dist
 
@@ -40,10 +44,14 @@ def _train(stage: int, compiled: bool) -> tuple[list[Any], dict[str, Any]]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _build("llama", tied=False)
-    model, opt = zs.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"stage": stage}
-    )
-    if compiled:
+    if compiled == "module":
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    # Each layer its own unit, released after use (the tiny layers fall under the default
+    # thresholds): at stage 3 the engine's hooks gather and release around every graph.
+    config = {"stage": stage, "min_unit_params": 1, "persistence_threshold": 0}
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    if compiled == "forward":
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward, backend="aot_eager", fullgraph=True)
     g = torch.Generator().manual_seed(1)
@@ -58,7 +66,9 @@ def _train(stage: int, compiled: bool) -> tuple[list[Any], dict[str, Any]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach().clone())
-    return losses, zs.full_state_dict(model)
+    gathers = zs.engine_stats(model).gathers if stage == 3 else 0
+    weights = {k.replace("_orig_mod.", ""): v for k, v in zs.full_state_dict(model).items()}
+    return losses, weights, gathers
 
 
 def _reference() -> tuple[list[Any], dict[str, Any]]:
@@ -79,39 +89,40 @@ def _reference() -> tuple[list[Any], dict[str, Any]]:
     return losses, ref.state_dict()
 
 
-def _case(stage: int) -> None:
+def _case(stage: int, compiled: str) -> None:
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    world = dist.get_world_size()
-    eager_losses, eager_weights = _train(stage, compiled=False)
+    world, what = dist.get_world_size(), f"stage {stage} compiled={compiled}"
+    eager_losses, eager_weights, eager_gathers = _train(stage, compiled="")
     torch._dynamo.reset()
     counters.clear()
-    losses, weights = _train(stage, compiled=True)
+    losses, weights, gathers = _train(stage, compiled)
+    if stage == 3:
+        # Both layers gathered for forward and again for backward, every step.
+        assert gathers == eager_gathers >= 2 * 2 * STEPS, (gathers, eager_gathers)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 1, f"stage {stage}: Dynamo captured {graphs} graphs for 2 identical layers"
+    assert graphs == 1, f"{what}: Dynamo captured {graphs} graphs for 2 identical layers"
     for step, (got, want) in enumerate(zip(losses, eager_losses, strict=True)):
-        assert torch.equal(got, want), f"stage {stage} step {step}: loss {got} != eager {want}"
+        assert torch.equal(got, want), f"{what} step {step}: loss {got} != eager {want}"
     assert weights.keys() == eager_weights.keys()
     for k, v in eager_weights.items():
-        assert torch.equal(weights[k], v), f"stage {stage}: {k} differs from the eager engine's"
+        assert torch.equal(weights[k], v), f"{what}: {k} differs from the eager engine's"
 
     ref_losses, ref_weights = _reference()
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         mean = got.clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(
-            mean / world, want, rtol=LOSS_RTOL, atol=0, msg=f"stage {stage} step {step}"
+            mean / world, want, rtol=LOSS_RTOL, atol=0, msg=f"{what} step {step}"
         )
     for k, v in ref_weights.items():
-        torch.testing.assert_close(
-            weights[k], v, atol=WEIGHT_ATOL, rtol=0, msg=f"stage {stage}: {k}"
-        )
+        torch.testing.assert_close(weights[k], v, atol=WEIGHT_ATOL, rtol=0, msg=f"{what}: {k}")
 
 
 def _all_cases() -> None:
-    run_each(subtests({"stage": [1, 2, 3]}), _case)
+    run_each(subtests({"stage": [1, 2, 3], "compiled": ["forward", "module"]}), _case)
 
 
 def test_compiled_layers_match_the_eager_engine_and_the_reference() -> None:

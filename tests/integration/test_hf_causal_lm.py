@@ -87,9 +87,10 @@ def _parity_case(root: str, arch: str, tied: bool, stage: int, compiled: bool) -
     rank, world = dist.get_rank(), dist.get_world_size()
     what = f"{arch} tied={tied} stage={stage} compiled={compiled}"
     model, ref = _build(arch, tied), _build(arch, tied)
-    model, opt = zs.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"stage": stage}
-    )
+    # Each layer a unit of its own, released after use (the tiny layers fall under the
+    # default thresholds), so stage 3 gathers and releases around every layer.
+    config = {"stage": stage, "min_unit_params": 1, "persistence_threshold": 0}
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     forward: Any = model
     if compiled:
@@ -117,6 +118,9 @@ def _parity_case(root: str, arch: str, tied: bool, stage: int, compiled: bool) -
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, ref_loss.detach(), rtol=LOSS_RTOL, atol=0)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0, msg=f"{what} step {step}")
+    if stage == 3:  # both layers gathered for forward and again for backward
+        gathers = (forward.stats if compiled else zs.engine_stats(model)).gathers
+        assert gathers >= 2 * 2 * STEPS, f"{what}: {gathers} gathers in {STEPS} steps"
     if compiled:
         assert not forward.eager and forward.compiles == 1, (
             f"{what}: eager={forward.eager} compiles={forward.compiles}"
