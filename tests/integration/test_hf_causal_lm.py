@@ -1,10 +1,10 @@
 """Hugging Face causal LMs on zeroshard: parity, HF-format export, generation, meta loading.
 
-Every case trains a tiny transformers model (hidden 32, 2 layers) from a config for 3
-steps on 2 gloo ranks and a single-process copy on the same global batch: the mean loss
-of every step and the final weights must match. The checkpoint is then consolidated and
-loaded with `from_pretrained` (no missing or unexpected keys, equal weights), and at
-stage 3 greedy generation must equal the unsharded model's.
+Every case trains a tiny transformers model (hidden 32, 2 layers, each a stage-3 unit)
+from a config for 3 steps on 2 gloo ranks and a single-process copy on the same global
+batch: the mean loss of every step and the final weights must match. The checkpoint is
+then consolidated and loaded with `from_pretrained` (no missing or unexpected keys,
+equal weights), and at stage 3 greedy generation must equal the unsharded model's.
 """
 
 from __future__ import annotations
