@@ -1,10 +1,11 @@
 """`transformers.Trainer` on zeroshard (examples/hf_trainer.py) against the Trainer's own DDP.
 
-One spawn of 2 gloo ranks runs the example's `main` for the DDP baseline (stage 0),
-stages 1-3 and a stage-3 resume from checkpoint-4, all fp32 with gradient accumulation
-2, and compares what the Trainer logged (and a bf16 run at stage 2 against the fp32
-curve, and a run from an all-"auto" DeepSpeed ZeRO-3 config); a second spawn of 1 rank
-resumes the 2-rank checkpoint (another world size, the same global batch).
+One spawn of 2 gloo ranks runs the example's `main` (a Llama of hidden 128, so that each
+layer is a stage-3 unit) for the DDP baseline (stage 0), stages 1-3 and a stage-3 resume
+from checkpoint-4, all fp32 with gradient accumulation 2, and compares what the Trainer
+logged (and a bf16 run at stage 2 against the fp32 curve, and a run from an all-"auto"
+DeepSpeed ZeRO-3 config); a second spawn of 1 rank resumes the 2-rank checkpoint
+(another world size, the same global batch).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ pytest.importorskip("transformers")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS, SAVE = 8, 4
+HIDDEN, LAYERS = 128, 2
 LOSS_ATOL = 2e-4  # the Trainer logs the loss rounded to 4 decimals
 NORM_RTOL = 1e-4  # fp32, reduction order differs between DDP and reduce-scatter
 WEIGHT_ATOL = 2e-5  # 8 AdamW steps at lr 3e-3 in fp32
@@ -38,6 +40,9 @@ def _run(out: Path, stage: int, *extra: str) -> Any:
     import hf_trainer  # type: ignore[import-not-found]
 
     argv = ["--stage", str(stage), "--max-steps", str(STEPS), "--save-steps", str(SAVE)]
+    # Hidden 128: each layer (about 150k parameters) is over the default `min_unit_params`,
+    # so stage 3 gathers and releases layer by layer (at 64 the root was the only unit).
+    argv += ["--hidden", str(HIDDEN), "--layers", str(LAYERS)]
     return hf_trainer.main([*argv, "--output-dir", str(out), *extra])
 
 
@@ -86,10 +91,13 @@ def _train_all_stages(root: str) -> None:
         # The engine reduces the gradients: nothing may wrap the model in DDP on top.
         assert trainer.model_wrapped is trainer.model, type(trainer.model_wrapped)
         _assert_same_steps(_per_step(trainer.state.log_history), base, f"stage {stage}")
+        if stage == 3:  # the root and one unit per layer
+            runtime = zs.engine_state(trainer.model).stage3
+            assert runtime is not None and len(runtime.units) == 1 + LAYERS, runtime
     ds = _run(out / "ds", 3, *accum, "--ds-config", str(out / "ds_config.json"))
     cfg = zs.engine_state(ds.model).config
-    # "auto" filled from the model (hidden size 64) as the Hugging Face integration does.
-    assert (cfg.stage, cfg.stage3.persistence_threshold) == (3, 640), cfg
+    # "auto" filled from the model's hidden size as the Hugging Face integration does.
+    assert (cfg.stage, cfg.stage3.persistence_threshold) == (3, 10 * HIDDEN), cfg
     assert cfg.offload.optimizer and cfg.offload.params, cfg.offload
     _assert_same_steps(_per_step(ds.state.log_history), base, "all-auto ZeRO-3 ds_config")
     resumed = _run(
