@@ -52,7 +52,8 @@ def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
     """zeroshard stage 3 with every block's `forward` under torch.compile, as a torchtitan
     user compiles blocks: the engine's hooks run eagerly around the blocks' graphs, and one
     graph serves every block of the same shape (the like-for-like of `fsdp2c`). The
-    forward, not the module: torch 2.11 traces a compiled module's hooks too."""
+    forward, not the module: a module compiled after `initialize` traces the engine's
+    hooks too (see docs/compile.md)."""
     step = setup_zs(model, s, 3)  # the engine keeps the model's block modules
     blocks: Any = model.blocks
     for block in blocks:

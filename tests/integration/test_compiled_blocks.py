@@ -28,6 +28,7 @@ from tests.integration.test_hf_causal_lm import (
     LOSS_RTOL,
     SEQ,
     STEPS,
+    UNIT_PER_LAYER,
     VOCAB,
     WEIGHT_ATOL,
     _build,
@@ -49,9 +50,8 @@ def _train(stage: int, compiled: str) -> tuple[list[Any], dict[str, Any], int]:
     if compiled == "module":
         for i, layer in enumerate(model.model.layers):
             model.model.layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    # Each layer its own unit, released after use (the tiny layers fall under the default
-    # thresholds): at stage 3 the engine's hooks gather and release around every graph.
-    config = {"stage": stage, "min_unit_params": 1, "persistence_threshold": 0}
+    # At stage 3 the engine's hooks gather and release around every layer's graph.
+    config = {"stage": stage, **UNIT_PER_LAYER}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)

@@ -24,6 +24,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 128, 16, 4, 3
 LOSS_RTOL = 1e-5  # fp32: only the reduction order differs from the reference
 WEIGHT_ATOL = 5e-5  # after 3 AdamW steps at lr 1e-2 (Adam amplifies tiny gradient differences)
+# Each layer a stage-3 unit of its own, released after use: the tiny layers fall under the
+# default thresholds, which would leave the root as the only unit.
+UNIT_PER_LAYER = {"min_unit_params": 1, "persistence_threshold": 0}
 
 
 def _config(arch: str, tied: bool, vocab: int = VOCAB) -> Any:
@@ -87,9 +90,7 @@ def _parity_case(root: str, arch: str, tied: bool, stage: int, compiled: bool) -
     rank, world = dist.get_rank(), dist.get_world_size()
     what = f"{arch} tied={tied} stage={stage} compiled={compiled}"
     model, ref = _build(arch, tied), _build(arch, tied)
-    # Each layer a unit of its own, released after use (the tiny layers fall under the
-    # default thresholds), so stage 3 gathers and releases around every layer.
-    config = {"stage": stage, "min_unit_params": 1, "persistence_threshold": 0}
+    config = {"stage": stage, **UNIT_PER_LAYER}
     model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     forward: Any = model
