@@ -7,13 +7,18 @@ A tiny `transformers` Llama (2 layers, each a stage-3 unit of its own) trains 3 
 `initialize`, and with each layer compiled before it (aot_eager, fullgraph), beside a
 single-process copy on the same global batch. The compiled runs must give the eager
 run's losses and weights bit for bit, all must match the reference, and Dynamo must
-capture one graph for both layers (no graph break, no recompile per layer). Compiled
-before `initialize`, the layers' parameter names carry `_orig_mod.`: rank 0 warns.
+capture one graph for both layers (no graph break, no recompile per layer).
+
+Compiled before `initialize`, the layers' parameters are named `..._orig_mod.` by torch;
+what the engine names drops that segment: `full_state_dict`, a checkpoint loaded into
+the uncompiled model and consolidated for `from_pretrained`, and Hugging Face's weights
+loaded into the compiled model by name.
 """
 
 from __future__ import annotations
 
-import warnings
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +36,7 @@ from tests.integration.test_hf_causal_lm import (
     UNIT_PER_LAYER,
     VOCAB,
     WEIGHT_ATOL,
+    _assert_from_pretrained_equal,
     _build,
 )
 
@@ -39,7 +45,7 @@ def _train(stage: int, compiled: str) -> tuple[list[Any], dict[str, Any], int]:
     """Losses (this rank's micro-batch), full weights and stage 3's gathers (else 0)
     after `STEPS` engine steps. `compiled`: "" (eager), "forward" (each layer's forward
     compiled after `initialize`) or "module" (each layer compiled before, torchtitan's
-    order; its weights are returned without the wrapper's `_orig_mod.`)."""
+    order)."""
     import torch
     import torch.distributed as dist
 
@@ -48,16 +54,10 @@ def _train(stage: int, compiled: str) -> tuple[list[Any], dict[str, Any], int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _build("llama", tied=False)
     if compiled == "module":
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        _compile_layers(model)
     # At stage 3 the engine's hooks gather and release around every layer's graph.
     config = {"stage": stage, **UNIT_PER_LAYER}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
-    # Rank 0 warns that the names carry the compile wrapper's `_orig_mod.`.
-    named = [w for w in caught if "_orig_mod." in str(w.message)]
-    assert len(named) == (compiled == "module" and rank == 0), [str(w.message) for w in caught]
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     if compiled == "forward":
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward, backend="aot_eager", fullgraph=True)
@@ -74,8 +74,15 @@ def _train(stage: int, compiled: str) -> tuple[list[Any], dict[str, Any], int]:
         opt.zero_grad()
         losses.append(loss.detach().clone())
     gathers = zs.engine_stats(model).gathers if stage == 3 else 0
-    weights = {k.replace("_orig_mod.", ""): v for k, v in zs.full_state_dict(model).items()}
-    return losses, weights, gathers
+    return losses, zs.full_state_dict(model), gathers
+
+
+def _compile_layers(model: Any) -> None:
+    """torchtitan's order: each decoder layer replaced by its compiled wrapper."""
+    import torch
+
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
 
 
 def _reference() -> tuple[list[Any], dict[str, Any]]:
@@ -128,9 +135,55 @@ def _case(stage: int, compiled: str) -> None:
         torch.testing.assert_close(weights[k], v, atol=WEIGHT_ATOL, rtol=0, msg=f"{what}: {k}")
 
 
-def _all_cases() -> None:
+def _names_case(root: str, stage: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard.engine as zs
+    from zeroshard.ckpt import consolidate
+
+    rank, what = dist.get_rank(), f"stage {stage}, layers compiled before initialize"
+    hf_names = _build("llama", tied=False).state_dict()
+    assert not any("_orig_mod." in k for k in hf_names)
+    config = {"stage": stage, **UNIT_PER_LAYER}
+    model = _build("llama", tied=False)
+    _compile_layers(model)
+    assert any("_orig_mod." in n for n, _ in model.named_parameters())
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH // dist.get_world_size(), SEQ))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    trained = zs.full_state_dict(model)
+    assert trained.keys() == hf_names.keys(), f"{what}: {set(trained) ^ set(hf_names)}"
+    assert not all(torch.equal(trained[k], v) for k, v in hf_names.items()), "no step taken"
+
+    # A checkpoint of the compiled model loads into the uncompiled one...
+    case = Path(root) / f"stage{stage}"
+    zs.save_checkpoint(model, opt, case / "ckpt", step=1)
+    plain = _build("llama", tied=False)
+    plain, plain_opt = zs.initialize(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), config)
+    assert zs.load_checkpoint(plain, plain_opt, case / "ckpt") == 1
+    loaded = zs.full_state_dict(plain)
+    for k, v in trained.items():
+        assert torch.equal(loaded[k], v), f"{what}: checkpoint -> uncompiled model: {k}"
+    # ... and consolidates into weights `from_pretrained` takes without a missing key.
+    if rank == 0:
+        consolidate(case / "ckpt", case / "hf")
+        _build("llama", tied=False).config.save_pretrained(case / "hf")
+        _assert_from_pretrained_equal(case / "hf", trained, what)
+        _build("llama", tied=False).save_pretrained(case / "src")
+    dist.barrier()
+    # Hugging Face's weights load into the compiled model by name.
+    report = zs.load_safetensors(model, case / "src")
+    again = zs.full_state_dict(model)
+    for k, v in hf_names.items():
+        assert torch.equal(again[k], v), f"{what}: Hugging Face weights -> compiled: {k} ({report})"
+
+
+def _all_cases(root: str) -> None:
     run_each(subtests({"stage": [1, 2, 3], "compiled": ["forward", "module"]}), _case)
+    run_each(subtests({"stage": [2, 3]}), partial(_names_case, root))
 
 
-def test_compiled_layers_match_the_eager_engine_and_the_reference() -> None:
-    run_ranks(_all_cases, 2, timeout_s=300)
+def test_compiled_layers_match_the_eager_engine_and_the_reference(tmp_path: Path) -> None:
+    run_ranks(_all_cases, 2, str(tmp_path), timeout_s=360)

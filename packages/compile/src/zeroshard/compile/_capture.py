@@ -52,8 +52,8 @@ class FlatSpec:
     # The gathered buffer is split into these consecutive pieces (parameters, alignment
     # gaps, padding): one split, whose backward is one concatenation of the gradients.
     pieces: tuple[int, ...]
-    # (parameter name, index of its piece, shape).
-    slots: tuple[tuple[str, int, tuple[int, ...]], ...]
+    # (index of its piece, shape) per parameter, in the group's order.
+    slots: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
@@ -66,8 +66,7 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
         key = register_target(g.process_group, stats, f"flat group {g.index}", replicate)
         pieces, piece_of_slot = g.layout.split_sizes()
         slots = tuple(
-            (name, piece, tuple(s.shape))
-            for name, piece, s in zip(g.names, piece_of_slot, g.layout.slots, strict=True)
+            (piece, tuple(s.shape)) for piece, s in zip(piece_of_slot, g.layout.slots, strict=True)
         )
         specs.append(
             FlatSpec(
@@ -82,12 +81,17 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
     return specs
 
 
-def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
-    """`forward(shards, args, kwargs)`: gather every group and run `model` on the views."""
+def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatSpec]) -> Forward:
+    """`forward(shards, args, kwargs)`: gather every group of `state` (`specs` are its
+    groups' specs) and run `model` on the views."""
     holders = _holders(model)
     # (holders, piece, shape) per parameter of each spec, in the specs' order.
     places = [
-        [(holders[name], piece, shape) for name, piece, shape in spec.slots] for spec in specs
+        [
+            (holders[id(p)], piece, shape)
+            for p, (piece, shape) in zip(g.params, spec.slots, strict=True)
+        ]
+        for g, spec in zip(state.groups, specs, strict=True)
     ]
 
     def forward(shards: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -119,17 +123,14 @@ def gathered_forward(model: nn.Module, specs: Sequence[FlatSpec]) -> Forward:
     )
 
 
-def _holders(model: nn.Module) -> dict[str, list[tuple[dict[str, Any], str]]]:
-    """Each parameter's name in `model.named_parameters()` -> the `_parameters` dict and
-    attribute of every module holding it (a tied parameter has several)."""
-    name_of: dict[int, str] = {}
-    holders: dict[str, list[tuple[dict[str, Any], str]]] = {}
-    # Each module once, in named_parameters()'s order: a parameter's first holder names it.
-    for prefix, module in model.named_modules():
+def _holders(model: nn.Module) -> dict[int, list[tuple[dict[str, Any], str]]]:
+    """Each parameter (by id) -> the `_parameters` dict and attribute of every module
+    holding it (a tied parameter has several)."""
+    holders: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    for module in model.modules():
         for attr, p in module._parameters.items():
             if p is not None:
-                name = name_of.setdefault(id(p), f"{prefix}.{attr}" if prefix else attr)
-                holders.setdefault(name, []).append((module._parameters, attr))
+                holders.setdefault(id(p), []).append((module._parameters, attr))
     return holders
 
 

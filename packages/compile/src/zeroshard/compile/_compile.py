@@ -68,7 +68,10 @@ class CompiledModel:
             captures=self._captures,
         )
         self._compiled = torch.compile(
-            gathered_forward(model, self._specs), backend=backend, fullgraph=fullgraph, **kwargs
+            gathered_forward(model, state, self._specs),
+            backend=backend,
+            fullgraph=fullgraph,
+            **kwargs,
         )
 
     @property

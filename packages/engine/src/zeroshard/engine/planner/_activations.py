@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
+from zeroshard.engine.runtime._names import named_parameters
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -107,7 +108,7 @@ class GradPath:
         self.bucket_bytes = reduce_dtype_bytes(cfg)
         self.handles = []
         seen: set[int] = set()
-        for name, p in model.named_parameters():
+        for name, p in named_parameters(model):
             if p.requires_grad and id(p) not in seen and name in self.group_of:
                 seen.add(id(p))
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))  # type: ignore[no-untyped-call]

@@ -18,6 +18,7 @@ from torch import nn
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import flat_layout
+from zeroshard.engine.runtime._names import named_parameters
 from zeroshard.engine.runtime._offload_plan import OffloadSizes, choose_offloaded, offload_sizes
 from zeroshard.engine.runtime._unit_plan import is_persistent, plan_units
 from zeroshard.partition import FlatLayout, GroupKey, group_parameters
@@ -63,7 +64,7 @@ def _stage12(
     model: nn.Module, cfg: ZeroConfig, size: int, param_group_of: Mapping[int, int] | None
 ) -> list[tuple[GroupKey, FlatLayout]]:
     """The stage-1/2 flat groups, in the order `initialize()` builds them."""
-    grouped = group_parameters(model.named_parameters(), param_group_of=param_group_of)
+    grouped = group_parameters(named_parameters(model), param_group_of=param_group_of)
     compute = cfg.precision.compute_dtype
     buckets = plan_buckets(model, grouped, cfg.comm.reduce_bucket_bytes, compute.itemsize)
     return [(key, flat_layout(run, key, size, compute)) for key, run in buckets]

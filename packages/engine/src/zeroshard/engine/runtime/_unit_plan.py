@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from zeroshard.engine.config._policies import Stage3Policy
+from zeroshard.engine.runtime._names import canonical_name
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -100,7 +101,7 @@ def plan_units(model: nn.Module, policy: Stage3Policy) -> list[UnitPlan]:
             owners[id(p)] = _common_unit(owners[id(p)], unit, chosen)
         else:
             owners[id(p)] = unit
-            first_name[id(p)] = (path, p)
+            first_name[id(p)] = (canonical_name(path), p)
     plans = []
     for unit, (module, leaf) in chosen.items():
         params = tuple(first_name[i] for i, u in owners.items() if u == unit)

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._state import is_initialized
 
@@ -27,16 +26,6 @@ def check_model(model: nn.Module, cfg: ZeroConfig) -> None:
         raise ValueError(
             f"parameters {meta[:3]}... are on the meta device: partitioned init "
             "needs stage 3 (or materialize the model before initialize())"
-        )
-    compiled = [n for n, _ in model.named_parameters() if "_orig_mod." in n]
-    if compiled:
-        # It trains as it should; only the names differ from the uncompiled model's.
-        warn_on_rank0(
-            f"parameter {compiled[0]!r} (and {len(compiled) - 1} more) is under a module "
-            "compiled before initialize(): checkpoints, full_state_dict and exported "
-            "weights carry torch.compile's '_orig_mod.' in their names, and weights saved "
-            "without it (Hugging Face's) will not load by name. Compile each block's "
-            "forward after initialize() instead (docs/compile.md)"
         )
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
     if meta_buffers:

@@ -21,6 +21,7 @@ from zeroshard.engine.runtime._host_adam import fused_adam, steps_in_blocks
 from zeroshard.engine.runtime._host_kernel import compile_variants
 from zeroshard.engine.runtime._host_threads import stepping_threads
 from zeroshard.engine.runtime._loss_scale import LossScaler
+from zeroshard.engine.runtime._names import canonical_name, named_parameters
 from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
 from zeroshard.engine.runtime._offload_step import blocked_step_refusal, delayed_step_refusal
@@ -60,7 +61,8 @@ class _Placement:
         """The longest module path of `own` that contains parameter `name`, or 'default'."""
         best = "default"
         for path in self.own:
-            if name.startswith(path + ".") and (best == "default" or len(path) > len(best)):
+            inside = name.startswith(canonical_name(path) + ".")
+            if inside and (best == "default" or len(path) > len(best)):
                 best = path
         return best
 
@@ -74,7 +76,7 @@ def _flatten_stage12(
 ) -> tuple[FlatParamGroup, ...]:
     """Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order."""
     grouped = group_parameters(
-        model.named_parameters(), param_group_of=param_group_of, process_group_of=place.label
+        named_parameters(model), param_group_of=param_group_of, process_group_of=place.label
     )
     buckets = plan_buckets(
         model, grouped, cfg.comm.reduce_bucket_bytes, cfg.precision.compute_dtype.itemsize

@@ -41,6 +41,7 @@ from zeroshard.ckpt._agree import agreed
 from zeroshard.ckpt._meta import MASTER
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._names import canonical_name, named_parameters
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
 from zeroshard.engine.state._named_load import is_named_checkpoint, load_named
 from zeroshard.engine.state._user_state import (
@@ -130,14 +131,18 @@ def _aliases(model: nn.Module, state: EngineState) -> dict[str, str]:
     canonical = {id(p): n for g in state.groups for n, p in zip(g.names, g.params, strict=True)}
     return {
         name: canonical[id(p)]
-        for name, p in model.named_parameters(remove_duplicate=False)
+        for name, p in named_parameters(model, remove_duplicate=False)
         if canonical.get(id(p), name) != name
     }
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     params = {id(p) for p in model.parameters()}
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in params}
+    return {
+        canonical_name(k): v
+        for k, v in model.state_dict(keep_vars=True).items()
+        if id(v) not in params
+    }
 
 
 def save_checkpoint(

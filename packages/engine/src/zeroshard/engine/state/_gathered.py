@@ -29,6 +29,7 @@ from torch import nn
 
 from zeroshard.comm import Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
+from zeroshard.engine.runtime._names import named_parameters
 from zeroshard.engine.runtime._state import (
     EngineModel,
     EngineState,
@@ -71,7 +72,7 @@ def _resolve(
                     "pass the model too, as gathered_parameters(submodule, model=model)"
                 ) from None
         owner = model if model is not None else target
-        named = [(n, p) for n, p in target.named_parameters()]
+        named = list(named_parameters(target))
     else:
         if model is None:
             raise ValueError(
@@ -81,7 +82,7 @@ def _resolve(
         owner = model
         # A lone tensor is iterable (over its rows): take it as one parameter.
         items = [target] if isinstance(target, torch.Tensor) else list(target)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in named_parameters(model)}
         seen: set[int] = set()
         named = []
         for i, p in enumerate(items):

@@ -30,6 +30,7 @@ import torch
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._stfile import pread_into, st_code, st_dtype
 from zeroshard.ckpt._stfile import read_header as st_read_header
+from zeroshard.engine.runtime._names import named_buffers, named_parameters
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -194,11 +195,11 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
     state.optimizer.settle()
     entries, header_bytes = index_tensors(path)
     aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in named_parameters(model, remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     buffer_names: dict[int, list[str]] = {}
     buffers: dict[int, torch.Tensor] = {}
-    for name, b in model.named_buffers(remove_duplicate=False):
+    for name, b in named_buffers(model, remove_duplicate=False):
         buffer_names.setdefault(id(b), []).append(name)
         buffers[id(b)] = b
 

@@ -9,6 +9,7 @@ import torch
 
 from zeroshard.comm import Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._names import canonical_name
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 
@@ -36,7 +37,8 @@ def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     """The full fp32 state dict on CPU, keyed like `model.state_dict()` before wrapping.
 
     Collective: call it on every rank; every rank gets the whole dict. Tied parameters
-    appear under each of their names, as in `state_dict()`; buffers keep their dtype.
+    appear under each of their names, as in `state_dict()`; buffers keep their dtype. Names
+    under a block compiled before `initialize` lose torch.compile's `_orig_mod.` (_names.py).
     """
     model = engine_module(model)
     state = engine_state(model)
@@ -51,5 +53,7 @@ def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     result: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         gathered = full.get(id(value))
-        result[name] = gathered if gathered is not None else value.detach().cpu().clone()
+        result[canonical_name(name)] = (
+            gathered if gathered is not None else value.detach().cpu().clone()
+        )
     return result

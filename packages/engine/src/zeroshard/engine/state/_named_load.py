@@ -33,6 +33,7 @@ from zeroshard.ckpt._meta import check_names_shapes
 from zeroshard.ckpt._named_state import NamedTrainingState
 from zeroshard.ckpt._writer import RangeSpec
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._names import canonical_name, named_buffers
 from zeroshard.engine.runtime._state import EngineState
 
 log = logging.getLogger("zeroshard.engine")
@@ -63,9 +64,9 @@ def _check_names(
         for n, slot in zip(g.names, g.layout.slots, strict=True)
     }
     expected.update({a: expected[c] for a, c in aliases.items()})
-    persistent = set(model.state_dict())
+    persistent = {canonical_name(k) for k in model.state_dict()}
     params = {id(p) for p in model.parameters()}
-    for name, b in model.named_buffers():
+    for name, b in named_buffers(model):
         if name in persistent and id(b) not in params:
             expected[name] = tuple(b.shape)
     check_names_shapes(have, expected, named.source)
@@ -166,7 +167,7 @@ def read_named_shards(
             _fill(g, {n: specs[canonical.get(n, n)] for n in g.names}, host)
             opt_state[key] = host
         out.optimizer_state[g.index] = opt_state
-    buffers = dict(model.named_buffers())
+    buffers = dict(named_buffers(model))
     for name, spec in named.buffers.items():
         if name in buffers:
             host = torch.empty(spec.numel, dtype=spec.dtype)
@@ -198,7 +199,7 @@ def apply_named_shards(
             opt_state[key] = torch.tensor(value, dtype=torch.float32, device=device)
         inner.state[g.master] = opt_state
     notes = _hyperparameters(inner, named, shards.mapping)
-    buffers = dict(model.named_buffers())
+    buffers = dict(named_buffers(model))
     for name, loaded in shards.buffers.items():
         buffers[name].copy_(loaded)
     dropped = list(named.not_carried)
