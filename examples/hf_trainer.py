@@ -46,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     p.add_argument(
+        "--torch-compile",
+        default=None,
+        metavar="BACKEND",
+        help="TrainingArguments(torch_compile=True) with this backend (inductor, aot_eager...): "
+        "ZeroTrainer compiles each decoder layer",
+    )
+    p.add_argument(
         "--ds-config",
         default=None,
         help="a DeepSpeed ds_config.json for ZeroTrainer; its zero_optimization.stage "
@@ -111,6 +118,8 @@ def build_training_args(args: argparse.Namespace) -> transformers.TrainingArgume
         use_cpu=not torch.cuda.is_available(),
         report_to="none",
         dataloader_num_workers=0,
+        torch_compile=args.torch_compile is not None,
+        torch_compile_backend=args.torch_compile,
     )
 
 

@@ -3,8 +3,9 @@
 One spawn of 2 gloo ranks runs the example's `main` (a Llama of hidden 128, so that each
 layer is a stage-3 unit) for the DDP baseline (stage 0), stages 1-3 and a stage-3 resume
 from checkpoint-4, all fp32 with gradient accumulation 2, and compares what the Trainer
-logged (and a bf16 run at stage 2 against the fp32 curve, and a run from an all-"auto"
-DeepSpeed ZeRO-3 config); a second spawn of 1 rank resumes the 2-rank checkpoint
+logged (and a bf16 run at stage 2 against the fp32 curve, a run from an all-"auto"
+DeepSpeed ZeRO-3 config, and a stage-3 run with `torch_compile`, each layer compiled with
+aot_eager: one graph for both); a second spawn of 1 rank resumes the 2-rank checkpoint
 (another world size, the same global batch).
 """
 
@@ -78,6 +79,7 @@ def _assert_same_weights(a: Path, b: Path, what: str) -> None:
 def _train_all_stages(root: str) -> None:
     import torch
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     import zeroshard.engine as zs
 
@@ -100,6 +102,14 @@ def _train_all_stages(root: str) -> None:
     assert (cfg.stage, cfg.stage3.persistence_threshold) == (3, 10 * HIDDEN), cfg
     assert cfg.offload.optimizer and cfg.offload.params, cfg.offload
     _assert_same_steps(_per_step(ds.state.log_history), base, "all-auto ZeRO-3 ds_config")
+    counters.clear()
+    compiled = _run(out / "compiled", 3, *accum, "--torch-compile", "aot_eager")
+    # Each decoder layer's forward compiled, one graph for both, no eager fallback.
+    layers = compiled.model.model.layers
+    assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["stats"]["calls_captured"] > 0, dict(counters["stats"])
+    _assert_same_steps(_per_step(compiled.state.log_history), base, "stage 3, torch_compile")
     resumed = _run(
         out / "resumed",
         3,
@@ -123,6 +133,7 @@ def _train_all_stages(root: str) -> None:
             _assert_same_weights(out / f"stage{stage}", out / "stage0", f"stage {stage} save_model")
         _assert_same_weights(out / "resumed", out / "stage0", "resumed save_model")
         _assert_same_weights(out / "ds", out / "stage0", "ds_config save_model")
+        _assert_same_weights(out / "compiled", out / "stage0", "torch_compile save_model")
         ckpt = out / "stage3" / f"checkpoint-{SAVE}"
         assert (ckpt / "zeroshard" / "metadata.json").is_file()
         logged = json.loads((ckpt / "trainer_state.json").read_text())["log_history"]
@@ -223,3 +234,11 @@ def test_trainer_ds_config_checked_against_training_arguments(
     )
     with pytest.raises(ValueError, match=r"TrainingArguments\(deepspeed=...\) would start"):
         ZeroTrainer(model=model, args=ds_args, zero_config={"stage": 2})
+    # torch_compile compiles the blocks `_no_split_modules` names: none is refused at once.
+    compile_args = hf_trainer.build_training_args(
+        hf_trainer.parse_args(["--output-dir", str(tmp_path / "c"), "--torch-compile", "eager"])
+    )
+    assert compile_args.torch_compile
+    model._no_split_modules = None
+    with pytest.raises(ValueError, match=r"names none that it holds"):
+        ZeroTrainer(model=model, args=compile_args, zero_config={"stage": 3})

@@ -28,6 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.config._trainer_ds_config import trainer_ds_settings
+from zeroshard.engine.huggingface._blocks import compile_blocks, model_blocks
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.setup._initialize import initialize
 from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
@@ -109,7 +110,7 @@ class ZeroTrainer(Trainer):
     `TrainingArguments` keep their meaning: batch sizes, gradient accumulation,
     `max_grad_norm` (the global norm, logged as `grad_norm`), `bf16` (the engine's compute
     dtype), checkpoints and `resume_from_checkpoint` (at the same or another world size),
-    `save_model()`.
+    `save_model()`; `torch_compile` compiles each block (see _blocks.py).
     """
 
     def __init__(
@@ -133,6 +134,8 @@ class ZeroTrainer(Trainer):
         # A ready optimizer (`optimizers=(opt, None)`) is sharded like the Trainer's own.
         if self.optimizer is not None and len(self.optimizer.state) != 0:
             raise ValueError("ZeroTrainer: pass a fresh optimizer (no state yet)")
+        # Found now, so that a model without blocks is refused before training starts.
+        self._blocks_to_compile = model_blocks(self._module) if self.args.torch_compile else []
 
     @property
     def zero_optimizer(self) -> ZeroOptimizer:
@@ -163,6 +166,14 @@ class ZeroTrainer(Trainer):
         optimizer: torch.optim.Optimizer = super().create_optimizer(model)
         module, zopt = initialize(self._module, optimizer, self.zero_config)
         self.model = module
+        if self._blocks_to_compile:
+            compile_blocks(
+                self._blocks_to_compile,
+                backend=self.args.torch_compile_backend,
+                mode=self.args.torch_compile_mode,
+            )
+            if self.is_world_process_zero():
+                logger.info("torch_compile: %d blocks compiled", len(self._blocks_to_compile))
         # accelerate's wrapper (the Trainer reads its `step_was_skipped`), without moving
         # state; then accelerate's own mark of "already prepared", so that prepare()
         # leaves model and optimizer alone.
