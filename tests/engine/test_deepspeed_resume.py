@@ -21,9 +21,11 @@ checkpoint (`moments.safetensors`, read through `safe_get_full_optimizer_state`)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ import zeroshard.engine as zs
 from tests._dist import run_ranks
 from zeroshard.ckpt import ModelMismatchError
 from zeroshard.ckpt._cli import main
+from zeroshard.comm import Group
 
 FIXTURES = Path(__file__).resolve().parents[1] / "ckpt" / "fixtures" / "deepspeed"
 CASES = ["resume_stage1", "resume_stage2", "resume_stage3", "resume_stage2_fp16"]
@@ -147,12 +150,34 @@ def _adam_state_by_name(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> dict[s
     }
 
 
+@contextlib.contextmanager
+def _gathers() -> Iterator[list[str]]:
+    """The labels of the all-gathers issued inside (each still runs); a flat group's
+    gathers name it ("state_dict of group 3")."""
+    labels: list[str] = []
+    gather = Group.all_gather_into
+
+    def counted(self: Group, output: Any, input: Any, *, label: str = "") -> Any:
+        labels.append(label)
+        return gather(self, output, input, label=label)
+
+    Group.all_gather_into = counted  # type: ignore[method-assign]
+    try:
+        yield labels
+    finally:
+        Group.all_gather_into = gather  # type: ignore[method-assign]
+
+
 def _loaded_moments(runs: list[tuple[str, int]]) -> None:
     for case, stage in runs:
         ref = json.loads((FIXTURES / case / "resume.json").read_text())
         want = load_file(FIXTURES / case / "moments.safetensors")
         model, opt, _ = _build(case, stage)
-        zs.load_checkpoint(model, opt, FIXTURES / case)
+        with _gathers() as gathers:
+            zs.load_checkpoint(model, opt, FIXTURES / case)
+        if stage == 3:  # each rank reads its own shard: no flat group is gathered whole
+            whole = [label for label in gathers if " of group " in label]
+            assert whole == [], f"{case} at stage 3: the resume gathered {whole}"
         got = _adam_state_by_name(model, opt)
         names = {k.split("/", 1)[1] for k in want}
         assert set(got) == names, f"{case}: {sorted(set(got) ^ names)}"

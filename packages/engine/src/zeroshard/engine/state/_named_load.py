@@ -64,7 +64,9 @@ def _check_names(
         for n, slot in zip(g.names, g.layout.slots, strict=True)
     }
     expected.update({a: expected[c] for a, c in aliases.items()})
-    persistent = {canonical_name(k) for k in model.state_dict()}
+    # keep_vars: the keys alone; at stage 3 a plain state_dict() would gather every
+    # parameter whole on every rank (collective, the full model in memory) just to name them.
+    persistent = {canonical_name(k) for k in model.state_dict(keep_vars=True)}
     params = {id(p) for p in model.parameters()}
     for name, b in named_buffers(model):
         if name in persistent and id(b) not in params:
