@@ -12,8 +12,9 @@ The model is built from a config (no download) and trained on synthetic sequence
 (each a random start and stride mod the vocabulary: learnable, and the same on any world
 size). `--stage 0` is the Trainer's own DistributedDataParallel, the baseline; stages
 1-3 use `zeroshard.engine.huggingface.ZeroTrainer`; `--ds-config` gives it a DeepSpeed
-config instead ("auto" values filled from the Trainer's arguments and the model). gloo
-on CPU, NCCL on GPUs. OUT follows the Trainer's layout; `checkpoint-K/zeroshard/` holds
+config instead ("auto" values filled from the Trainer's arguments and the model);
+`--torch-compile BACKEND` compiles each decoder layer. gloo on CPU (or with `--cpu`),
+NCCL on GPUs. OUT follows the Trainer's layout; `checkpoint-K/zeroshard/` holds
 the sharded state, and the run ends with `trainer.save_model()` (full weights) and
 `trainer.save_state()`.
 """
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU (gloo) even with GPUs")
     p.add_argument(
         "--torch-compile",
         default=None,
@@ -115,7 +117,7 @@ def build_training_args(args: argparse.Namespace) -> transformers.TrainingArgume
         max_grad_norm=args.max_grad_norm,
         bf16=args.bf16,
         seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=args.cpu or not torch.cuda.is_available(),
         report_to="none",
         dataloader_num_workers=0,
         torch_compile=args.torch_compile is not None,

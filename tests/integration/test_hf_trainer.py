@@ -40,7 +40,7 @@ def _run(out: Path, stage: int, *extra: str) -> Any:
         sys.path.insert(0, str(EXAMPLES))
     import hf_trainer  # type: ignore[import-not-found]
 
-    argv = ["--stage", str(stage), "--max-steps", str(STEPS), "--save-steps", str(SAVE)]
+    argv = ["--stage", str(stage), "--max-steps", str(STEPS), "--save-steps", str(SAVE), "--cpu"]
     # Hidden 128: each layer (about 150k parameters) is over the default `min_unit_params`,
     # so stage 3 gathers and releases layer by layer (at 64 the root was the only unit).
     argv += ["--hidden", str(HIDDEN), "--layers", str(LAYERS)]
