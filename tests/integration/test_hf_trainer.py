@@ -234,6 +234,11 @@ def test_trainer_ds_config_checked_against_training_arguments(
     )
     with pytest.raises(ValueError, match=r"TrainingArguments\(deepspeed=...\) would start"):
         ZeroTrainer(model=model, args=ds_args, zero_config={"stage": 2})
+    fsdp_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "fsdp"), use_cpu=True, report_to="none", fsdp=True
+    )
+    with pytest.raises(ValueError, match=r"TrainingArguments\(fsdp=...\) asks accelerate"):
+        ZeroTrainer(model=model, args=fsdp_args, zero_config={"stage": 3})
     # torch_compile compiles the blocks `_no_split_modules` names: none is refused at once.
     compile_args = hf_trainer.build_training_args(
         hf_trainer.parse_args(["--output-dir", str(tmp_path / "c"), "--torch-compile", "eager"])

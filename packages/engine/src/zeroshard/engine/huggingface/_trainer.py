@@ -90,7 +90,7 @@ def _resolve_precision(config: ZeroConfig | Mapping[str, Any] | None, args: Any)
     return cfg
 
 
-def _refuse_deepspeed_argument(training_args: Any) -> None:
+def _refuse_other_sharders(training_args: Any) -> None:
     # The Trainer would build DeepSpeed's engine from TrainingArguments(deepspeed=...) on
     # top of zeroshard's; and TrainingArguments has already set up DeepSpeed's plugin from
     # it, which cannot be undone cleanly. So the config has one way in: ds_config.
@@ -98,6 +98,14 @@ def _refuse_deepspeed_argument(training_args: Any) -> None:
         raise ValueError(
             "ZeroTrainer: TrainingArguments(deepspeed=...) would start DeepSpeed; pass the "
             "config as ZeroTrainer(ds_config=...) and leave TrainingArguments.deepspeed unset"
+        )
+    # FSDP would wrap the model before zeroshard shards it (the Trainer prepares an FSDP
+    # model before building the optimizer), or be dropped without a word where it does not.
+    if getattr(training_args, "fsdp", None):
+        raise ValueError(
+            "ZeroTrainer: TrainingArguments(fsdp=...) asks accelerate to shard the model with "
+            "FSDP, and zeroshard shards it already; leave fsdp unset (zero_config stage 3 is "
+            "FSDP's full_shard)"
         )
 
 
@@ -122,7 +130,7 @@ class ZeroTrainer(Trainer):
     ) -> None:
         if zero_config is not None and ds_config is not None:
             raise ValueError("ZeroTrainer: pass zero_config or ds_config, not both")
-        _refuse_deepspeed_argument(kwargs.get("args", args[1] if len(args) > 1 else None))
+        _refuse_other_sharders(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         if ds_config is not None:
             settings = trainer_ds_settings(ds_config, self.args, self.model)
