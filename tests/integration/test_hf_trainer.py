@@ -6,7 +6,8 @@ from checkpoint-4, all fp32 with gradient accumulation 2, and compares what the 
 logged (and a bf16 run at stage 2 against the fp32 curve, a run from an all-"auto"
 DeepSpeed ZeRO-3 config, and a stage-3 run with `torch_compile`, each layer compiled with
 aot_eager: one graph for both); a second spawn of 1 rank resumes the 2-rank checkpoint
-(another world size, the same global batch).
+(another world size, the same global batch). `load_best_model_at_end` must bring back the
+best checkpoint's weights, not keep the last ones.
 """
 
 from __future__ import annotations
@@ -247,3 +248,58 @@ def test_trainer_ds_config_checked_against_training_arguments(
     model._no_split_modules = None
     with pytest.raises(ValueError, match=r"names none that it holds"):
         ZeroTrainer(model=model, args=compile_args, zero_config={"stage": 3})
+
+
+def _best_model_at_end(root: str) -> None:
+    import torch
+    import transformers
+
+    import zeroshard.engine as zs
+    from zeroshard.engine.huggingface import ZeroTrainer
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import hf_trainer
+
+    args = hf_trainer.parse_args(["--output-dir", root, "--hidden", str(HIDDEN), "--cpu"])
+    training_args = transformers.TrainingArguments(
+        output_dir=root,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        use_cpu=True,
+        report_to="none",
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        load_best_model_at_end=True,
+        # The highest eval loss is the best: the first checkpoint, not the last weights.
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    saved: dict[int, dict[str, Any]] = {}
+
+    class Snapshot(transformers.TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            saved[state.global_step] = zs.full_state_dict(kw["model"])
+
+    trainer = ZeroTrainer(
+        model=hf_trainer.build_model(args),
+        args=training_args,
+        train_dataset=hf_trainer.StrideSequences(64, args.seq_len, 1),
+        eval_dataset=hf_trainer.StrideSequences(8, args.seq_len, 2),
+        zero_config={"stage": 3},
+        callbacks=[Snapshot()],
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(Path(root) / "checkpoint-2"), (
+        trainer.state.best_model_checkpoint
+    )
+    final = zs.full_state_dict(trainer.model)
+    assert not all(torch.equal(final[k], v) for k, v in saved[6].items()), "the last weights"
+    for k, v in saved[2].items():
+        assert torch.equal(final[k], v), f"load_best_model_at_end: {k} is not checkpoint-2's"
+
+
+def test_trainer_loads_the_best_model_at_end(tmp_path: Path) -> None:
+    run_ranks(_best_model_at_end, 2, str(tmp_path), timeout_s=120)

@@ -54,6 +54,7 @@ _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's file name for the LR scheduler
 # - save_model / _save_optimizer_and_scheduler / _load_from_checkpoint /
 #   _load_optimizer_and_scheduler: checkpoints hold zeroshard's sharded state (any world
 #   size on resume), save_model() writes the full weights gathered from the shards.
+# - _load_best_model (load_best_model_at_end): from the best checkpoint's sharded state.
 # The Trainer zeroes gradients with `model.zero_grad()`, which does not reach the
 # engine's flat gradient shards: a callback zeroes them right after each optimizer step.
 
@@ -248,6 +249,18 @@ class ZeroTrainer(Trainer):
         scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self._scheduler().load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        # The Trainer looks for model.safetensors in the best checkpoint; a ZeroTrainer
+        # checkpoint holds the sharded state instead, and the Trainer would only warn and
+        # keep the last weights. Model and optimizer come back, as DeepSpeed's do there.
+        best = self.state.best_model_checkpoint
+        if best is None or not os.path.isdir(os.path.join(best, CHECKPOINT_SUBDIR)):
+            super()._load_best_model()  # save_only_model: full weights, the Trainer's way
+            return
+        if self.is_world_process_zero():
+            logger.info("loading the best model from %s", best)
+        self._load_zeroshard(best)
 
     def _load_zeroshard(self, checkpoint: str) -> None:
         directory = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
