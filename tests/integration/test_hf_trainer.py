@@ -261,7 +261,7 @@ def _best_model_at_end(root: str) -> None:
         sys.path.insert(0, str(EXAMPLES))
     import hf_trainer
 
-    args = hf_trainer.parse_args(["--output-dir", root, "--hidden", str(HIDDEN), "--cpu"])
+    args = hf_trainer.parse_args(["--output-dir", root, "--hidden", str(HIDDEN)])
     training_args = transformers.TrainingArguments(
         output_dir=root,
         max_steps=6,

@@ -25,8 +25,8 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
         raise ValueError(
             "ZeroTrainer: TrainingArguments(torch_compile=True) compiles the model's blocks, "
             f"the classes its `_no_split_modules` names, and {type(model).__name__} names "
-            f"none that it holds ({sorted(names)}); compile a block's forward yourself after "
-            "training starts, or train without torch_compile"
+            f"none that it holds ({sorted(names)}); set `_no_split_modules` to the class names "
+            "of its repeated blocks, or train without torch_compile"
         )
     return blocks
 
