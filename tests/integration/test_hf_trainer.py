@@ -7,7 +7,8 @@ logged (and a bf16 run at stage 2 against the fp32 curve, a run from an all-"aut
 DeepSpeed ZeRO-3 config, and a stage-3 run with `torch_compile`, each layer compiled with
 aot_eager: one graph for both); a second spawn of 1 rank resumes the 2-rank checkpoint
 (another world size, the same global batch). `load_best_model_at_end` must bring back the
-best checkpoint's weights, not keep the last ones.
+best checkpoint's weights, not keep the last ones; ranks that see different checkpoint
+files raise alike.
 """
 
 from __future__ import annotations
@@ -299,6 +300,35 @@ def _best_model_at_end(root: str) -> None:
     assert not all(torch.equal(final[k], v) for k, v in saved[6].items()), "the last weights"
     for k, v in saved[2].items():
         assert torch.equal(final[k], v), f"load_best_model_at_end: {k} is not checkpoint-2's"
+    _ranks_seeing_different_files(trainer, Path(root))
+
+
+def _ranks_seeing_different_files(trainer: Any, root: Path) -> None:
+    """Ranks that see different checkpoint files (no shared filesystem) all raise,
+    naming who sees what, instead of waiting on each other or loading apart."""
+    import shutil
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    best = root / "checkpoint-2"
+    # As rank 1 would see it: a checkpoint without zeroshard's state, or without the
+    # LR scheduler's.
+    no_state, no_scheduler = root / "no-state", root / "no-scheduler"
+    if rank == 0:
+        no_state.mkdir()
+        shutil.copytree(best, no_scheduler)
+        (no_scheduler / "scheduler.pt").unlink()
+    dist.barrier()
+    mine = best if rank == 0 else no_state
+    trainer.state.best_model_checkpoint = str(mine)
+    with pytest.raises(FileNotFoundError, match=r"ranks \[0\] see .* but ranks \[1\] do not"):
+        trainer._load_best_model()
+    with pytest.raises(FileNotFoundError, match=r"ranks \[0\] see .* but ranks \[1\] do not"):
+        trainer._load_optimizer_and_scheduler(str(mine))
+    mine = best if rank == 0 else no_scheduler
+    with pytest.raises(FileNotFoundError, match=r"scheduler.pt but ranks \[1\] do not"):
+        trainer._load_optimizer_and_scheduler(str(mine))
 
 
 def test_trainer_loads_the_best_model_at_end(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-unt
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from zeroshard.ckpt._agree import Agreement
 from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.config._trainer_ds_config import trainer_ds_settings
 from zeroshard.engine.huggingface._blocks import compile_blocks, model_blocks
@@ -247,7 +248,7 @@ class ZeroTrainer(Trainer):
             return
         self._load_zeroshard(checkpoint)
         scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
+        if _on_every_rank(scheduler, os.path.isfile):
             self._scheduler().load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
@@ -255,7 +256,7 @@ class ZeroTrainer(Trainer):
         # checkpoint holds the sharded state instead, and the Trainer would only warn and
         # keep the last weights. Model and optimizer come back, as DeepSpeed's do there.
         best = self.state.best_model_checkpoint
-        if best is None or not os.path.isdir(os.path.join(best, CHECKPOINT_SUBDIR)):
+        if best is None or not _on_every_rank(os.path.join(best, CHECKPOINT_SUBDIR), os.path.isdir):
             super()._load_best_model()  # save_only_model: full weights, the Trainer's way
             return
         if self.is_world_process_zero():
@@ -264,12 +265,30 @@ class ZeroTrainer(Trainer):
 
     def _load_zeroshard(self, checkpoint: str) -> None:
         directory = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(directory):
+        if not _on_every_rank(directory, os.path.isdir):
             raise FileNotFoundError(
                 f"ZeroTrainer: {checkpoint} holds no zeroshard state ({CHECKPOINT_SUBDIR}/): "
                 "it was not written by ZeroTrainer (or with save_only_model=True)"
             )
         load_checkpoint(self._module, self.zero_optimizer, directory)
+
+
+def _on_every_rank(path: str, is_there: Callable[[str], bool]) -> bool:
+    """Whether `path` is there, agreed by every rank (one small all-gather).
+
+    Ranks that see different files would take different paths (one loads, collectively,
+    while another falls back or raises) and wait on each other forever, or load different
+    LR schedules without a word: so where they disagree every rank raises, naming who sees
+    what."""
+    seen = [bool(row[0]) for row in Agreement(None).gather([int(is_there(path))], f"sees {path}")]
+    if all(seen) or not any(seen):
+        return seen[0]
+    have = [r for r, s in enumerate(seen) if s]
+    lack = [r for r, s in enumerate(seen) if not s]
+    raise FileNotFoundError(
+        f"ZeroTrainer: ranks {have} see {path} but ranks {lack} do not: every rank must "
+        "read the checkpoint from one filesystem they all share"
+    )
 
 
 @torch.no_grad()
