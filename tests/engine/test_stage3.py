@@ -126,22 +126,34 @@ def _live_case(device: str, depth: int) -> None:
     batches = global_batches(3, 1, dist.get_world_size(), 2)
     stats = zs.engine_stats(model)
     trainable = sum(1 for u in units for g in u.groups if g.trainable)
+    (last,) = [u for u in units if u.module is model.blocks[-1]]
     for step in range(3):
         stats.reset()
         loss = loss_fn(model, batches[step, 0, rank].to(device))
-        # The life of each unit: after forward only the persistent ones stay gathered;
-        # after backward every group was reduce-scattered once and the rest released.
+        # The life of each unit: after forward the persistent ones stay gathered, and
+        # once the order is known (after the first step) the last unit of forward, which
+        # backward needs first; after backward every group was reduce-scattered once and
+        # the rest released.
         assert all(u.training_state is TrainingState.IDLE for u in units)
-        assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
+        kept = [u for u in units if u.state is not UnitState.RELEASED and not u.persistent]
+        assert kept == ([last] if step > 0 else []), (step, [u.label for u in kept])
         loss.backward()
         assert stats.reduce_scatters == trainable, (stats, trainable)
         assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
+        # The root once, each other unit for forward and again for backward, but the kept
+        # one once.
+        others = sum(1 for u in units if not u.persistent)
+        assert stats.gathers == 1 + 2 * others - int(step > 0), (step, stats)
         opt.step()
         opt.zero_grad()
         assert stats.peak_live_bytes <= bound, (depth, step, stats, bound)
         if step > 0 and depth > 0:
             assert stats.prefetches > 0, "after the first step the order is known: prefetch"
     assert stats.live_bytes == 0, "after a step nothing stays gathered"
+    with torch.no_grad():
+        loss_fn(model, batches[0, 0, rank].to(device))
+    # No backward can follow a forward without autograd: the last unit is released.
+    assert all(u.persistent for u in units if u.state is not UnitState.RELEASED)
 
 
 def _profile_case(device: str) -> None:

@@ -224,15 +224,23 @@ class Stage3Runtime:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             if self._suspended or _in_backward():
                 return
+            backward_may_follow = False
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._make_pre_backward(u))  # type: ignore[no-untyped-call]
+                        backward_may_follow = True
             if u.index == 0:
                 self._end_of_forward()
-            u.post_forward()
+            u.post_forward(keep=backward_may_follow and self._last_of_forward(u))
 
         return post_forward
+
+    def _last_of_forward(self, u: Unit) -> bool:
+        """Whether `u` is the last unit of a forward that ran in the recorded order: the
+        first that backward gathers again (after the root, which stays gathered)."""
+        order = self._order
+        return self._order_valid and len(self._recording) == len(order) and order[-1] is u
 
     def _end_of_forward(self) -> None:
         # The root's forward wraps all others: the order recorded this step is complete.

@@ -3,7 +3,9 @@
 [Note: the life of a unit in one step]
 pre_forward: gather (or wait for a prefetch already in flight) and expose the parameters
 as views of the gathered buffers. post_forward: release, unless the unit is persistent
-(small, or the root, whose head runs first in backward). pre_backward (a gradient reached
+(small, or the root, whose head runs first in backward) or backward needs it first (the
+last unit of forward, when a backward may follow: releasing it would only gather it
+again at once, an all-gather nothing could prefetch). pre_backward (a gradient reached
 the unit's outputs): gather again. grads_reduced: the reducer has queued the reduction of
 one of the unit's flat groups; once all of its trainable groups are queued, the unit is
 released (post-backward). backward_done: release what backward left gathered (a unit
@@ -128,9 +130,10 @@ class Unit:
         self.training_state = TrainingState.FORWARD
         self.gather()
 
-    def post_forward(self) -> None:
-        """After the module ran: free what backward gathers again (persistent units stay)."""
-        if not self.persistent:
+    def post_forward(self, *, keep: bool = False) -> None:
+        """After the module ran: free what backward gathers again (persistent units stay,
+        and with `keep` this one: backward needs it first)."""
+        if not self.persistent and not keep:
             self.release()
         self.training_state = TrainingState.IDLE
 
