@@ -42,7 +42,7 @@ def test_large_buffers_pinned_at_their_size(device: str) -> None:
     grown = _rss() - before
     assert pinned and t.is_pinned() and t.numel() == numel
     assert t.data_ptr() % 64 == 0
-    # Page-locking makes the pages resident: about the buffer, not 2x it rounded up.
+    # Page-locking makes the pages resident: the buffer's 384 MiB, not 512 rounded up.
     assert 0.9 * nbytes <= grown <= nbytes + 64 * MIB, (grown / MIB, nbytes / MIB)
     # Asynchronous copies both ways see the same bytes.
     t.copy_(torch.arange(numel, dtype=torch.float32).remainder_(251))

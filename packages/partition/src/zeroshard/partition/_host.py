@@ -17,6 +17,7 @@ allocator, which caches and reuses them.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Tens
     return torch.empty(numel, dtype=dtype), False
 
 
+@functools.cache
 def _libraries() -> tuple[Any, Any] | None:
     """libc and the CUDA driver, with the functions used here typed; None without them."""
     try:
@@ -57,15 +59,10 @@ def _libraries() -> tuple[Any, Any] | None:
         return None
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
-    register, unregister = cuda.cuMemHostRegister_v2, cuda.cuMemHostUnregister
-    register.restype, register.argtypes = (
-        ctypes.c_int,
-        [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_uint,
-        ],
-    )
+    register = cuda.cuMemHostRegister_v2
+    register.restype = ctypes.c_int
+    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    unregister = cuda.cuMemHostUnregister
     unregister.restype, unregister.argtypes = ctypes.c_int, [ctypes.c_void_p]
     return libc, cuda
 
