@@ -89,6 +89,24 @@ def test_scalars_hyperparameters_and_loss_scale() -> None:
     )
 
 
+def test_a_compiled_models_checkpoint_reads_under_the_models_names(tmp_path: Path) -> None:
+    # DeepSpeed trained TiedLM compiled whole (`torch.compile(model)` before
+    # deepspeed.initialize): its files name every weight `_orig_mod.<name>`. Read, it
+    # holds the plain model's names (those of the same model trained uncompiled), with the
+    # moments DeepSpeed's live optimizer reported under its own names.
+    compiled, plain = FIXTURES / "resume_compiled_stage2", FIXTURES / "resume_tied_stage2"
+    state = read_deepspeed_training_state(compiled)
+    assert set(state.masters) == set(read_deepspeed_training_state(plain).masters)
+    moments = load_file(compiled / "moments.safetensors")
+    for key, specs in state.optimizer_state.items():
+        for name, spec in specs.items():
+            assert torch.equal(_read(spec), moments[f"{key}/_orig_mod.{name}"]), (key, name)
+    consolidate(compiled, tmp_path / "compiled.safetensors")
+    consolidate(plain, tmp_path / "plain.safetensors")
+    names = load_file(tmp_path / "compiled.safetensors").keys()
+    assert names == load_file(tmp_path / "plain.safetensors").keys(), sorted(names)
+
+
 @pytest.mark.parametrize(
     ("case", "world", "chunk"),
     [("resume_stage3", 3, 7), ("resume_stage2_fp16", 1, 1 << 20), ("stage3_w3", 2, 64)],

@@ -38,10 +38,13 @@ import zeroshard.engine as zs
 from tests._dist import run_ranks
 from zeroshard.ckpt import ModelMismatchError
 from zeroshard.ckpt._cli import main
+from zeroshard.ckpt._names import canonical_name
 from zeroshard.comm import Group
 
 FIXTURES = Path(__file__).resolve().parents[1] / "ckpt" / "fixtures" / "deepspeed"
 CASES = ["resume_stage1", "resume_stage2", "resume_stage3", "resume_stage2_fp16"]
+# TiedLM compiled whole (`torch.compile(model)`) before deepspeed.initialize.
+COMPILED = "resume_compiled_stage2"
 TIED = [
     "resume_tied_stage1",
     "resume_tied_stage2",
@@ -70,12 +73,16 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def _build(case: str, stage: int | None = None) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
-    """The case's model under zeroshard at the case's ZeRO stage (or `stage`)."""
+def _build(
+    case: str, stage: int | None = None, kind: str | None = None
+) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
+    """The case's model (or the model `kind` of make_fixtures.MODELS) under zeroshard at
+    the case's ZeRO stage (or `stage`)."""
     mf = _fixture_module()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
     torch.manual_seed(99)  # not DeepSpeed's seed: every weight must come from the checkpoint
-    (kind,) = [k for name, _, _, k in mf.RESUME_CASES if name == case]
+    if kind is None:
+        (kind,) = [k for name, _, _, k in mf.RESUME_CASES if name == case]
     model = mf.MODELS[kind]()
     stage = ref["stage"] if stage is None else stage
     cfg: dict[str, Any] = {"stage": stage}
@@ -87,10 +94,10 @@ def _build(case: str, stage: int | None = None) -> tuple[torch.nn.Module, zs.Zer
     return model, opt, mf
 
 
-def _resume(case: str, source: Path, stage: int | None) -> None:
+def _resume(case: str, source: Path, stage: int | None, kind: str | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
-    model, opt, mf = _build(case, stage)
+    model, opt, mf = _build(case, stage, kind)
     assert zs.load_checkpoint(model, opt, source) == 2
     assert all(pg["lr"] == 1e-2 for pg in opt.param_groups), "lr comes from the checkpoint"
     fp16 = case.endswith("_fp16")
@@ -111,7 +118,12 @@ def _resume(case: str, source: Path, stage: int | None) -> None:
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-4 if fp16 else 1e-6, atol=0
     )
-    want = load_file(FIXTURES / case / "continued.safetensors")
+    # DeepSpeed's names, as the model's code spells them (a model compiled before
+    # deepspeed.initialize saved them under `_orig_mod.`).
+    want = {
+        canonical_name(k): v
+        for k, v in load_file(FIXTURES / case / "continued.safetensors").items()
+    }
     got = zs.full_state_dict(model)
     atol = 1e-3 if fp16 else 1e-6
     for name, value in want.items():
@@ -127,6 +139,11 @@ def _resume(case: str, source: Path, stage: int | None) -> None:
 def _resume_all(runs: list[tuple[str, str, int | None]]) -> None:
     for case, source, stage in runs:
         _resume(case, Path(source), stage)
+
+
+def _resume_compiled(runs: list[tuple[int, str]]) -> None:
+    for stage, kind in runs:
+        _resume(COMPILED, FIXTURES / COMPILED, stage, kind)
 
 
 def _adam_state_by_name(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> dict[str, Any]:
@@ -218,6 +235,14 @@ def test_resume_matches_deepspeed(world: int) -> None:
     runs += [("resume_stage3", str(FIXTURES / "resume_stage3"), 1)]
     runs += [("resume_stage1", str(FIXTURES / "resume_stage1"), 3)]
     run_ranks(_resume_all, world, runs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_of_a_compiled_models_checkpoint(world: int) -> None:
+    # DeepSpeed trained TiedLM compiled whole before deepspeed.initialize: every name in
+    # its files starts `_orig_mod.`. It resumes into the model compiled alike at its own
+    # stage, and into the plain model at stages 2 and 3.
+    run_ranks(_resume_compiled, world, [(2, "compiled"), (2, "tied"), (3, "tied")])
 
 
 def test_convert_then_resume_matches_deepspeed(tmp_path: Path) -> None:

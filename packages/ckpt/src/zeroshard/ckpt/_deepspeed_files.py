@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard.ckpt._errors import CheckpointError, MissingShardError
+from zeroshard.ckpt._names import canonical_name
 from zeroshard.ckpt._unpickle import load_torch_file
 
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -171,6 +172,23 @@ def load_model_states(path: Path) -> dict[str, Any]:
         raise DeepSpeedCheckpointError(
             f"{path} has no param_shapes: not a ZeRO checkpoint (saved without a ZeRO optimizer)"
         )
+    return _canonical_names(state)
+
+
+def _canonical_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The model states under the names the model's code spells (ckpt's `_names`): a
+    model compiled before `deepspeed.initialize` saved every name under `_orig_mod.`."""
+    rename = canonical_name
+    state["module"] = {rename(k): v for k, v in state["module"].items()}
+    state["buffer_names"] = [rename(n) for n in state["buffer_names"]]
+    state["param_shapes"] = [
+        {rename(k): v for k, v in group.items()} for group in state["param_shapes"]
+    ]
+    for key in ("frozen_param_shapes", "frozen_param_fragments"):
+        if state.get(key):
+            state[key] = {rename(k): v for k, v in state[key].items()}
+    if state.get("shared_params"):
+        state["shared_params"] = {rename(k): rename(v) for k, v in state["shared_params"].items()}
     return state
 
 

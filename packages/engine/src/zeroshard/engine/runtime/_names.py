@@ -1,12 +1,12 @@
-"""Parameter and buffer names as the model's own code spells them.
+"""Parameter and buffer names as the model's own code spells them (see ckpt's `_names`).
 
 A module compiled with `torch.compile` before `initialize` (torchtitan's order: compile
 each block, then shard) is replaced by a wrapper that holds the original as its
 `_orig_mod` child, so torch names a weight under it `layers.0._orig_mod.mlp.weight`.
 Everything the engine names (flat layouts, so checkpoints and exports; `full_state_dict`;
-loading by name) drops that segment, as torch's DCP `get_model_state_dict` does: the
-weights then load into the model compiled or not, and Hugging Face weights load into the
-compiled one. `model.state_dict()` keeps torch's own keys.
+loading by name) drops that segment: the weights then load into the model compiled or
+not, and Hugging Face weights load into the compiled one. `model.state_dict()` keeps
+torch's own keys.
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-_COMPILE_WRAPPER = "_orig_mod"
+from zeroshard.ckpt._names import canonical_name
 
-
-def canonical_name(name: str) -> str:
-    """`name` without torch.compile's `_orig_mod` segments."""
-    if _COMPILE_WRAPPER not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part != _COMPILE_WRAPPER)
+__all__ = ["canonical_name", "named_buffers", "named_parameters"]
 
 
 def named_parameters(
