@@ -15,6 +15,7 @@ parallelism:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,18 +179,20 @@ def load_model_states(path: Path) -> dict[str, Any]:
 def _canonical_names(state: dict[str, Any]) -> dict[str, Any]:
     """The model states under the names the model's code spells (ckpt's `_names`): a
     model compiled before `deepspeed.initialize` saved every name under `_orig_mod.`."""
-    rename = canonical_name
-    state["module"] = {rename(k): v for k, v in state["module"].items()}
-    state["buffer_names"] = [rename(n) for n in state["buffer_names"]]
-    state["param_shapes"] = [
-        {rename(k): v for k, v in group.items()} for group in state["param_shapes"]
-    ]
-    for key in ("frozen_param_shapes", "frozen_param_fragments"):
+    for key in ("module", "frozen_param_shapes", "frozen_param_fragments"):
         if state.get(key):
-            state[key] = {rename(k): v for k, v in state[key].items()}
+            state[key] = _renamed(state[key])
+    state["param_shapes"] = [_renamed(group) for group in state["param_shapes"]]
+    state["buffer_names"] = [canonical_name(n) for n in state["buffer_names"]]
     if state.get("shared_params"):
-        state["shared_params"] = {rename(k): rename(v) for k, v in state["shared_params"].items()}
+        shared = state["shared_params"].items()
+        state["shared_params"] = {canonical_name(k): canonical_name(v) for k, v in shared}
     return state
+
+
+def _renamed(named: Mapping[str, Any]) -> dict[str, Any]:
+    """`named` under canonical names, in its order (param_shapes' order is the layout's)."""
+    return {canonical_name(k): v for k, v in named.items()}
 
 
 def load_optim_states(path: Path) -> dict[str, Any]:

@@ -10,8 +10,12 @@ allocated at its size (libc's `malloc`) and page-locked in place through the CUD
 (`cuMemHostRegister`), which CUDA then treats as any pinned memory (asynchronous copies,
 `is_pinned()`). The driver is called, not the runtime: a refused registration then leaves
 no error behind in the runtime for torch's next kernel launch to raise. The memory is
-unlocked and freed when the last tensor viewing it is gone. Smaller buffers keep torch's
-allocator, which caches and reuses them.
+unlocked and freed when the last tensor viewing it is gone. Unlike torch's allocator,
+which records an event for each asynchronous copy and frees a block only after them, that
+free does not wait for copies still in flight: the owner keeps a buffer until its copies
+completed (offload holds its buffers for the engine's life and drains its copies at the
+end of every backward; the flatten tier's copies are synchronous). Smaller buffers keep
+torch's allocator, which caches and reuses them.
 """
 
 from __future__ import annotations
