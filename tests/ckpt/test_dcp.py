@@ -2,7 +2,9 @@
 
 Real ranks on gloo shard a small model with `fully_shard` (odd row counts, so FSDP2's
 chunks are uneven and one rank's may be empty), train a step and `dcp.save` it; the
-reference is torch's own `dcp_to_torch_save` of the same directory.
+reference is torch's own `dcp_to_torch_save` of the same directory. In one checkpoint a
+layer is compiled before sharding (torchtitan's order), so torch names its weights
+`fc1._orig_mod.weight`; consolidation writes them as `fc1.weight`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class _Net(nn.Module):
         return self.fc2(self.norm(self.fc1(h)))
 
 
-def _save(root: str, dtype_name: str, with_optimizer: bool) -> None:
+def _save(root: str, dtype_name: str, with_optimizer: bool, compiled: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,6 +51,8 @@ def _save(root: str, dtype_name: str, with_optimizer: bool) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _Net().to(getattr(torch, dtype_name))
+    if compiled:
+        model.fc1 = torch.compile(model.fc1, backend="eager")  # type: ignore[assignment]
     for layer in (model.embed, model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -71,10 +75,10 @@ def _save(root: str, dtype_name: str, with_optimizer: bool) -> None:
 @pytest.fixture(scope="module")
 def dcp_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """`w2` (fp32, model, a column-split tensor and the optimizer saved together) and `w3`
-    (bf16, model only)."""
+    (bf16, model only, `fc1` compiled)."""
     root = tmp_path_factory.mktemp("dcp")
-    run_ranks(_save, 2, str(root / "w2"), "float32", True)
-    run_ranks(_save, 3, str(root / "w3"), "bfloat16", False)
+    run_ranks(_save, 2, str(root / "w2"), "float32", True, False)
+    run_ranks(_save, 3, str(root / "w3"), "bfloat16", False, True)
     return {"w2": root / "w2", "w3": root / "w3"}
 
 
@@ -83,7 +87,8 @@ def _reference(src: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
     dcp_to_torch_save(src, tmp / "ref.pt")
     state = torch.load(tmp / "ref.pt", weights_only=True)
-    return state.get("model", state)
+    # dcp_to_torch_save keeps torch.compile's `_orig_mod.`; consolidation drops it.
+    return {k.replace("_orig_mod.", ""): v for k, v in state.get("model", state).items()}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -119,6 +124,29 @@ def test_consolidate_equals_dcp_to_torch_save(
         assert main(["consolidate", str(src), str(out), "--dtype", "bf16", "--quiet"]) == 0
         same = load_file(out)
         assert all(torch.equal(_bits(same[k]), _bits(v)) for k, v in ref.items())
+
+
+def test_compiled_layer_names(dcp_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(dcp_dirs["w3"], tmp_path / "ref.pt")
+    saved = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert "fc1._orig_mod.weight" in saved  # as torch saved the compiled layer
+    consolidate(dcp_dirs["w3"], tmp_path / "out.safetensors")
+    got = load_file(tmp_path / "out.safetensors")
+    assert "fc1.weight" in got and not any("_orig_mod" in k for k in got)
+    assert torch.equal(_bits(got["fc1.weight"]), _bits(saved["fc1._orig_mod.weight"].float()))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_two_names_for_one_weight(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.ones(3)
+    dcp.save({"fc.weight": w, "fc._orig_mod.weight": w.clone()}, checkpoint_id=tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"'fc.weight' and 'fc._orig_mod.weight' are both"):
+        consolidate(tmp_path / "c", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect(

@@ -4,7 +4,9 @@ Every tensor entry of the `.metadata` becomes one spec of its global shape and s
 dtype, read from the chunks the ranks saved (see [Note: DCP on disk] in `_dcp_pickle`);
 the output equals torch's `dcp_to_torch_save`, bit for bit. Optimizer state (entries
 under a top-level `optimizer` or `optim` key, as torchtitan and the DCP tutorials save
-it) and non-tensor entries (bytes: a step counter, a dataloader's state) are skipped.
+it) and non-tensor entries (bytes: a step counter, a dataloader's state) are skipped. Names
+drop torch.compile's `_orig_mod` segments (a `model.state_dict()` of a compiled model
+saved as it is), as everything zeroshard writes does (see `_names`).
 
 Chunks that split a tensor along its first dimension only (FSDP2's even sharding, and
 any replicated tensor) are contiguous runs of the flat tensor: their specs are
@@ -14,6 +16,7 @@ Other chunkings (tensor parallel splits of later dimensions) are read whole per 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import weakref
@@ -26,6 +29,7 @@ import torch
 
 from zeroshard.ckpt._dcp_pickle import ChunkBytes, load_metadata, locate_chunk
 from zeroshard.ckpt._errors import CheckpointError
+from zeroshard.ckpt._names import canonical_name
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._stfile import pread_into
 from zeroshard.ckpt._unpickle import CorruptFileError
@@ -192,14 +196,23 @@ def dcp_specs(path: Path) -> list[TensorSpec]:
         if i.offset is not None
     }
     specs: list[TensorSpec] = []
+    saved_as: dict[str, str] = {}
     for fqn, entry in entries.items():
         if _skipped(fqn, entry):
             continue
+        name = canonical_name(fqn)
+        if name in saved_as:
+            raise CheckpointError(
+                f"{path}: {saved_as[name]!r} and {fqn!r} are both {name!r} once "
+                "torch.compile's _orig_mod is dropped: consolidation cannot write both"
+            )
+        saved_as[name] = fqn
         shape = tuple(int(d) for d in entry.size)
         dtype = entry.properties.dtype
         chunks = _chunks(by_key, fqn, entry, files)
         make: Callable[..., TensorSpec] = _row_spec if _rows_only(shape, chunks) else _box_spec
-        specs.append(make(fqn, shape, dtype, chunks))
+        # Errors while reading name the tensor as saved; the spec writes it as `name`.
+        specs.append(dataclasses.replace(make(fqn, shape, dtype, chunks), name=name))
     if not specs:
         raise CheckpointError(f"{path}: the DCP checkpoint holds no model tensors")
     return specs
