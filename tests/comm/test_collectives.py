@@ -86,6 +86,10 @@ def _group_properties(group: Group, size: int) -> None:
     assert [group.global_rank(r) for r in range(size)] == list(range(size))
     timed = group.with_timeout(datetime.timedelta(seconds=5))
     assert timed.timeout.total_seconds() == 5 and timed.pg is group.pg
+    # with_timeout sets the timeout of the process group itself: put the group's own back,
+    # or the barrier below would wait 5 s at most for ranks still busy with smaller groups
+    # (a loaded 2-core CI host took longer: gloo "Timed out waiting 5000ms for send").
+    group.with_timeout(group.timeout)
     assert completed_handle().done
     group.barrier(label="start")
 
