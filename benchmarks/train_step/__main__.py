@@ -26,7 +26,10 @@ pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
 Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
 device with no communication, on rank 0 while the others wait), `floor32` (the same with
 fp32 master weights, the like-for-like floor of zs1-zs3 at one GPU), `floorc` (the floor
-with every block under `torch.compile`, the reference of the compiled engines), `ddp`,
+with every block under `torch.compile`, the reference of the compiled engines), the
+compile-time peers of zs3c's one graph `floorw` (the floor compiled whole), `floorr` (that,
+with every block a `torch.compiler.nested_compile_region`) and `floorr-memo` (that, with
+torch's per-call re-trace of a region memoized: a diagnostic patch of torch), `ddp`,
 `fsdp2`, `fsdp2c` (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c`
 (compiled whole), `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
 (DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within

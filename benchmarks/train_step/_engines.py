@@ -106,6 +106,21 @@ ENGINES: dict[str, Engine] = {
             rank0_only=True,
             compiled=True,
         ),
+        # Compile-time peers of zs3c's one graph (see their setups): the floor compiled
+        # whole, with its blocks as regions, and with torch's per-call region re-trace
+        # memoized.
+        *(
+            Engine(name, what, setup, _always, rank0_only=True, compiled=True)
+            for name, what, setup in (
+                ("floorw", "the floor compiled whole", tch.setup_floorw),
+                ("floorr", "floorw, blocks as nested_compile_regions", tch.setup_floorr),
+                (
+                    "floorr-memo",
+                    "floorr, torch's region schema memoized (diagnostic patch)",
+                    tch.setup_floorr_memo,
+                ),
+            )
+        ),
         Engine("ddp", "torch DDP + autocast", tch.setup_ddp, _always),
         Engine("fsdp2", "FSDP2 fully_shard per block (ZeRO-3)", tch.setup_fsdp2, _always),
         Engine("fsdp2-zero2", "FSDP2, reshard_after_forward=False", tch.setup_fsdp2_zero2, _always),

@@ -4,6 +4,7 @@ hybrid, with compiled blocks)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,6 +94,85 @@ def setup_floorc(model: nn.Module, s: Settings) -> Stepper:
     `fsdp2c`) would run at best, so their ratio to it is the cost of sharding alone."""
     compile_blocks(model)
     return setup_floor(model, s)
+
+
+def setup_floorw(model: nn.Module, s: Settings) -> Stepper:
+    """The floor compiled whole (`torch.compile(model, fullgraph=True)`): every block is
+    traced and lowered again, as zeroshard.compile's one graph is (its compile-time peer)."""
+    compiled: Any = torch.compile(model, fullgraph=True)  # an nn.Module, typed as a callable
+    return setup_floor(compiled, s)
+
+
+def setup_floorr(model: nn.Module, s: Settings) -> Stepper:
+    """`floorw` with every block's forward a `torch.compiler.nested_compile_region`: one
+    graph for the model, in which identical blocks share one compiled body (inductor
+    compiles it once). The regional compile zeroshard.compile would have to build on."""
+    mark_block_regions(model)
+    return setup_floorw(model, s)
+
+
+def mark_block_regions(model: nn.Module) -> None:
+    """Make every block of `model.blocks` run its `forward` as a nested compile region."""
+    blocks: Any = model.blocks
+    regions: dict[type, type] = {}
+    for block in blocks:
+        cls = type(block)
+        if cls not in regions:
+            # A subclass of our own whose `forward` is the region: replacing the class's
+            # own would make every engine's blocks regions, and a region bound per instance
+            # (`block.forward = ...`) gave the wrong blocks' weights to the examples' blocks
+            # (torch 2.13, CPU).
+            region = torch.compiler.nested_compile_region(cls.forward)
+            regions[cls] = type(f"{cls.__name__}Region", (cls,), {"forward": region})
+        block.__class__ = regions[cls]
+
+
+def setup_floorr_memo(model: nn.Module, s: Settings) -> Stepper:
+    """`floorr` with torch's invoke_subgraph schema memoized per region during each step.
+
+    A diagnostic, not an engine a user has: torch 2.11-2.13 re-trace a region's body on
+    every call in AOTAutograd (`InvokeSubgraphHOP.gen_schema`, from the autograd key's
+    check for input mutation), so the compile time grows with the number of blocks even
+    though inductor compiles one body. This engine shows what is left without that."""
+    step = setup_floorr(model, s)
+
+    def memo_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with memoized_region_schemas():
+            step(x, y)
+
+    return memo_step
+
+
+@contextlib.contextmanager
+def memoized_region_schemas() -> Iterator[None]:
+    """Within: `InvokeSubgraphHOP.gen_schema` computed once per (region, operands' shapes,
+    dtypes and requires_grad). The memo lives for one `with`, i.e. one step, within which
+    a region's identifier names one body (one Dynamo graph per step, fullgraph)."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    original: Any = InvokeSubgraphHOP.gen_schema
+    memo: dict[tuple[Any, ...], Any] = {}
+
+    def gen_schema(self: Any, subgraph: Any, identifier: str | None, *operands: Any) -> Any:
+        if identifier is None:
+            return original(self, subgraph, identifier, *operands)
+        key = (identifier, *(_metadata(o) for o in operands))
+        if key not in memo:
+            memo[key] = original(self, subgraph, identifier, *operands)
+        return memo[key]
+
+    InvokeSubgraphHOP.gen_schema = gen_schema  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        InvokeSubgraphHOP.gen_schema = original  # type: ignore[method-assign]
+
+
+def _metadata(operand: Any) -> Any:
+    """What a region's schema depends on, of one operand."""
+    if isinstance(operand, torch.Tensor):
+        return (tuple(operand.shape), operand.dtype, operand.requires_grad)
+    return repr(operand)
 
 
 def setup_ddp(model: nn.Module, s: Settings) -> Stepper:
