@@ -53,7 +53,7 @@ def _join_alone(smoke: bool) -> torch.device:
 
 
 def _step_times(
-    step: Callable[[], None], device: torch.device, warmup: int, steps: int
+    step: Callable[[], object], device: torch.device, warmup: int, steps: int
 ) -> list[float]:
     for _ in range(warmup):
         step()
@@ -67,7 +67,7 @@ def _step_times(
     return times
 
 
-def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+def _time_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int) -> float:
     return statistics.median(_step_times(step, device, warmup, steps))
 
 
@@ -316,9 +316,9 @@ def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
         "offload_compiled_step": compiled,
     }
     start = time.perf_counter()
-    model, zopt = zs.initialize(model, opt, config)
+    wrapped, zopt = zs.initialize(model, opt, config)
     init_s = time.perf_counter() - start
-    offload = zs.engine_state(model).offload
+    offload = zs.engine_state(wrapped).offload
     assert offload is not None
     groups = [g for g in zopt.flat_groups if g.trainable]
     for g in groups:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from benchmarks._common import DOC, RESULTS, ROOT
+from benchmarks._common import DOC, RESULTS, ROOT, pyplot
 from zeroshard.engine import ZeroConfig, estimate
 from zeroshard.engine.planner import _cli as plan_cli
 from zeroshard.engine.planner._cluster import Cluster, Link, fit_link
@@ -230,13 +230,13 @@ def projections() -> str:
         f"{p.tokens:,.0f} | {p.bound} |"
         for p in points
     ]
-    _plot(points)
+    drawn = _plot(points)
     return (
         head
         + "\n".join(rows)
         + "\n\n"
         + _where_it_stops(points)
-        + ("\n\n![projected tokens/s/GPU against GPUs](planning.png)")
+        + ("\n\n![projected tokens/s/GPU against GPUs](planning.png)" if drawn else "")
     )
 
 
@@ -258,12 +258,11 @@ def _where_it_stops(points: list[_Point]) -> str:
     return "\n".join(lines)
 
 
-def _plot(points: list[_Point]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(points: list[_Point]) -> bool:
+    """docs/planning.png from `points`; False where matplotlib is missing (no figure)."""
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for i, model in enumerate(dict.fromkeys(p.model for p in points)):
         for sharding in dict.fromkeys(p.sharding for p in points if p.model == model):
@@ -275,6 +274,7 @@ def _plot(points: list[_Point]) -> None:
         ax[i].legend()
     fig.tight_layout()
     fig.savefig(SCALING_DOC.with_name("planning.png"), dpi=90)
+    return True
 
 
 def _cpu_adam_rate() -> tuple[float, str]:
