@@ -10,20 +10,28 @@ must give the same and put torch's own method back afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from benchmarks.train_step._models import MODELS, bench_model
 from benchmarks.train_step._torch_engines import mark_block_regions, memoized_region_schemas
 
 
-def _loss_and_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+def _loss_and_grads(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
     loss = model(x, y)
     loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches empty before and after: the models' forwards are other tests' too."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("memo", [False, True], ids=["regions", "memo"])
@@ -31,10 +39,10 @@ def _loss_and_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
 def test_block_regions_compile_one_body_and_keep_the_gradients(name: str, memo: bool) -> None:
     if name == "hf-llama":
         pytest.importorskip("transformers")
-    torch._dynamo.reset()
     bm = bench_model(name, "1.3b", smoke=True, seq_len=16, activation_checkpointing=False)
     torch.manual_seed(0)
-    model, reference = bm.build(), bm.build()
+    model: Any = bm.build()
+    reference: Any = bm.build()
     reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, bm.vocab_size, (2, bm.seq_len + 1), generator=g)
