@@ -5,11 +5,14 @@ whole (aot_eager, fullgraph) beside an eager copy with the same weights and batc
 The compiled model must give the eager loss and gradients (to float rounding), Dynamo
 must install one region body for all blocks (inductor then compiles it once), a fresh
 model of the same class must keep plain blocks, and the schema memo of `floorr-memo`
-must give the same and put torch's own method back afterwards.
+must give the same and put torch's own method back afterwards. What the memo is for is
+shown too: without it torch re-traces a region (`gen_schema`) at every block's call, with
+it as often as for one block.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,3 +87,32 @@ def _gen_schema() -> Any:
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 
     return InvokeSubgraphHOP.gen_schema
+
+
+def test_torch_retraces_a_region_per_call_unless_memoized(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    real: Any = InvokeSubgraphHOP.gen_schema
+    calls = [0]
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls[0] += 1
+        return real(self, *args)
+
+    # Installed first, so that the memo wraps the counter and counts what reaches torch.
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counting)
+    bm = bench_model("llama", "1.3b", smoke=True, seq_len=16, activation_checkpointing=False)
+    x = torch.randint(0, bm.vocab_size, (2, bm.seq_len))
+    traced: dict[bool, int] = {}
+    for memo in (False, True):
+        torch._dynamo.reset()
+        calls[0] = 0
+        model: Any = bm.build()
+        mark_block_regions(model)
+        compiled: Any = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with memoized_region_schemas() if memo else contextlib.nullcontext():
+            compiled(x, x).backward()
+        traced[memo] = calls[0]
+    blocks = len(model.blocks)
+    assert blocks >= 2 and traced[True] > 0, traced
+    assert traced[False] == blocks * traced[True], traced
