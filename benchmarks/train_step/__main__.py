@@ -23,15 +23,16 @@ x86_64) as wheels, 43.5 MiB with numpy, 28.5 MiB without; install them there wit
 which brings its dependencies along: huggingface-hub, tokenizers, safetensors, regex,
 pyyaml, numpy, packaging, tqdm, typer, filelock, fsspec, hf-xet and their own.
 
-Engines (`--engines`, default: every one that can be imported): `floor` (the model on ONE
-device with no communication, on rank 0 while the others wait), `floor32` (the same with
-fp32 master weights, the like-for-like floor of zs1-zs3 at one GPU), `floorc` (the floor
-with every block under `torch.compile`, the reference of the compiled engines), the
-compile-time peers of zs3c's one graph `floorw` (the floor compiled whole), `floorr` (that,
-with every block a `torch.compiler.nested_compile_region`) and `floorr-memo` (that, with
-torch's per-call re-trace of a region memoized: a diagnostic patch of torch), `ddp`,
-`fsdp2`, `fsdp2c` (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c`
-(compiled whole), `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
+Engines (`--engines`, default: every one that can be imported, but those run only when
+named): `floor` (the model on ONE device with no communication, on rank 0 while the
+others wait), `floor32` (the same with fp32 master weights, the like-for-like floor of
+zs1-zs3 at one GPU), `floorc` (the floor with every block under `torch.compile`, the
+reference of the compiled engines), the compile-time peers of zs3c's one graph, run only
+when named: `floorw` (the floor compiled whole), `floorr` (that, with every block a
+`torch.compiler.nested_compile_region`) and `floorr-memo` (that, with torch's per-call
+re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fsdp2c`
+(its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c` (compiled whole),
+`zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
 (DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
 `--shard-group-size` ranks, replicate across the rest). Each gets the same freshly built
 model (`--activation-checkpointing` recomputes every block in backward, for every
@@ -70,7 +71,7 @@ import torch.distributed as dist
 
 from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
 from benchmarks.train_step._compile import CompileTime, cache_dir, measure, probe
-from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._models import MODELS, BenchModel, bench_model
 from benchmarks.train_step._plots import plot, plot_split
 from benchmarks.train_step._report import report
@@ -85,7 +86,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engines", default=None, help="comma-separated; default: all importable")
+    p.add_argument(
+        "--engines",
+        default=None,
+        help="comma-separated; default: all importable but floorw, floorr, floorr-memo",
+    )
     p.add_argument("--model", default="gpt", choices=MODELS, help="model family (default gpt)")
     p.add_argument("--preset", default="1.3b", help="the model's preset: 1.3b or 7b")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len")
@@ -220,11 +225,7 @@ def main() -> None:
         json.loads(args.zs_config),
         args.shard_group_size,
     )
-    names = (
-        args.engines.split(",")
-        if args.engines
-        else [n for n, e in ENGINES.items() if e.available()]
-    )
+    names = args.engines.split(",") if args.engines else default_engines()
     # DeepSpeed last (a stable sort keeps the order otherwise): see `Engine.runs_last`.
     names.sort(key=lambda n: ENGINES[n].runs_last)
     g = torch.Generator().manual_seed(1234)

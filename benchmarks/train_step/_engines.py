@@ -39,6 +39,9 @@ class Engine:
     # Runs after every other engine: importing and initializing DeepSpeed sets process-wide
     # state (its accelerator, logging, hooks), which must not touch the engines timed before.
     runs_last: bool = False
+    # Runs only where `--engines` names it: a diagnostic whose cold compile alone takes
+    # about a minute on a GPU, of no use to a run that compares the engines' steps.
+    on_request: bool = False
 
     @property
     def floor(self) -> str:
@@ -110,7 +113,7 @@ ENGINES: dict[str, Engine] = {
         # whole, with its blocks as regions, and with torch's per-call region re-trace
         # memoized.
         *(
-            Engine(name, what, setup, _always, rank0_only=True, compiled=True)
+            Engine(name, what, setup, _always, rank0_only=True, compiled=True, on_request=True)
             for name, what, setup in (
                 ("floorw", "the floor compiled whole", tch.setup_floorw),
                 ("floorr", "floorw, blocks as nested_compile_regions", tch.setup_floorr),
@@ -169,3 +172,9 @@ ENGINES: dict[str, Engine] = {
         ),
     ]
 }
+
+
+def default_engines() -> list[str]:
+    """What a run without `--engines` times: every engine that can be imported, but those
+    run only on request."""
+    return [n for n, e in ENGINES.items() if e.available() and not e.on_request]

@@ -25,7 +25,8 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def versions(bm: BenchModel) -> str:
-    """zeroshard's commit (and transformers' version for the `transformers` models)."""
+    """zeroshard's commit, "with uncommitted changes" where tracked files differ from it
+    (and transformers' version for the `transformers` models)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
@@ -34,9 +35,17 @@ def versions(bm: BenchModel) -> str:
             text=True,
             check=True,
         ).stdout.strip()
+        # Tracked files that differ from it: the tree measured is not that commit's.
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (not a git checkout)"
-    line = f"zeroshard commit {commit}"
+        commit, changed = "unknown (not a git checkout)", ""
+    line = f"zeroshard commit {commit}" + (" with uncommitted changes" if changed else "")
     if bm.name.startswith("hf-"):
         line += f", transformers {importlib.metadata.version('transformers')}"
     return line
@@ -135,8 +144,10 @@ def report(
         "status",
     ]
     body = [head, "", markdown_table(header, rows), "", ratios(by)]
-    if world == 1:
-        body += ["", *one_gpu_goals(by, compile_times)]
+    # Every engine run, failed ones too: the goals tell a failed engine from one not asked for.
+    goals = one_gpu_goals({r.engine: r for r in results}, compile_times) if world == 1 else []
+    if goals:
+        body += ["", *goals]
     if compile_times:
         body += ["", *compile_table(compile_times)]
     leaks = [f"`{r.engine}` {r.left_gib:.2f} GiB" for r in results if r.left_gib > 0.25]

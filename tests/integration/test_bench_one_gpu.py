@@ -1,16 +1,21 @@
 """benchmarks/train_step's one-GPU pieces: the `floor32` engine against plain PyTorch, the
-alternating order and the median of rounds, and the goals table of issue 25."""
+alternating order and the median of rounds, the goals table of issue 25, which engines a
+run times by default and the version line."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.train_step import _report as train_step_report
 from benchmarks.train_step.__main__ import round_order
-from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._goals import one_gpu_goals
+from benchmarks.train_step._models import bench_model
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._run import combine
 from benchmarks.train_step._settings import LR, Settings
@@ -106,27 +111,78 @@ def test_combine_takes_the_median_round_and_the_largest_peak() -> None:
     assert combine([rounds[0], failed]) is failed
 
 
-def test_goals_say_not_measured_never_met_without_figures() -> None:
-    by = {
-        "floor32": Result("floor32", "w", 0.0, 100.0, 30.0),
-        "zs3": Result("zs3", "w", 0.0, 100.5, 29.0),
-        "zs2": Result("zs2", "w", 0.0, 110.0, 31.0),
-        "fsdp2": Result("fsdp2", "w", 0.0, 104.0, 29.0),
-    }
+def _goal_rows(by: dict[str, Result]) -> dict[str, tuple[str, ...]]:
+    """The goals table's rows: goal -> (figure, target, status, at the floor)."""
     table = "\n".join(one_gpu_goals(by, []))
-    # goal -> (figure, target, status, at the floor)
-    rows = {
+    return {
         cells[0]: tuple(cells[1:])
         for line in table.splitlines()
         if line.startswith("| ")
         and len(cells := [c.strip() for c in line.strip("|").split("|")]) == 5
     }
+
+
+def test_goals_say_not_measured_never_met_without_figures() -> None:
+    rows = _goal_rows(
+        {
+            "floor32": Result("floor32", "w", 0.0, 100.0, 30.0),
+            "zs3": Result("zs3", "w", 0.0, 100.5, 29.0),
+            "zs2": Result("zs2", "w", 0.0, 110.0, 31.0),
+            "fsdp2": Result("fsdp2", "w", 0.0, 104.0, 29.0),
+            "fsdp2c": Result("fsdp2c", "w", error="OOM"),
+        }
+    )
     assert rows["2. `zs3` speed / `floor32`"][2] == "met"  # 100 / 100.5 = 0.995
     assert rows["2. `zs2` speed / `floor32`"][2] == "MISSED"  # 0.909
     assert rows["5. `zs3` peak / `floor32`'s"][2] == "met"
-    assert rows["1. `fsdp2c` measured"][2] == "MISSED"
+    assert rows["1. `floor32` measured"][:3] == ("yes", "yes", "met")
+    # Asked for and failed: missed; zs3c was not asked for: not measured.
+    assert rows["1. `fsdp2c` measured"][:3] == ("no (failed)", "yes", "MISSED")
     for goal in ("3. `zs3c` speed / `floorc`", "4. `zs3c` cold compile, s"):
         assert rows[goal][2] == "not measured", goal
     # floor32 is 1.04x fsdp2: even an engine at the floor would miss ">= 1.05".
     assert rows["2. `zs3` speed / `fsdp2`"] == ("1.035", ">= 1.05", "MISSED", "1.040")
     assert rows["3. `zs3c` speed / `fsdp2c`"][3] == "-"  # neither ran
+
+
+def test_goals_need_a_zeroshard_engine() -> None:
+    """The floors alone meet or miss no goal; one zeroshard engine brings the table, with
+    the engines not asked for as not measured (not missed)."""
+    floors = {
+        name: Result(name, "w", 0.0, ms, 30.0)
+        for name, ms in (("floorc", 100.0), ("floorw", 98.0), ("floorr", 99.0))
+    }
+    assert one_gpu_goals(floors, []) == []
+    rows = _goal_rows({**floors, "zs3c": Result("zs3c", "w", 0.0, 101.0, 29.0)})
+    assert rows["3. `zs3c` speed / `floorc`"][:3] == ("0.990", ">= 0.98", "met")
+    assert rows["1. `floor32` measured"][:3] == ("not run", "yes", "not measured")
+
+
+def test_compile_time_floors_run_only_when_named() -> None:
+    """A run without --engines leaves out the diagnostic floors (each a minute's cold
+    compile on a GPU) and keeps every other importable engine."""
+    names = default_engines()
+    assert not {"floorw", "floorr", "floorr-memo"} & set(names)
+    assert {"floor", "floor32", "floorc", "fsdp2", "fsdp2c", "zs3", "zs3c"} <= set(names)
+    assert all(ENGINES[n].on_request for n in set(ENGINES) - set(names) if ENGINES[n].available())
+
+
+def test_version_line_says_when_the_tree_is_not_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree whose tracked files differ from HEAD (a device copy whose git metadata lags
+    the files it was given, say) is not reported as that commit's."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    monkeypatch.setattr(train_step_report, "ROOT", tmp_path)
+    bm = bench_model("gpt", "1.3b", smoke=True, seq_len=None, activation_checkpointing=False)
+    (tmp_path / "untracked.txt").write_text("ignored by the check\n")
+    assert train_step_report.versions(bm) == f"zeroshard commit {head}"
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert train_step_report.versions(bm) == f"zeroshard commit {head} with uncommitted changes"
