@@ -24,25 +24,20 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _git(*args: str) -> str:
+    """What `git ARGS` prints in the repository (raises where git or a checkout is missing)."""
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def versions(bm: BenchModel) -> str:
     """zeroshard's commit, "with uncommitted changes" where tracked files differ from it
     (and transformers' version for the `transformers` models)."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        commit = _git("rev-parse", "--short=12", "HEAD")
         # Tracked files that differ from it: the tree measured is not that commit's.
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        changed = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         commit, changed = "unknown (not a git checkout)", ""
     line = f"zeroshard commit {commit}" + (" with uncommitted changes" if changed else "")
