@@ -71,8 +71,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
             real["optimizer"] += sum(t.nbytes for t in opt.state[g.master].values() if t.dim() > 0)
     real["offload_compute"] = 0
     if state.offload is not None:
-        if state.offload.compute_dev is not None:
-            real["offload_compute"] = state.offload.compute_dev.nbytes
+        real["offload_compute"] = state.offload.nbytes().device
         moved = [g for g in state.groups if g.offload is not None]
         host_opt = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
         # On the CPU nothing is pinned; the same buffers are allocated pageable.

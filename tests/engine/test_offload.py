@@ -159,7 +159,9 @@ def _evenness(device: str) -> None:
             for t in opt.state[g.master].values()
             if isinstance(t, torch.Tensor) and t.dim()
         )
-        mine = torch.tensor([b.chunks, b.host, b.pinned, b.h2d_per_step, state], device=device)
+        mine = torch.tensor(
+            [b.chunks, b.host, b.pinned, b.device, b.h2d_per_step, state], device=device
+        )
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         assert b.chunks > 1, "the test wants several chunks"
@@ -169,6 +171,8 @@ def _evenness(device: str) -> None:
         assert b.host >= 2 * grad, (b, grad)
         if device == "cuda":
             assert offloaded.grad.is_pinned() and b.pinned >= grad, (b, grad)
+            # The masters go up to be cast on the device (not with offload_params).
+            assert offloaded.master.is_pinned() == (offloaded.compute_dev is not None)
         else:
             assert b.pinned == 0, b
         for r, theirs in enumerate(every):

@@ -8,7 +8,7 @@ the same weights and optimizer state after several steps, at stages 1-3, with gr
 accumulation, clipping, fp16 loss scaling, fp32 gradients, a share offloaded,
 offload_params and the step inside backward; for Adam and AdamW with every
 hyperparameter their fused kernel takes. The host holds one block's fp32 upcast, not one
-group's (as the planner counts), and the upload slots give every chunk the masters' cast
+group's (as the planner counts), and the upload gives every chunk the masters' cast
 whatever order the ranges are written in.
 """
 
@@ -30,7 +30,7 @@ from tests.engine._models import VOCAB, global_batches, loss_fn
 from tests.engine._offload_train import train_and_collect
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
-from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, UPLOAD_SLOTS
+from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS
 from zeroshard.engine.runtime._offload_upload import ShardUpload
 
 STEPS = 3
@@ -181,10 +181,9 @@ def _host_bytes(device: str) -> None:
     space = off.layout.num_chunks * off.layout.shard_numel
     biggest = max(g.layout.shard_numel for g in off.groups)
     assert biggest > STEP_BLOCK, "the test needs a group past one block"
-    # fp32 master + bf16 gradient per element; bf16 staging and upload slots; one
-    # block's fp32 upcast (the fallback would grow it to one group's).
-    fixed = GRAD_SLOTS * biggest * 2 + UPLOAD_SLOTS * off.layout.shard_numel * 2
-    fixed += STEP_BLOCK * 4
+    # fp32 master + bf16 gradient per element; bf16 staging slots; one block's fp32
+    # upcast (the fallback would grow it to one group's).
+    fixed = GRAD_SLOTS * biggest * 2 + STEP_BLOCK * 4
     assert off.nbytes().host == space * 6 + fixed
     batches = global_batches(2, 1, world, MICRO)
     for step in range(2):
@@ -207,20 +206,20 @@ def test_blocked_step_upcasts_one_block(device: str) -> None:
     run_ranks(_host_bytes, 1, device, device=device)
 
 
+@pytest.mark.parametrize("offload_params", [False, True])
 @pytest.mark.parametrize("mode", ["cast", "target"])
 @pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
-def test_upload_slots_cast_every_chunk(order: str, mode: str) -> None:
+def test_upload_casts_every_chunk(order: str, mode: str, offload_params: bool) -> None:
     """Ranges with gaps between them (left as they are) and a padded tail, written in
-    pieces in any order, cast by the upload or (`target`) by the writer as the compiled
-    step does: each chunk's compute shard is the cast of its masters, even when chunks
-    must give their slot up (more open chunks than slots)."""
+    pieces in any order, cast by the upload or (`target`, where there is one) by the
+    writer as the compiled step does: each chunk's compute shard is the cast of its
+    masters as soon as the last of its named pieces was written, on the device (where
+    the masters go up in fp32) or on the host (offload_params)."""
     n, s = 7, 100
     master = torch.randn(n, s)
-    made: list[torch.Tensor] = []
 
     def alloc(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        made.append(torch.zeros(numel, dtype=dtype))
-        return made[-1]
+        return torch.zeros(numel, dtype=dtype)
 
     used = n * s - 10  # the rest is padding: zeros in the masters
     master.view(-1)[used:] = 0
@@ -230,9 +229,11 @@ def test_upload_slots_cast_every_chunk(order: str, mode: str) -> None:
         torch.device("cpu"),
         torch.bfloat16,
         pin=False,
-        offload_params=False,
+        offload_params=offload_params,
         alloc=alloc,
     )
+    compute = up.compute_host if offload_params else up.compute_dev
+    assert compute is not None
     ranges = [(0, 130), (130, 345), (380, 560), (560, 690)]
     up.begin(ranges)
     pieces = [(lo, min(hi, lo + 40)) for a, hi in ranges for lo in range(a, hi, 40)]
@@ -246,20 +247,21 @@ def test_upload_slots_cast_every_chunk(order: str, mode: str) -> None:
     for k, (lo, hi) in enumerate(pieces):
         if mode == "target":
             out = up.target(lo, hi)
-            if out is not None:  # None: the chunk gave its slot up
+            assert (out is None) == (not offload_params), "a target only on the host"
+            if out is not None:
                 out.copy_(master.view(-1)[lo:hi])
             up.written(lo, hi, cast=False)
         else:
             # Every other piece names its masters' view, as the blocked step does.
             up.written(lo, hi, master.view(-1)[lo:hi] if k % 2 else None)
+    # Every chunk the ranges touch went up with its last piece, before `finish`.
+    assert torch.equal(compute, master.to(torch.bfloat16))
     up.finish()
-    assert up.compute_dev is not None
-    assert torch.equal(up.compute_dev, master.to(torch.bfloat16))
     # A round that writes nothing (a refresh) casts every named chunk whole.
     master.mul_(3)
     up.begin([(0, n * s)])
     up.finish()
-    assert torch.equal(up.compute_dev, master.to(torch.bfloat16))
+    assert torch.equal(compute, master.to(torch.bfloat16))
 
 
 def _reloaded(device: str) -> None:

@@ -31,7 +31,6 @@ from torch._dynamo.utils import counters
 
 import zeroshard.engine as zs
 import zeroshard.engine.runtime._offload as offload_module
-import zeroshard.engine.runtime._offload_upload as upload_module
 from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._offload_train import train_and_collect
 from tests.engine.test_offload_blocked import MICRO, Wide, _optimizer, _train
@@ -42,7 +41,6 @@ from zeroshard.engine.runtime._host_kernel import (
     scale_of,
     step_piece,
 )
-from zeroshard.engine.runtime._offload_upload import ShardUpload
 
 LR, STEPS = 1e-3, 3  # test_offload_blocked's optimizer and loop
 
@@ -145,51 +143,42 @@ def test_compiled_step_compiles_at_initialize(device: str) -> None:
     run_ranks(_compiles_at_initialize, 2 if device == "cpu" else 1, device, device=device)
 
 
-def _deep(device: str) -> dict[str, torch.Tensor]:
+def _cast_where_it_goes(device: str, offload_params: bool) -> None:
     """Two steps inside backward of six layers, each a unit of its own at stage 3 (so the
-    groups step last to first), in chunks of 10K elements per rank."""
+    groups step last to first), in chunks of 10K elements per rank: the compiled step
+    writes the compute-dtype cast only where it stays on the host (offload_params), and
+    the compute shards are the masters' cast either way."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(300, 300) for _ in range(6))).to(device)
     cfg = _compiled_config() | {"stage": 3, "min_unit_params": 1, "persistence_threshold": 0}
-    cfg["offload_chunk_bytes"] = 40_000
+    cfg |= {"offload_chunk_bytes": 40_000, "offload_params": offload_params}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     model, zopt = zs.initialize(model, opt, cfg)
+    off = zs.engine_state(model).offload
+    assert off is not None
     x = torch.randn(8, 300, generator=torch.Generator().manual_seed(dist.get_rank()))
-    for _ in range(2):
-        with zopt.step_in_backward():
-            model(x.to(device)).square().mean().backward()
-        zopt.step()
-        zopt.zero_grad()
-    return zs.full_state_dict(model)
-
-
-def _slot_given_up(device: str) -> None:
-    want = _deep(device)
-    given_up: list[bool] = []
-    target = ShardUpload.target
-
-    def counted(up: ShardUpload, lo: int, hi: int) -> torch.Tensor | None:
-        out = target(up, lo, hi)
-        given_up.append(out is None)
-        return out
-
-    # One upload slot: each group's first chunk (shared with the group before it, which
-    # steps next) is still open when the group's next chunk opens, and gives its slot up.
-    with (
-        mock.patch.object(upload_module, "UPLOAD_SLOTS", 1),
-        mock.patch.object(ShardUpload, "target", counted),
-    ):
-        ours = _deep(device)
-    assert any(given_up), "no chunk gave its slot up"
-    for name, w in want.items():
-        assert torch.equal(ours[name], w), name
+    with mock.patch.object(offload_module, "step_piece", wraps=step_piece) as calls:
+        for _ in range(2):
+            with zopt.step_in_backward():
+                model(x.to(device)).square().mean().backward()
+            zopt.step()
+            zopt.zero_grad()
+    outs = {c.args[6] is None for c in calls.call_args_list}
+    assert outs == {not offload_params}, outs
+    compute = off.compute_host if offload_params else off.compute_dev
+    assert compute is not None
+    if device != "cpu":
+        torch.cuda.synchronize()
+    assert torch.equal(compute.cpu(), off.master.to(torch.bfloat16)), "a stale compute shard"
 
 
 @pytest.mark.gpu
-def test_compiled_step_when_chunks_give_their_slot_up(device: str) -> None:
-    """A chunk that gave its slot up is cast whole when complete: the step's own cast of
-    it goes to scratch, and the weights are those of a run with enough slots."""
-    run_ranks(_slot_given_up, 2 if device == "cpu" else 1, device, device=device)
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_compiled_step_casts_where_the_shards_live(device: str, offload_params: bool) -> None:
+    """Without offload_params the step writes no cast (the device casts the masters it
+    is sent, [Note: offload upload]); with it the step casts into the host shards."""
+    world = 2 if device == "cpu" else 1
+    run_ranks(_cast_where_it_goes, world, device, offload_params, device=device)
 
 
 def _one_thread_compile(device: str) -> None:

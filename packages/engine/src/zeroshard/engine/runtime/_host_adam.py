@@ -1,19 +1,20 @@
 """torch's fused CPU Adam/AdamW over an offloaded group, one cache-sized block at a time.
 
 [Note: blocked host step]
-An offloaded group's step reads its gradient in the reduce dtype (bf16), steps the fp32
-master with the optimizer and writes the master out in the compute dtype for the upload.
-As three passes over the group (an upcast into a group-sized fp32 buffer, the optimizer,
-the downcast of each chunk) the two casts cost about as much as the step itself: a group
+An offloaded group's step reads its gradient in the reduce dtype (bf16) and steps the fp32
+master with the optimizer (with offload_params it also writes the master out in the
+compute dtype; otherwise the device casts the masters, [Note: offload upload] in
+_offload_upload.py). As passes over the group (an upcast into a group-sized fp32 buffer,
+the optimizer, a downcast) the casts cost about as much as the step itself: a group
 (~200M elements at 7B) is far past any cache, so each is another trip through memory.
 Where the wrapped optimizer is torch's Adam or AdamW with fused=True, the group is walked
 in blocks of `STEP_BLOCK` elements instead: the block's gradient is upcast into one small
 fp32 scratch (its clipping / unscaling factors applied there, [Note: offload host
 memory]), torch's fused kernel steps the block's views of the master and its state, and
-the block's master is cast into its upload slot while still in cache ([Note: offload
-upload slots]). Memory then sees the optimizer's own traffic plus the bf16 gradient read
-and the bf16 shard written. The loop and the views it keeps: [Note: blocked step
-loop] in _offload_blocks.py.
+with offload_params the block's master is cast into the host shards while still in
+cache. Memory then sees the optimizer's own traffic plus the bf16 gradient read (and
+the bf16 shard written). The loop and the views it keeps: [Note: blocked step loop] in
+_offload_blocks.py.
 
 The same bits as torch's step over the whole group: its kernel updates each element from
 that element's gradient, state and hyperparameters alone. The step count is advanced

@@ -7,11 +7,12 @@ the master's cast for the upload. The CPU step is bound by memory, and those pas
 traffic and regions: on one H200 host the blocked step alone took 1.47x torch's fused
 AdamW alone (the same loop in a 6e8-element microbenchmark there: 1.47x). Here inductor
 compiles the whole update into one loop: the gradient read in its reduce dtype and
-scaled by the pending factors, the master and moments read and written once, the
-compute-dtype shard written straight into its upload slot ([Note: offload upload
-slots]). Measured on H200 hosts over 1B elements: 1.24x torch's fused AdamW in the
-offload benchmark (each in a process of its own); in one process, alternating, the step
-1.06x and the kernel's own calls 0.99x.
+scaled by the pending factors, the master and moments read and written once, and with
+offload_params the compute-dtype shard written straight into the host shards (otherwise
+the device casts the masters: [Note: offload upload] in _offload_upload.py). Measured on
+H200 hosts over 1B elements, when the loop still wrote a compute-dtype shard: 1.24x
+torch's fused AdamW in the offload benchmark (each in a process of its own); in one
+process, alternating, the step 1.06x and the kernel's own calls 0.99x.
 
 The arithmetic is torch's Adam/AdamW (its hyperparameters, bias corrections computed in
 double and rounded to fp32, decoupled or L2 weight decay, amsgrad, maximize) but not its
@@ -88,7 +89,7 @@ def _kernel(decoupled: bool, amsgrad: bool, maximize: bool) -> Callable[..., Any
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
         max_exp_avg_sq: torch.Tensor | None,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         coef: torch.Tensor,
         scale: torch.Tensor,
     ) -> None:
@@ -107,7 +108,8 @@ def _kernel(decoupled: bool, amsgrad: bool, maximize: bool) -> Callable[..., Any
             second = max_exp_avg_sq
         denom = second.sqrt() / coef[_BC2_SQRT] + coef[_EPS]
         master.add_(exp_avg / denom * coef[_STEP])
-        out.copy_(master)
+        if out is not None:
+            out.copy_(master)
 
     # A code object of its own: Dynamo keeps its compiled variants (and their recompile
     # limit) per code object, and the dtypes seen make a few of each.
@@ -147,19 +149,20 @@ def scale_of(factors: Sequence[torch.Tensor | float]) -> torch.Tensor:
 def compile_variants(
     adams: Iterable[FusedAdam],
     grad_dtypes: Iterable[torch.dtype],
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
     thread_counts: Iterable[int],
 ) -> None:
     """Compile the update of each of `adams`' variants for each gradient dtype and each
     intra-op thread count the step will run with, now, on one piece of zeros: the first
-    step then compiles nothing ([Note: compiled host step])."""
+    step then compiles nothing ([Note: compiled host step]). `out_dtype`: the cast the
+    step writes (None: it writes none)."""
     # Inductor tunes its loop to the length it sees here (its hint): a chunk-like one.
     n = 1 << 20
     # One piece for every call: what it holds after a call does not matter, only its
     # dtypes and length (zeros stay finite: the denominator is at least eps).
     master, moments = torch.zeros(n), [torch.zeros(n) for _ in range(3)]
     grads = [torch.zeros(n, dtype=dtype) for dtype in grad_dtypes]
-    out = torch.empty(n, dtype=out_dtype)
+    out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
     own = torch.get_num_threads()
     try:
         for threads in thread_counts:
@@ -194,10 +197,10 @@ def step_piece(
     master: torch.Tensor,
     grad: torch.Tensor,
     moments: Sequence[torch.Tensor],
-    out: torch.Tensor,
+    out: torch.Tensor | None,
 ) -> None:
     """Step `master` (a piece) on `grad` times `scale`, with its `moments` (exp_avg,
-    exp_avg_sq[, max_exp_avg_sq]), and write its compute-dtype cast to `out`."""
+    exp_avg_sq[, max_exp_avg_sq]), and write its compute-dtype cast to `out` if given."""
     kernel = _kernel(adam.kernel is torch._fused_adamw_, adam.amsgrad, adam.maximize)
     third = _alone(moments[2]) if adam.amsgrad else None
     kernel(
@@ -206,7 +209,7 @@ def step_piece(
         _alone(moments[0]),
         _alone(moments[1]),
         third,
-        _alone(out),
+        None if out is None else _alone(out),
         coef,
         scale,
     )

@@ -4,9 +4,10 @@ The offloaded groups' shards are laid end to end in one rank-local "chunk space"
 `ChunkLayout` into fixed-size chunks; every rank holds the same number of chunks of the
 same size (flat-group shards are equal on every rank), so every rank moves the same
 bytes at the same time and none waits on a larger peer. The host holds, per chunk, the
-fp32 master (pageable: it never crosses the bus), the gradient in the reduce dtype
+fp32 master (pinned: it goes up to the device, which casts it; pageable with
+offload_params, where it never crosses the bus), the gradient in the reduce dtype
 (pinned: gradients land in it straight from the device) and the optimizer state torch
-allocates beside each master. Compute-dtype shards go out through pinned memory too.
+allocates beside each master.
 
 [Note: offload host memory]
 With bf16 gradients an offloaded element costs 4 (master) + 2 (gradient) + the optimizer's
@@ -42,13 +43,12 @@ from the masters. The H2D stream waits on the current stream as of `begin_upload
 gathers issued before may still read the compute shards on the device ([Note: upload
 stream order] in _offload_upload.py); with offload_params,
 `begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
-gathers read. The step casts each block of masters it finished (`written`) into the
-pinned slot of its chunk, and the H2D stream copies a chunk to the device and records its
-event as soon as all of it is final, so the copy of one chunk overlaps the CPU step of
-the next ([Note: offload upload slots] in _offload_upload.py). A pinned slot is
-rewritten only after the event of its previous copy completed. A gather or publish of a
-group makes the current stream wait on the events of the group's chunks, so nothing reads
-a half-copied shard.
+gathers read. The step says which blocks of masters it finished (`written`); as soon as
+all of a chunk is final the H2D stream copies its fp32 masters to the device, casts them
+there and records its event, so the copy of one chunk overlaps the CPU step of the next
+([Note: offload upload] in _offload_upload.py). A gather or publish of a group makes the
+current stream wait on the events of the group's chunks, so nothing reads a half-copied
+shard.
 
 With `offload_params` the compute shards stay on the host (pinned) and each gather copies
 its group's shard to the device on the current stream just before the all-gather, which
@@ -96,11 +96,14 @@ class HostGrad:
 
 @dataclass(frozen=True)
 class OffloadBytes:
-    """Bytes one rank holds for offload: on the host, pinned, and moved per step each way."""
+    """Bytes one rank holds for offload (on the host, pinned of those, on the device: the
+    compute shards and their fp32 staging chunk) and sends up per step (the fp32 masters,
+    or with offload_params the compute shards)."""
 
     chunks: int
     host: int
     pinned: int
+    device: int
     h2d_per_step: int
 
 
@@ -136,9 +139,11 @@ class HostOffload:
         self.offset = {g.index: lo for g, lo in zip(self.groups, sizes.offsets, strict=True)}
         self.layout = sizes.chunks
         n, s = self.layout.num_chunks, self.layout.shard_numel
-        self.master = torch.zeros(n, s, dtype=torch.float32)
         self._pinned_bytes = 0
-        self._host_bytes = self.master.nbytes
+        self._host_bytes = 0
+        # Pinned where the masters go up to be cast on the device ([Note: offload upload]
+        # in _offload_upload.py); with offload_params they never cross the bus.
+        self.master = self._host(n * s, torch.float32, pin and not offload_params).view(n, s)
         self.grad = self._host(n * s, reduce_dtype, pin).view(n, s)
         # The fp32 gradient of gradient accumulation, made on first use (see the Note);
         # without one (`grad` is fp32 already) accumulation adds into `grad`.
@@ -281,8 +286,8 @@ class HostOffload:
     def _step_compiled(
         self, g: FlatParamGroup, adam: FusedAdam, state: dict[str, Any], grad: HostGrad
     ) -> None:
-        """[Note: compiled host step]: one pass per piece of `g` cut at upload chunks, its
-        cast written straight into the chunk's upload slot (or host shard)."""
+        """[Note: compiled host step]: one pass per piece of `g` cut at upload chunks; with
+        offload_params its cast written straight into the host shards."""
         names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if adam.amsgrad else 2]
         master = g.master.detach().view(-1)
         moments = [state[k].view(-1) for k in names]
@@ -294,14 +299,6 @@ class HostOffload:
         while lo < n:
             hi = min(n, ((base + lo) // s + 1) * s - base)
             out = self._out.target(base + lo, base + hi)
-            if out is None:
-                # The chunk gave its slot up: it is cast whole from the masters when it
-                # completes, so this cast is read by nobody. It goes to the blocked step's
-                # upcast, unused by this step (and by the norm until the step settles), a
-                # scratch's length at a time.
-                scratch = self._upcast.view(self._out.compute_dtype)
-                hi = min(hi, lo + scratch.numel())
-                out = scratch[: hi - lo]
             piece = [t[lo:hi] for t in moments]
             step_piece(adam, coef, scale, master[lo:hi], source[lo:hi], piece, out)
             self._out.written(base + lo, base + hi, cast=False)
@@ -366,19 +363,18 @@ class HostOffload:
     # -- shards out ----------------------------------------------------------------------
     def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:
         """Start rewriting the compute shards of `groups` from their masters ([Note:
-        offload upload slots])."""
+        offload upload] in _offload_upload.py)."""
         lo = [self.offset[g.index] for g in groups]
         self._out.begin([(a, a + g.layout.shard_numel) for a, g in zip(lo, groups, strict=True)])
 
     def written(self, g: FlatParamGroup, lo: int, hi: int) -> None:
-        """Elements [lo, hi) of `g`'s master are final for this step: cast them for the
-        upload now."""
+        """Elements [lo, hi) of `g`'s master are final for this step (with offload_params
+        cast into the host shards now)."""
         base = self.offset[g.index]
         self._out.written(base + lo, base + hi)
 
     def stepped(self, g: FlatParamGroup) -> None:
-        """All of `g`'s master is final for this step: cast it for the upload, block by
-        block."""
+        """All of `g`'s master is final for this step (block by block, as `written`)."""
         for lo, hi in self.blocks(g):
             self.written(g, lo, hi)
 
@@ -410,6 +406,6 @@ class HostOffload:
     def nbytes(self) -> OffloadBytes:
         """What this rank holds and moves (equal on every rank: the chunks are even)."""
         n, s = self.layout.num_chunks, self.layout.shard_numel
-        compute = self.compute_host if self.compute_host is not None else self.compute_dev
-        assert compute is not None
-        return OffloadBytes(n, self._host_bytes, self._pinned_bytes, n * s * compute.element_size())
+        up = self._out.compute_dtype.itemsize if self.compute_host is not None else 4
+        device = self._out.device_nbytes
+        return OffloadBytes(n, self._host_bytes, self._pinned_bytes, device, n * s * up)

@@ -13,13 +13,9 @@ import torch
 from zeroshard.engine.runtime._host_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
-# Pinned staging slots: reduce-dtype gradients coming down under gradient accumulation,
-# two so that one can fill while the other drains (see [Note: offload stream order] in
-# _offload.py); compute-dtype shards going up (without offload_params), four: under
-# `step_in_backward` groups step last to first, so each leaves its first chunk (shared with
-# the group before it) open in a slot until that group steps, and with two slots every
-# other chunk waited for the previous one's copy to land ([Note: offload upload slots]).
-UPLOAD_SLOTS = 4
+# Pinned staging slots for reduce-dtype gradients coming down under gradient accumulation:
+# two, so that one can fill while the other drains (see [Note: offload stream order] in
+# _offload.py).
 GRAD_SLOTS = 2
 
 
@@ -39,11 +35,12 @@ def choose_offloaded(shard_numels: Sequence[int], ratio: float) -> list[int]:
 @dataclass(frozen=True)
 class OffloadSizes:
     """The buffers `HostOffload` allocates on one rank: the offloaded shards laid end to end
-    in a chunk space of `chunks`, an fp32 master (pageable) and a gradient in the reduce
-    dtype (pinned) per chunk, the compute-dtype shards (pinned on the host with
-    offload_params, else on the device behind pinned upload slots), the gradient staging
-    slots (pinned) and the step's fp32 upcast (pageable): one block where the optimizer
-    steps in blocks, else one shard.
+    in a chunk space of `chunks`, an fp32 master (pinned, as it goes up to the device;
+    pageable with offload_params) and a gradient in the reduce dtype (pinned) per chunk,
+    the compute-dtype shards (pinned on the host with offload_params, else on the device,
+    cast there from an fp32 staging chunk), the gradient staging slots (pinned) and the
+    step's fp32 upcast (pageable): one block where the optimizer steps in blocks, else one
+    shard.
 
     Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
     gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
@@ -76,17 +73,22 @@ class OffloadSizes:
         pinned = (self.chunk_space_numel + GRAD_SLOTS * self.grad_slot_numel) * grad
         if self.offload_params:
             return pinned + self.chunk_space_numel * compute
-        return pinned + UPLOAD_SLOTS * self.chunks.shard_numel * compute
+        return pinned + self.chunk_space_numel * 4
 
     @property
     def host_bytes(self) -> int:
         """All host bytes: the pinned ones, the fp32 masters and the step's upcast."""
-        return (self.chunk_space_numel + self.upcast_numel) * 4 + self.pinned_bytes
+        pageable_masters = self.chunk_space_numel if self.offload_params else 0
+        return (pageable_masters + self.upcast_numel) * 4 + self.pinned_bytes
 
     @property
     def device_bytes(self) -> int:
-        """Device bytes of the compute-dtype shards (none with offload_params)."""
-        return 0 if self.offload_params else self.chunk_space_numel * self.compute_dtype.itemsize
+        """Device bytes of the compute-dtype shards and the fp32 staging chunk they are
+        cast from (none with offload_params)."""
+        if self.offload_params:
+            return 0
+        stage = 0 if self.compute_dtype == torch.float32 else self.chunks.shard_numel * 4
+        return self.chunk_space_numel * self.compute_dtype.itemsize + stage
 
 
 def offload_sizes(

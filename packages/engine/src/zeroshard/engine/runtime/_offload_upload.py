@@ -1,21 +1,31 @@
 """The compute-dtype shards of offloaded groups, rewritten from their fp32 masters.
 
-[Note: offload upload slots]
+[Note: offload upload]
 After a step (or any change of the masters) the compute shards are rewritten chunk by
 chunk ([Note: offload stream order] in _offload.py). `begin` names the chunk-space
-ranges that will change; `written(lo, hi)` says that the masters of [lo, hi) are final,
-and casts them at once, while the step that just wrote them has them in cache ([Note:
-blocked host step]): straight into the host shards with offload_params, else into a
-pinned slot the chunk holds until all of it is final, when the H2D stream copies the slot
-to the device. A chunk's parts that no named range covers (frozen groups, padding) are
-cast when it completes.
+ranges that will change; `written(lo, hi)` says that the masters of [lo, hi) are final.
+Once all of a chunk's part in those ranges is final, the chunk goes up: its fp32 masters
+(pinned) are copied by the H2D stream into an fp32 staging chunk on the device and cast
+there into the device shards. The CPU writes no cast at all: the step's loop reads the
+gradient and the master and moments and writes those back, nothing more ([Note: compiled
+host step] in _host_kernel.py). Casting on the host instead, into pinned compute-dtype
+slots that then went up, cost the host 4 bytes of memory traffic a parameter (the write,
+and the read of its lines first) where the fp32 copy costs the bus 2 more: the stage-2
+step of a 5.05B GPT with `step_in_backward` and `offload_compiled_step` on one H200 host,
+both ways alternating in one process, took 1.98 s with slots and 1.84 s this way (3
+cycles of 4-step blocks, every cycle faster by 0.12-0.17 s). The bits are the same: a
+cast of the same fp32 value, round to nearest even on either side. With compute in fp32
+the masters go straight into the device shards.
 
-There are `UPLOAD_SLOTS` slots. A chunk takes one when its first range is written: a
-free one, else the one whose copy went up longest ago, after that copy completed. If
-every slot holds a chunk still incomplete (groups stepped out of order, as under
-`step_in_backward`), the chunk opened first gives its slot up: it is then cast whole
-from the masters when it completes, as every chunk was before this pass structure. The
-bits are the same either way: a cast of the same fp32 value.
+The masters of a chunk are rewritten by the next round's step only: `begin` waits for
+every copy of the round before, so a step never writes masters a copy still reads. The
+one staging chunk is reused in stream order (each copy and its cast queue on the H2D
+stream, the next copy after the cast before it).
+
+With offload_params the compute shards stay on the host (pinned): `target` gives the step
+their part of a chunk to write its cast into while the masters are in cache, and
+`written` casts what no step wrote. A chunk's parts that no named range covers (frozen
+groups, padding) are rewritten when it completes.
 
 [Note: upload stream order]
 A chunk's copy overwrites the device shard that gathers and the publish read. The H2D
@@ -29,29 +39,28 @@ and the CPU saw it there only after its D2H copy completed, which followed on th
 the group's backward and so every gather of its shard. Parts of no named range (frozen
 groups, groups with no gradient) are rewritten with the bits they hold. Waiting instead
 on the current stream as queued when a chunk completes held each copy behind every
-backward kernel queued ahead of it, and a slot is reused only after its copy: under
-`step_in_backward` the host step was paced by the GPU's backward.
+backward kernel queued ahead of it; with the pinned slots this pass once had, reused only
+after their copies, the host step under `step_in_backward` was then paced by the GPU's
+backward.
 
 On the CPU (gloo) there are no streams or events: the copies complete as they return.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from zeroshard.engine.runtime._offload_io import SideStream
-from zeroshard.engine.runtime._offload_plan import UPLOAD_SLOTS
 
 Alloc = Callable[[int, torch.dtype, bool], torch.Tensor]
 
 
 class ShardUpload:
     """The compute shards of the chunk space `master` (chunks x shard elements, the first
-    `used` of them masters), on the device behind pinned slots, or on the host (pinned)
-    with offload_params."""
+    `used` of them masters; pinned where they go up), on the device, or on the host
+    (pinned) with offload_params."""
 
     def __init__(
         self,
@@ -70,22 +79,28 @@ class ShardUpload:
         self._flat = master.view(-1)
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
+        # The fp32 staging chunk on the device that a chunk's masters are cast from.
+        self._stage: torch.Tensor | None = None
         if offload_params:
             self.compute_host = alloc(n * s, compute_dtype, pin).view(n, s)
         else:
             self.compute_dev = torch.zeros(n, s, dtype=compute_dtype, device=device)
+            if compute_dtype != torch.float32:
+                self._stage = torch.empty(s, dtype=torch.float32, device=device)
         self._stream = SideStream(device)
-        slots = 0 if offload_params else UPLOAD_SLOTS
-        self._free = [alloc(s, compute_dtype, pin) for _ in range(slots)]
-        self._busy: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
         self._ready: list[torch.cuda.Event | None] = [None] * n
-        # This round: elements of each chunk not yet final, the slot each open chunk
-        # fills, chunks that gave theirs up, and the ranges no named range covers.
+        # This round: elements of each chunk not yet final, and the ranges no named range
+        # covers.
         self._waiting: dict[int, int] = {}
-        self._open: dict[int, torch.Tensor] = {}
-        self._spilled: set[int] = set()
         self._rest: dict[int, list[tuple[int, int]]] = {}
         self._begun: torch.cuda.Event | None = None
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes on the device: the compute shards and the staging chunk (none with
+        offload_params)."""
+        held = [t for t in (self.compute_dev, self._stage) if t is not None]
+        return sum(t.nbytes for t in held)
 
     def _pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """(chunk, start, end) of [lo, hi) cut at chunk boundaries, in order."""
@@ -97,6 +112,10 @@ class ShardUpload:
         """Start a round: the masters of `ranges` (chunk space) will change; each chunk
         they touch goes up once all of its part in them was `written`."""
         self.finish()
+        for event in self._ready:
+            if event is not None:
+                # The step about to run rewrites masters the last round's copies read.
+                event.synchronize()
         if self.device.type == "cuda":
             # [Note: upload stream order]
             self._begun = torch.cuda.current_stream(self.device).record_event()
@@ -123,52 +142,25 @@ class ShardUpload:
             torch.cuda.current_stream(self.device).synchronize()
 
     def target(self, lo: int, hi: int) -> torch.Tensor | None:
-        """Where the cast of the masters of [lo, hi) (within one chunk) goes: its part of
-        the chunk's slot (taken now if the chunk has none) or of the host shards, for a
-        step that writes the cast itself before `written(lo, hi, cast=False)`; None if the
-        chunk gave its slot up (it is cast whole from the masters when complete)."""
+        """Where a step writes the cast of the masters of [lo, hi) (within one chunk) before
+        `written(lo, hi, cast=False)`: the host shards' part with offload_params; None
+        where the masters go up in fp32 and the device casts them."""
         s = self.shard_numel
-        i = lo // s
-        assert hi <= (i + 1) * s, "a target lies within one chunk"
-        if self.compute_host is not None:
-            return self.compute_host.view(-1)[lo:hi]
-        if i in self._spilled:
+        assert hi <= (lo // s + 1) * s, "a target lies within one chunk"
+        if self.compute_host is None:
             return None
-        slot = self._open.get(i)
-        if slot is None:
-            slot = self._open[i] = self._take_slot()
-        return slot[lo - i * s : hi - i * s]
+        return self.compute_host.view(-1)[lo:hi]
 
     def written(
         self, lo: int, hi: int, src: torch.Tensor | None = None, *, cast: bool = True
     ) -> None:
         """The masters of [lo, hi) (`src`, if given, is their view) are final for this
-        round: cast them now (unless `cast` is False: the step wrote the cast into its
-        `target`); send each chunk this completes."""
-        s = self.shard_numel
-        i = lo // s
-        if not cast:
-            assert hi <= (i + 1) * s, "a target lies within one chunk"
-            self._count(i, hi - lo)
-            return
-        if hi <= (i + 1) * s:
-            # Within one chunk, as nearly every block of the step is: no cutting.
-            self._write(i, lo, hi, self._flat[lo:hi] if src is None else src)
-            return
+        round: with offload_params cast them into the host shards now, unless `cast` is
+        False (the step wrote its `target`); send each chunk this completes."""
+        if cast and self.compute_host is not None:
+            self.compute_host.view(-1)[lo:hi].copy_(self._flat[lo:hi] if src is None else src)
         for i, a, b in self._pieces(lo, hi):
-            self._write(i, a, b, self._flat[a:b] if src is None else src[a - lo : b - lo])
-
-    def _write(self, i: int, a: int, b: int, piece: torch.Tensor) -> None:
-        """Cast `piece`, the masters of [a, b) in chunk `i`."""
-        if self.compute_host is not None:
-            self.compute_host.view(-1)[a:b].copy_(piece)
-        elif i not in self._spilled:
-            slot = self._open.get(i)
-            if slot is None:
-                slot = self._open[i] = self._take_slot()
-            off = i * self.shard_numel
-            slot[a - off : b - off].copy_(piece)
-        self._count(i, b - a)
+            self._count(i, b - a)
 
     def _count(self, i: int, numel: int) -> None:
         """`numel` more elements of chunk `i` are final: send it if that completes it."""
@@ -193,34 +185,18 @@ class ShardUpload:
             for a, b in [(off, off + self.shard_numel)] if whole else rest:
                 self.compute_host.view(-1)[a:b].copy_(flat[a:b])
             return
-        slot = self._open.pop(i, None)
-        if slot is None or whole:
-            self._spilled.discard(i)
-            slot = self._take_slot() if slot is None else slot
-            rest = [(off, off + self.shard_numel)]
-        for a, b in rest:
-            slot[a - off : b - off].copy_(flat[a:b])
         assert self.compute_dev is not None
         # Only the masters go up: the padding's shard stays the zeros it was made as.
         n = min(self.shard_numel, self.used - off)
         with self._stream.after(self._begun):
-            self.compute_dev[i, :n].copy_(slot[:n], non_blocking=True)
+            masters = flat[off : off + n]
+            if self._stage is None:
+                self.compute_dev[i, :n].copy_(masters, non_blocking=True)
+            else:
+                # torch would cast a host-to-device copy on the host: copy, then cast.
+                self._stage[:n].copy_(masters, non_blocking=True)
+                self.compute_dev[i, :n].copy_(self._stage[:n])
             self._ready[i] = self._stream.event()
-        self._busy.append((slot, self._ready[i]))
-
-    def _take_slot(self) -> torch.Tensor:
-        if self._free:
-            return self._free.pop()
-        if self._busy:
-            slot, event = self._busy.popleft()
-            if event is not None:
-                # The slot is rewritten next: its last copy must have read it.
-                event.synchronize()
-            return slot
-        # Every slot is held by an incomplete chunk: the oldest gives its slot up.
-        i = next(iter(self._open))
-        self._spilled.add(i)
-        return self._open.pop(i)
 
     def shard(self, lo: int, hi: int) -> torch.Tensor:
         """The compute shard of [lo, hi) on the device, ready for the current stream."""

@@ -336,8 +336,10 @@ def _compile_host_step(world: Group, optimizer: torch.optim.Optimizer, cfg: Zero
         if world.device.type == "cuda":
             # The stepping thread's share while groups step beside the main thread.
             threads.add(stepping_threads(torch.get_num_threads()))
-        compute = cfg.precision.compute_dtype
-        compile_variants([a for a in adams if a is not None], grads, compute, threads)
+        # Only with offload_params does the step write the compute-dtype cast (else the
+        # device casts the masters: [Note: offload upload]).
+        out = cfg.precision.compute_dtype if cfg.offload.params else None
+        compile_variants([a for a in adams if a is not None], grads, out, threads)
     except Exception as e:  # whatever inductor raises: every rank must hear of it
         error = f"{type(e).__name__}: {e}"
     what = (
