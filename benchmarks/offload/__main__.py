@@ -9,38 +9,37 @@ Training rows: zeroshard with `offload_optimizer` (stage 2 by default) stepping 
 inside backward (`train-zs-overlap`, `step_in_backward`), beside the next forward and
 backward with the weights one step behind (`train-zs-dpu`, `offload_delay_param_update`,
 stages 1/2), after backward (`train-zs`) and after clipping the gradients to a global norm
-(`train-zs-clip`), and DeepSpeed ZeRO-Offload (the same
-stage, `offload_optimizer: cpu`, DeepSpeedCPUAdam) on the same GPT (the 7b preset's width
-with `--layers` blocks: 34 give 7.06B parameters), bf16 compute, AdamW, the same random
-tokens. Per row: step time (median after warmup), tokens/s, peak GPU memory, peak host
-RSS and init time. Beside the step, each of its resources alone, in the same run: the
-GPU's forward and backward without optimizer or offload (`fwd-bwd`), the bus's bf16 copy
-of every parameter down and up (`transfer`), and the CPU's AdamW over as many parameters
-(torch fused, measured over `--adam-params` and scaled to the model's count); the report
-gives step / max of the three, and the host memory's streaming rate (`host-stream`: c = a +
-b over fp32, every core) with what the CPU's AdamW and the bus's copies need of it: both
-go through host memory. CPU optimizer rows: parameters/s of one AdamW step over
-`--adam-params` fp32 parameters in tensors of `--chunk` elements, with every core:
-torch's fused and foreach AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds
-first, an untimed part (outside `--budget-s`), and zeroshard's offloaded step alone
-(`adam-zs-host`: bf16 gradients in, fused AdamW, bf16 shards out through the pinned
-upload slots, no forward or backward) over as many parameters. A zeroshard part named
-with `-compiled` after it (`train-zs-dpu-compiled`, `adam-zs-host-compiled`, ...) is the
-same with `offload_compiled_step`, so both run, alternated, in one run. Every part runs in a
-process of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT
-build or a timeout becomes a row saying so. `--rounds R` runs the `train-*` parts R
-times, each time in a process of its own, in alternating order (as listed in `--parts` in
-the first round, reversed in the second, ...); the other parts run once, in the first
-round where `--parts` lists them. A train row's step is the median of its rounds' (each
-a median of `--steps`), with every round's in brackets in the order run and the fastest
-and slowest single step of any round after them; tokens/s from it, the largest peaks and
-the median init; a part that fails is not run again and its row is the first failure.
-`--budget-s` covers every round: runs it has no time for become skipped rows, or a count
-of skipped rounds beside a row's done ones.
-`--search-layers` instead trains zeroshard alone at each block count in turn, up to the
-first that fails: the largest that trains, with its peaks.
-A full run writes the "offload" section of docs/benchmarks.md (a search writes
-"offload-largest-stage<N>"); --smoke writes bench-out/.
+(`train-zs-clip`), and DeepSpeed ZeRO-Offload (the same stage, `offload_optimizer: cpu`,
+DeepSpeedCPUAdam) on the same GPT (the 7b preset's width with `--layers` blocks: 34 give
+7.06B parameters), bf16 compute, AdamW, the same random tokens. Per row: step time (median
+after warmup), tokens/s, peak GPU memory, peak host RSS and init time. Beside the step, each
+of its resources alone, in the same run: the GPU's forward and backward without optimizer or
+offload (`fwd-bwd`), the bus's copies of every parameter (`transfer`: down in bf16, up in
+fp32, or bf16 with `--offload-params`), and the CPU's AdamW over as many parameters (torch
+fused, measured over `--adam-params` and scaled to the model's count); the report gives step
+/ max of the three, and the host memory's streaming rate (`host-stream`: c = a + b over
+fp32, every core) with what the CPU's AdamW and the bus's copies need of it: both go through
+host memory. CPU optimizer rows: parameters/s of one AdamW step over `--adam-params` fp32
+parameters in tensors of `--chunk` elements, with every core: torch's fused and foreach
+AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds first, an untimed part
+(outside `--budget-s`), and zeroshard's offloaded step alone (`adam-zs-host`: bf16 gradients
+in, fused AdamW, the fp32 masters up to be cast on the device, no forward or backward) over
+as many parameters. A zeroshard part named with `-compiled` after it
+(`train-zs-dpu-compiled`, `adam-zs-host-compiled`, ...) is the same with
+`offload_compiled_step`, so both run, alternated, in one run. Every part runs in a process
+of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT build or a
+timeout becomes a row saying so. `--rounds R` runs the `train-*` parts R times, each time in
+a process of its own, in alternating order (as listed in `--parts` in the first round,
+reversed in the second, ...); the other parts run once, in the first round where `--parts`
+lists them. A train row's step is the median of its rounds' (each a median of `--steps`),
+with every round's in brackets in the order run and the fastest and slowest single step of
+any round after them; tokens/s from it, the largest peaks and the median init; a part that
+fails is not run again and its row is the first failure. `--budget-s` covers every round:
+runs it has no time for become skipped rows, or a count of skipped rounds beside a row's
+done ones. `--search-layers` instead trains zeroshard alone at each block count in turn, up
+to the first that fails: the largest that trains, with its peaks. A full run writes the
+"offload" section of docs/benchmarks.md (a search writes "offload-largest-stage<N>");
+--smoke writes bench-out/.
 """
 
 from __future__ import annotations

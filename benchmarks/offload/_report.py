@@ -87,8 +87,9 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
     ratios = ", ".join(f"{r['step_s'] / slowest:.2f} ({NAMES[k]})" for k, r in done.items())
     return (
         f"\n\nEach resource alone, same run: GPU forward + backward {fb['step_s']:.2f} s (bf16, "
-        f"no optimizer, no offload); transfer {tr['step_s']:.2f} s (bf16 of every parameter "
-        f"down {tr['d2h_s']:.2f} s at {tr['d2h_gb_per_s']:.1f} GB/s, up {tr['h2d_s']:.2f} s at "
+        f"no optimizer, no offload); transfer {tr['step_s']:.2f} s (every parameter down in bf16 "
+        f"{tr['d2h_s']:.2f} s at {tr['d2h_gb_per_s']:.1f} GB/s, up in "
+        f"{tr.get('h2d_dtype', 'bfloat16')} {tr['h2d_s']:.2f} s at "
         f"{tr['h2d_gb_per_s']:.1f} GB/s); CPU AdamW {cpu:.2f} s (torch fused over "
         f"{params / 1e9:.2f}B parameters at the rate measured over "
         f"{adam['params'] / 1e9:g}B). Their sum is {sum(alone):.2f} s."
@@ -121,12 +122,12 @@ def _against_own_step(
 # Bytes a parameter moves through host memory, counted as host-stream counts them (a
 # write into lines not in cache reads them first): torch's fused AdamW reads and writes
 # the fp32 master, exp_avg and exp_avg_sq (24) and reads an fp32 gradient (4); zeroshard's
-# offloaded step reads a bf16 gradient (2) and writes a bf16 shard into an upload slot
-# whose lines are not in cache (2, and 2 to read them first); the bus's copies take a bf16
-# gradient down and a bf16 shard up (2 + 2).
+# offloaded step reads a bf16 gradient (2) instead and writes nothing more (the device
+# casts the masters); the bus's copies take a bf16 gradient down and the fp32 master up
+# (2 + 4).
 FUSED_ADAMW_BYTES = 28
-OFFLOADED_STEP_BYTES = 30
-BUS_BYTES = 4
+OFFLOADED_STEP_BYTES = 26
+BUS_BYTES = 6
 
 
 def _host_memory(results: dict[str, dict[str, Any]]) -> str:
@@ -155,9 +156,9 @@ def _host_memory(results: dict[str, dict[str, Any]]) -> str:
         line += f" (alone it moved {moved:.0f} GB/s)"
     return line + (
         f"; zeroshard's offloaded step ({OFFLOADED_STEP_BYTES} bytes: a bf16 gradient read "
-        f"and a bf16 shard written instead of the fp32 gradient) {at_rate(OFFLOADED_STEP_BYTES)}"
-        f"; the bus's bf16 copies down and up ({BUS_BYTES} bytes), through the same memory, "
-        f"{at_rate(BUS_BYTES)} more."
+        f"instead of the fp32 gradient) {at_rate(OFFLOADED_STEP_BYTES)}"
+        f"; the bus's copies, a bf16 gradient down and the fp32 master up ({BUS_BYTES} "
+        f"bytes), through the same memory, {at_rate(BUS_BYTES)} more."
     )
 
 

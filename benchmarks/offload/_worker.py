@@ -207,7 +207,9 @@ def fwd_bwd(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def transfer(a: dict[str, Any]) -> dict[str, Any]:
-    """The bus's share alone: a bf16 copy of every parameter down (pinned host) and up."""
+    """The bus's share alone, as offload moves it: a bf16 copy of every parameter down
+    (pinned host), and up the fp32 masters (cast on the device), or with offload_params
+    the bf16 shards."""
     device = _join_alone(a["smoke"])
     cfg = GPTConfig.preset(a["preset"], n_layer=a["layers"], seq_len=a["seq_len"])
     n = parameters_count(cfg)
@@ -215,15 +217,20 @@ def transfer(a: dict[str, Any]) -> dict[str, Any]:
     host = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
     dev = torch.ones(n, dtype=torch.bfloat16, device=device)
     down = _time_steps(lambda: host.copy_(dev, non_blocking=pin), device, 1, a["steps"])
+    up_dtype = torch.bfloat16 if a["offload_params"] else torch.float32
+    if up_dtype != host.dtype:
+        del host, dev
+        host = torch.empty(n, dtype=up_dtype, pin_memory=pin)
+        dev = torch.ones(n, dtype=up_dtype, device=device)
     up = _time_steps(lambda: dev.copy_(host, non_blocking=pin), device, 1, a["steps"])
-    gb = n * 2 / 1e9
     return {
         "params": n,
         "d2h_s": down,
         "h2d_s": up,
+        "h2d_dtype": str(up_dtype).removeprefix("torch."),
         "step_s": down + up,
-        "d2h_gb_per_s": gb / down,
-        "h2d_gb_per_s": gb / up,
+        "d2h_gb_per_s": n * 2 / 1e9 / down,
+        "h2d_gb_per_s": n * up_dtype.itemsize / 1e9 / up,
         "host_peak_gib": _host_peak_gib(),
     }
 
@@ -296,7 +303,7 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
 def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
     """zeroshard's offloaded step alone, as `train-zs` runs it after backward: bf16
     gradients on the host in, torch's fused AdamW on the fp32 masters (or the compiled
-    step: `adam-zs-host-compiled`), bf16 shards out through the pinned upload slots; no
+    step: `adam-zs-host-compiled`), the fp32 masters up to be cast on the device; no
     forward or backward. The same element count as the CPU optimizer rows, in tensors of
     `a['chunk']` elements."""
     import zeroshard.engine as zs
