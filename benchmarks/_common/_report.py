@@ -1,9 +1,9 @@
 """Write a benchmark's section of a generated doc, leaving the other sections alone.
 
 Each benchmark owns the text between `<!-- NAME:start -->` and `<!-- NAME:end -->` of
-docs/benchmarks.md; the section always starts with the device, the versions and the
-command that produced it. Smoke runs write bench-out/NAME.md instead, never over the real
-figures.
+docs/benchmarks.md; the section always starts with the device, the versions, zeroshard's
+commit and the command that produced it. Smoke runs write bench-out/NAME.md instead, never
+over the real figures.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import datetime
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,14 +46,34 @@ def host() -> str:
     return f"CPU ({platform.processor() or platform.machine()}; {machine})"
 
 
+def _git(*args: str) -> str:
+    """What `git ARGS` prints in the repository (raises where git or a checkout is missing)."""
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def code_version() -> str:
+    """zeroshard's commit, "with uncommitted changes" where tracked files differ from it."""
+    try:
+        commit = _git("rev-parse", "--short=12", "HEAD")
+        # Tracked files that differ from it: the tree measured is not that commit's.
+        changed = _git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        commit, changed = "unknown (not a git checkout)", ""
+    return f"zeroshard commit {commit}" + (" with uncommitted changes" if changed else "")
+
+
 def environment(ranks: str | None = None) -> str:
     """One line: date, host, torch / CUDA / Python versions, where the ranks ran (`ranks`,
-    from `Placement.describe`, for benchmarks that start ranks) and the command line."""
+    from `Placement.describe`, for benchmarks that start ranks), the code and the command
+    line."""
     cuda = f", CUDA {torch.version.cuda}" if torch.cuda.device_count() else ""
     where = f" Ranks: {ranks}." if ranks else ""
     return (
         f"Measured {datetime.date.today().isoformat()} on {host()}; torch {torch.__version__}"
-        f"{cuda}, Python {platform.python_version()}.{where} Command: `{command()}`"
+        f"{cuda}, Python {platform.python_version()}.{where} Code: {code_version()}. "
+        f"Command: `{command()}`"
     )
 
 

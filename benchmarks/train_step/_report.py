@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import subprocess
 
-from benchmarks._common import ROOT, markdown_table
+from benchmarks._common import markdown_table
 from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._goals import compile_table, one_gpu_goals
@@ -22,28 +21,6 @@ from benchmarks.train_step._settings import Settings
 
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
-
-
-def _git(*args: str) -> str:
-    """What `git ARGS` prints in the repository (raises where git or a checkout is missing)."""
-    return subprocess.run(
-        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def versions(bm: BenchModel) -> str:
-    """zeroshard's commit, "with uncommitted changes" where tracked files differ from it
-    (and transformers' version for the `transformers` models)."""
-    try:
-        commit = _git("rev-parse", "--short=12", "HEAD")
-        # Tracked files that differ from it: the tree measured is not that commit's.
-        changed = _git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.CalledProcessError):
-        commit, changed = "unknown (not a git checkout)", ""
-    line = f"zeroshard commit {commit}" + (" with uncommitted changes" if changed else "")
-    if bm.name.startswith("hf-"):
-        line += f", transformers {importlib.metadata.version('transformers')}"
-    return line
 
 
 def report(
@@ -95,13 +72,18 @@ def report(
     zs_extra = (
         "" if args.zs_config.strip() in ("", "{}") else f" zeroshard extras: `{args.zs_config}`."
     )
+    # zeroshard's commit is in the section's first line (`environment`).
+    versions = (
+        f"- versions: transformers {importlib.metadata.version('transformers')}.\n"
+        if bm.name.startswith("hf-")
+        else ""
+    )
     head = (
         f"`{bm.name}` `{bm.preset}`: {bm.parameters / 1e6:,.1f} M parameters ({bm.shape}); "
         f"micro-batch {args.micro_batch} "
         f"per rank, {ranks}, compute "
         f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
-        f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n"
-        f"- versions: {versions(bm)}.\n"
+        f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n{versions}"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
         "synchronized, on the slowest rank; the floors (`floor`, `floor32`, `floorc`) run "
         "alone on rank 0."

@@ -1,21 +1,17 @@
 """benchmarks/train_step's one-GPU pieces: the `floor32` engine against plain PyTorch, the
-alternating order and the median of rounds, the goals table of issue 25, which engines a
-run times by default and the version line."""
+alternating order and the median of rounds, the goals table of issue 25 and which engines
+a run times by default."""
 
 from __future__ import annotations
 
 import copy
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.train_step import _report as train_step_report
 from benchmarks.train_step.__main__ import round_order
 from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._goals import one_gpu_goals
-from benchmarks.train_step._models import bench_model
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._run import combine
 from benchmarks.train_step._settings import LR, Settings
@@ -166,24 +162,3 @@ def test_compile_time_floors_run_only_when_named() -> None:
     assert not {"floorw", "floorr", "floorr-memo"} & set(names)
     assert {"floor", "floor32", "floorc", "fsdp2", "fsdp2c", "zs3", "zs3c"} <= set(names)
     assert all(ENGINES[n].on_request for n in set(ENGINES) - set(names) if ENGINES[n].available())
-
-
-def test_version_line_says_when_the_tree_is_not_the_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A tree whose tracked files differ from HEAD (a device copy whose git metadata lags
-    the files it was given, say) is not reported as that commit's."""
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
-    subprocess.run([*git, "init", "-q"], check=True)
-    (tmp_path / "a.py").write_text("x = 1\n")
-    subprocess.run([*git, "add", "a.py"], check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
-    head = subprocess.run(
-        [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    monkeypatch.setattr(train_step_report, "ROOT", tmp_path)
-    bm = bench_model("gpt", "1.3b", smoke=True, seq_len=None, activation_checkpointing=False)
-    (tmp_path / "untracked.txt").write_text("ignored by the check\n")
-    assert train_step_report.versions(bm) == f"zeroshard commit {head}"
-    (tmp_path / "a.py").write_text("x = 2\n")
-    assert train_step_report.versions(bm) == f"zeroshard commit {head} with uncommitted changes"

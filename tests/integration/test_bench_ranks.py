@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,13 @@ import torch.distributed as dist
 
 from benchmarks._common import (
     Placement,
+    code_version,
     environment,
     place_ranks,
     place_torchrun_ranks,
     spawn_ranks,
 )
+from benchmarks._common import _report as common_report
 
 
 @pytest.mark.parametrize(
@@ -74,6 +77,32 @@ def test_the_environment_line_names_the_host_and_the_ranks() -> None:
     line = environment(ranks)
     assert f"Ranks: {ranks}." in line
     assert "cores" in line and "GiB" in line  # the host, not only its device
+    assert f"Code: {code_version()}. Command: " in line
+
+
+def test_code_version_says_when_the_tree_is_not_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree whose tracked files differ from HEAD (a device copy whose git metadata lags
+    the files it was given, say) is not reported as that commit's."""
+    repo, plain = tmp_path / "repo", tmp_path / "plain"
+    repo.mkdir()
+    plain.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    monkeypatch.setattr(common_report, "ROOT", repo)
+    (repo / "untracked.txt").write_text("ignored by the check\n")
+    assert code_version() == f"zeroshard commit {head}"
+    (repo / "a.py").write_text("x = 2\n")
+    assert code_version() == f"zeroshard commit {head} with uncommitted changes"
+    monkeypatch.setattr(common_report, "ROOT", plain)
+    assert code_version() == "zeroshard commit unknown (not a git checkout)"
 
 
 def _report_rank(rank: int, world: int, out: str) -> None:
