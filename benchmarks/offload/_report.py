@@ -89,7 +89,7 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
         f"\n\nEach resource alone, same run: GPU forward + backward {fb['step_s']:.2f} s (bf16, "
         f"no optimizer, no offload); transfer {tr['step_s']:.2f} s (every parameter down in bf16 "
         f"{tr['d2h_s']:.2f} s at {tr['d2h_gb_per_s']:.1f} GB/s, up in "
-        f"{tr.get('h2d_dtype', 'bfloat16')} {tr['h2d_s']:.2f} s at "
+        f"{tr['h2d_dtype']} {tr['h2d_s']:.2f} s at "
         f"{tr['h2d_gb_per_s']:.1f} GB/s); CPU AdamW {cpu:.2f} s (torch fused over "
         f"{params / 1e9:.2f}B parameters at the rate measured over "
         f"{adam['params'] / 1e9:g}B). Their sum is {sum(alone):.2f} s."
