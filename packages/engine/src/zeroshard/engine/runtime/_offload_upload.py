@@ -13,12 +13,14 @@ slots that then went up, cost the host 4 bytes of memory traffic a parameter (th
 and the read of its lines first) where the fp32 copy costs the bus 2 more: the stage-2
 step of a 5.05B GPT with `step_in_backward` and `offload_compiled_step` on one H200 host,
 both ways alternating in one process, took 1.98 s with slots and 1.84 s this way (3
-cycles of 4-step blocks, every cycle faster by 0.12-0.17 s). The bits are the same: a
+cycles of 4-step blocks, every cycle faster by 0.12-0.17 s; a diagnostic script, not
+benchmarks/: docs/benchmarks.md, section offload-deepspeed-fp32-upload). The bits are the same: a
 cast of the same fp32 value, round to nearest even on either side. With compute in fp32
 the masters go straight into the device shards.
 
 The masters of a chunk are rewritten by the next round's step only: `begin` waits for
-every copy of the round before, so a step never writes masters a copy still reads. The
+every copy of the round before (the last one queued: they share the H2D stream), so a
+step never writes masters a copy still reads. The
 one staging chunk is reused in stream order (each copy and its cast queue on the H2D
 stream, the next copy after the cast before it).
 
@@ -89,6 +91,8 @@ class ShardUpload:
                 self._stage = torch.empty(s, dtype=torch.float32, device=device)
         self._stream = SideStream(device)
         self._ready: list[torch.cuda.Event | None] = [None] * n
+        # The event of the copy queued last: every copy before it is on the same stream.
+        self._last_copy: torch.cuda.Event | None = None
         # This round: elements of each chunk not yet final, and the ranges no named range
         # covers.
         self._waiting: dict[int, int] = {}
@@ -112,10 +116,9 @@ class ShardUpload:
         """Start a round: the masters of `ranges` (chunk space) will change; each chunk
         they touch goes up once all of its part in them was `written`."""
         self.finish()
-        for event in self._ready:
-            if event is not None:
-                # The step about to run rewrites masters the last round's copies read.
-                event.synchronize()
+        if self._last_copy is not None:
+            # The step about to run rewrites masters the last round's copies read.
+            self._last_copy.synchronize()
         if self.device.type == "cuda":
             # [Note: upload stream order]
             self._begun = torch.cuda.current_stream(self.device).record_event()
@@ -196,7 +199,7 @@ class ShardUpload:
                 # torch would cast a host-to-device copy on the host: copy, then cast.
                 self._stage[:n].copy_(masters, non_blocking=True)
                 self.compute_dev[i, :n].copy_(self._stage[:n])
-            self._ready[i] = self._stream.event()
+            self._ready[i] = self._last_copy = self._stream.event()
 
     def shard(self, lo: int, hi: int) -> torch.Tensor:
         """The compute shard of [lo, hi) on the device, ready for the current stream."""
