@@ -6,30 +6,32 @@
     python -m benchmarks.offload --search-layers 40,48,56 --stage 3 --offload-params
 
 Training rows: zeroshard with `offload_optimizer` (stage 2 by default) stepping the CPU
-inside backward (`train-zs-overlap`, `step_in_backward`), beside the next forward and
-backward with the weights one step behind (`train-zs-dpu`, `offload_delay_param_update`,
-stages 1/2), after backward (`train-zs`) and after clipping the gradients to a global norm
-(`train-zs-clip`), and DeepSpeed ZeRO-Offload (the same stage, `offload_optimizer: cpu`,
-DeepSpeedCPUAdam) on the same GPT (the 7b preset's width with `--layers` blocks: 34 give
-7.06B parameters), bf16 compute, AdamW, the same random tokens. Per row: step time (median
-after warmup), tokens/s, peak GPU memory, peak host RSS and init time. Beside the step, each
-of its resources alone, in the same run: the GPU's forward and backward without optimizer or
-offload (`fwd-bwd`), the bus's copies of every parameter (`transfer`: down in bf16, up in
-fp32, or bf16 with `--offload-params`), and the CPU's AdamW over as many parameters (torch
-fused, measured over `--adam-params` and scaled to the model's count); the report gives step
-/ max of the three, and the host memory's streaming rate (`host-stream`: c = a + b over
-fp32, every core) with what the CPU's AdamW and the bus's copies need of it: both go through
-host memory. CPU optimizer rows: parameters/s of one AdamW step over `--adam-params` fp32
+inside backward (`train-zs-overlap`, `step_in_backward`), the same with only
+`--offload-ratio` of the masters and optimizer state on the host and the rest stepped on
+the device (`train-zs-ratio`), beside the next forward and backward with the weights one
+step behind (`train-zs-dpu`, `offload_delay_param_update`, stages 1/2), after backward
+(`train-zs`) and after clipping the gradients to a global norm (`train-zs-clip`), and
+DeepSpeed ZeRO-Offload (the same stage, `offload_optimizer: cpu`, DeepSpeedCPUAdam) on the
+same GPT (the 7b preset's width with `--layers` blocks: 34 give 7.06B parameters), bf16
+compute, AdamW, the same random tokens. Per row: step time (median after warmup), tokens/s,
+peak GPU memory, peak host RSS and init time. Beside the step, each of its resources alone,
+in the same run: the GPU's forward and backward without optimizer or offload (`fwd-bwd`),
+the bus's copies of every parameter (`transfer`: down in bf16, up in fp32, or bf16 with
+`--offload-params`), and the CPU's AdamW over as many parameters (torch fused, measured
+over `--adam-params` and scaled to the model's count); the report gives step / max of the
+three, and the host memory's streaming rate (`host-stream`: c = a + b over fp32, every
+core) with what the CPU's AdamW and the bus's copies need of it: both go through host
+memory. CPU optimizer rows: parameters/s of one AdamW step over `--adam-params` fp32
 parameters in tensors of `--chunk` elements, with every core: torch's fused and foreach
 AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds first, an untimed part
-(outside `--budget-s`), and zeroshard's offloaded step alone (`adam-zs-host`: bf16 gradients
-in, fused AdamW, the fp32 masters up to be cast on the device, no forward or backward) over
-as many parameters. A zeroshard part named with `-compiled` after it
+(outside `--budget-s`), and zeroshard's offloaded step alone (`adam-zs-host`: bf16
+gradients in, fused AdamW, the fp32 masters up to be cast on the device, no forward or
+backward) over as many parameters. A zeroshard part named with `-compiled` after it
 (`train-zs-dpu-compiled`, `adam-zs-host-compiled`, ...) is the same with
 `offload_compiled_step`, so both run, alternated, in one run. Every part runs in a process
 of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT build or a
-timeout becomes a row saying so. `--rounds R` runs the `train-*` parts R times, each time in
-a process of its own, in alternating order (as listed in `--parts` in the first round,
+timeout becomes a row saying so. `--rounds R` runs the `train-*` parts R times, each time
+in a process of its own, in alternating order (as listed in `--parts` in the first round,
 reversed in the second, ...); the other parts run once, in the first round where `--parts`
 lists them. A train row's step is the median of its rounds' (each a median of `--steps`),
 with every round's in brackets in the order run and the fastest and slowest single step of
@@ -39,8 +41,7 @@ runs it has no time for become skipped rows, or a count of skipped rounds beside
 done ones. `--search-layers` instead trains zeroshard alone at each block count in turn, up
 to the first that fails: the largest that trains, with its peaks. A full run writes the
 "offload" section of docs/benchmarks.md (a search writes "offload-largest-stage<N>");
---smoke writes bench-out/.
-"""
+--smoke writes bench-out/."""
 
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--offload-params", action="store_true", help="stage 3: parameters too")
+    p.add_argument(
+        "--offload-ratio",
+        type=float,
+        default=0.7,
+        help="train-zs-ratio: the share of masters and optimizer state on the host",
+    )
     p.add_argument("--search-layers", default="", help="e.g. 40,48,56: largest that trains")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
@@ -99,6 +106,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.rounds > 1 and args.search_layers:
         p.error("--rounds repeats the train parts; --search-layers trains each size once")
+    if not 0 < args.offload_ratio < 1:
+        p.error(f"--offload-ratio must be in (0, 1), not {args.offload_ratio}")
     if args.offload_params and args.stage != 3:
         p.error("--offload-params needs --stage 3")
     if args.stage == 3:
@@ -121,6 +130,7 @@ LIMITS = {
     "adam-torch-foreach": 30.0,
     "adam-zs-host": 120.0,
     "train-zs-overlap": 110.0,
+    "train-zs-ratio": 110.0,
     "train-zs-dpu": 100.0,
     "train-zs": 100.0,
     "train-zs-clip": 100.0,
@@ -128,6 +138,7 @@ LIMITS = {
     # initialize (40-70 s a process on the H200 hosts, with a warm inductor cache too).
     "adam-zs-host-compiled": 150.0,
     "train-zs-overlap-compiled": 180.0,
+    "train-zs-ratio-compiled": 180.0,
     "train-zs-dpu-compiled": 180.0,
     "train-zs-compiled": 180.0,
     "train-zs-clip-compiled": 180.0,
@@ -237,6 +248,7 @@ def main() -> None:
             "adam_steps",
             "activation_checkpointing",
             "offload_params",
+            "offload_ratio",
             "smoke",
         )
     }

@@ -15,16 +15,28 @@ def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
 
 NAMES = {
     "train-zs-overlap": "zeroshard offload_optimizer, step_in_backward",
+    "train-zs-ratio": "zeroshard offload_optimizer, offload_ratio {ratio:g}, step_in_backward",
     "train-zs-dpu": "zeroshard offload_optimizer, delay_param_update",
     "train-zs": "zeroshard offload_optimizer",
     "train-zs-clip": "zeroshard offload_optimizer, clip_grad_norm_",
     "train-ds": "DeepSpeed ZeRO-Offload",
 }
 # The zeroshard rows again with offload_compiled_step (part name + "-compiled").
-ZS_ROWS = ("train-zs-overlap", "train-zs-dpu", "train-zs", "train-zs-clip")
+ZS_ROWS = ("train-zs-overlap", "train-zs-ratio", "train-zs-dpu", "train-zs", "train-zs-clip")
 NAMES.update({f"{k}-compiled": f"{NAMES[k]}, compiled_step" for k in ZS_ROWS})
 # zeroshard's offloaded step alone, without and with compiled_step (what its lines add).
 HOST_STEP_PARTS = (("adam-zs-host", ""), ("adam-zs-host-compiled", ", compiled_step"))
+
+
+def _name(part: str, args: argparse.Namespace) -> str:
+    """A row's label, with the run's `--offload-ratio` where the row has one."""
+    return NAMES[part].format(ratio=args.offload_ratio)
+
+
+def _host_share(part: str, args: argparse.Namespace) -> float:
+    """The share of the parameters whose optimizer step runs on the host (and whose
+    gradient and master cross the bus) in `part`'s row."""
+    return args.offload_ratio if part.startswith("train-zs-ratio") else 1.0
 
 
 def _step(args: argparse.Namespace, r: dict[str, Any]) -> str:
@@ -56,7 +68,7 @@ def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
         if not p.startswith("train-"):
             continue
         name, _, layers = p.partition("@")
-        label = NAMES[name] + (" + offload_params" if args.offload_params else "")
+        label = _name(name, args) + (" + offload_params" if args.offload_params else "")
         label += f" (stage {args.stage})" + (f", {layers} blocks" if layers else "")
         rows.append(
             [
@@ -73,8 +85,9 @@ def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
     return rows
 
 
-def _resources(results: dict[str, dict[str, Any]]) -> str:
-    """The step against the GPU, the bus and the CPU alone (what overlap can reach)."""
+def _resources(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
+    """The step against the GPU, the bus and the CPU alone (what overlap can reach); a row
+    with an offload ratio against the bus's and the CPU's work for its share."""
     fb, tr, adam = (results.get(k, {}) for k in ("fwd-bwd", "transfer", "adam-torch-fused"))
     runs = {k: results.get(k, {}) for k in NAMES if k != "train-ds"}
     done = {k: r for k, r in runs.items() if r.get("ok")}
@@ -84,7 +97,18 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
     cpu = params / adam["params_per_s"]
     alone = [fb["step_s"], tr["step_s"], cpu]
     slowest = max(alone)
-    ratios = ", ".join(f"{r['step_s'] / slowest:.2f} ({NAMES[k]})" for k, r in done.items())
+
+    def against(k: str, r: dict[str, Any]) -> str:
+        share = _host_share(k, args)
+        if share == 1.0:
+            return f"{r['step_s'] / slowest:.2f} ({_name(k, args)})"
+        own = max(fb["step_s"], share * tr["step_s"], share * cpu)
+        return (
+            f"{r['step_s'] / own:.2f} ({_name(k, args)}: against {own:.2f} s, the largest "
+            f"of the three with the transfer and the CPU AdamW for its share {share:g})"
+        )
+
+    ratios = ", ".join(against(k, r) for k, r in done.items())
     return (
         f"\n\nEach resource alone, same run: GPU forward + backward {fb['step_s']:.2f} s (bf16, "
         f"no optimizer, no offload); transfer {tr['step_s']:.2f} s (every parameter down in bf16 "
@@ -94,16 +118,19 @@ def _resources(results: dict[str, dict[str, Any]]) -> str:
         f"{params / 1e9:.2f}B parameters at the rate measured over "
         f"{adam['params'] / 1e9:g}B). Their sum is {sum(alone):.2f} s."
         f"\n\nstep / max of the three (goal <= 1.15): {ratios}."
-        + _against_own_step(results, done, params)
+        + _against_own_step(args, results, done, params)
     )
 
 
 def _against_own_step(
-    results: dict[str, dict[str, Any]], done: dict[str, dict[str, Any]], params: int
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    done: dict[str, dict[str, Any]],
+    params: int,
 ) -> str:
     """Each zeroshard row's step over zeroshard's own offloaded step alone (same build:
-    compiled_step or not), scaled to the rows' parameters: how much of the step is not
-    the CPU step."""
+    compiled_step or not), scaled to the parameters the row steps on the host: how much
+    of the step is not the CPU step."""
     lines = []
     for part, what in HOST_STEP_PARTS:
         host = results.get(part, {})
@@ -111,7 +138,10 @@ def _against_own_step(
         if not (host.get("ok") and rows):
             continue
         own = params / host["params_per_s"]
-        ratios = ", ".join(f"{r['step_s'] / own:.2f} ({NAMES[k]})" for k, r in rows.items())
+        ratios = ", ".join(
+            f"{r['step_s'] / (own * _host_share(k, args)):.2f} ({_name(k, args)})"
+            for k, r in rows.items()
+        )
         lines.append(
             f"\n\nstep / zeroshard's offloaded step alone{what} ({own:.2f} s at "
             f"{params / 1e9:.2f}B parameters, at the rate `{part}` measured): {ratios}."
@@ -215,8 +245,8 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         zs = results.get(k, {})
         if zs.get("ok") and ds.get("ok"):
             ratio = zs["tokens_per_s"] / ds["tokens_per_s"]
-            body += f"\n\n{NAMES[k]} / DeepSpeed tokens/s: {ratio:.2f}"
-    body += _resources(results)
+            body += f"\n\n{_name(k, args)} / DeepSpeed tokens/s: {ratio:.2f}"
+    body += _resources(args, results)
     body += _host_memory(results)
     adam_names = {
         "adam-torch-fused": "torch AdamW fused=True (CPU)",

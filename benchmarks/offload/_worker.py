@@ -85,7 +85,8 @@ def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTC
 
 def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     """Time one offloaded training step (bf16 compute, AdamW on the CPU); `zs-overlap`
-    steps the CPU inside backward (`step_in_backward`), `zs-dpu` beside the next forward and
+    steps the CPU inside backward (`step_in_backward`), `zs-ratio` too with the groups
+    beyond `offload_ratio` of the shards stepped on the device, `zs-dpu` beside the next forward and
     backward (`offload_delay_param_update`: weights one step behind), `zs-clip` clips the
     gradients' global norm first."""
     device = _join_alone(a["smoke"])
@@ -129,6 +130,7 @@ def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callab
         "compute_dtype": "bf16",
         "offload_optimizer": True,
         "offload_params": a["offload_params"],
+        "offload_ratio": a["offload_ratio"] if mode == "zs-ratio" else 1.0,
         "offload_delay_param_update": mode == "zs-dpu",
         "offload_compiled_step": compiled,
     }
@@ -136,7 +138,7 @@ def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callab
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = zmodel(x, y)
-        if mode == "zs-overlap":
+        if mode in ("zs-overlap", "zs-ratio"):
             with zopt.step_in_backward():
                 loss.backward()
         else:

@@ -91,13 +91,36 @@ def test_combine_failure_is_the_row_and_budget_skips_are_counted() -> None:
     args = argparse.Namespace(
         preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
         steps=3, warmup=1, rounds=3, search_layers="", offload_params=False, stage=2,
-        chunk=2**20, adam_steps=3,
+        chunk=2**20, adam_steps=3, offload_ratio=0.7,
     )  # fmt: skip
     body = report(args, {"train-zs": part, "train-zs-dpu": failed})
     assert "| 2.50 (2.00 / 3.00; steps 1.80-3.60) |" in body
     assert f"| ok; 1 of 3 rounds {SKIPPED} |" in body
     assert f"| - | {failed['error']} |" in body
     assert "train-zs 60s (30 / 30)" in body
+
+
+def test_ratio_row_is_judged_against_its_share() -> None:
+    """A `train-zs-ratio` row names its ratio, and the resources line judges it against
+    the bus's and the CPU's work for the share it offloads (the others against all)."""
+    args = argparse.Namespace(
+        preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
+        steps=3, warmup=1, rounds=1, search_layers="", offload_params=False, stage=2,
+        chunk=2**20, adam_steps=3, offload_ratio=0.5,
+    )  # fmt: skip
+    resources = {
+        "fwd-bwd": {"ok": True, "step_s": 0.5},
+        "transfer": dict(ok=True, step_s=0.4, d2h_s=0.2, d2h_gb_per_s=50.0, h2d_s=0.2)
+        | dict(h2d_gb_per_s=50.0, h2d_dtype="fp32"),
+        # 2 s over the rows' 10**9 parameters.
+        "adam-torch-fused": dict(ok=True, params=10**9, params_per_s=0.5e9, step_s=2.0, threads=16),
+    }
+    body = report(args, {**resources, "train-zs-overlap": _run(2.4), "train-zs-ratio": _run(1.5)})
+    label = "zeroshard offload_optimizer, offload_ratio 0.5, step_in_backward"
+    assert f"| {label} (stage 2) | 1.00B | 1.50 (steps 1.35-1.80) |" in body
+    # Whole offload: against the CPU's 2 s; half of it: against max(0.5, 0.2, 1.0) = 1 s.
+    assert "1.20 (zeroshard offload_optimizer, step_in_backward)" in body
+    assert f"1.50 ({label}: against 1.00 s," in body
 
 
 def test_budget_spent_skips_every_round(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,7 +133,12 @@ def test_budget_spent_skips_every_round(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize(
     "argv",
-    [["--rounds", "0"], ["--rounds", "2", "--search-layers", "2,3"]],
+    [
+        ["--rounds", "0"],
+        ["--rounds", "2", "--search-layers", "2,3"],
+        ["--offload-ratio", "1"],
+        ["--offload-ratio", "0"],
+    ],
 )
 def test_bad_rounds_are_refused(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
