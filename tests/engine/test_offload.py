@@ -25,6 +25,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer, reference_run
 from zeroshard.engine.runtime._offload_io import host_tensor
+from zeroshard.engine.runtime._offload_plan import choose_offloaded
 
 STEPS = 3
 MICRO = 2
@@ -79,6 +80,11 @@ def _parity_case(
     share = sum(g.layout.shard_numel for g in moved)
     total = sum(g.layout.shard_numel for g in opt.flat_groups)
     assert (share == total) == (ratio == 1.0) and share >= ratio * total, (share, total)
+    # The groups backward completes first go to the host, so the CPU starts stepping early
+    # and the last ones, the step's tail, step on the device: a prefix of stage 1/2's groups
+    # (gradient-ready order), a suffix of stage 3's (registration order).
+    groups = list(opt.flat_groups)
+    assert moved == (groups[len(groups) - len(moved) :] if stage == 3 else groups[: len(moved)])
     # offload_params: the device keeps no copy of the offloaded compute shards.
     assert (offloaded.compute_dev is None) == offload.get("offload_params", False)
     tol = 1e-5 if dtype == "fp32" else 2e-2
@@ -108,6 +114,13 @@ def _parity_case(
         theirs = torch.cat([(ref_state[k] - initial[k]).reshape(-1) for k in keys])
         err = float((ours - theirs).norm() / theirs.norm())
         assert err < 0.10, f"the update differs from the reference's by {err:.1%}"
+
+
+def test_choose_offloaded_takes_the_groups_backward_completes_first() -> None:
+    assert choose_offloaded([1, 2, 3, 4], 0.5, registration_order=False) == [0, 1, 2]
+    assert choose_offloaded([1, 2, 3, 4], 0.5, registration_order=True) == [2, 3]
+    assert choose_offloaded([4, 1, 1], 0.5, registration_order=False) == [0]
+    assert choose_offloaded([5, 5, 5], 1.0, registration_order=True) == [0, 1, 2]
 
 
 def _parity(device: str) -> None:

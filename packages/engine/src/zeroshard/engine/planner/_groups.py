@@ -107,7 +107,9 @@ def plan_groups(
     offloaded: set[int] = set()
     if cfg.offload.optimizer:
         numels = [lay.shard_numel for _, lay, _, _ in planned]
-        offloaded = set(choose_offloaded(numels, cfg.offload.ratio))
+        offloaded = set(
+            choose_offloaded(numels, cfg.offload.ratio, registration_order=cfg.stage == 3)
+        )
     groups = tuple(
         PlannedGroup(i, k, lay, unit, persistent, i in offloaded)
         for i, (k, lay, unit, persistent) in enumerate(planned)

@@ -19,17 +19,24 @@ from zeroshard.partition import ChunkLayout
 GRAD_SLOTS = 2
 
 
-def choose_offloaded(shard_numels: Sequence[int], ratio: float) -> list[int]:
-    """Positions of the groups, in order, whose shards make up about `ratio` of all shard
-    elements (every rank chooses the same: shard sizes are equal on every rank)."""
+def choose_offloaded(
+    shard_numels: Sequence[int], ratio: float, *, registration_order: bool
+) -> list[int]:
+    """Positions of the groups whose shards make up about `ratio` of all shard elements,
+    ascending: those whose gradients backward completes first, so that the CPU starts
+    stepping early in backward while the groups completed last, the step's tail, stay on
+    the device. Stage 1/2 groups come in gradient-ready order; stage 3's in registration
+    order (`registration_order`), which backward completes about last to first. Every
+    rank chooses the same: shard sizes are equal on every rank."""
     total = sum(shard_numels)
+    order = range(len(shard_numels))
     chosen: list[int] = []
     taken = 0
-    for i, numel in enumerate(shard_numels):
+    for i in reversed(order) if registration_order else order:
         if taken < ratio * total:
             chosen.append(i)
-            taken += numel
-    return chosen
+            taken += shard_numels[i]
+    return sorted(chosen)
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,11 @@ def initialize(
     offload = None
     if cfg.offload.optimizer:
         numels = [g.layout.shard_numel for g in groups]
-        chosen = [groups[i] for i in choose_offloaded(numels, cfg.offload.ratio)]
+        stage3 = cfg.stage == 3
+        chosen = [
+            groups[i]
+            for i in choose_offloaded(numels, cfg.offload.ratio, registration_order=stage3)
+        ]
         _check_offload_fits(chosen, cfg, shard_group, everyone, optimizer)
         offload = HostOffload(
             chosen,
