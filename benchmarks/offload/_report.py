@@ -252,7 +252,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         "adam-torch-fused": "torch AdamW fused=True (CPU)",
         "adam-torch-foreach": "torch AdamW foreach=True (CPU)",
         "adam-ds": "DeepSpeedCPUAdam",
-        "adam-zs-host": "zeroshard offloaded step alone (bf16 grads in, bf16 shards out)",
+        "adam-zs-host": "zeroshard offloaded step alone (bf16 grads in, fp32 masters up)",
         "adam-zs-host-compiled": "the same with offload_compiled_step",
     }
     adam_rows = []
