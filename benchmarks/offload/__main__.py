@@ -41,7 +41,8 @@ runs it has no time for become skipped rows, or a count of skipped rounds beside
 done ones. `--search-layers` instead trains zeroshard alone at each block count in turn, up
 to the first that fails: the largest that trains, with its peaks. A full run writes the
 "offload" section of docs/benchmarks.md (a search writes "offload-largest-stage<N>");
---smoke writes bench-out/."""
+--smoke writes bench-out/.
+"""
 
 from __future__ import annotations
 

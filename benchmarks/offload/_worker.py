@@ -85,10 +85,10 @@ def _gpt(a: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, GPTC
 
 def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     """Time one offloaded training step (bf16 compute, AdamW on the CPU); `zs-overlap`
-    steps the CPU inside backward (`step_in_backward`), `zs-ratio` too with the groups
-    beyond `offload_ratio` of the shards stepped on the device, `zs-dpu` beside the next forward and
-    backward (`offload_delay_param_update`: weights one step behind), `zs-clip` clips the
-    gradients' global norm first."""
+    steps the CPU inside backward (`step_in_backward`), `zs-ratio` too but with only
+    `offload_ratio` of the shards offloaded (the rest steps on the device), `zs-dpu` beside
+    the next forward and backward (`offload_delay_param_update`: weights one step behind),
+    `zs-clip` clips the gradients' global norm first."""
     device = _join_alone(a["smoke"])
     torch.manual_seed(0)
     start = time.perf_counter()
