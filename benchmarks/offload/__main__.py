@@ -30,18 +30,19 @@ backward) over as many parameters. A zeroshard part named with `-compiled` after
 (`train-zs-dpu-compiled`, `adam-zs-host-compiled`, ...) is the same with
 `offload_compiled_step`, so both run, alternated, in one run. Every part runs in a process
 of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT build or a
-timeout becomes a row saying so. `--rounds R` runs the `train-*` parts R times, each time
-in a process of its own, in alternating order (as listed in `--parts` in the first round,
-reversed in the second, ...); the other parts run once, in the first round where `--parts`
-lists them. A train row's step is the median of its rounds' (each a median of `--steps`),
-with every round's in brackets in the order run and the fastest and slowest single step of
-any round after them; tokens/s from it, the largest peaks and the median init; a part that
-fails is not run again and its row is the first failure. `--budget-s` covers every round:
-runs it has no time for become skipped rows, or a count of skipped rounds beside a row's
-done ones. `--search-layers` instead trains zeroshard alone at each block count in turn, up
-to the first that fails: the largest that trains, with its peaks. A full run writes the
-"offload" section of docs/benchmarks.md (a search writes "offload-largest-stage<N>");
---smoke writes bench-out/.
+timeout becomes a row saying so. `--rounds R` runs the `train-*` parts and
+`adam-torch-fused` R times, each time in a process of its own, in alternating order (as
+listed in `--parts` in the first round, reversed in the second, ...); the other parts run
+once, in the first round where `--parts` lists them. The CPU AdamW's rate is the median of
+its rounds, each round's given beside it. A train row's step is the median of its rounds'
+(each a median of `--steps`), with every round's in brackets in the order run and the
+fastest and slowest single step of any round after them; tokens/s from it, the largest
+peaks and the median init; a part that fails is not run again and its row is the first
+failure. `--budget-s` covers every round: runs it has no time for become skipped rows, or a
+count of skipped rounds beside a row's done ones. `--search-layers` instead trains
+zeroshard alone at each block count in turn, up to the first that fails: the largest that
+trains, with its peaks. A full run writes the "offload" section of docs/benchmarks.md (a
+search writes "offload-largest-stage<N>"); --smoke writes bench-out/.
 """
 
 from __future__ import annotations
@@ -57,7 +58,15 @@ from typing import Any
 
 from benchmarks._common import place_ranks, publish
 from benchmarks.offload._report import report
-from benchmarks.offload._rounds import SKIPPED, combine, is_train, schedule
+from benchmarks.offload._rounds import (
+    CPU_RESOURCE,
+    SKIPPED,
+    combine,
+    combine_rate,
+    is_train,
+    runs_every_round,
+    schedule,
+)
 
 WORKER = "benchmarks.offload._worker"  # run with -m from the repository root
 
@@ -189,8 +198,8 @@ def _limit(part: str, left: float, smoke: bool) -> float:
 
 
 def run_parts(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each part of `--parts` in order, then the train parts' further rounds, all within
-    the budget (untimed parts outside it); a train part's row from its rounds."""
+    """Each part of `--parts` in order, then the further rounds of the parts that run every
+    round, all within the budget (untimed parts outside it); their rows from their rounds."""
     parts = args.parts.split(",")
     for part in parts:
         if part not in LIMITS:
@@ -210,10 +219,17 @@ def run_parts(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dic
         ran.append(run_part(part, shared, _limit(part, left, args.smoke)))
         if part not in UNTIMED:
             spent += ran[-1]["wall_s"]
-        where = f" (round {index + 1}/{args.rounds})" if args.rounds > 1 and is_train(part) else ""
+        again = args.rounds > 1 and runs_every_round(part)
+        where = f" (round {index + 1}/{args.rounds})" if again else ""
         print(f"{part}{where}: {json.dumps(ran[-1])[:300]}", flush=True)
     tokens = args.micro_batch * args.seq_len
-    return {p: combine(rs, args.rounds, tokens) if is_train(p) else rs[0] for p, rs in runs.items()}
+    rows = {}
+    for p, rs in runs.items():
+        if is_train(p):
+            rows[p] = combine(rs, args.rounds, tokens)
+        else:
+            rows[p] = combine_rate(rs, args.rounds) if p == CPU_RESOURCE else rs[0]
+    return rows
 
 
 def search(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -116,10 +116,19 @@ def _resources(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> 
         f"{tr['h2d_dtype']} {tr['h2d_s']:.2f} s at "
         f"{tr['h2d_gb_per_s']:.1f} GB/s); CPU AdamW {cpu:.2f} s (torch fused over "
         f"{params / 1e9:.2f}B parameters at the rate measured over "
-        f"{adam['params'] / 1e9:g}B). Their sum is {sum(alone):.2f} s."
+        f"{adam['params'] / 1e9:g}B{_rate_rounds(adam)}). Their sum is {sum(alone):.2f} s."
         f"\n\nstep / max of the three (goal <= 1.15): {ratios}."
         + _against_own_step(args, results, done, params)
     )
+
+
+def _rate_rounds(adam: dict[str, Any]) -> str:
+    """The CPU AdamW's rate in each round, where it ran in more than one."""
+    rates = adam.get("rounds_params_per_s", [])
+    if len(rates) < 2:
+        return ""
+    each = " / ".join(f"{r / 1e9:.2f}" for r in rates)
+    return f": the median of {len(rates)} rounds' {each} G parameters/s, in the order run"
 
 
 def _against_own_step(
@@ -212,8 +221,9 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             "listed in --parts, then reversed, ...); step s is the median of the rounds' "
             "medians, each round's in brackets in the order run, tokens/s from the median, "
             "peaks the largest of any round, init the median. A row that fails in a round is "
-            "not run again and has no median. The other parts run once, in the first round "
-            "where --parts lists them."
+            "not run again and has no median. The CPU's AdamW alone runs every round too "
+            "(its rate the median of the rounds'); the other parts run once, in the first "
+            "round where --parts lists them."
             if args.rounds > 1
             else "."
         )

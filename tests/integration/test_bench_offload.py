@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks.offload.__main__ import parse_args, run_parts
 from benchmarks.offload._report import report
-from benchmarks.offload._rounds import SKIPPED, combine, schedule
+from benchmarks.offload._rounds import SKIPPED, combine, combine_rate, schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 2 * 64  # the smoke run's micro-batch x seq len
@@ -48,17 +48,39 @@ def _args(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespac
 
 
 def test_schedule_runs_other_parts_once_and_alternates_train_parts() -> None:
-    parts = ["fwd-bwd", "train-zs", "transfer", "train-zs-dpu", "train-ds"]
+    parts = ["fwd-bwd", "train-zs", "adam-torch-fused", "transfer", "train-zs-dpu", "train-ds"]
     assert schedule(parts, 1) == [(p, 0) for p in parts]
+    # The CPU's AdamW alone runs every round too, in its place among the train parts.
     assert schedule(parts, 3) == [
         *[(p, 0) for p in parts],
         ("train-ds", 1),
         ("train-zs-dpu", 1),
+        ("adam-torch-fused", 1),
         ("train-zs", 1),
         ("train-zs", 2),
+        ("adam-torch-fused", 2),
         ("train-zs-dpu", 2),
         ("train-ds", 2),
     ]
+
+
+def test_combine_rate_median_of_rounds_or_first_failure() -> None:
+    def rate(g: float) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "params": 10**9,
+            "params_per_s": g * 1e9,
+            "step_s": 1 / g,
+            "wall_s": 9.0,
+        }
+
+    row = combine_rate([rate(3.72), rate(4.70), rate(4.0)], 3)
+    assert row["ok"] and row["params_per_s"] == 4.0e9 and row["step_s"] == 1 / 4.0
+    assert row["rounds_params_per_s"] == [3.72e9, 4.70e9, 4.0e9] and row["wall_s"] == 27.0
+    crash = {"ok": False, "error": "killed", "wall_s": 1.0}
+    assert combine_rate([rate(4.0), crash], 2)["error"] == "round 2/2: killed"
+    skip = {"ok": False, "error": SKIPPED, "wall_s": 0.0}
+    assert combine_rate([rate(4.0), skip], 2)["rounds_params_per_s"] == [4.0e9]
 
 
 def test_combine_median_of_rounds_largest_peaks() -> None:
@@ -154,7 +176,8 @@ def test_a_part_listed_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.slow
 def test_smoke_two_rounds_report_median_of_each_round() -> None:
     """Two rounds of two train rows on the CPU: the rows run in alternating order, and each
-    row's step is the median of the rounds' steps the runs printed, shown in run order."""
+    row's step is the median of the rounds' steps the runs printed, shown in run order; the
+    CPU's AdamW alone runs in both rounds too, and the resources line takes its median."""
     train = ["train-zs", "train-zs-overlap"]
     parts = ",".join(
         ["fwd-bwd", "transfer", "host-stream", "adam-torch-fused", "adam-zs-host", *train]
@@ -183,8 +206,19 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
         assert found, (part, key)
         return float(found.group(1))
 
+    # The CPU's AdamW alone ran first in round 1 and last in round 2, after the train rows.
+    adam_runs = re.findall(r"^(adam-torch-fused|train-zs) \(round (\d)/2\): (\{.*\})$", out, re.M)
+    assert [(p, int(i)) for p, i, _ in adam_runs] == [
+        ("adam-torch-fused", 1),
+        ("train-zs", 1),
+        ("train-zs", 2),
+        ("adam-torch-fused", 2),
+    ]
+    rates = [json.loads(r)["params_per_s"] for p, _, r in adam_runs if p == "adam-torch-fused"]
+    each = " / ".join(f"{r / 1e9:.2f}" for r in rates)
+    assert f"the median of 2 rounds' {each} G parameters/s, in the order run" in out
     # What the resources line divides by: the slowest of the three alone.
-    cpu = printed("train-zs", "params") / printed("adam-torch-fused", "params_per_s")
+    cpu = printed("train-zs", "params") / statistics.median(rates)
     slowest = max(printed("fwd-bwd", "step_s"), printed("transfer", "step_s"), cpu)
     labels = ["zeroshard offload_optimizer", "zeroshard offload_optimizer, step_in_backward"]
     for part, label in zip(train, labels, strict=True):
@@ -220,5 +254,5 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
     assert f"for {params / 1e9:.2f}B parameters: torch's fused AdamW" in out
     for nbytes in (28, 26, 6):
         assert f"({nbytes} bytes" in out and f"{nbytes * params / bw:.2f} s" in out
-    moved = 28 * printed("adam-torch-fused", "params_per_s") / 1e9
+    moved = 28 * statistics.median(rates) / 1e9
     assert f"(alone it moved {moved:.0f} GB/s)" in out
