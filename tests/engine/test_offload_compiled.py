@@ -90,6 +90,7 @@ def _close(device: str) -> None:
         {"stage": 2, "accum": 2, "early": True},
         {"stage": 3, "early": True, "params": True},
         {"stage": 2, "dtype": "fp32", "clip": 0.05, "ratio": 0.5},
+        {"stage": 2, "early": True, "ratio": 0.5},  # benchmarks/offload's train-zs-ratio
     ]
     kinds = ("adam", "amsgrad", "maximize", "lr-tensor")
     cases += [{"stage": 2, "dtype": "fp32", "accum": 2, "kind": k, "clip": 0.05} for k in kinds]

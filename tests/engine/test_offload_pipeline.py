@@ -116,6 +116,14 @@ def _same(device: str) -> None:
     cases += [
         {"stage": s, "dtype": "bf16", "accum": a, "own": True} for s in (2, 3) for a in (1, 2)
     ]
+    # A share offloaded under step_in_backward (the device steps the rest at step()); many
+    # small groups here, so both parts hold several at either stage.
+    cases += [
+        {"stage": s, "dtype": "bf16", "accum": 1, "early": True, "ratio": 0.5} for s in (2, 3)
+    ]
+    cases.append(
+        {"stage": 3, "dtype": "bf16", "accum": 1, "early": True, "ratio": 0.5, "params": True}
+    )
     run_each(cases, lambda **c: _same_case(device, **c))
 
 
