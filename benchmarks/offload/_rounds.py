@@ -16,8 +16,6 @@ import statistics
 from typing import Any
 
 SKIPPED = "skipped: time budget spent"
-
-
 # The resource alone that runs every round beside the train parts (see above).
 CPU_RESOURCE = "adam-torch-fused"
 
