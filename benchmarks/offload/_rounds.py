@@ -41,16 +41,23 @@ def schedule(parts: list[str], rounds: int) -> list[tuple[str, int]]:
     return order
 
 
-def combine_rate(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
-    """The CPU's resource from its runs in the order run: the first failed round is the
-    row; else the median rate (and step), each round's rate, and the wall time of all."""
+def _failed(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any] | None:
+    """The row of a part whose rounds give no median: its first failed round, named, or
+    the budget's skip where every round was skipped; None where some round ran."""
     for index, r in enumerate(runs):
         if not r["ok"] and r["error"] != SKIPPED:
             where = f"round {index + 1}/{rounds}: " if rounds > 1 else ""
             return {**r, "error": where + r["error"]}
+    return None if any(r["ok"] for r in runs) else runs[0]
+
+
+def combine_rate(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """The CPU's resource from its runs in the order run: the first failed round is the
+    row; else the median rate (and step), each round's rate, and the wall time of all."""
+    failed = _failed(runs, rounds)
+    if failed is not None:
+        return failed
     done = [r for r in runs if r["ok"]]
-    if not done:
-        return runs[0]
     return {
         **done[-1],
         "params_per_s": statistics.median(r["params_per_s"] for r in done),
@@ -66,13 +73,10 @@ def combine(runs: list[dict[str, Any]], rounds: int, tokens: int) -> dict[str, A
     round is the row (no median); else the median step (tokens/s from it) and init, the
     largest peaks, each round's step, the fastest and slowest step of any round, and how
     many rounds the budget skipped."""
-    for index, r in enumerate(runs):
-        if not r["ok"] and r["error"] != SKIPPED:
-            where = f"round {index + 1}/{rounds}: " if rounds > 1 else ""
-            return {**r, "error": where + r["error"]}
+    failed = _failed(runs, rounds)
+    if failed is not None:
+        return failed
     done = [r for r in runs if r["ok"]]
-    if not done:
-        return runs[0]
     step = statistics.median(r["step_s"] for r in done)
     return {
         **done[-1],
