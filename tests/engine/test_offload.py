@@ -77,14 +77,22 @@ def _parity_case(
     # rest stays where it was, on the device.
     moved = [g for g in opt.flat_groups if g.offload is not None]
     assert moved == offloaded.groups and all(g.master.device.type == "cpu" for g in moved)
-    share = sum(g.layout.shard_numel for g in moved)
-    total = sum(g.layout.shard_numel for g in opt.flat_groups)
-    assert (share == total) == (ratio == 1.0) and share >= ratio * total, (share, total)
-    # The groups backward completes first go to the host, so the CPU starts stepping early
-    # and the last ones, the step's tail, step on the device: a prefix of stage 1/2's groups
-    # (gradient-ready order), a suffix of stage 3's (registration order).
     groups = list(opt.flat_groups)
-    assert moved == (groups[len(groups) - len(moved) :] if stage == 3 else groups[: len(moved)])
+    if ratio == 1.0:
+        assert moved == groups
+    else:
+        # The ratio is of the trainable elements; frozen groups, which have no optimizer
+        # state, stay on the device. The groups backward completes first go to the host,
+        # so the CPU starts stepping early and the last ones, the step's tail, step on the
+        # device: a prefix of stage 1/2's trainable groups (gradient-ready order), a suffix
+        # of stage 3's (registration order).
+        trainable = [g for g in groups if g.trainable]
+        assert len(trainable) < len(groups), "the model has no frozen group to keep"
+        share = sum(g.layout.shard_numel for g in moved)
+        total = sum(g.layout.shard_numel for g in trainable)
+        assert ratio * total <= share < total, (share, total)
+        n = len(moved)
+        assert moved == (trainable[len(trainable) - n :] if stage == 3 else trainable[:n])
     # offload_params: the device keeps no copy of the offloaded compute shards.
     assert (offloaded.compute_dev is None) == offload.get("offload_params", False)
     tol = 1e-5 if dtype == "fp32" else 2e-2
@@ -117,10 +125,21 @@ def _parity_case(
 
 
 def test_choose_offloaded_takes_the_groups_backward_completes_first() -> None:
-    assert choose_offloaded([1, 2, 3, 4], 0.5, registration_order=False) == [0, 1, 2]
-    assert choose_offloaded([1, 2, 3, 4], 0.5, registration_order=True) == [2, 3]
-    assert choose_offloaded([4, 1, 1], 0.5, registration_order=False) == [0]
-    assert choose_offloaded([5, 5, 5], 1.0, registration_order=True) == [0, 1, 2]
+    every = [True] * 4
+    assert choose_offloaded([1, 2, 3, 4], every, 0.5, registration_order=False) == [0, 1, 2]
+    assert choose_offloaded([1, 2, 3, 4], every, 0.5, registration_order=True) == [2, 3]
+    assert choose_offloaded([4, 1, 1], every[:3], 0.5, registration_order=False) == [0]
+    assert choose_offloaded([5, 5, 5], every[:3], 1.0, registration_order=True) == [0, 1, 2]
+
+
+def test_choose_offloaded_counts_trainable_groups_only() -> None:
+    # A large frozen group neither takes the CPU's share nor goes to the host below 1.
+    frozen_first = [False, True, True, True]
+    assert choose_offloaded([90, 2, 2, 2], frozen_first, 0.5, registration_order=False) == [1, 2]
+    assert choose_offloaded([90, 2, 2, 2], frozen_first, 0.5, registration_order=True) == [2, 3]
+    # At 1 everything goes, frozen masters too (as with no ratio at all).
+    assert choose_offloaded([90, 2], [False, True], 1.0, registration_order=False) == [0, 1]
+    assert choose_offloaded([3, 3], [False, False], 0.5, registration_order=False) == []
 
 
 def _parity(device: str) -> None:

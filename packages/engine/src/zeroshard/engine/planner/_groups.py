@@ -107,8 +107,11 @@ def plan_groups(
     offloaded: set[int] = set()
     if cfg.offload.optimizer:
         numels = [lay.shard_numel for _, lay, _, _ in planned]
+        trainable = [k.requires_grad for k, _, _, _ in planned]
         offloaded = set(
-            choose_offloaded(numels, cfg.offload.ratio, registration_order=cfg.stage == 3)
+            choose_offloaded(
+                numels, trainable, cfg.offload.ratio, registration_order=cfg.stage == 3
+            )
         )
     groups = tuple(
         PlannedGroup(i, k, lay, unit, persistent, i in offloaded)

@@ -20,20 +20,28 @@ GRAD_SLOTS = 2
 
 
 def choose_offloaded(
-    shard_numels: Sequence[int], ratio: float, *, registration_order: bool
+    shard_numels: Sequence[int],
+    trainable: Sequence[bool],
+    ratio: float,
+    *,
+    registration_order: bool,
 ) -> list[int]:
-    """Positions of the groups whose shards make up about `ratio` of all shard elements,
-    ascending: those whose gradients backward completes first, so that the CPU starts
-    stepping early in backward while the groups completed last, the step's tail, stay on
-    the device. Stage 1/2 groups come in gradient-ready order; stage 3's in registration
-    order (`registration_order`), which backward completes about last to first. Every
-    rank chooses the same: shard sizes are equal on every rank."""
-    total = sum(shard_numels)
+    """Positions of the groups to offload, ascending. At `ratio` 1, all of them. Below 1,
+    trainable groups whose shards make up about `ratio` of the trainable shard elements:
+    those whose gradients backward completes first, so that the CPU starts stepping early
+    in backward while the groups completed last, the step's tail, stay on the device.
+    Frozen groups then stay too: they hold no optimizer state, and counting them would let
+    them take the CPU's share. Stage 1/2 groups come in gradient-ready order; stage 3's in
+    registration order (`registration_order`), which backward completes about last to
+    first. Every rank chooses the same: shard sizes are equal on every rank."""
+    if ratio >= 1:
+        return list(range(len(shard_numels)))
+    total = sum(n for n, t in zip(shard_numels, trainable, strict=True) if t)
     order = range(len(shard_numels))
     chosen: list[int] = []
     taken = 0
     for i in reversed(order) if registration_order else order:
-        if taken < ratio * total:
+        if trainable[i] and taken < ratio * total:
             chosen.append(i)
             taken += shard_numels[i]
     return sorted(chosen)

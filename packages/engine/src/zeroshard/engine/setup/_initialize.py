@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -218,13 +218,8 @@ def initialize(
     else:
         groups = _flatten_stage12(model, cfg, place, param_group_of)
     offload = None
-    if cfg.offload.optimizer:
-        numels = [g.layout.shard_numel for g in groups]
-        stage3 = cfg.stage == 3
-        chosen = [
-            groups[i]
-            for i in choose_offloaded(numels, cfg.offload.ratio, registration_order=stage3)
-        ]
+    chosen = _offloaded_groups(groups, cfg) if cfg.offload.optimizer else []
+    if chosen:  # empty only below ratio 1 with nothing trainable
         _check_offload_fits(chosen, cfg, shard_group, everyone, optimizer)
         offload = HostOffload(
             chosen,
@@ -299,6 +294,17 @@ def _state_floats(optimizer: torch.optim.Optimizer) -> int:
         pgs = optimizer.param_groups
         return 1 + any(pg.get("centered") for pg in pgs) + any(pg.get("momentum") for pg in pgs)
     return _STATE_FLOATS.get(name, 2)
+
+
+def _offloaded_groups(groups: Sequence[FlatParamGroup], cfg: ZeroConfig) -> list[FlatParamGroup]:
+    """The groups `cfg.offload.ratio` sends to the host (see `choose_offloaded`)."""
+    chosen = choose_offloaded(
+        [g.layout.shard_numel for g in groups],
+        [g.trainable for g in groups],
+        cfg.offload.ratio,
+        registration_order=cfg.stage == 3,
+    )
+    return [groups[i] for i in chosen]
 
 
 def _check_offload_fits(
