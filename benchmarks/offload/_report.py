@@ -62,6 +62,18 @@ def _status(r: dict[str, Any]) -> str:
     )
 
 
+_TRAIN_COLUMNS = [
+    "engine",
+    "params",
+    "step s",
+    "tokens/s",
+    "GPU peak GiB",
+    "host peak GiB",
+    "init s",
+    "",
+]
+
+
 def _train_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> list[list[str]]:
     rows = []
     for p, r in results.items():
@@ -231,10 +243,11 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     )
     if args.search_layers:
         body = body.replace(f"{args.layers} blocks", "blocks as below")
-    body += markdown_table(
-        ["engine", "params", "step s", "tokens/s", "GPU peak GiB", "host peak GiB", "init s", ""],
-        _train_rows(args, results),
-    )
+    rows = _train_rows(args, results)
+    if rows:
+        body += markdown_table(_TRAIN_COLUMNS, rows)
+    else:  # no training part ran (the CPU's step alone, say): no model, no empty table
+        body = ""
     if args.search_layers:
         fits = [r for r in results.values() if r.get("ok")]
         # A size skipped for lack of time is no failure: only a size that ran and failed
@@ -309,4 +322,4 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         body += f"\n\nDeepSpeedCPUAdam extension build (untimed, outside the budget): {done}."
     times = ", ".join(f"{p} {_wall(r)}" for p, r in results.items())
     body += f"\n\nWall time per part: {times}."
-    return body
+    return body.lstrip("\n")  # without training rows it began at a paragraph break

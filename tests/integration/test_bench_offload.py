@@ -145,6 +145,22 @@ def test_ratio_row_is_judged_against_its_share() -> None:
     assert f"1.50 ({label}: against 1.00 s," in body
 
 
+def test_cpu_step_parts_alone_have_no_training_table() -> None:
+    """With only the CPU's optimizer parts run, the report has their table and no empty
+    training table or model line."""
+    args = argparse.Namespace(
+        preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
+        steps=3, warmup=1, rounds=1, search_layers="", offload_params=False, stage=2,
+        chunk=2**20, adam_steps=3, offload_ratio=0.7,
+    )  # fmt: skip
+    adam = dict(ok=True, params=10**9, params_per_s=4e9, step_s=0.25, threads=16, wall_s=20.0)
+    body = report(args, {"adam-torch-fused": adam, "adam-zs-host-compiled": adam})
+    assert "| torch AdamW fused=True (CPU) | 1B | 4,000M |" in body
+    assert body.startswith("CPU optimizer step") and "| engine |" not in body
+    body = report(args, {"adam-torch-fused": adam, "train-zs-overlap": _run(2.4)})
+    assert "| engine |" in body and "GPT `7b` width" in body
+
+
 def test_budget_spent_skips_every_round(monkeypatch: pytest.MonkeyPatch) -> None:
     args = _args(["--parts", "fwd-bwd,train-zs", "--rounds", "2", "--budget-s", "0"], monkeypatch)
     results = run_parts(args, {})
