@@ -122,14 +122,19 @@ def test_combine_failure_is_the_row_and_budget_skips_are_counted() -> None:
     assert "train-zs 60s (30 / 30)" in body
 
 
+def _report_args(offload_ratio: float) -> argparse.Namespace:
+    """A 7.06B stage-2 run's arguments, one round, as `report` reads them."""
+    return argparse.Namespace(
+        preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
+        steps=3, warmup=1, rounds=1, search_layers="", offload_params=False, stage=2,
+        chunk=2**20, adam_steps=3, offload_ratio=offload_ratio,
+    )  # fmt: skip
+
+
 def test_ratio_row_is_judged_against_its_share() -> None:
     """A `train-zs-ratio` row names its ratio, and the resources line judges it against
     the bus's and the CPU's work for the share it offloads (the others against all)."""
-    args = argparse.Namespace(
-        preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
-        steps=3, warmup=1, rounds=1, search_layers="", offload_params=False, stage=2,
-        chunk=2**20, adam_steps=3, offload_ratio=0.5,
-    )  # fmt: skip
+    args = _report_args(offload_ratio=0.5)
     resources = {
         "fwd-bwd": {"ok": True, "step_s": 0.5},
         "transfer": dict(ok=True, step_s=0.4, d2h_s=0.2, d2h_gb_per_s=50.0, h2d_s=0.2)
@@ -148,11 +153,7 @@ def test_ratio_row_is_judged_against_its_share() -> None:
 def test_cpu_step_parts_alone_have_no_training_table() -> None:
     """With only the CPU's optimizer parts run, the report has their table and no empty
     training table or model line."""
-    args = argparse.Namespace(
-        preset="7b", layers=34, seq_len=2048, micro_batch=4, activation_checkpointing=True,
-        steps=3, warmup=1, rounds=1, search_layers="", offload_params=False, stage=2,
-        chunk=2**20, adam_steps=3, offload_ratio=0.7,
-    )  # fmt: skip
+    args = _report_args(offload_ratio=0.7)
     adam = dict(ok=True, params=10**9, params_per_s=4e9, step_s=0.25, threads=16, wall_s=20.0)
     body = report(args, {"adam-torch-fused": adam, "adam-zs-host-compiled": adam})
     assert "| torch AdamW fused=True (CPU) | 1B | 4,000M |" in body
