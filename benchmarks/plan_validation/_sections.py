@@ -94,40 +94,84 @@ def validation() -> str:
     return head + "\n".join(rows)
 
 
-def offload_validation() -> str:
-    """GPU and host memory of the offload runs in docs/benchmarks.md (no step time: the
-    one-GPU compute figure of those models on that device was not measured)."""
+# A training row of an offload section: label, stage, params, step s, GPU and host peak GiB.
+_OFFLOAD_ROW = re.compile(
+    r"^\| (zeroshard offload_optimizer[^|]*) \(stage (\d)\) \| ([\d.]+)B \| ([\d.]+)[^|]* \| "
+    r"[\d,]+ \| ([\d.]+) \| ([\d.]+) \|",
+    re.M,
+)
+
+
+def _offload_sections() -> list[tuple[str, str]]:
+    """(name, body) of each offload section of docs/benchmarks.md measured with the fp32
+    masters going up (the engine since 664620e) and with each resource alone beside it."""
     text = DOC.read_text()
-    rows = [
-        "| section (docs/benchmarks.md) | measured on | params | GPU peak GiB est / meas | "
-        "host GiB est / meas (RSS) |",
-        "|---|---|---|---|---|",
-    ]
-    for name in ("offload", "offload_4b"):
+    out = []
+    for name in re.findall(r"<!-- (offload[\w-]*):start -->", text):
         body = text.split(f"<!-- {name}:start -->")[1].split(f"<!-- {name}:end -->")[0]
-        on = re.search(r"Measured (\S+) on 1 x ([^;]+);", body)
+        if "Each resource alone" in body and "up in float32" in body:
+            out.append((name, body))
+    return out
+
+
+def offload_validation() -> str:
+    """GPU and host memory and the step of the offload runs in docs/benchmarks.md, each
+    estimated from that run's GPU forward + backward and CPU AdamW measured alone."""
+    rows = [
+        "| section (docs/benchmarks.md) | measured on | params | zeroshard | "
+        "GPU peak GiB est / meas | host GiB est / meas (RSS) | step s est / meas |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, body in _offload_sections():
+        on = re.search(r"Measured (\S+) on 1 x ([^;(]+)", body)
         shape = re.search(r"(\d+) blocks, seq (\d+), micro-batch (\d+)", body)
-        row = re.search(
-            r"\| zeroshard offload_optimizer \(stage (\d)\) \| ([\d.]+B) \| "
-            r"[\d.]+ \| [\d,]+ \| ([\d.]+) \| ([\d.]+) \|",
-            body,
-        )
-        if not (on and shape and row):
-            continue
+        gpu_s = re.search(r"GPU forward \+ backward ([\d.]+) s", body)
+        cpu = re.search(r"CPU AdamW ([\d.]+) s \(torch fused over ([\d.]+)B parameters", body)
+        assert on and shape and gpu_s and cpu, f"section {name} changed shape"
         layers, seq, mb = (int(x) for x in shape.groups())
         model = build("7b", activation_checkpointing=True, n_layer=layers)
-        cfg = ZeroConfig.from_dict(
-            {"stage": int(row[1]), "compute_dtype": "bf16", "offload_optimizer": True}
-        )
-        e = estimate(model, cfg, 1, mb, seq)
-        gpu, host = float(row[3]), float(row[4])
-        rows.append(
-            f"| {name} | 1 x {on[2]}, {on[1]} | {row[2]} | "
-            f"{e.peak / GIB:.1f} / {gpu:.1f} ({_pct(e.peak / GIB, gpu)}) | "
-            f"{e.host / GIB:.1f} / {host:.1f} |"
-        )
+        rate = float(cpu[2]) * 1e9 / float(cpu[1])
+        compute = Compute(step_s=float(gpu_s[1]), recompute=True, cpu_adam_params_per_s=rate)
+        for row in _OFFLOAD_ROW.finditer(body):
+            label = row[1]
+            if "clip_grad_norm_" in label:
+                continue  # the model has no clipping
+            ratio = re.search(r"offload_ratio ([\d.]+)", label)
+            cfg = ZeroConfig.from_dict(
+                {
+                    "stage": int(row[2]),
+                    "compute_dtype": "bf16",
+                    "offload_optimizer": True,
+                    "offload_ratio": float(ratio[1]) if ratio else 1.0,
+                    "offload_params": "offload_params" in label,
+                    "offload_delay_param_update": "delay_param_update" in label,
+                }
+            )
+            e = estimate(
+                model,
+                cfg,
+                1,
+                mb,
+                seq,
+                compute=compute,
+                step_in_backward="step_in_backward" in label,
+            )
+            assert e.step is not None
+            step, gpu, host = float(row[4]), float(row[5]), float(row[6])
+            what = label.removeprefix("zeroshard offload_optimizer").lstrip(", ") or "serial"
+            rows.append(
+                f"| {name} | 1 x {on[2].strip()}, {on[1]} | {row[3]}B | {what} | "
+                f"{e.peak / GIB:.1f} / {gpu:.1f} ({_pct(e.peak / GIB, gpu)}) | "
+                f"{e.host / GIB:.1f} / {host:.1f} | "
+                f"{e.step.total_s:.2f} / {step:.2f} ({_pct(e.step.total_s, step)}) |"
+            )
     return (
-        "Offload, stage 2, one GPU, GPT `7b` width, activation checkpointing, bf16. The "
+        "Offload, one GPU, GPT `7b` width, activation checkpointing, bf16, AdamW: the runs "
+        "of docs/benchmarks.md's offload sections that measured each resource alone with "
+        "the engine's current upload (the fp32 masters go up). Each step is estimated from "
+        "that run's own GPU forward + backward and torch's fused CPU AdamW rate "
+        "([Note: the offload model] in the planner's _step_time.py). The GPU figure "
+        "leaves out the device share's optimizer step of an `offload_ratio` below 1. The "
         "host figure measured is the process's peak resident memory (ru_maxrss: CUDA and "
         "torch libraries, the model built for initialization and allocator slack included), "
         "so only the estimate's host buffers are comparable, not equal.\n\n" + "\n".join(rows)

@@ -39,6 +39,11 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         (["gpt-9000", "--world", "2"], "unknown preset 'gpt-9000'"),
         (["tiny", "--world", "0"], "--world must be >= 1"),
         (["tiny", "--world", "2", "--stage", "2", "--offload", "params"], "needs --stage 3"),
+        (["tiny", "--world", "2", "--offload-overlap", "backward"], "needs --offload"),
+        (
+            ["tiny", "--world", "2", "--offload", "optimizer", "--offload-overlap", "delayed"],
+            "needs --stage 1 or 2",
+        ),
         (["/nonexistent/config.json", "--world", "2"], "no such config file"),
     ],
 )
@@ -92,6 +97,18 @@ def test_nvlink_defaults_are_the_fit_of_the_measured_curves() -> None:
     link = val.nvlink_fit()
     assert round(link.gbps, 1) == NVLINK_GBPS_FIT
     assert round(link.latency_us, 1) == NVLINK_LATENCY_US_FIT
+
+
+def test_offload_validation_reads_every_offload_run_it_names() -> None:
+    """The generator of docs/scaling.md's offload rows parses docs/benchmarks.md as it is
+    (a section it once read was removed and it raised), and the GPU peak it estimates is
+    within 5% of each measured one."""
+    val = _load("plan_validation", ROOT / "benchmarks" / "plan_validation" / "_sections.py")
+    rows = [r for r in val.offload_validation().splitlines() if r.startswith("| offload")]
+    assert len(rows) >= 3
+    for row in rows:
+        est, meas = (float(x) for x in row.split(" | ")[4].split(" (")[0].split(" / "))
+        assert est == pytest.approx(meas, rel=0.05), row
 
 
 def _cpu_profiler_peak(model: torch.nn.Module, idx: torch.Tensor) -> int:

@@ -27,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     p.add_argument("--shard-group-size", type=int, help="hybrid: shard within groups of this size")
     p.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
+    p.add_argument(
+        "--offload-overlap",
+        choices=("none", "backward", "delayed"),
+        default="none",
+        help="the CPU step beside backward (step_in_backward) or beside the next forward "
+        "and backward (delay_param_update); default: after backward",
+    )
     p.add_argument("--dtype", default="bf16", help="compute dtype (bf16, fp16, fp32)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--prefetch-bytes", type=int, help="stage 3 prefetch bytes")
@@ -54,6 +61,7 @@ def _config(a: argparse.Namespace) -> ZeroConfig:
             "shard_group_size": a.shard_group_size,
             "offload_optimizer": a.offload != "none",
             "offload_params": a.offload == "params",
+            "offload_delay_param_update": a.offload_overlap == "delayed",
             **extra,
         }
     )
@@ -78,6 +86,10 @@ def _check(a: argparse.Namespace) -> None:
         )
     if a.offload == "params" and a.stage != 3:
         raise ValueError("--offload params needs --stage 3")
+    if a.offload_overlap != "none" and a.offload == "none":
+        raise ValueError("--offload-overlap needs --offload")
+    if a.offload_overlap == "delayed" and a.stage == 3:
+        raise ValueError("--offload-overlap delayed (delay_param_update) needs --stage 1 or 2")
     if a.micro_batch < 1 or (a.seq is not None and a.seq < 1):
         raise ValueError("--micro-batch and --seq must be >= 1")
     if a.memory_limit_gib is not None and not a.memory_limit_gib > 0:
@@ -105,11 +117,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
         def run(c: ZeroConfig, comp: Compute | None = compute) -> Estimate:
-            return estimate(model, c, a.world, a.micro_batch, seq, compute=comp, cluster=cluster)
+            # Where the config allows it (offload, stages 2/3), backward steps the CPU.
+            in_backward = a.offload_overlap == "backward" and c.offload.optimizer and c.stage > 1
+            return estimate(
+                model,
+                c,
+                a.world,
+                a.micro_batch,
+                seq,
+                compute=comp,
+                cluster=cluster,
+                step_in_backward=in_backward,
+            )
 
         print(run(cfg).table())
         if a.memory_limit_gib is not None:
-            units = plan_groups(model, cfg.replace(stage=3), 1).units
+            stage3 = cfg.replace(stage=3, offload_delay_param_update=False)
+            units = plan_groups(model, stage3, 1).units
             largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
             configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
             if compute is not None and compute.cpu_adam_params_per_s is None:

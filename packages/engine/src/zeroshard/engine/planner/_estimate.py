@@ -22,7 +22,12 @@ from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.planner._activations import LossFn, default_loss, measure_activations
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
-from zeroshard.engine.planner._step_time import Compute, StepTime, project_step
+from zeroshard.engine.planner._step_time import (
+    Compute,
+    StepTime,
+    check_step_in_backward,
+    project_step,
+)
 from zeroshard.engine.runtime._host_adam import steps_in_blocks
 
 GIB = 2**30
@@ -106,10 +111,11 @@ class Estimate:
             )
         if self.step is not None:
             s = self.step
+            cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
             lines += [
                 "",
                 f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}, communication "
-                f"{s.comm_s * 1e3:.0f}, exposed {s.exposed_s * 1e3:.0f}; {s.bound}-bound), "
+                f"{s.comm_s * 1e3:.0f}{cpu}, exposed {s.exposed_s * 1e3:.0f}; {s.bound}-bound), "
                 f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
             ]
         return "\n".join(lines)
@@ -146,18 +152,22 @@ def estimate(
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: LossFn = default_loss,
     optimizer_bytes_per_element: int = 8,
+    step_in_backward: bool = False,
 ) -> Estimate:
     """Per-rank memory and (given `compute`) step time of `model` trained under `config`.
 
     `model` must be on the meta device (nothing is allocated). `optimizer_bytes_per_element`
     is the optimizer state per fp32 master element (AdamW: m and v, 8); `loss_fn(model,
-    idx)` runs one micro-batch of token ids (default: next-token cross entropy).
+    idx)` runs one micro-batch of token ids (default: next-token cross entropy);
+    `step_in_backward`: each backward runs under the optimizer's `step_in_backward()`.
     """
     cfg = as_config(config)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    if step_in_backward:
+        check_step_in_backward(cfg)
     shard = cfg.shard_group_size or world_size
     if world_size % shard:
         raise ValueError(
@@ -179,7 +189,9 @@ def estimate(
         pinned = plan.offload.pinned_bytes
     step = None
     if compute is not None:
-        step = project_step(plan, cfg, world_size, cluster or Cluster(), compute)
+        step = project_step(
+            plan, cfg, world_size, cluster or Cluster(), compute, step_in_backward=step_in_backward
+        )
     return Estimate(
         world_size=world_size,
         shard_size=shard,

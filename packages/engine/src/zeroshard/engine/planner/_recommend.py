@@ -20,9 +20,11 @@ class Recommendation:
 def candidate_configs(
     base: ZeroConfig, world: int, gpus_per_node: int, largest_unit_bytes: int
 ) -> list[ZeroConfig]:
-    """Stages 2 and 3, full sharding or shard groups of one node, offload off or on; at
-    stage 3 also `prefetch_bytes` raised to hold `prefetch_depth` of the largest units
-    (below that the engine does not prefetch them at all)."""
+    """Stages 2 and 3, full sharding or shard groups of one node, offload off or on (with
+    `base`'s delay_param_update where that is allowed: stage 2); at stage 3 also
+    `prefetch_bytes` raised to hold `prefetch_depth` of the largest units (below that the
+    engine does not prefetch them at all)."""
+    delayed = base.offload.delay_param_update
     shards = sorted({world, *([gpus_per_node] if gpus_per_node < world else [])})
     enough = max(1, largest_unit_bytes * base.stage3.prefetch_depth)
     out = []
@@ -40,6 +42,7 @@ def candidate_configs(
                             offload_optimizer=offload,
                             offload_ratio=1.0,
                             offload_params=False,
+                            offload_delay_param_update=delayed and offload and stage == 2,
                             prefetch_bytes=nbytes,
                         )
                     )

@@ -9,8 +9,23 @@ so forward takes max(compute, gathers) plus the first gather, which nothing hide
 backward likewise hides its gathers, reduce-scatters and (hybrid) replica all-reduces
 behind its compute, all on one communication stream, except the last group's reduction.
 Stage 2 reduces in backward the same way; stage 1 reduces after backward. Stages 1/2
-all-gather the updated parameters after the step, exposed. An offloaded optimizer steps
-on the CPU, exposed, at a measured CPU AdamW rate.
+all-gather the updated parameters after the step, exposed.
+
+[Note: the offload model]
+An offloaded optimizer steps on the CPU, whose step is bound by host memory: it is
+priced at the bytes it moves there, at the rate a measured torch fused AdamW achieved
+(28 bytes a parameter: fp32 master, exp_avg and exp_avg_sq read and written, an fp32
+gradient read). The offloaded step moves the master and moments (24 bytes), the gradient
+that the bus writes and the step reads (twice the reduce dtype), and what goes up: the
+fp32 master the bus reads (4), or with `offload.params` the compute-dtype shard the step
+writes (its lines read first) and stage 3's forward and backward gathers each read (4 x
+its itemsize). The bus's copies count because they land in and leave from the same
+memory: at bf16, 32 bytes against fused AdamW's 28, and on H200 hosts the
+`delay_param_update` step took 1.06-1.33x fused AdamW alone (docs/benchmarks.md,
+offload-goal1-memory). The serial step adds that CPU time to the GPU's; under
+`step_in_backward()` the CPU steps groups as backward hands them over, so backward and
+the CPU overlap and the next forward waits; with `offload.delay_param_update` the CPU
+step runs beside the next forward and backward, so the step is the longer of the two.
 """
 
 from __future__ import annotations
@@ -31,7 +46,8 @@ class Compute:
             on the same micro-batch; or None to use `flops_per_step / flops_per_s`.
         flops_per_step / flops_per_s: model FLOPs of a step and a measured achieved rate.
         recompute: activation checkpointing (the backward recomputes the forward).
-        cpu_adam_params_per_s: measured CPU AdamW rate (offload); None: offload unpriced.
+        cpu_adam_params_per_s: measured rate of torch's fused CPU AdamW, parameters a second
+            on the host's cores (offload); None: offload unpriced.
     """
 
     step_s: float | None = None
@@ -58,12 +74,46 @@ class StepTime:
     comm_s: float  # all communication issued in the step
     exposed_s: float  # the part not hidden behind compute (and the CPU optimizer)
     bound: str  # 'compute', 'bandwidth', 'latency' or 'cpu optimizer'
+    cpu_s: float = 0.0  # the offloaded optimizer's CPU step ([Note: the offload model])
+
+
+# Bytes a parameter that torch's fused AdamW moves through memory ([Note: the offload model]).
+_FUSED_ADAMW_BYTES = 28
+
+
+def host_bytes_per_param(cfg: ZeroConfig) -> int:
+    """Bytes of host memory traffic per offloaded parameter and step, the bus's copies
+    included ([Note: the offload model])."""
+    gradient = 2 * reduce_dtype_bytes(cfg)
+    upload = 4 * cfg.precision.compute_dtype.itemsize if cfg.offload.params else 4
+    return 24 + gradient + upload
+
+
+def check_step_in_backward(cfg: ZeroConfig) -> None:
+    """Raise where the engine's `step_in_backward()` would refuse `cfg`."""
+    why = ""
+    if not cfg.offload.optimizer:
+        why = "it needs offload_optimizer"
+    elif cfg.stage == 1:
+        why = "stage 1 reduces the gradients at the step, after backward"
+    elif cfg.offload.delay_param_update:
+        why = "offload.delay_param_update already overlaps the step with the next backward"
+    if why:
+        raise ValueError(f"step_in_backward: {why}")
 
 
 def project_step(
-    plan: GroupPlan, cfg: ZeroConfig, world: int, cluster: Cluster, compute: Compute
+    plan: GroupPlan,
+    cfg: ZeroConfig,
+    world: int,
+    cluster: Cluster,
+    compute: Compute,
+    *,
+    step_in_backward: bool = False,
 ) -> StepTime:
-    """The step time of one rank of `world` under `cfg`; see [Note: the overlap model]."""
+    """The step time of one rank of `world` under `cfg` (backward under the optimizer's
+    `step_in_backward()` if so, as `check_step_in_backward` allows); see [Note: the overlap
+    model]."""
     shard, replicas = plan.shard_size, world // plan.shard_size
     c = compute.seconds()
     fwd = c / (4 if compute.recompute else 3)
@@ -115,14 +165,19 @@ def project_step(
         if compute.cpu_adam_params_per_s is None:
             raise ValueError("an offloaded optimizer needs Compute.cpu_adam_params_per_s")
         moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
-        cpu = moved / compute.cpu_adam_params_per_s
-    total = f + b + publish + cpu
+        bandwidth = compute.cpu_adam_params_per_s * _FUSED_ADAMW_BYTES
+        cpu = moved * host_bytes_per_param(cfg) / bandwidth
+    # What the CPU step runs beside ([Note: the offload model]); the rest of it shows.
+    hidden = f + b if cfg.offload.delay_param_update else (b if step_in_backward else 0.0)
+    shown = max(cpu - hidden, 0.0)
+    total = f + b + publish + shown
     exposed = total - c
-    return StepTime(total, c, comm, exposed, _bound(total, exposed, cpu, latency, comm))
+    return StepTime(total, c, comm, exposed, _bound(total, exposed, shown, latency, comm), cpu)
 
 
 def _bound(total: float, exposed: float, cpu: float, latency: float, comm: float) -> str:
-    """What limits a step: the CPU optimizer, nothing but compute, or the network."""
+    """What limits a step: the CPU optimizer (`cpu`: the part of its step that shows),
+    nothing but compute, or the network."""
     if cpu > 0.05 * total and cpu >= exposed - cpu:
         return "cpu optimizer"
     if exposed - cpu < 0.05 * total:
