@@ -188,10 +188,10 @@ class OffloadPolicy:
 
     compiled_step: bool = False
     """Step offloaded groups in one inductor-compiled pass per chunk (the gradient's
-    upcast, Adam/AdamW and the cast for the upload fused) instead of torch's fused kernel
-    between two casts: faster, torch's arithmetic but not its bits (needs `optimizer`,
-    torch's Adam/AdamW with fused=True and a C++ compiler for inductor; flat key
-    `offload_compiled_step`)."""
+    upcast and Adam/AdamW fused, and with `params` the cast into the host shards) instead
+    of torch's fused kernel after an upcast: faster, torch's arithmetic but not its bits
+    (needs `optimizer`, torch's Adam/AdamW with fused=True and a C++ compiler for
+    inductor; flat key `offload_compiled_step`)."""
 
     def __post_init__(self) -> None:
         check_bool("offload.optimizer (offload_optimizer)", self.optimizer)

@@ -2,9 +2,10 @@
 
 [Note: blocked step loop]
 A 7B model's step is ~7000 blocks ([Note: blocked host step] in _host_adam.py), each an
-upcast, torch's fused kernel and a cast for the upload, so what a block costs besides its
+upcast, torch's fused kernel and the upload told that its masters are final (with
+offload_params, their cast into the host shards), so what a block costs besides its
 kernels shows in the step: slicing the master and each state tensor, building the
-kernel's lists, finding the chunk of the cast. The kernel's lists for every block of a
+kernel's lists, finding the block's chunk. The kernel's lists for every block of a
 group (detached views of its master and state) are made once and kept while those are
 the tensors in the optimizer state. A state dict loaded into the optimizer brings new
 ones: `forget` drops the views then, so they never keep the old state's memory alive,
@@ -112,5 +113,6 @@ def _run(
             adam.kernel(
                 b.params, [g], b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, steps, **options
             )
-            # The block's master is final: cast it for the upload while it is in cache.
+            # The block's master is final: the upload may take it (with offload_params its
+            # cast into the host shards is written now, while it is in cache).
             written(b.lo, b.hi, b.params[0])

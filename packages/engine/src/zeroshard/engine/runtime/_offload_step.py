@@ -4,11 +4,11 @@
 The wrapped optimizer first steps the groups that stay on the device (the offloaded
 masters have no `.grad` yet, so it skips them). Then, in chunk-space order, each
 offloaded group is stepped alone. With torch's fused Adam/AdamW that is one pass over
-the group in cache-sized blocks: upcast a block's gradient, step it, cast its master for
+the group in cache-sized blocks: upcast a block's gradient, step it, hand its master to
 the upload ([Note: blocked host step] in _host_adam.py). Otherwise the group gets its
 whole fp32 gradient as `master.grad` (upcast from the reduce dtype into one group's
 buffer: [Note: offload host memory] in _offload.py), is stepped by the optimizer, drops
-it, and is cast for the upload after. Every chunk whose masters are all final goes up to
+it, and is handed to the upload after. Every chunk whose masters are all final goes up to
 the device on the H2D stream while the CPU steps the next groups ([Note: offload stream
 order]). The step thus takes about max(CPU step, upload) rather than their sum, and the
 host never holds more than one group's fp32 gradient (one block's with the fused kernel).
