@@ -86,6 +86,7 @@ def test_each_mode_overlaps_what_it_runs_beside(cpu_heavier: bool) -> None:
     [
         ({"stage": 2, "offload_optimizer": False}, "it needs offload_optimizer"),
         ({"stage": 1}, "stage 1 reduces the gradients at the step"),
+        ({"stage": 2, "compute_dtype": "fp16"}, "fp16 loss scaling"),
         ({"stage": 2, "offload_delay_param_update": True}, "[a-z_.]+ already overlaps"),
     ],
 )

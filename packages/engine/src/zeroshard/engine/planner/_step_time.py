@@ -32,9 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
+from zeroshard.engine.runtime._optimizer import step_in_backward_refusal
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,13 @@ def host_bytes_per_param(cfg: ZeroConfig) -> int:
 
 def check_step_in_backward(cfg: ZeroConfig) -> None:
     """Raise where the engine's `step_in_backward()` would refuse `cfg`."""
-    why = ""
-    if not cfg.offload.optimizer:
-        why = "it needs offload_optimizer"
-    elif cfg.stage == 1:
-        why = "stage 1 reduces the gradients at the step, after backward"
-    elif cfg.offload.delay_param_update:
-        why = "offload.delay_param_update already overlaps the step with the next backward"
+    why = step_in_backward_refusal(
+        offloaded=cfg.offload.optimizer,
+        stage=cfg.stage,
+        # initialize scales the loss whenever it computes in fp16.
+        loss_scaled=cfg.precision.compute_dtype == torch.float16,
+        delayed=cfg.offload.delay_param_update,
+    )
     if why:
         raise ValueError(f"step_in_backward: {why}")
 

@@ -45,6 +45,22 @@ class StepHooks(Protocol):
         ...
 
 
+def step_in_backward_refusal(
+    *, offloaded: bool, stage: int, loss_scaled: bool, delayed: bool
+) -> str:
+    """Why `ZeroOptimizer.step_in_backward()` refuses a run so configured ('' where it
+    does not); the planner asks it too."""
+    if not offloaded:
+        return "it needs offload_optimizer"
+    if stage == 1:
+        return "stage 1 reduces the gradients at the step, after backward"
+    if loss_scaled:
+        return "fp16 loss scaling checks every gradient for overflow first"
+    if delayed:
+        return "offload.delay_param_update already overlaps the step with the next backward"
+    return ""
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
 
@@ -235,16 +251,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         without it, bit for bit. Stages 2 and 3 with `offload_optimizer`; stage 1 reduces
         at the step, so there is nothing to overlap.
         """
-        why = ""
-        if self.offload is None:
-            why = "it needs offload_optimizer"
-        elif self.reducer.stage == 1:
-            why = "stage 1 reduces the gradients at the step, after backward"
-        elif self.scaler is not None:
-            why = "fp16 loss scaling checks every gradient for overflow first"
-        elif self.delay_param_update:
-            why = "offload.delay_param_update already overlaps the step with the next backward"
-        elif self._early is not None:
+        why = step_in_backward_refusal(
+            offloaded=self.offload is not None,
+            stage=self.reducer.stage,
+            loss_scaled=self.scaler is not None,
+            delayed=self.delay_param_update,
+        )
+        if not why and self._early is not None:
             why = "the step of the previous backward under it has not run: call step()"
         if why:
             raise ValueError(f"step_in_backward(): {why}")
