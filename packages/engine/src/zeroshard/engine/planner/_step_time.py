@@ -22,7 +22,7 @@ writes (its lines read first) and stage 3's forward and backward gathers each re
 its itemsize). The bus's copies count because they land in and leave from the same
 memory: at bf16, 32 bytes against fused AdamW's 28, and on H200 hosts the
 `delay_param_update` step took 1.06-1.33x fused AdamW alone (docs/benchmarks.md,
-offload-goal1-memory). The serial step adds that CPU time to the GPU's; under
+offload-goal1-again, the record of six runs). The serial step adds that CPU time to the GPU's; under
 `step_in_backward()` the CPU steps groups as backward hands them over, so backward and
 the CPU overlap and the next forward waits; with `offload.delay_param_update` the CPU
 step runs beside the next forward and backward, so the step is the longer of the two.
