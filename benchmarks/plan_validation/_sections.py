@@ -103,13 +103,14 @@ _OFFLOAD_ROW = re.compile(
 
 
 def _offload_sections() -> list[tuple[str, str]]:
-    """(name, body) of each offload section of docs/benchmarks.md measured with the fp32
-    masters going up (the engine since 664620e) and with each resource alone beside it."""
+    """(name, body) of each offload section of docs/benchmarks.md with each resource alone
+    beside the rows, measured since 664620e (the fp32 masters go up, or with offload_params
+    the compute-dtype shards): its transfer line names the upload's dtype."""
     text = DOC.read_text()
     out = []
     for name in re.findall(r"<!-- (offload[\w-]*):start -->", text):
         body = text.split(f"<!-- {name}:start -->")[1].split(f"<!-- {name}:end -->")[0]
-        if "Each resource alone" in body and "up in float32" in body:
+        if "Each resource alone" in body and re.search(r"up in (float32|bfloat16)", body):
             out.append((name, body))
     return out
 
@@ -168,7 +169,8 @@ def offload_validation() -> str:
     return (
         "Offload, one GPU, GPT `7b` width, activation checkpointing, bf16, AdamW: the runs "
         "of docs/benchmarks.md's offload sections that measured each resource alone with "
-        "the engine's current upload (the fp32 masters go up). Each step is estimated from "
+        "the engine's current upload (the fp32 masters go up, with `offload_params` the "
+        "bf16 shards). Each step is estimated from "
         "that run's own GPU forward + backward and torch's fused CPU AdamW rate "
         "([Note: the offload model] in the planner's _step_time.py). The GPU figure "
         "leaves out the device share's optimizer step of an `offload_ratio` below 1. The "
