@@ -42,7 +42,14 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         (["tiny", "--world", "2", "--offload-overlap", "backward"], "needs --offload"),
         (
             ["tiny", "--world", "2", "--offload", "optimizer", "--offload-overlap", "delayed"],
-            "needs --stage 1 or 2",
+            "needs stage 1 or 2",
+        ),
+        (
+            [
+                *("tiny", "--world", "2", "--stage", "1", "--offload", "optimizer"),
+                *("--offload-overlap", "backward"),
+            ],
+            "step_in_backward: stage 1 reduces the gradients at the step",
         ),
         (["/nonexistent/config.json", "--world", "2"], "no such config file"),
     ],

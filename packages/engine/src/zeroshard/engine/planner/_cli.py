@@ -88,8 +88,6 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("--offload params needs --stage 3")
     if a.offload_overlap != "none" and a.offload == "none":
         raise ValueError("--offload-overlap needs --offload")
-    if a.offload_overlap == "delayed" and a.stage == 3:
-        raise ValueError("--offload-overlap delayed (delay_param_update) needs --stage 1 or 2")
     if a.micro_batch < 1 or (a.seq is not None and a.seq < 1):
         raise ValueError("--micro-batch and --seq must be >= 1")
     if a.memory_limit_gib is not None and not a.memory_limit_gib > 0:
@@ -117,8 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
         def run(c: ZeroConfig, comp: Compute | None = compute) -> Estimate:
-            # Where the config allows it (offload, stages 2/3), backward steps the CPU.
-            in_backward = a.offload_overlap == "backward" and c.offload.optimizer and c.stage > 1
+            # Every offloaded config steps in backward; one the engine refuses it (stage 1,
+            # fp16) raises, as the engine would.
+            in_backward = a.offload_overlap == "backward" and c.offload.optimizer
             return estimate(
                 model,
                 c,
