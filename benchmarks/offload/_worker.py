@@ -309,7 +309,7 @@ def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
     forward or backward. The same element count as the CPU optimizer rows, in tensors of
     `a['chunk']` elements."""
     import zeroshard.engine as zs
-    from zeroshard.engine.runtime._offload_step import step_offloaded
+    from zeroshard.engine.runtime.offload._step import step_offloaded
 
     device = _join_alone(a["smoke"])
     n, chunk = a["adam_params"], a["chunk"]

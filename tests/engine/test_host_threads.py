@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from zeroshard.engine.runtime._host_threads import MAIN_KEEP, stepping_threads
+from zeroshard.engine.runtime.offload._threads import MAIN_KEEP, stepping_threads
 
 _CHECK = """
 import os, time, torch
-from zeroshard.engine.runtime._host_threads import MAIN_KEEP, cut_team
+from zeroshard.engine.runtime.offload._threads import MAIN_KEEP, cut_team
 
 def os_threads():
     return len(os.listdir("/proc/self/task"))

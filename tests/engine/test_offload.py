@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer, reference_run
-from zeroshard.engine.runtime._offload_io import host_tensor
-from zeroshard.engine.runtime._offload_plan import choose_offloaded
+from zeroshard.engine.runtime.offload._io import host_tensor
+from zeroshard.engine.runtime.offload._plan import choose_offloaded
 
 STEPS = 3
 MICRO = 2

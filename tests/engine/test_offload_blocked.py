@@ -29,9 +29,9 @@ from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn
 from tests.engine._offload_train import train_and_collect
 from zeroshard.engine.planner._estimate import estimate
-from zeroshard.engine.runtime._host_adam import STEP_BLOCK
-from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS
-from zeroshard.engine.runtime._offload_upload import ShardUpload
+from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK
+from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS
+from zeroshard.engine.runtime.offload._upload import ShardUpload
 
 STEPS = 3
 MICRO = 2

@@ -30,17 +30,17 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import zeroshard.engine as zs
-import zeroshard.engine.runtime._offload as offload_module
+import zeroshard.engine.runtime.offload._host_offload as offload_module
 from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._offload_train import train_and_collect
 from tests.engine.test_offload_blocked import MICRO, Wide, _optimizer, _train
-from zeroshard.engine.runtime._host_adam import FusedAdam
-from zeroshard.engine.runtime._host_kernel import (
+from zeroshard.engine.runtime.offload._compiled_step import (
     coefficients,
     compile_variants,
     scale_of,
     step_piece,
 )
+from zeroshard.engine.runtime.offload._fused_adam import FusedAdam
 
 LR, STEPS = 1e-3, 3  # test_offload_blocked's optimizer and loop
 

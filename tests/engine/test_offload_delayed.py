@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
-import zeroshard.engine.runtime._offload as offload_module
-import zeroshard.engine.runtime._offload_step as step_module
+import zeroshard.engine.runtime.offload._host_offload as offload_module
+import zeroshard.engine.runtime.offload._step as step_module
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model
 

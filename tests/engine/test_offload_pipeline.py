@@ -26,7 +26,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from tests.engine._offload_train import train_and_collect
-from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS
+from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS
 
 STEPS = 3
 MICRO = 2

@@ -21,7 +21,7 @@ import zeroshard.engine as zs
 from tests._dist import run_ranks
 from tests.compile.test_compiled import Branchy
 from tests.engine._models import make_model
-from zeroshard.engine.runtime._offload_io import host_tensor
+from zeroshard.engine.runtime.offload._io import host_tensor
 
 
 class _Records(logging.Handler):

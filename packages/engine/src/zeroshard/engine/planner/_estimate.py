@@ -28,7 +28,7 @@ from zeroshard.engine.planner._step_time import (
     check_step_in_backward,
     project_step,
 )
-from zeroshard.engine.runtime._host_adam import steps_in_blocks
+from zeroshard.engine.runtime.offload._fused_adam import steps_in_blocks
 
 GIB = 2**30
 

@@ -19,8 +19,8 @@ from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import flat_layout
 from zeroshard.engine.runtime._names import named_parameters
-from zeroshard.engine.runtime._offload_plan import OffloadSizes, choose_offloaded, offload_sizes
 from zeroshard.engine.runtime._unit_plan import is_persistent, plan_units
+from zeroshard.engine.runtime.offload._plan import OffloadSizes, choose_offloaded, offload_sizes
 from zeroshard.partition import FlatLayout, GroupKey, group_parameters
 
 

@@ -124,7 +124,7 @@ class FlatParamGroup:
         An offloaded group reuses its host gradient `grad_home`, in the reduce dtype:
         `grad_shard is None` marks it as holding nothing of this window, so zero_grad never
         touches host memory. Its `master.grad` is set only while the step steps it (see
-        [Note: offload host memory] in _offload.py).
+        [Note: offload host memory] in offload/_host_offload.py).
         """
         assert self.grad_shard is None
         if self.grad_home is not None:

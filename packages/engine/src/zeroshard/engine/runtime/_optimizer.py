@@ -20,9 +20,9 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_norm import shard_norm
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
-from zeroshard.engine.runtime._offload import HostOffload
-from zeroshard.engine.runtime._offload_step import DelayedStep, EarlyStep, step_offloaded
 from zeroshard.engine.runtime._reduce import GradReducer
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
+from zeroshard.engine.runtime.offload._step import DelayedStep, EarlyStep, step_offloaded
 
 
 def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -267,7 +267,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
         except BaseException:
             # A failed backward: stop stepping groups as they land; `step()` is not coming.
-            self.offload.stepper.step_each(None)
+            self.offload.step_thread.step_each(None)
             self._early = None
             raise
 

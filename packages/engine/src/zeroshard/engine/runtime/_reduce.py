@@ -43,8 +43,8 @@ from zeroshard.engine.runtime._casts import cast_into
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
-from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
 
 
 class BackwardEvents(Protocol):

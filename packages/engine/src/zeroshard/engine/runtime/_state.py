@@ -10,10 +10,10 @@ from torch import nn
 from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._offload import HostOffload
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
 
 _ATTR = "_zeroshard_engine"
 

@@ -17,20 +17,20 @@ from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
-from zeroshard.engine.runtime._host_adam import fused_adam, steps_in_blocks
-from zeroshard.engine.runtime._host_kernel import compile_variants
-from zeroshard.engine.runtime._host_threads import stepping_threads
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._names import canonical_name, named_parameters
-from zeroshard.engine.runtime._offload import HostOffload
-from zeroshard.engine.runtime._offload_plan import choose_offloaded, offload_sizes
-from zeroshard.engine.runtime._offload_step import blocked_step_refusal, delayed_step_refusal
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
+from zeroshard.engine.runtime.offload._compiled_step import compile_variants
+from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
+from zeroshard.engine.runtime.offload._plan import choose_offloaded, offload_sizes
+from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
+from zeroshard.engine.runtime.offload._threads import stepping_threads
 from zeroshard.engine.setup._agreement import (
     check_ranks_agree,
     describe_rank,

@@ -1,7 +1,7 @@
 """Adam/AdamW over an offloaded piece in one compiled pass (`offload.compiled_step`).
 
 [Note: compiled host step]
-The blocked step ([Note: blocked host step] in _host_adam.py) makes passes over each
+The blocked step ([Note: blocked host step] in _fused_adam.py) makes passes over each
 block, each an OpenMP region of its own: the gradient's upcast, torch's fused kernel and
 (then always, now with offload_params) the master's cast. The CPU step is bound by
 memory, and those passes add traffic and regions: on one H200 host the blocked step
@@ -10,7 +10,7 @@ alone, with the cast, took 1.47x torch's fused AdamW alone (the same loop in a
 one loop: the gradient read in its reduce dtype and scaled by the pending factors, the
 master and moments read and written once, and with offload_params the compute-dtype
 shard written straight into the host shards (otherwise the device casts the masters:
-[Note: offload upload] in _offload_upload.py). Measured on H200 hosts over 1B elements,
+[Note: offload upload] in _upload.py). Measured on H200 hosts over 1B elements,
 when the loop still wrote a compute-dtype shard: 1.24x torch's fused AdamW in the
 offload benchmark (each in a process of its own); in one process, alternating, the step
 1.06x and the kernel's own calls 0.99x.
@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.engine.runtime._host_adam import FusedAdam
+from zeroshard.engine.runtime.offload._fused_adam import FusedAdam
 
 # The coefficients, in this order, in one fp32 tensor (torch's fused kernel computes them
 # in double and rounds them to the fp32 it steps in).

@@ -1,7 +1,7 @@
 """The loop of the blocked host step over one offloaded group.
 
 [Note: blocked step loop]
-A 7B model's step is ~7000 blocks ([Note: blocked host step] in _host_adam.py), each an
+A 7B model's step is ~7000 blocks ([Note: blocked host step] in _fused_adam.py), each an
 upcast, torch's fused kernel and the upload told that its masters are final (with
 offload_params, their cast into the host shards), so what a block costs besides its
 kernels shows in the step: slicing the master and each state tensor, building the
@@ -15,7 +15,7 @@ Stepping a group's blocks on several threads at once (each its own upcast and sh
 the cores) was measured on one H200 host (16 cores, 1.2e9 elements, the step alone
 against torch's fused AdamW alone): 1 thread 1.25x, 2 threads 1.83x, 4 threads 1.83-2.26x;
 each thread's OpenMP team beside the others' makes libgomp throttle its idle threads
-([Note: host step threads] in _host_threads.py). One thread it is; the loop before the
+([Note: host step threads] in _threads.py). One thread it is; the loop before the
 kept views was 1.40x there.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroshard.engine.runtime._host_adam import STEP_BLOCK, FusedAdam
+from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK, FusedAdam
 
 # The state tensors the kernel steps beside the master (the last with amsgrad only).
 _STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

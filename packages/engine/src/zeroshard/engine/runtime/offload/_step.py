@@ -5,9 +5,9 @@ The wrapped optimizer first steps the groups that stay on the device (the offloa
 masters have no `.grad` yet, so it skips them). Then, in chunk-space order, each
 offloaded group is stepped alone. With torch's fused Adam/AdamW that is one pass over
 the group in cache-sized blocks: upcast a block's gradient, step it, hand its master to
-the upload ([Note: blocked host step] in _host_adam.py). Otherwise the group gets its
+the upload ([Note: blocked host step] in _fused_adam.py). Otherwise the group gets its
 whole fp32 gradient as `master.grad` (upcast from the reduce dtype into one group's
-buffer: [Note: offload host memory] in _offload.py), is stepped by the optimizer, drops
+buffer: [Note: offload host memory] in _host_offload.py), is stepped by the optimizer, drops
 it, and is handed to the upload after. Every chunk whose masters are all final goes up to
 the device on the H2D stream while the CPU steps the next groups ([Note: offload stream
 order]). The step thus takes about max(CPU step, upload) rather than their sum, and the
@@ -59,7 +59,7 @@ does not change what training computes. A load publishes what it loaded, so a re
 run computes its first window at the saved weights, without the lag.
 
 On a GPU the uploads wait on the current stream as of `begin_upload`, at step()
-([Note: upload stream order] in _offload_upload.py): that covers the publish that reads
+([Note: upload stream order] in _upload.py): that covers the publish that reads
 the compute shards, queued at step() before the thread started, so no upload overwrites
 a shard it still reads; the next forward and backward, queued later, read the parameters
 (stages 1/2), not the compute shards, so the uploads and the slots they free need not
@@ -78,8 +78,8 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_adam import FusedAdam, fused_adam, steps_in_blocks
-from zeroshard.engine.runtime._offload import HostGrad, HostOffload
+from zeroshard.engine.runtime.offload._fused_adam import FusedAdam, fused_adam, steps_in_blocks
+from zeroshard.engine.runtime.offload._host_offload import HostGrad, HostOffload
 
 _PER_ELEMENT: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -226,12 +226,12 @@ class EarlyStep:
         # The user's step hooks: pre now (before the first group steps), post in `finish`.
         self._hooks.enter_context(_step_hooks(inner))
         offload.begin_upload(on_host)
-        offload.stepper.step_each(lambda g: _step_group(step, inner, offload, g))
+        offload.step_thread.step_each(lambda g: _step_group(step, inner, offload, g))
 
     def finish(self, on_device: Sequence[FlatParamGroup]) -> None:
         """After the backward (its gradients and steps drained): the device groups, the
         chunks not sent yet, the post-hooks."""
-        self.offload.stepper.step_each(None)
+        self.offload.step_thread.step_each(None)
         _step_masters(self.step, self.inner, [g.master for g in on_device])
         self.offload.finish_upload()
         self._hooks.close()
@@ -279,13 +279,13 @@ class DelayedStep:
                 offload.stepped(g)
 
         # In the order the gradients arrived ([Note: delayed parameter update]).
-        offload.stepper.step_delayed(on_host, step_one, then=offload.finish_upload)
+        offload.step_thread.step_delayed(on_host, step_one, then=offload.finish_upload)
 
     def wait(self) -> None:
         """Wait until every group was stepped and uploaded, then run the post-hooks (not
         after an error, as around a `step()` that raised)."""
         with self._hooks:
-            self.offload.stepper.settle()
+            self.offload.step_thread.settle()
 
 
 def delayed_step_refusal(inner: torch.optim.Optimizer) -> str:

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.engine.runtime._host_adam import STEP_BLOCK
+from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
 # Pinned staging slots for reduce-dtype gradients coming down under gradient accumulation:
 # two, so that one can fill while the other drains (see [Note: offload stream order] in
-# _offload.py).
+# _host_offload.py).
 GRAD_SLOTS = 2
 
 

@@ -4,7 +4,7 @@
 An offloaded group's step reads its gradient in the reduce dtype (bf16) and steps the fp32
 master with the optimizer (with offload_params it also writes the master out in the
 compute dtype; otherwise the device casts the masters, [Note: offload upload] in
-_offload_upload.py). As passes over the group (an upcast into a group-sized fp32 buffer,
+_upload.py). As passes over the group (an upcast into a group-sized fp32 buffer,
 the optimizer, a downcast) the casts cost about as much as the step itself: a group
 (~200M elements at 7B) is far past any cache, so each is another trip through memory.
 Where the wrapped optimizer is torch's Adam or AdamW with fused=True, the group is walked
@@ -14,7 +14,7 @@ memory]), torch's fused kernel steps the block's views of the master and its sta
 with offload_params the block's master is cast into the host shards while still in
 cache. Memory then sees the optimizer's own traffic plus the bf16 gradient read (and
 the bf16 shard written). The loop and the views it keeps: [Note: blocked step loop] in
-_offload_blocks.py.
+_blocks.py.
 
 The same bits as torch's step over the whole group: its kernel updates each element from
 that element's gradient, state and hyperparameters alone. The step count is advanced

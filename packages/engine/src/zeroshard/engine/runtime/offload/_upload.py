@@ -2,13 +2,13 @@
 
 [Note: offload upload]
 After a step (or any change of the masters) the compute shards are rewritten chunk by
-chunk ([Note: offload stream order] in _offload.py). `begin` names the chunk-space
+chunk ([Note: offload stream order] in _host_offload.py). `begin` names the chunk-space
 ranges that will change; `written(lo, hi)` says that the masters of [lo, hi) are final.
 Once all of a chunk's part in those ranges is final, the chunk goes up: its fp32 masters
 (pinned) are copied by the H2D stream into an fp32 staging chunk on the device and cast
 there into the device shards. The CPU writes no cast at all: the step's loop reads the
 gradient and the master and moments and writes those back, nothing more ([Note: compiled
-host step] in _host_kernel.py). Casting on the host instead, into pinned compute-dtype
+host step] in _compiled_step.py). Casting on the host instead, into pinned compute-dtype
 slots that then went up, cost the host 4 bytes of memory traffic a parameter (the write,
 and the read of its lines first) where the fp32 copy costs the bus 2 more: the stage-2
 step of a 5.05B GPT with `step_in_backward` and `offload_compiled_step` on one H200 host,
@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from zeroshard.engine.runtime._offload_io import SideStream
+from zeroshard.engine.runtime.offload._io import SideStream
 
 Alloc = Callable[[int, torch.dtype, bool], torch.Tensor]
 

@@ -13,7 +13,7 @@ allocates beside each master.
 With bf16 gradients an offloaded element costs 4 (master) + 2 (gradient) + the optimizer's
 state (AdamW: 8) = 14 bytes: no fp32 gradient of the whole model is ever on the host. With
 torch's fused Adam/AdamW the step upcasts one block of a group's gradient at a time into
-one fp32 block (`grad_block`, [Note: blocked host step] in _host_adam.py); the clip norm
+one fp32 block (`grad_block`, [Note: blocked host step] in _fused_adam.py); the clip norm
 reads the same blocks. Any other optimizer steps a group at a time on its whole upcast,
 in an fp32 buffer of the largest group (`grad_fp32`). Clipping and fp16 unscaling do not touch a
 gradient in a dtype narrower than fp32 (that would round it): their factors are kept per
@@ -41,12 +41,12 @@ and add, so the optimizer, clipping and checkpoints read complete gradients.
 Shards out. After a step (or any change of the masters) the compute shards are rewritten
 from the masters. The H2D stream waits on the current stream as of `begin_upload` first:
 gathers issued before may still read the compute shards on the device ([Note: upload
-stream order] in _offload_upload.py); with offload_params,
+stream order] in _upload.py); with offload_params,
 `begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
 gathers read. The step says which blocks of masters it finished (`written`); as soon as
 all of a chunk is final the H2D stream copies its fp32 masters to the device, casts them
 there and records its event, so the copy of one chunk overlaps the CPU step of the next
-([Note: offload upload] in _offload_upload.py). A gather or publish of a group makes the
+([Note: offload upload] in _upload.py). A gather or publish of a group makes the
 current stream wait on the events of the group's chunks, so nothing reads a half-copied
 shard.
 
@@ -71,14 +71,14 @@ from torch import nn
 
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_adam import STEP_BLOCK, FusedAdam
-from zeroshard.engine.runtime._host_kernel import coefficients, scale_of, step_piece
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
-from zeroshard.engine.runtime._host_stepper import HostStepper
-from zeroshard.engine.runtime._offload_blocks import BlockedStep
-from zeroshard.engine.runtime._offload_io import GradAdd, SideStream, grad_worker, host_tensor, land
-from zeroshard.engine.runtime._offload_plan import GRAD_SLOTS, offload_sizes
-from zeroshard.engine.runtime._offload_upload import ShardUpload
+from zeroshard.engine.runtime.offload._blocks import BlockedStep
+from zeroshard.engine.runtime.offload._compiled_step import coefficients, scale_of, step_piece
+from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK, FusedAdam
+from zeroshard.engine.runtime.offload._io import GradAdd, SideStream, grad_worker, host_tensor, land
+from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS, offload_sizes
+from zeroshard.engine.runtime.offload._step_thread import StepThread
+from zeroshard.engine.runtime.offload._upload import ShardUpload
 
 # Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
 _MAX_PENDING = 4
@@ -142,7 +142,7 @@ class HostOffload:
         self._pinned_bytes = 0
         self._host_bytes = 0
         # Pinned where the masters go up to be cast on the device ([Note: offload upload]
-        # in _offload_upload.py); with offload_params they never cross the bus.
+        # in _upload.py); with offload_params they never cross the bus.
         self.master = self._host(n * s, torch.float32, pin and not offload_params).view(n, s)
         self.grad = self._host(n * s, reduce_dtype, pin).view(n, s)
         # The fp32 gradient of gradient accumulation, made on first use (see the Note);
@@ -153,7 +153,7 @@ class HostOffload:
         self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
         self._blocked = BlockedStep()
         # offload.compiled_step: each group in one compiled pass per chunk ([Note: compiled
-        # host step] in _host_kernel.py).
+        # host step] in _compiled_step.py).
         self._compiled = compiled_step
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
@@ -172,7 +172,7 @@ class HostOffload:
         self._worker = grad_worker(self.device)
         # The thread that steps groups beside the main thread (step_in_backward,
         # delay_param_update).
-        self.stepper = HostStepper(self.device)
+        self.step_thread = StepThread(self.device)
         for g in self.groups:
             self._adopt(g)
 
@@ -205,7 +205,7 @@ class HostOffload:
         `g`'s fp32 host gradient, without waiting for it (see [Note: offload stream order])."""
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
-        self.stepper.arrived(g)
+        self.step_thread.arrived(g)
         slot: torch.Tensor | None = None
         add = None
         if g.grad_shard is None:
@@ -223,7 +223,7 @@ class HostOffload:
             out.record_stream(self._down.stream)
         future = self._worker.submit(land, event, add)
         self._pending.append((future, slot))
-        self.stepper.landing(g, future)
+        self.step_thread.landing(g, future)
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
         """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
@@ -251,7 +251,7 @@ class HostOffload:
         group stepped in backward was stepped."""
         while self._pending:
             self._retire_oldest()
-        self.stepper.drain()
+        self.step_thread.drain()
 
     # -- the step's gradients ------------------------------------------------------------
     def blocks(self, g: FlatParamGroup) -> list[tuple[int, int]]:
@@ -269,7 +269,7 @@ class HostOffload:
         self, g: FlatParamGroup, adam: FusedAdam, state: dict[str, Any], grad: HostGrad
     ) -> None:
         """Step `g` (its state's step count advanced) on `grad` block by block, casting each
-        block for the upload as it goes ([Note: blocked step loop] in _offload_blocks.py),
+        block for the upload as it goes ([Note: blocked step loop] in _blocks.py),
         or chunk by chunk in one compiled pass with offload.compiled_step."""
         if self._compiled:
             self._step_compiled(g, adam, state, grad)
@@ -363,7 +363,7 @@ class HostOffload:
     # -- shards out ----------------------------------------------------------------------
     def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:
         """Start rewriting the compute shards of `groups` from their masters ([Note:
-        offload upload] in _offload_upload.py)."""
+        offload upload] in _upload.py)."""
         lo = [self.offset[g.index] for g in groups]
         self._out.begin([(a, a + g.layout.shard_numel) for a, g in zip(lo, groups, strict=True)])
 

@@ -1,10 +1,10 @@
-"""`HostStepper`: the thread that steps offloaded groups beside the main thread.
+"""`StepThread`: the thread that steps offloaded groups beside the main thread.
 
 Under `step_in_backward` it steps each group as its gradient lands ([Note: offload step
-pipeline] in _offload_step.py); under `delay_param_update` it steps one window's groups
+pipeline] in _step.py); under `delay_param_update` it steps one window's groups
 while the next window computes ([Note: delayed parameter update] there). Meanwhile the
 main thread's OpenMP team is cut and the stepping thread takes the other cores ([Note:
-host step threads] in _host_threads.py).
+host step threads] in _threads.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_threads import cut_team, stepping_threads
-from zeroshard.engine.runtime._offload_io import grad_worker
+from zeroshard.engine.runtime.offload._io import grad_worker
+from zeroshard.engine.runtime.offload._threads import cut_team, stepping_threads
 
 
-class HostStepper:
+class StepThread:
     """The stepping thread (made on first use) and the steps it has outstanding."""
 
     def __init__(self, device: torch.device) -> None:

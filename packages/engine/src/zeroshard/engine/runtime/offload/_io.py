@@ -1,6 +1,6 @@
 """The host side of offload's copies: host buffers, side streams, the gradient worker.
 
-See [Note: offload stream order] in _offload.py for the order these serve.
+See [Note: offload stream order] in _host_offload.py for the order these serve.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def grad_worker(
 ) -> ThreadPoolExecutor:
     """One thread running its tasks in order: the one that waits on gradient copies and adds
     staged gradients, or (named) the one that steps groups in backward, with `threads`
-    intra-op threads if given ([Note: host step threads] in _host_threads.py)."""
+    intra-op threads if given ([Note: host step threads] in _threads.py)."""
 
     def init() -> None:
         if device.type == "cuda":
