@@ -323,9 +323,9 @@ def _stepped_in_arrival_order(device: str) -> None:
     receive = offload_module.HostOffload.receive
     step_blocked = step_module._step_blocked
 
-    def arrive(self: offload_module.HostOffload, g: Any, out: torch.Tensor) -> None:
+    def arrive(self: offload_module.HostOffload, g: Any, out: torch.Tensor, **kw: Any) -> None:
         arrived.append(g.index)
-        receive(self, g, out)
+        receive(self, g, out, **kw)
 
     def step(adam: Any, inner: Any, offload: Any, g: Any, grad: Any) -> None:
         stepped.append(g.index)

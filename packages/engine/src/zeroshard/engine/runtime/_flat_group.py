@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, Handle, completed_handle
+from zeroshard.engine.runtime._grad_destination import DEVICE_GRADS, GradDestination
 from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
@@ -84,6 +85,8 @@ class FlatParamGroup:
     # the compute-dtype shard `offload` keeps for the device.
     grad_home: torch.Tensor | None = None
     offload: ComputeSource | None = None
+    # Where its reduced gradient shard goes (`_grad_destination.py`).
+    grads: GradDestination = DEVICE_GRADS
 
     @property
     def trainable(self) -> bool:
@@ -132,6 +135,10 @@ class FlatParamGroup:
             return self.grad_home
         self.grad_shard = self.master.grad = torch.empty_like(self.master)
         return self.grad_shard
+
+    def drop_grad_shard(self) -> None:
+        """Hold no gradient of this window (freed unless it lives in `grad_home`)."""
+        self.grad_shard = self.master.grad = None
 
     def adopt_grad_shard(self, reduced: torch.Tensor) -> bool:
         """Make `reduced` (a fresh fp32 reduced shard nobody else holds) the gradient shard

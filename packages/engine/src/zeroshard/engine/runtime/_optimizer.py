@@ -17,20 +17,12 @@ import torch
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._host_norm import shard_norm
+from zeroshard.engine.runtime._grad_destination import by_destination, by_device
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime.offload._host_offload import HostOffload
 from zeroshard.engine.runtime.offload._step import DelayedStep, EarlyStep, step_offloaded
-
-
-def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    """Tensors grouped by device (foreach kernels take one device at a time)."""
-    out: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t)
-    return out
 
 
 class StepHooks(Protocol):
@@ -134,14 +126,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [g for g in self._trainable() if g.offload is not None]
 
     def _scale_grads(self, factor: torch.Tensor | float) -> None:
-        """Multiply every gradient shard by `factor` (offloaded ones: see HostOffload)."""
-        shards = [g.ensure_grad_shard() for g in self._on_device()]
-        for device, same in _by_device(shards).items():
-            f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
-            torch._foreach_mul_(same, f)
-        if self.offload is not None:
-            f = factor.cpu() if isinstance(factor, torch.Tensor) else factor
-            self.offload.scale_grads(self._on_host(), f)
+        """Multiply every gradient shard by `factor`, through its destination."""
+        for destination, groups in by_destination(self._trainable()):
+            destination.scale(groups, factor)
 
     def _prepare_grads(self) -> None:
         """Reduce what is pending and, under fp16, unscale and agree on overflow (once per step)."""
@@ -179,18 +166,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._overflow:
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
-        # Shards on the device, and on the host: one norm per device.
-        shards = [g.ensure_grad_shard() for g in self._on_device()]
         norms: list[torch.Tensor] = []
-        for device, same in _by_device(shards).items():
-            # CPU shards as offloaded ones are ([Note: host gradient norm]): on every core.
-            norms += (
-                [shard_norm(s) for s in same] if device.type == "cpu" else torch._foreach_norm(same)
-            )
-        if self.offload is not None:
-            # One offloaded group upcast at a time ([Note: offload host memory]).
-            norms += [self.offload.grad_norm(g) for g in self._on_host()]
-        for same in _by_device(norms).values():
+        for destination, groups in by_destination(self._trainable()):
+            norms += destination.norms(groups)
+        # One sum per device the norms are on.
+        for same in by_device(norms).values():
             local += torch.stack(same).square().sum().to(local.device)
         self.shard_group.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())

@@ -44,7 +44,6 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._stats import EngineStats
-from zeroshard.engine.runtime.offload._host_offload import HostOffload
 
 
 class BackwardEvents(Protocol):
@@ -67,9 +66,9 @@ class GradReducer:
     """Reduces gradients of `groups` (trainable ones, in launch order) into fp32 shards.
 
     `replicate` (hybrid sharding) is the group of ranks holding the same shards, averaged
-    over after each reduce-scatter; `offload` receives the offloaded groups' shards on the
-    host; `events` (stage 3) sets the launch order and hears when groups are complete;
-    `stats` counts the reduce-scatters.
+    over after each reduce-scatter; each reduced shard then goes to its group's
+    `GradDestination`; `events` (stage 3) sets the launch order and hears when groups are
+    complete; `stats` counts the reduce-scatters.
     """
 
     def __init__(
@@ -81,7 +80,6 @@ class GradReducer:
         overlap: bool,
         max_inflight: int,
         replicate: Group | None,
-        offload: HostOffload | None,
         events: BackwardEvents | None = None,
         stats: EngineStats | None = None,
     ) -> None:
@@ -89,7 +87,6 @@ class GradReducer:
         self._order_source: Sequence[FlatParamGroup] = groups
         self.events = events
         self.replicate = replicate
-        self.offload = offload
         self.stats = stats
         self.stage = stage
         self.reduce_dtype = reduce_dtype
@@ -224,10 +221,9 @@ class GradReducer:
         in place (a copy otherwise). Where the shard becomes the gradient itself (the
         window's first fp32 shard, `adopt_grad_shard`), it must be new memory, or the
         whole bucket would live on as the gradient; an offloaded shard is copied to the
-        host after the wait, so it keeps its own small tensor too."""
-        if g.offload is not None:
-            return False
-        return g.grad_shard is not None or self.reduce_dtype != g.master.dtype
+        host after the wait, so it keeps its own small tensor too. The group's
+        `GradDestination` says which."""
+        return g.grads.reduces_in_place(g, self.reduce_dtype)
 
     def _finish_oldest(self) -> None:
         g, out, in_place, handle = self._inflight.popleft()
@@ -235,23 +231,19 @@ class GradReducer:
         self._fold(g, out, fresh=not in_place)
 
     def _fold(self, g: FlatParamGroup, out: torch.Tensor, *, fresh: bool) -> None:
-        """Average a reduced shard over the replicas (hybrid) and add it to the fp32 shard;
-        `fresh`: `out` is new memory nobody else holds (it may become the shard)."""
+        """Average a reduced shard over the replicas (hybrid) and hand it to the group's
+        destination; `fresh`: `out` is new memory nobody else holds (it may become the
+        shard)."""
         if self.replicate is not None:
             self.replicate.all_reduce(
                 out, op="avg", label=f"grads of group {g.index} (replicas)"
             ).wait()
-        if g.offload is not None:
-            assert self.offload is not None
-            self.offload.receive(g, out)
-        elif g.grad_shard is None:
-            # The first gradient since zero_grad: the reduce-scatter's output, fresh and
-            # fp32, becomes the shard (no copy of it); another dtype is upcast into fresh
-            # memory, no zero fill ([Note: widening copies]).
-            if not (fresh and g.adopt_grad_shard(out)):
-                cast_into(g.claim_grad_shard(), out)
-        else:
-            g.grad_shard.add_(out)
+        g.grads.receive(g, out, fresh=fresh)
+
+    def _drain(self) -> None:
+        """Wait until every destination holds what it received."""
+        for destination in {id(g.grads): g.grads for g in self.order}.values():
+            destination.drain()
 
     def _follow(self, groups: Sequence[FlatParamGroup]) -> None:
         """At the start of a backward: reduce in `groups`' order if it changed (the same
@@ -269,8 +261,7 @@ class GradReducer:
                 self._launch(self.order[self._next])
             while self._inflight:
                 self._finish_oldest()
-            if self.offload is not None:
-                self.offload.drain()
+            self._drain()
             self._next = 0
         if self.events is not None:
             self.events.backward_done()
@@ -292,8 +283,7 @@ class GradReducer:
             handle.wait()
             self._fold(g, out, fresh=True)
             buf.zero_()
-        if self.offload is not None:
-            self.offload.drain()
+        self._drain()
         self._stage1_dirty = False
 
     @staticmethod
@@ -311,15 +301,7 @@ class GradReducer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients; `set_to_none` frees the shards until the next backward."""
         for g in self.order:
-            if g.offload is not None:
-                assert self.offload is not None
-                # Both ways: the next gradient overwrites the host memory, no zero fill.
-                self.offload.forget_grad(g)
-            elif g.grad_shard is not None:
-                if set_to_none:
-                    g.grad_shard = g.master.grad = None
-                else:
-                    g.grad_shard.zero_()
+            g.grads.forget(g, set_to_none=set_to_none)
             if g.grad_buffer is not None:
                 g.grad_buffer.zero_()
         self._stage1_dirty = False

@@ -241,7 +241,6 @@ def initialize(
         overlap=cfg.comm.overlap,
         max_inflight=cfg.comm.max_inflight_reductions,
         replicate=replicate,
-        offload=offload,
         events=runtime,
         stats=None if runtime is None else runtime.stats,
     )

@@ -108,7 +108,8 @@ class OffloadBytes:
 
 
 class HostOffload:
-    """Host state of the offloaded groups; see [Note: offload stream order]."""
+    """Host state of the offloaded groups, and the `GradDestination` of their gradients;
+    see [Note: offload stream order]."""
 
     def __init__(
         self,
@@ -198,11 +199,18 @@ class HostOffload:
         g.master = nn.Parameter(host, requires_grad=g.trainable)
         g.grad_home = self._flat(self.grad, g)
         g.offload = self
+        g.grads = self
 
-    # -- gradients in --------------------------------------------------------------------
-    def receive(self, g: FlatParamGroup, out: torch.Tensor) -> None:
+    # -- gradients in (GradDestination) ---------------------------------------------------
+    def reduces_in_place(self, g: FlatParamGroup, reduce_dtype: torch.dtype) -> bool:
+        """Never: the shard is copied to the host after the reduce-scatter's wait, so it
+        keeps a small tensor of its own rather than the whole bucket."""
+        return False
+
+    def receive(self, g: FlatParamGroup, out: torch.Tensor, *, fresh: bool = False) -> None:
         """Take a reduced gradient shard (on the device, complete on the current stream) into
-        `g`'s fp32 host gradient, without waiting for it (see [Note: offload stream order])."""
+        `g`'s host gradient, without waiting for it (see [Note: offload stream order]);
+        `out` is copied, fresh or not."""
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
         self.step_thread.arrived(g)
@@ -320,6 +328,10 @@ class HostOffload:
             out.mul_(f)
         return out
 
+    def norms(self, groups: Sequence[FlatParamGroup]) -> list[torch.Tensor]:
+        """Each group's norm, one group upcast at a time ([Note: offload host memory])."""
+        return [self.grad_norm(g) for g in groups]
+
     def grad_norm(self, g: FlatParamGroup) -> torch.Tensor:
         """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived), on
         every core, block by block ([Note: host gradient norm])."""
@@ -329,9 +341,11 @@ class HostOffload:
         rows = [row_norms(self.grad_block(grad, lo, hi)) for lo, hi in self.blocks(g)]
         return norm_of_rows(rows)
 
-    def scale_grads(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
+    def scale(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
         """Multiply the gradients of `groups` by `factor`: in place where fp32, else when
         the step upcasts them ([Note: offload host memory])."""
+        if isinstance(factor, torch.Tensor):
+            factor = factor.cpu()
         fp32 = [g.grad_shard for g in groups if g.grad_shard is not None]
         fp32 = [t for t in fp32 if t.dtype == torch.float32]
         if fp32:
@@ -340,8 +354,9 @@ class HostOffload:
             if g.grad_shard is not None and g.grad_shard.dtype != torch.float32:
                 self._factors.setdefault(g.index, []).append(factor)
 
-    def forget_grad(self, g: FlatParamGroup) -> None:
-        """zero_grad: `g` holds nothing of the next window (its host memory stays)."""
+    def forget(self, g: FlatParamGroup, *, set_to_none: bool) -> None:
+        """zero_grad: `g` holds nothing of the next window; both ways its host memory stays
+        (the next gradient overwrites it, no zero fill)."""
         g.grad_shard = None
         self._factors.pop(g.index, None)
 
