@@ -37,7 +37,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
-from zeroshard.engine.runtime._optimizer import step_in_backward_refusal
+from zeroshard.engine.runtime._stepper import step_in_backward_refusal
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,12 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.comm import Group, Handle
-from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._flat_group import ComputeSource, FlatParamGroup
 from zeroshard.engine.runtime._grad_destination import by_destination, by_device
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
-from zeroshard.engine.runtime.offload._host_offload import HostOffload
-from zeroshard.engine.runtime.offload._step import DelayedStep, EarlyStep, step_offloaded
+from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 
 
 class StepHooks(Protocol):
@@ -37,26 +36,11 @@ class StepHooks(Protocol):
         ...
 
 
-def step_in_backward_refusal(
-    *, offloaded: bool, stage: int, loss_scaled: bool, delayed: bool
-) -> str:
-    """Why `ZeroOptimizer.step_in_backward()` refuses a run so configured ('' where it
-    does not); the planner asks it too."""
-    if not offloaded:
-        return "it needs offload_optimizer"
-    if stage == 1:
-        return "stage 1 reduces the gradients at the step, after backward"
-    if loss_scaled:
-        return "fp16 loss scaling checks every gradient for overflow first"
-    if delayed:
-        return "offload.delay_param_update already overlaps the step with the next backward"
-    return ""
-
-
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
 
-    `offload` (CPU offload) holds some masters, and so their optimizer state, on the host.
+    `stepper` (chosen by `initialize`) steps the masters: on the device, or with CPU
+    offload some of them, and so their optimizer state, on the host.
     """
 
     def __init__(
@@ -68,12 +52,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scaler: LossScaler | None,
         allgather_bucket_bytes: int,
         *,
+        stepper: Stepper,
         hooks: StepHooks | None = None,
-        offload: HostOffload | None = None,
-        delay_param_update: bool = False,
     ) -> None:
         self.inner = inner
-        self.offload = offload
+        self.stepper = stepper
         self.hooks = hooks
         self.flat_groups = list(groups)
         self.reducer = reducer
@@ -82,12 +65,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.allgather_bucket_bytes = allgather_bucket_bytes
         self._unscaled = False
         self._overflow = False
-        self._early: EarlyStep | None = None
-        # delay_param_update: the offloaded step in flight, and whether the parameters
-        # still hold the weights from before the last step ([Note: delayed parameter update]).
-        self.delay_param_update = delay_param_update
-        self._delayed: DelayedStep | None = None
-        self._unpublished = False
         masters = [g.master for g in self.flat_groups if g.trainable]
         # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
         # master shards of the flat groups built from each group's parameters.
@@ -103,10 +80,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # share those too, or an LR scheduler on this optimizer would set learning rates
         # the inner one never reads again.
         inner.register_load_state_dict_post_hook(lambda _: self._share_inner())
-        if offload is not None:
-            # The blocked step keeps views of the state: drop them before a load replaces
-            # it, or they would keep the old state's memory ([Note: blocked step loop]).
-            inner.register_load_state_dict_pre_hook(lambda *_: offload.forget_state())
 
     def _share_inner(self) -> None:
         self.param_groups = self.inner.param_groups
@@ -118,12 +91,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _grad_shards(self) -> list[torch.Tensor]:
         return [g.ensure_grad_shard() for g in self._trainable()]
-
-    def _on_device(self) -> list[FlatParamGroup]:
-        return [g for g in self._trainable() if g.offload is None]
-
-    def _on_host(self) -> list[FlatParamGroup]:
-        return [g for g in self._trainable() if g.offload is not None]
 
     def _scale_grads(self, factor: torch.Tensor | float) -> None:
         """Multiply every gradient shard by `factor`, through its destination."""
@@ -151,11 +118,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the gradients by their global norm over all shards; return that norm."""
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
-        if self._early is not None:
-            raise ValueError(
-                "clip_grad_norm_ after a backward under step_in_backward(): the offloaded "
-                "groups were stepped on their unclipped gradients; clip without it"
-            )
+        why = self.stepper.clip_refusal()
+        if why:
+            raise ValueError(why)
         # The norm's upcasts share the delayed step's scratch, and groups that took no
         # gradient in this window may still be stepping.
         self.settle()
@@ -188,10 +153,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.hooks is not None:
             self.hooks.before_step()
         self.settle()
-        if self._unpublished:
-            # delay_param_update: the weights of the last step, uploaded while this window
+        if self.stepper.deferred():
+            # A deferred step's weights (delay_param_update), uploaded while this window
             # computed with the ones before them.
-            self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
+            self._publish(self._trainable(), uploaded=True)
         self._prepare_grads()
         overflow = self._overflow
         self._unscaled = False
@@ -202,21 +167,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.zero_grad()
             return None
         with phase("zeroshard::optimizer_step"):
-            if self._early is not None:
-                self._early.finish(self._on_device())
-                self._early = None
-            elif self.offload is None:
-                self.inner.step()
-            elif self.delay_param_update:
-                self._delayed = DelayedStep(
-                    self.inner, self.offload, self._on_device(), self._on_host()
-                )
-                # Published at the next step(), after this window's successor computed.
-                self._unpublished = True
-                return None
-            else:
-                step_offloaded(self.inner, self.offload, self._on_device(), self._on_host())
-        self._publish((g for g in self.flat_groups if g.trainable), uploaded=True)
+            outcome = self.stepper.step()
+        if outcome is StepOutcome.PUBLISH:
+            self._publish(self._trainable(), uploaded=True)
         return None
 
     @contextlib.contextmanager
@@ -231,25 +184,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         without it, bit for bit. Stages 2 and 3 with `offload_optimizer`; stage 1 reduces
         at the step, so there is nothing to overlap.
         """
-        why = step_in_backward_refusal(
-            offloaded=self.offload is not None,
-            stage=self.reducer.stage,
-            loss_scaled=self.scaler is not None,
-            delayed=self.delay_param_update,
-        )
-        if not why and self._early is not None:
-            why = "the step of the previous backward under it has not run: call step()"
-        if why:
-            raise ValueError(f"step_in_backward(): {why}")
-        assert self.offload is not None
-        self._early = EarlyStep(self.inner, self.offload, self._on_host())
-        try:
+        with self.stepper.step_in_backward(
+            stage=self.reducer.stage, loss_scaled=self.scaler is not None
+        ):
             yield
-        except BaseException:
-            # A failed backward: stop stepping groups as they land; `step()` is not coming.
-            self.offload.step_thread.step_each(None)
-            self._early = None
-            raise
 
     def settle(self) -> None:
         """offload.delay_param_update: wait for the step in flight (the last `step()`'s CPU
@@ -259,9 +197,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         `gathered_parameters`) calls it first; call it before reading `optimizer.state`
         yourself. It publishes nothing: the parameters forward computes with stay one step
         behind until the next `step()`. Without the option there is nothing to wait for."""
-        if self._delayed is not None:
-            delayed, self._delayed = self._delayed, None
-            delayed.wait()
+        self.stepper.settle()
 
     def republish(self) -> None:
         """Make every master shard what forward computes with, after it changed in place
@@ -270,10 +206,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish(self.flat_groups)
 
     def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
+        """Publish `groups`' masters; `uploaded`: the step rewrote their compute shards."""
         groups = list(groups)
-        if self.offload is not None and not uploaded:
-            # Offloaded masters changed on the host: recast and upload them first.
-            self.offload.refresh([g for g in groups if g.offload is not None])
+        if not uploaded:
+            # Masters changed outside a step (a load): their compute shards follow first.
+            for source, same in _by_source(groups):
+                source.refresh(same)
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
         # of gathers are in flight, which bounds the temporary send buffers.
         inflight: deque[tuple[int, Handle]] = deque()
@@ -289,7 +227,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pending -= done
         for _, handle in inflight:
             handle.wait()
-        self._unpublished = False
+        self.stepper.published()
         if self.hooks is not None:
             self.hooks.after_publish()
 
@@ -334,3 +272,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._publish(self.flat_groups)
         if self.scaler is not None and state_dict.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def _by_source(
+    groups: Sequence[FlatParamGroup],
+) -> list[tuple[ComputeSource, list[FlatParamGroup]]]:
+    """The groups whose compute shards are kept apart from their masters, by keeper."""
+    out: dict[int, tuple[ComputeSource, list[FlatParamGroup]]] = {}
+    for g in groups:
+        if g.offload is not None:
+            out.setdefault(id(g.offload), (g.offload, []))[1].append(g)
+    return list(out.values())

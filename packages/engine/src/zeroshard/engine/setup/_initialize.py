@@ -24,12 +24,14 @@ from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
+from zeroshard.engine.runtime._stepper import DeviceStep, Stepper
 from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
 from zeroshard.engine.runtime.offload._compiled_step import compile_variants
 from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
 from zeroshard.engine.runtime.offload._host_offload import HostOffload
 from zeroshard.engine.runtime.offload._plan import choose_offloaded, offload_sizes
 from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
+from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
 from zeroshard.engine.runtime.offload._threads import stepping_threads
 from zeroshard.engine.setup._agreement import (
     check_ranks_agree,
@@ -252,9 +254,8 @@ def initialize(
         shard_group,
         scaler,
         cfg.comm.allgather_bucket_bytes,
+        stepper=_stepper(optimizer, groups, offload, cfg),
         hooks=runtime,
-        offload=offload,
-        delay_param_update=cfg.offload.delay_param_update,
     )
     if offload is not None:
         # The compute shards of the offloaded groups are made from the masters once here,
@@ -278,6 +279,21 @@ def initialize(
             seconds,
         )
     return model, zopt
+
+
+def _stepper(
+    optimizer: torch.optim.Optimizer,
+    groups: Sequence[FlatParamGroup],
+    offload: HostOffload | None,
+    cfg: ZeroConfig,
+) -> Stepper:
+    """How the masters are stepped: on the device, or with offload on the host after
+    backward (or in it), or beside the next window (delay_param_update)."""
+    if offload is None:
+        return DeviceStep(optimizer)
+    if cfg.offload.delay_param_update:
+        return DelayedHostStep(optimizer, offload, groups)
+    return HostStep(optimizer, offload, groups)
 
 
 # fp32 state tensors per parameter element of torch's optimizers that keep a fixed number.

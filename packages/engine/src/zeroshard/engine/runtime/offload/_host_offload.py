@@ -177,6 +177,10 @@ class HostOffload:
         for g in self.groups:
             self._adopt(g)
 
+    def holds(self, g: FlatParamGroup) -> bool:
+        """Whether `g` is one of the offloaded groups."""
+        return g.index in self.offset
+
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         t, pinned = host_tensor(numel, dtype, pin=pin)
         self._host_bytes += t.nbytes

@@ -1,0 +1,105 @@
+"""`Stepper`: how the master shards are stepped. `ZeroOptimizer` holds one, chosen by
+`initialize` from the config, and never asks which it is.
+
+The optimizer prepares the gradients (reduced, fp16-unscaled, clipped) and publishes the
+masters; what happens between is the stepper's: `DeviceStep` here (the wrapped optimizer
+on the device, in one call), the host steps of CPU offload in `offload/_steppers.py`
+(serial, in backward, delayed). A stepper holds the flat groups and the wrapped optimizer
+it steps them with, so it may step some groups one way and others another, and run
+collectives over a group's `process_group` inside its step; `step()` says whether the
+masters are final (publish now) or still stepping (published at the next `step()`).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+
+class StepOutcome(Enum):
+    """What a stepper's `step()` leaves: masters to publish now, or a step still running."""
+
+    PUBLISH = "publish"  # the masters are this step's: publish them now
+    DEFERRED = "deferred"  # published at the next step(), once `settle` waited for it
+
+
+class Stepper(Protocol):
+    """How the trainable master shards are stepped on their gradients."""
+
+    def step(self) -> StepOutcome:
+        """Step every trainable master on its gradient (reduced, unscaled, clipped)."""
+        ...
+
+    def settle(self) -> None:
+        """Wait for a step still running, raising what it raised: the masters and the
+        optimizer state are then those of every `step()` so far."""
+        ...
+
+    def deferred(self) -> bool:
+        """Whether the masters hold a settled step that was not published yet."""
+        ...
+
+    def published(self) -> None:
+        """The masters as they are now were published (nothing is deferred any more)."""
+        ...
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """The backward inside steps groups as their gradients land (`ZeroOptimizer.
+        step_in_backward`); a ValueError naming why where this stepper cannot."""
+        ...
+
+    def clip_refusal(self) -> str:
+        """Why clipping now would be wrong ('' where it is not)."""
+        ...
+
+
+def step_in_backward_refusal(
+    *, offloaded: bool, stage: int, loss_scaled: bool, delayed: bool
+) -> str:
+    """Why `ZeroOptimizer.step_in_backward()` refuses a run so configured ('' where it
+    does not); the planner asks it too."""
+    if not offloaded:
+        return "it needs offload_optimizer"
+    if stage == 1:
+        return "stage 1 reduces the gradients at the step, after backward"
+    if loss_scaled:
+        return "fp16 loss scaling checks every gradient for overflow first"
+    if delayed:
+        return "offload.delay_param_update already overlaps the step with the next backward"
+    return ""
+
+
+class DeviceStep:
+    """Every master on the device, stepped by the wrapped optimizer in one call."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+    def step(self) -> StepOutcome:
+        """One step of the wrapped optimizer; the masters are final."""
+        self.inner.step()
+        return StepOutcome.PUBLISH
+
+    def settle(self) -> None:
+        """Nothing runs after `step()` returned."""
+
+    def deferred(self) -> bool:
+        """Never: every step publishes at once."""
+        return False
+
+    def published(self) -> None:
+        """Nothing to note."""
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """Refused: the device step has nothing to overlap with backward."""
+        why = step_in_backward_refusal(
+            offloaded=False, stage=stage, loss_scaled=loss_scaled, delayed=False
+        )
+        raise ValueError(f"step_in_backward(): {why}")
+
+    def clip_refusal(self) -> str:
+        """Clipping is always right before the step."""
+        return ""
