@@ -181,7 +181,7 @@ def _host_bytes(device: str) -> None:
     off = zs.engine_state(model).offload
     assert off is not None
     space = off.layout.num_chunks * off.layout.shard_numel
-    biggest = max(g.layout.shard_numel for g in off.groups)
+    biggest = max(g.layout.shard_numel for g in opt.flat_groups if off.holds(g))
     assert biggest > STEP_BLOCK, "the test needs a group past one block"
     # fp32 master + bf16 gradient per element; bf16 staging slots; one block's fp32
     # upcast (the fallback would grow it to one group's).
@@ -198,7 +198,7 @@ def _host_bytes(device: str) -> None:
     with torch.device("meta"):
         meta = Wide()
     est = estimate(meta, cfg, world, MICRO, 7, optimizer=_optimizer(meta, "adamw"))
-    moved = [g for g in off.groups if g.trainable]
+    moved = [g for g in opt.flat_groups if off.holds(g) and g.trainable]
     state = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
     assert est.host == off.nbytes().host + state
 
@@ -286,7 +286,9 @@ def _reloaded(device: str) -> None:
             loss_fn(model, batches[step, 0, rank].to(device)).backward()
             opt.step()
             opt.zero_grad()
-        states.append([opt.inner.state[g.master] for g in off.groups if g.trainable])
+        states.append(
+            [opt.inner.state[g.master] for g in opt.flat_groups if off.holds(g) and g.trainable]
+        )
     for kept, loaded in zip(*states, strict=True):
         for k in kept:
             assert torch.equal(kept[k], loaded[k]), (k, kept[k], loaded[k])

@@ -178,7 +178,7 @@ def _host_bytes(device: str) -> None:
     off = zs.engine_state(model).offload
     assert off is not None
     space = off.layout.num_chunks * off.layout.shard_numel
-    biggest = max(g.layout.shard_numel for g in off.groups)
+    biggest = max(g.layout.shard_numel for g in opt.flat_groups if off.holds(g))
     # fp32 master + bf16 gradient per element; bf16 staging slots (pinned on a GPU), one
     # group's fp32 upcast.
     fixed = GRAD_SLOTS * biggest * 2 + biggest * 4

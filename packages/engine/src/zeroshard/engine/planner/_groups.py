@@ -1,10 +1,10 @@
 """The flat groups `initialize()` would build, planned without building them.
 
-Everything here is metadata: a model on the meta device is enough. Each rule of what the
-engine builds is the runtime's own function, called here as the engine calls it:
-`plan_units` and `is_persistent` (stage 3), `plan_buckets` (stages 1/2), `flat_layout`,
-`choose_offloaded` and `offload_sizes`. `tests/engine/test_estimate_states.py` checks the
-bytes counted from them against real engines.
+Everything here is metadata: a model on the meta device is enough. The groups, their
+layouts, which are offloaded and what the host allocates are the runtime's own plan
+(`plan_flat_groups`, from which `initialize()` builds), and which units stay gathered
+its `is_persistent`. `tests/engine/test_estimate_states.py` checks the bytes counted from
+them against real engines.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.runtime._bucket_plan import plan_buckets
-from zeroshard.engine.runtime._flat_group import flat_layout
-from zeroshard.engine.runtime._names import named_parameters
-from zeroshard.engine.runtime._unit_plan import is_persistent, plan_units
-from zeroshard.engine.runtime.offload._plan import OffloadSizes, choose_offloaded, offload_sizes
-from zeroshard.partition import FlatLayout, GroupKey, group_parameters
+from zeroshard.engine.runtime._group_plan import plan_flat_groups
+from zeroshard.engine.runtime._unit_plan import is_persistent
+from zeroshard.engine.runtime.offload._plan import OffloadSizes
+from zeroshard.partition import FlatLayout, GroupKey
 
 
 @dataclass(frozen=True)
@@ -60,16 +58,6 @@ class GroupPlan:
     shard_size: int
 
 
-def _stage12(
-    model: nn.Module, cfg: ZeroConfig, size: int, param_group_of: Mapping[int, int] | None
-) -> list[tuple[GroupKey, FlatLayout]]:
-    """The stage-1/2 flat groups, in the order `initialize()` builds them."""
-    grouped = group_parameters(named_parameters(model), param_group_of=param_group_of)
-    compute = cfg.precision.compute_dtype
-    buckets = plan_buckets(model, grouped, cfg.comm.reduce_bucket_bytes, compute.itemsize)
-    return [(key, flat_layout(run, key, size, compute)) for key, run in buckets]
-
-
 def plan_groups(
     model: nn.Module,
     cfg: ZeroConfig,
@@ -83,53 +71,34 @@ def plan_groups(
     `blocked_step`: the optimizer steps offloaded groups in blocks (torch's fused
     Adam/AdamW), so the host needs one block's fp32 upcast, not one group's.
     """
-    planned: list[tuple[GroupKey, FlatLayout, int | None, bool]] = []
-    units: list[PlannedUnit] = []
-    if cfg.stage == 3:
-        plans = plan_units(model, cfg.stage3)
-        for ui, plan in enumerate(plans):
-            grouped = group_parameters(plan.params, param_group_of=param_group_of)
-            layouts = [
-                (k, flat_layout(named, k, shard_size, cfg.precision.compute_dtype))
-                for k, named in grouped.items()
-            ]
-            numel = sum(lay.numel for _, lay in layouts)
-            persistent = is_persistent(ui, numel, cfg.stage3.persistence_threshold)
-            planned += [(k, lay, ui, persistent) for k, lay in layouts]
-            gathered = (
-                sum(lay.padded_numel for _, lay in layouts) * cfg.precision.compute_dtype.itemsize
-            )
-            units.append(PlannedUnit(plan.name, gathered, persistent))
-    else:
-        planned = [
-            (k, lay, None, False) for k, lay in _stage12(model, cfg, shard_size, param_group_of)
-        ]
-    offloaded: set[int] = set()
-    if cfg.offload.optimizer:
-        numels = [lay.shard_numel for _, lay, _, _ in planned]
-        trainable = [k.requires_grad for k, _, _, _ in planned]
-        offloaded = set(
-            choose_offloaded(
-                numels, trainable, cfg.offload.ratio, registration_order=cfg.stage == 3
-            )
-        )
-    groups = tuple(
-        PlannedGroup(i, k, lay, unit, persistent, i in offloaded)
-        for i, (k, lay, unit, persistent) in enumerate(planned)
+    plan = plan_flat_groups(
+        model,
+        cfg,
+        shard_size=shard_size,
+        size_of=lambda _: shard_size,
+        param_group_of=param_group_of,
+        blocked_step=blocked_step,
     )
-    moved = [g.layout.shard_numel for g in groups if g.offloaded]
-    offload = None
-    if moved:
-        offload = offload_sizes(
-            moved,
-            shard_size,
-            chunk_bytes=cfg.offload.chunk_bytes,
-            compute_dtype=cfg.precision.compute_dtype,
-            reduce_dtype=cfg.precision.grad_reduce_dtype,
-            offload_params=cfg.offload.params,
-            blocked_step=blocked_step,
+    itemsize = cfg.precision.compute_dtype.itemsize
+    units: list[PlannedUnit] = []
+    for ui, unit in enumerate(plan.units):
+        layouts = [g.layout for g in plan.groups_of(ui)]
+        numel = sum(lay.numel for lay in layouts)
+        persistent = is_persistent(ui, numel, cfg.stage3.persistence_threshold)
+        gathered = sum(lay.padded_numel for lay in layouts) * itemsize
+        units.append(PlannedUnit(unit.name, gathered, persistent))
+    groups = tuple(
+        PlannedGroup(
+            g.index,
+            g.key,
+            g.layout,
+            g.unit,
+            g.unit is not None and units[g.unit].persistent,
+            g.offloaded,
         )
-    return GroupPlan(groups, tuple(units), offload, shard_size)
+        for g in plan.groups
+    )
+    return GroupPlan(groups, tuple(units), plan.offload, shard_size)
 
 
 def state_bytes(

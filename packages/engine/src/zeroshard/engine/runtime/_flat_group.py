@@ -43,6 +43,48 @@ class ComputeSource(Protocol):
         ...
 
 
+class GroupHome(Protocol):
+    """Where a flat group keeps its fp32 master shard, sends its reduced gradient and reads
+    its gathers from: `DEVICE_HOME`, or an offloaded group's part of the host storage
+    (`offload.HostOffload.home`). Given to `build_flat_group`, so the group is complete
+    when built."""
+
+    @property
+    def grads(self) -> GradDestination:
+        """Where the group's reduced gradient shard goes."""
+        ...
+
+    @property
+    def source(self) -> ComputeSource | None:
+        """Where gathers read the compute-dtype shard (None: cast from the master)."""
+        ...
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The memory the gradient shard lives in between steps (None: allocated when a
+        window's first gradient arrives)."""
+        ...
+
+    def master(self, shard: torch.Tensor) -> torch.Tensor:
+        """The fp32 master holding `shard` (this rank's part of the flat buffer)."""
+        ...
+
+
+class DeviceHome:
+    """The master and its gradient on the group's device; gathers cast the master."""
+
+    grads: GradDestination = DEVICE_GRADS
+    source: ComputeSource | None = None
+    grad: torch.Tensor | None = None
+
+    def master(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new fp32 copy of `shard`, where it is."""
+        return shard.detach().to(torch.float32, copy=True)
+
+
+DEVICE_HOME = DeviceHome()
+
+
 @dataclass(eq=False)
 class ReplicatedStorage:
     """Stages 1/2: every parameter whole on every rank, as views of `param_buffer`."""
@@ -79,14 +121,14 @@ class FlatParamGroup:
     master: torch.Tensor
     tier: FlattenTier
     storage: ReplicatedStorage | ShardedStorage
+    # Where the reduced gradient shard goes (`_grad_destination.py`).
+    grads: GradDestination
+    # Offload: the gradient shard is this host view (kept allocated between steps,
+    # overwritten by a window's first gradient), and gathers read the compute-dtype shard
+    # `offload` keeps for the device.
+    grad_home: torch.Tensor | None
+    offload: ComputeSource | None
     grad_shard: torch.Tensor | None = None
-    # Offload: the master lives on the host; the gradient shard is this host view (kept
-    # allocated between steps, overwritten by a window's first gradient), and gathers read
-    # the compute-dtype shard `offload` keeps for the device.
-    grad_home: torch.Tensor | None = None
-    offload: ComputeSource | None = None
-    # Where its reduced gradient shard goes (`_grad_destination.py`).
-    grads: GradDestination = DEVICE_GRADS
 
     @property
     def trainable(self) -> bool:
@@ -247,28 +289,36 @@ def build_flat_group(
     index: int,
     key: GroupKey,
     named: Sequence[tuple[str, nn.Parameter]],
+    layout: FlatLayout,
     *,
     process_group: Group,
     compute_dtype: torch.dtype,
     stage: int,
     tier: FlattenTier,
+    home: GroupHome = DEVICE_HOME,
 ) -> FlatParamGroup:
-    """Flatten `named` (one GroupKey) and carve out this rank's fp32 master shard.
+    """Flatten `named` (one GroupKey, laid out as `layout`) and carve out this rank's fp32
+    master shard, kept in `home`.
 
     Stages 1/2 keep the parameters whole, as views of a compute-dtype buffer (stage 1 also
     a full gradient buffer), flattened on `tier`; stage 3 keeps only the master shard and
     frees the parameters' memory.
     """
     _check_params(named, process_group)
-    layout = flat_layout(named, key, process_group.size, compute_dtype)
     params = tuple(p for _, p in named)
     start = time.perf_counter()
     storage: ReplicatedStorage | ShardedStorage
     if stage == 3:
-        master, storage, used = _shard(params, layout, process_group, compute_dtype)
+        master, storage, used = _shard(params, layout, process_group, compute_dtype, home)
     else:
         master, storage, used = _replicate(
-            params, layout, process_group, compute_dtype, tier, stage == 1 and key.requires_grad
+            params,
+            layout,
+            process_group,
+            compute_dtype,
+            tier,
+            stage == 1 and key.requires_grad,
+            home,
         )
     log.debug(
         "group %d: %d params, %d elements, flattened on tier %s in %.3fs",
@@ -289,6 +339,9 @@ def build_flat_group(
         nn.Parameter(master, key.requires_grad),
         used,
         storage,
+        home.grads,
+        home.grad,
+        home.source,
     )
     if isinstance(storage, ShardedStorage):
         group.release()
@@ -307,6 +360,7 @@ def _replicate(
     compute_dtype: torch.dtype,
     tier: FlattenTier,
     keep_grad_buffer: bool,
+    home: GroupHome,
 ) -> tuple[torch.Tensor, ReplicatedStorage, FlattenTier]:
     flat, used = flatten_params(
         params,
@@ -316,7 +370,7 @@ def _replicate(
         group=process_group if process_group.size > 1 else None,
     )
     lo, hi = layout.shard_range(process_group.rank)
-    master = flat[lo:hi].detach().to(torch.float32, copy=True)
+    master = home.master(flat[lo:hi])
     param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
     del flat  # the full-precision copy is no longer needed once master and params exist
     grad_buffer = torch.zeros_like(param_buffer) if keep_grad_buffer else None
@@ -332,9 +386,10 @@ def _shard(
     layout: FlatLayout,
     process_group: Group,
     compute_dtype: torch.dtype,
+    home: GroupHome,
 ) -> tuple[torch.Tensor, ShardedStorage, FlattenTier]:
     shard = flatten_shard(params, layout, process_group.rank, device=process_group.device)
-    master = shard.to(torch.float32, copy=True)
+    master = home.master(shard)
     del shard
     buffer = torch.empty(layout.padded_numel, dtype=compute_dtype, device=process_group.device)
     return master, ShardedStorage(buffer, slot_views(buffer, layout)), FlattenTier.DEVICE

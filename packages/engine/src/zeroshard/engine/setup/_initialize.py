@@ -14,22 +14,27 @@ from torch import nn
 
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig, as_config
-from zeroshard.engine.runtime._bucket_plan import plan_buckets
-from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
+from zeroshard.engine.runtime._flat_group import (
+    DEVICE_HOME,
+    FlatParamGroup,
+    GroupHome,
+    build_flat_group,
+)
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
+from zeroshard.engine.runtime._group_plan import FlatGroupPlan, PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._loss_scale import LossScaler
-from zeroshard.engine.runtime._names import canonical_name, named_parameters
+from zeroshard.engine.runtime._names import canonical_name
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stepper import DeviceStep, Stepper
-from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
+from zeroshard.engine.runtime._unit_plan import UnitPlan
 from zeroshard.engine.runtime.offload._compiled_step import compile_variants
 from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
 from zeroshard.engine.runtime.offload._host_offload import HostOffload
-from zeroshard.engine.runtime.offload._plan import choose_offloaded, offload_sizes
+from zeroshard.engine.runtime.offload._plan import OffloadSizes
 from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
 from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
 from zeroshard.engine.runtime.offload._threads import stepping_threads
@@ -47,7 +52,7 @@ from zeroshard.engine.setup._materialize import (
     reset_parameters,
 )
 from zeroshard.engine.state._module_state import install_state_dict_hooks
-from zeroshard.partition import FlattenTier, GroupKey, group_parameters
+from zeroshard.partition import FlattenTier, GroupKey
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -73,36 +78,36 @@ class _Placement:
         return self.shard_group if key.process_group == "default" else self.own[key.process_group]
 
 
-def _flatten_stage12(
-    model: nn.Module, cfg: ZeroConfig, place: _Placement, param_group_of: dict[int, int]
-) -> tuple[FlatParamGroup, ...]:
-    """Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order."""
-    grouped = group_parameters(
-        named_parameters(model), param_group_of=param_group_of, process_group_of=place.label
-    )
-    buckets = plan_buckets(
-        model, grouped, cfg.comm.reduce_bucket_bytes, cfg.precision.compute_dtype.itemsize
-    )
-    tier = FlattenTier(cfg.flatten_tier)
-    return tuple(
-        build_flat_group(
-            i,
-            key,
-            run,
-            process_group=place.process_group(key),
-            compute_dtype=cfg.precision.compute_dtype,
-            stage=cfg.stage,
-            tier=tier,
-        )
-        for i, (key, run) in enumerate(buckets)
+def _home(g: PlannedFlatGroup, offload: HostOffload | None) -> GroupHome:
+    """Where planned group `g` keeps its master: its part of the host storage, or the device."""
+    if g.offloaded:
+        assert offload is not None
+        return offload.home(g.index)
+    return DEVICE_HOME
+
+
+def _build(
+    g: PlannedFlatGroup, cfg: ZeroConfig, place: _Placement, offload: HostOffload | None
+) -> FlatParamGroup:
+    """Build planned group `g` into its home."""
+    return build_flat_group(
+        g.index,
+        g.key,
+        g.named,
+        g.layout,
+        process_group=place.process_group(g.key),
+        compute_dtype=cfg.precision.compute_dtype,
+        stage=cfg.stage,
+        tier=FlattenTier(cfg.flatten_tier),
+        home=_home(g, offload),
     )
 
 
 def _shard_stage3(
-    model: nn.Module,
+    plan: FlatGroupPlan,
     cfg: ZeroConfig,
     place: _Placement,
-    param_group_of: dict[int, int],
+    offload: HostOffload | None,
     param_init: ParamInit,
     init_seed: int,
 ) -> list[tuple[UnitPlan, tuple[FlatParamGroup, ...]]]:
@@ -111,32 +116,14 @@ def _shard_stage3(
     Units still on the meta device are materialized one at a time just before they are
     sharded (partitioned init).
     """
-    plans = plan_units(model, cfg.stage3)
-    tier = FlattenTier(cfg.flatten_tier)
-    count = 0
     units: list[tuple[UnitPlan, tuple[FlatParamGroup, ...]]] = []
-    for ui, plan in enumerate(plans):
-        if is_meta(plan):
+    for ui, unit in enumerate(plan.units):
+        if is_meta(unit):
             materialize_unit(
-                plan, ui, device=place.shard_group.device, param_init=param_init, seed=init_seed
+                unit, ui, device=place.shard_group.device, param_init=param_init, seed=init_seed
             )
-        grouped = group_parameters(
-            plan.params, param_group_of=param_group_of, process_group_of=place.label
-        )
-        groups = tuple(
-            build_flat_group(
-                count + j,
-                key,
-                named,
-                process_group=place.process_group(key),
-                compute_dtype=cfg.precision.compute_dtype,
-                stage=3,
-                tier=tier,
-            )
-            for j, (key, named) in enumerate(grouped.items())
-        )
-        count += len(groups)
-        units.append((plan, groups))
+        groups = tuple(_build(g, cfg, place, offload) for g in plan.groups_of(ui))
+        units.append((unit, groups))
     return units
 
 
@@ -198,16 +185,38 @@ def initialize(
     )
     param_group_of = param_group_index(model, optimizer)
     start = time.perf_counter()
-
+    plan = plan_flat_groups(
+        model,
+        cfg,
+        shard_size=shard_group.size,
+        size_of=lambda key: place.process_group(key).size,
+        param_group_of=param_group_of,
+        process_group_of=place.label,
+        blocked_step=steps_in_blocks(optimizer),
+    )
+    # Host storage first, so each offloaded group is built into its part of it.
+    offload = None
+    if plan.offload is not None:  # None only below ratio 1 with nothing trainable
+        _check_offload_fits(plan, plan.offload, everyone, optimizer)
+        offload = HostOffload(
+            plan.offload,
+            [g.index for g in plan.groups if g.offloaded],
+            device=shard_group.device,
+            pin=cfg.offload.pin_memory,
+            compiled_step=cfg.offload.compiled_step,
+        )
+        _warn_unfused(optimizer)
     scaler = None
     if cfg.precision.compute_dtype == torch.float16:
         scaler = LossScaler(
-            cfg.loss_scale.initial_scale, cfg.loss_scale.window, cfg.loss_scale.min_scale
+            cfg.loss_scale.initial_scale,
+            cfg.loss_scale.window,
+            cfg.loss_scale.min_scale,
+            log_skips=everyone.rank == 0,
         )
-        scaler.log_skips = everyone.rank == 0
     runtime = None
     if cfg.stage == 3:
-        units = _shard_stage3(model, cfg, place, param_group_of, param_init, init_seed)
+        units = _shard_stage3(plan, cfg, place, offload, param_init, init_seed)
         groups = tuple(g for _, unit_groups in units for g in unit_groups)
         runtime = Stage3Runtime(
             units,
@@ -218,23 +227,8 @@ def initialize(
             persistence_threshold=cfg.stage3.persistence_threshold,
         )
     else:
-        groups = _flatten_stage12(model, cfg, place, param_group_of)
-    offload = None
-    chosen = _offloaded_groups(groups, cfg) if cfg.offload.optimizer else []
-    if chosen:  # empty only below ratio 1 with nothing trainable
-        _check_offload_fits(chosen, cfg, shard_group, everyone, optimizer)
-        offload = HostOffload(
-            chosen,
-            shard_group=shard_group,
-            compute_dtype=cfg.precision.compute_dtype,
-            chunk_bytes=cfg.offload.chunk_bytes,
-            reduce_dtype=cfg.precision.grad_reduce_dtype,
-            pin=cfg.offload.pin_memory,
-            offload_params=cfg.offload.params,
-            blocked_step=steps_in_blocks(optimizer),
-            compiled_step=cfg.offload.compiled_step,
-        )
-        _warn_unfused(optimizer)
+        # Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order.
+        groups = tuple(_build(g, cfg, place, offload) for g in plan.groups)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
     reducer = GradReducer(
         groups if runtime is None else runtime.reduce_order(),
@@ -257,10 +251,6 @@ def initialize(
         stepper=_stepper(optimizer, groups, offload, cfg),
         hooks=runtime,
     )
-    if offload is not None:
-        # The compute shards of the offloaded groups are made from the masters once here,
-        # then after every step.
-        offload.refresh(offload.groups)
     seconds = time.perf_counter() - start
     state = EngineState(cfg, shard_group, replicate, groups, zopt, runtime, offload)
     attach_state(model, state)
@@ -311,36 +301,17 @@ def _state_floats(optimizer: torch.optim.Optimizer) -> int:
     return _STATE_FLOATS.get(name, 2)
 
 
-def _offloaded_groups(groups: Sequence[FlatParamGroup], cfg: ZeroConfig) -> list[FlatParamGroup]:
-    """The groups `cfg.offload.ratio` sends to the host (see `choose_offloaded`)."""
-    chosen = choose_offloaded(
-        [g.layout.shard_numel for g in groups],
-        [g.trainable for g in groups],
-        cfg.offload.ratio,
-        registration_order=cfg.stage == 3,
-    )
-    return [groups[i] for i in chosen]
-
-
 def _check_offload_fits(
-    chosen: list[FlatParamGroup],
-    cfg: ZeroConfig,
-    shard_group: Group,
+    plan: FlatGroupPlan,
+    sizes: OffloadSizes,
     everyone: Group,
     optimizer: torch.optim.Optimizer,
 ) -> None:
     """Raise on every rank before allocating if a host cannot hold the offloaded state."""
-    sizes = offload_sizes(
-        [g.layout.shard_numel for g in chosen],
-        shard_group.size,
-        chunk_bytes=cfg.offload.chunk_bytes,
-        compute_dtype=cfg.precision.compute_dtype,
-        reduce_dtype=cfg.precision.grad_reduce_dtype,
-        offload_params=cfg.offload.params,
-        blocked_step=steps_in_blocks(optimizer),
-    )
     floats = _state_floats(optimizer)
-    state = 4 * floats * sum(g.layout.shard_numel for g in chosen if g.trainable)
+    state = (
+        4 * floats * sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
+    )
     what = (
         f"the offloaded state: {sizes.host_bytes:,} bytes of masters, gradients and staging "
         f"and {state:,} of {type(optimizer).__name__} state ({floats} fp32 per element)"

@@ -67,16 +67,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
 from zeroshard.engine.runtime.offload._blocks import BlockedStep
 from zeroshard.engine.runtime.offload._compiled_step import coefficients, scale_of, step_piece
 from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK, FusedAdam
 from zeroshard.engine.runtime.offload._io import GradAdd, SideStream, grad_worker, host_tensor, land
-from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS, offload_sizes
+from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS, OffloadSizes
 from zeroshard.engine.runtime.offload._step_thread import StepThread
 from zeroshard.engine.runtime.offload._upload import ShardUpload
 
@@ -113,31 +111,22 @@ class HostOffload:
 
     def __init__(
         self,
-        groups: Sequence[FlatParamGroup],
+        sizes: OffloadSizes,
+        indices: Sequence[int],
         *,
-        shard_group: Group,
-        compute_dtype: torch.dtype,
-        chunk_bytes: int,
-        reduce_dtype: torch.dtype,
+        device: torch.device,
         pin: bool,
-        offload_params: bool,
-        blocked_step: bool,
         compiled_step: bool = False,
     ) -> None:
-        self.groups = list(groups)
-        self.device = shard_group.device
+        """Allocate the host storage of `sizes` for the flat groups `indices` (in chunk-space
+        order); each group takes its part when it is built (`home`)."""
+        self.device = device
         # Pinning only speeds up copies to a GPU; on the CPU there is no bus to cross.
         pin = pin and self.device.type == "cuda"
-        sizes = offload_sizes(
-            [g.layout.shard_numel for g in self.groups],
-            shard_group.size,
-            chunk_bytes=chunk_bytes,
-            compute_dtype=compute_dtype,
-            reduce_dtype=reduce_dtype,
-            offload_params=offload_params,
-            blocked_step=blocked_step,
-        )
-        self.offset = {g.index: lo for g, lo in zip(self.groups, sizes.offsets, strict=True)}
+        offload_params, reduce_dtype = sizes.offload_params, sizes.reduce_dtype
+        self.offset = dict(zip(indices, sizes.offsets, strict=True))
+        self._numel = dict(zip(indices, sizes.shard_numels, strict=True))
+        self._largest = sizes.grad_slot_numel
         self.layout = sizes.chunks
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self._pinned_bytes = 0
@@ -160,13 +149,16 @@ class HostOffload:
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
             self.master,
-            sum(g.layout.shard_numel for g in self.groups),
+            sizes.used_numel,
             self.device,
-            compute_dtype,
+            sizes.compute_dtype,
             pin=pin,
             offload_params=offload_params,
             alloc=self._host,
         )
+        # The compute shards are made from the masters as the groups hand them over
+        # (`home`): each chunk goes up once every master in it is in place.
+        self._out.begin([(lo, lo + self._numel[i]) for i, lo in self.offset.items()])
         self._down = SideStream(self.device)
         self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, reduce_dtype, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
@@ -174,8 +166,11 @@ class HostOffload:
         # The thread that steps groups beside the main thread (step_in_backward,
         # delay_param_update).
         self.step_thread = StepThread(self.device)
-        for g in self.groups:
-            self._adopt(g)
+
+    def home(self, index: int) -> HostHome:
+        """Where flat group `index` keeps its master and gradient: its part of the host
+        storage."""
+        return HostHome(self, index)
 
     def holds(self, g: FlatParamGroup) -> bool:
         """Whether `g` is one of the offloaded groups."""
@@ -191,19 +186,21 @@ class HostOffload:
         return [self._host(numel, dtype, pin) for _ in range(count)]
 
     def _flat(self, t: torch.Tensor, g: FlatParamGroup) -> torch.Tensor:
-        lo = self.offset[g.index]
-        return t.view(-1)[lo : lo + g.layout.shard_numel]
+        return self._part(t, g.index)
+
+    def _part(self, t: torch.Tensor, index: int) -> torch.Tensor:
+        lo = self.offset[index]
+        return t.view(-1)[lo : lo + self._numel[index]]
 
     @torch.no_grad()
-    def _adopt(self, g: FlatParamGroup) -> None:
-        """Move `g`'s master to its host view; its gradient shard and compute shard follow."""
-        host = self._flat(self.master, g)
-        host.copy_(g.master.detach())
-        # The device master is dropped here; the optimizer is built on the host one.
-        g.master = nn.Parameter(host, requires_grad=g.trainable)
-        g.grad_home = self._flat(self.grad, g)
-        g.offload = self
-        g.grads = self
+    def _take_master(self, index: int, shard: torch.Tensor) -> torch.Tensor:
+        """Copy group `index`'s first master (`shard`, on the device) into its host view,
+        and send its compute shard up with the chunks it completes."""
+        host = self._part(self.master, index)
+        host.copy_(shard)
+        lo = self.offset[index]
+        self._out.written(lo, lo + self._numel[index])
+        return host
 
     # -- gradients in (GradDestination) ---------------------------------------------------
     def reduces_in_place(self, g: FlatParamGroup, reduce_dtype: torch.dtype) -> bool:
@@ -375,8 +372,7 @@ class HostOffload:
         if self._upcast.numel() < grad.tensor.numel():
             # Planned as one block (the optimizer steps in blocks) but this step is not.
             self._host_bytes -= self._upcast.nbytes
-            largest = max(h.layout.shard_numel for h in self.groups)
-            self._upcast = self._host(largest, torch.float32, False)
+            self._upcast = self._host(self._largest, torch.float32, False)
         return self.grad_block(grad, 0, grad.tensor.numel())
 
     # -- shards out ----------------------------------------------------------------------
@@ -428,3 +424,31 @@ class HostOffload:
         up = self._out.compute_dtype.itemsize if self.compute_host is not None else 4
         device = self._out.device_nbytes
         return OffloadBytes(n, self._host_bytes, self._pinned_bytes, device, n * s * up)
+
+
+class HostHome:
+    """An offloaded flat group's part of the host storage: its `GroupHome`. Its master
+    lives on the host, its gradient goes there, and its gathers read the compute shard
+    the host keeps for the device."""
+
+    def __init__(self, offload: HostOffload, index: int) -> None:
+        self._offload, self._index = offload, index
+
+    @property
+    def grads(self) -> HostOffload:
+        """The host takes the reduced gradients."""
+        return self._offload
+
+    @property
+    def source(self) -> HostOffload:
+        """Gathers read the compute shard the host keeps."""
+        return self._offload
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The host gradient, in the reduce dtype, kept between steps."""
+        return self._offload._part(self._offload.grad, self._index)
+
+    def master(self, shard: torch.Tensor) -> torch.Tensor:
+        """The host view holding `shard`'s values."""
+        return self._offload._take_master(self._index, shard)

@@ -1,6 +1,7 @@
 """CPU offload from shard sizes alone: which flat groups go to the host, and the buffers
-`HostOffload` allocates for them. `initialize()` and `HostOffload` act on it; the planner
-counts it. Sizes are in elements of one rank's shards, equal on every rank."""
+`HostOffload` allocates for them. `initialize()` allocates them from it (through
+`plan_flat_groups`, which the planner counts too). Sizes are in elements of one rank's
+shards, equal on every rank."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class OffloadSizes:
     Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
     gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
 
+    shard_numels: tuple[int, ...]  # each offloaded shard's elements, in chunk-space order
     offsets: tuple[int, ...]  # each shard's start in the chunk space, in the given order
     chunks: ChunkLayout
     grad_slot_numel: int  # the largest shard: any staged gradient fits in a slot
@@ -75,6 +77,11 @@ class OffloadSizes:
         if self.blocked_step:
             return min(STEP_BLOCK, self.grad_slot_numel)
         return self.grad_slot_numel
+
+    @property
+    def used_numel(self) -> int:
+        """Elements of the chunk space the shards fill (the rest is padding)."""
+        return sum(self.shard_numels)
 
     @property
     def chunk_space_numel(self) -> int:
@@ -121,6 +128,7 @@ def offload_sizes(
     per_rank = max(1, chunk_bytes // 4)
     numel = sum(shard_numels)
     return OffloadSizes(
+        shard_numels=tuple(shard_numels),
         offsets=tuple(itertools.accumulate(shard_numels, initial=0))[:-1],
         chunks=ChunkLayout.build(numel * shard_size, per_rank * shard_size, shard_size),
         grad_slot_numel=max(shard_numels, default=0),

@@ -1,0 +1,123 @@
+"""The flat groups of a model, planned before any is built.
+
+Shapes are enough (a model on the meta device will do): which parameters make up each
+flat group (`plan_buckets` at stages 1/2, one group per `GroupKey` of each unit of
+`plan_units` at stage 3), its layout (`flat_layout`), which groups CPU offload takes
+(`choose_offloaded`) and what the host then allocates (`offload_sizes`). `initialize()`
+allocates the host storage from it first and builds each group into its home; the
+planner counts it. One plan, so neither can drift from the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._bucket_plan import plan_buckets
+from zeroshard.engine.runtime._flat_group import flat_layout
+from zeroshard.engine.runtime._names import named_parameters
+from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
+from zeroshard.engine.runtime.offload._plan import OffloadSizes, choose_offloaded, offload_sizes
+from zeroshard.partition import FlatLayout, GroupKey, group_parameters
+
+ProcessGroupOf = Callable[[str, nn.Parameter], str]
+
+
+@dataclass(frozen=True)
+class PlannedFlatGroup:
+    """One flat group as `initialize()` builds it: its parameters (canonical names), layout,
+    stage-3 unit and whether CPU offload holds it."""
+
+    index: int
+    key: GroupKey
+    named: tuple[tuple[str, nn.Parameter], ...]
+    layout: FlatLayout
+    unit: int | None
+    offloaded: bool
+
+    @property
+    def trainable(self) -> bool:
+        """Whether its parameters take gradients."""
+        return self.key.requires_grad
+
+
+@dataclass(frozen=True)
+class FlatGroupPlan:
+    """Every flat group of a model, the stage-3 units they belong to (registration order;
+    none at stages 1/2), and the host storage of the offloaded ones (None: none)."""
+
+    units: tuple[UnitPlan, ...]
+    groups: tuple[PlannedFlatGroup, ...]
+    offload: OffloadSizes | None
+
+    def groups_of(self, unit: int) -> list[PlannedFlatGroup]:
+        """Stage 3: the groups of unit `unit`, in index order."""
+        return [g for g in self.groups if g.unit == unit]
+
+
+def plan_flat_groups(
+    model: nn.Module,
+    cfg: ZeroConfig,
+    *,
+    shard_size: int,
+    size_of: Callable[[GroupKey], int],
+    param_group_of: Mapping[int, int] | None,
+    process_group_of: ProcessGroupOf | None = None,
+    blocked_step: bool,
+) -> FlatGroupPlan:
+    """The flat groups of `model` under `cfg`, each sharded over `size_of(key)` ranks.
+
+    `param_group_of` maps id(parameter) to its optimizer param group (None: all in one),
+    `process_group_of` names a parameter's process group (None: the default one for all);
+    offloaded shards are laid out over `shard_size` ranks; `blocked_step`: the optimizer
+    steps offloaded groups in blocks (torch's fused Adam/AdamW: one block's fp32 upcast).
+    """
+    compute = cfg.precision.compute_dtype
+    planned: list[tuple[GroupKey, list[tuple[str, nn.Parameter]], int | None]] = []
+    units: tuple[UnitPlan, ...] = ()
+    if cfg.stage == 3:
+        units = tuple(plan_units(model, cfg.stage3))
+        for ui, unit in enumerate(units):
+            grouped = group_parameters(
+                unit.params, param_group_of=param_group_of, process_group_of=process_group_of
+            )
+            planned += [(key, named, ui) for key, named in grouped.items()]
+    else:
+        grouped = group_parameters(
+            named_parameters(model),
+            param_group_of=param_group_of,
+            process_group_of=process_group_of,
+        )
+        buckets = plan_buckets(model, grouped, cfg.comm.reduce_bucket_bytes, compute.itemsize)
+        planned = [(key, run, None) for key, run in buckets]
+    layouts = [flat_layout(named, key, size_of(key), compute) for key, named, _ in planned]
+    offloaded: set[int] = set()
+    if cfg.offload.optimizer:
+        offloaded = set(
+            choose_offloaded(
+                [lay.shard_numel for lay in layouts],
+                [key.requires_grad for key, _, _ in planned],
+                cfg.offload.ratio,
+                registration_order=cfg.stage == 3,
+            )
+        )
+    groups = tuple(
+        PlannedFlatGroup(i, key, tuple(named), layout, unit, i in offloaded)
+        for i, ((key, named, unit), layout) in enumerate(zip(planned, layouts, strict=True))
+    )
+    moved = [g.layout.shard_numel for g in groups if g.offloaded]
+    sizes = None
+    if moved:
+        sizes = offload_sizes(
+            moved,
+            shard_size,
+            chunk_bytes=cfg.offload.chunk_bytes,
+            compute_dtype=compute,
+            reduce_dtype=cfg.precision.grad_reduce_dtype,
+            offload_params=cfg.offload.params,
+            blocked_step=blocked_step,
+        )
+    return FlatGroupPlan(units, groups, sizes)
