@@ -21,6 +21,7 @@ from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.planner._groups import plan_groups
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
 
 # Small buckets and thresholds so a tiny model still has many groups, units, persistence
 # and several offload chunks.
@@ -49,7 +50,12 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
     state = zs.engine_state(model)
     assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
     assert [g.key for g in state.groups] == [g.key for g in plan.groups]
-    assert [g.offload is not None for g in state.groups] == [g.offloaded for g in plan.groups]
+    host = state.offload
+
+    def offloaded(g: FlatParamGroup) -> bool:
+        return host is not None and host.holds(g)
+
+    assert [offloaded(g) for g in state.groups] == [g.offloaded for g in plan.groups]
     if stage == 3:
         assert state.stage3 is not None
         real_units = [(u.name, u.nbytes, u.persistent) for u in state.stage3.units]
@@ -66,13 +72,13 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
             real["parameters"] += g.param_buffer.nbytes
         if g.grad_buffer is not None:
             real["grad_buffer"] += g.grad_buffer.nbytes
-        if g.offload is None:
+        if not offloaded(g):
             real["master"] += g.master.nbytes
             real["optimizer"] += sum(t.nbytes for t in opt.state[g.master].values() if t.dim() > 0)
     real["offload_compute"] = 0
     if state.offload is not None:
         real["offload_compute"] = state.offload.nbytes().device
-        moved = [g for g in state.groups if g.offload is not None]
+        moved = [g for g in state.groups if offloaded(g)]
         host_opt = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
         # On the CPU nothing is pinned; the same buffers are allocated pageable.
         assert est.host == state.offload.nbytes().host + host_opt
@@ -80,7 +86,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
     else:
         assert est.host == 0
     assert dict(est.states) == real
-    trainable = [g for g in state.groups if g.trainable and g.offload is None]
+    trainable = [g for g in state.groups if g.trainable and not offloaded(g)]
     assert est.grad_shards == sum(g.master.nbytes for g in trainable)
 
 

@@ -31,16 +31,50 @@ from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_param
 log = logging.getLogger("zeroshard.engine")
 
 
-class ComputeSource(Protocol):
-    """Where an offloaded group's compute-dtype shard comes from (`_offload.HostOffload`)."""
+class GatherSource(Protocol):
+    """What a flat group's all-gather sends and how its gathered buffer is filled: the
+    master cast to the compute dtype (`MASTER_CAST`), or the compute shard CPU offload
+    keeps on the device (`offload.HostOffload`). Stage 3's gathers and stages 1/2's
+    publish both go through it."""
 
-    def compute_shard(self, g: FlatParamGroup) -> torch.Tensor:
-        """The compute-dtype shard on the group's device, ready for the current stream."""
+    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
+        """Start gathering every rank's shard of `g` into `buffer` (its compute-dtype flat
+        buffer, storage allocated); `buffer` holds them once the handle was waited."""
         ...
 
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Recast and upload the compute shards of `groups` after their masters changed."""
+        """The masters of `groups` changed outside a step (a load, an edit): make what the
+        next gathers send from them."""
         ...
+
+
+def gather_in_place(
+    g: FlatParamGroup, buffer: torch.Tensor, shard: torch.Tensor, *, label: str
+) -> Handle:
+    """[Note: in-place gather] This rank's `shard` (in `buffer`'s dtype, or cast to it) is
+    copied straight into its part of `buffer`, and the all-gather runs in place (its input
+    is that part, as FSDP2's): no send buffer is allocated, and the collective does not
+    copy this rank's own part again (NCCL skips it in place; with one rank nothing is left
+    to move). The copy is ordered before the collective on the current stream."""
+    lo, hi = g.shard_range
+    mine = buffer[lo:hi]
+    mine.copy_(shard)
+    return g.process_group.all_gather_into(buffer, mine, label=label)
+
+
+class MasterCast:
+    """Gathers send the fp32 master cast to the compute dtype: the cast writes this rank's
+    part of the buffer, so only compute-dtype bytes travel."""
+
+    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
+        """Cast the master into `buffer` and gather in place."""
+        return gather_in_place(g, buffer, g.master.detach(), label=label)
+
+    def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
+        """Nothing: every gather casts the master as it is."""
+
+
+MASTER_CAST = MasterCast()
 
 
 class GroupHome(Protocol):
@@ -55,8 +89,8 @@ class GroupHome(Protocol):
         ...
 
     @property
-    def source(self) -> ComputeSource | None:
-        """Where gathers read the compute-dtype shard (None: cast from the master)."""
+    def source(self) -> GatherSource:
+        """What the group's gathers send."""
         ...
 
     @property
@@ -74,7 +108,7 @@ class DeviceHome:
     """The master and its gradient on the group's device; gathers cast the master."""
 
     grads: GradDestination = DEVICE_GRADS
-    source: ComputeSource | None = None
+    source: GatherSource = MASTER_CAST
     grad: torch.Tensor | None = None
 
     def master(self, shard: torch.Tensor) -> torch.Tensor:
@@ -121,13 +155,13 @@ class FlatParamGroup:
     master: torch.Tensor
     tier: FlattenTier
     storage: ReplicatedStorage | ShardedStorage
-    # Where the reduced gradient shard goes (`_grad_destination.py`).
+    # Where the reduced gradient shard goes (`_grad_destination.py`), and what gathers and
+    # publishes send (`GatherSource`).
     grads: GradDestination
+    source: GatherSource
     # Offload: the gradient shard is this host view (kept allocated between steps,
-    # overwritten by a window's first gradient), and gathers read the compute-dtype shard
-    # `offload` keeps for the device.
+    # overwritten by a window's first gradient).
     grad_home: torch.Tensor | None
-    offload: ComputeSource | None
     grad_shard: torch.Tensor | None = None
 
     @property
@@ -217,18 +251,7 @@ class FlatParamGroup:
         return self.storage
 
     def _gather_into(self, buffer: torch.Tensor, *, label: str) -> Handle:
-        """[Note: in-place gather] The master shard is downcast straight into this rank's
-        part of `buffer`, and the all-gather runs in place (its input is that part, as
-        FSDP2's): no send buffer is allocated, and the collective does not copy this
-        rank's own part again (NCCL skips it in place; with one rank nothing is left to
-        move). The downcast is ordered before the collective on the current stream."""
-        lo, hi = self.shard_range
-        mine = buffer[lo:hi]
-        if self.offload is not None:
-            mine.copy_(self.offload.compute_shard(self))
-        else:
-            mine.copy_(self.master.detach())
-        return self.process_group.all_gather_into(buffer, mine, label=label)
+        return self.source.start_gather(self, buffer, label=label)
 
     def expose(self) -> None:
         """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
@@ -247,8 +270,7 @@ class FlatParamGroup:
         """After a step, make the updated master shard what forward computes with.
 
         Stage 3 has nothing to do (gathers read the master, in forward). Stages 1
-        and 2 start the all-gather into `param_buffer`; the cast happens before the gather,
-        so only compute-dtype bytes travel ([Note: in-place gather]).
+        and 2 start the all-gather into `param_buffer` through the group's `source`.
         """
         if self.sharded:
             return completed_handle()
@@ -340,8 +362,8 @@ def build_flat_group(
         used,
         storage,
         home.grads,
-        home.grad,
         home.source,
+        home.grad,
     )
     if isinstance(storage, ShardedStorage):
         group.release()

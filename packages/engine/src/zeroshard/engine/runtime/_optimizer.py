@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.comm import Group, Handle
-from zeroshard.engine.runtime._flat_group import ComputeSource, FlatParamGroup
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, GatherSource
 from zeroshard.engine.runtime._grad_destination import by_destination, by_device
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
@@ -209,7 +209,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Publish `groups`' masters; `uploaded`: the step rewrote their compute shards."""
         groups = list(groups)
         if not uploaded:
-            # Masters changed outside a step (a load): their compute shards follow first.
+            # Masters changed outside a step (a load): what gathers send follows first.
             for source, same in _by_source(groups):
                 source.refresh(same)
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
@@ -276,10 +276,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 def _by_source(
     groups: Sequence[FlatParamGroup],
-) -> list[tuple[ComputeSource, list[FlatParamGroup]]]:
-    """The groups whose compute shards are kept apart from their masters, by keeper."""
-    out: dict[int, tuple[ComputeSource, list[FlatParamGroup]]] = {}
+) -> list[tuple[GatherSource, list[FlatParamGroup]]]:
+    """`groups` by what their gathers send, in first-seen order."""
+    out: dict[int, tuple[GatherSource, list[FlatParamGroup]]] = {}
     for g in groups:
-        if g.offload is not None:
-            out.setdefault(id(g.offload), (g.offload, []))[1].append(g)
+        out.setdefault(id(g.source), (g.source, []))[1].append(g)
     return list(out.values())

@@ -162,8 +162,7 @@ def _write_back(sel: _Selection, fulls: list[torch.Tensor], modifier_rank: int) 
     for g, full in zip(sel.groups, fulls, strict=True):
         lo, hi = g.shard_range
         g.master.detach().copy_(full[lo:hi])
-        if g.offload is not None:
-            g.offload.refresh([g])
+        g.source.refresh([g])
         publishes.append(g.publish())
     # Stages 1/2: the parameters are restored as views of `param_buffer` only after this
     # wait, so nothing reads the buffer while the all-gather still writes it.

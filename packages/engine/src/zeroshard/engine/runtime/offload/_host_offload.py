@@ -68,7 +68,8 @@ from typing import Any
 
 import torch
 
-from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.comm import Handle
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, gather_in_place
 from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
 from zeroshard.engine.runtime.offload._blocks import BlockedStep
 from zeroshard.engine.runtime.offload._compiled_step import coefficients, scale_of, step_piece
@@ -106,8 +107,8 @@ class OffloadBytes:
 
 
 class HostOffload:
-    """Host state of the offloaded groups, and the `GradDestination` of their gradients;
-    see [Note: offload stream order]."""
+    """Host state of the offloaded groups: the `GradDestination` of their gradients and the
+    `GatherSource` of their gathers; see [Note: offload stream order]."""
 
     def __init__(
         self,
@@ -412,6 +413,11 @@ class HostOffload:
     def compute_dev(self) -> torch.Tensor | None:
         """Without offload_params: the compute shards, on the device."""
         return self._out.compute_dev
+
+    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
+        """`GatherSource`: gather `g`'s compute shard (the device's copy, or with
+        offload_params the host's, sent up first) in place."""
+        return gather_in_place(g, buffer, self.compute_shard(g), label=label)
 
     def compute_shard(self, g: FlatParamGroup) -> torch.Tensor:
         """`g`'s compute-dtype shard on the device, ready for the current stream to read."""
