@@ -4,7 +4,7 @@ World 1-4 on gloo ranks, stages 1-3, with and without offload (and a hybrid run)
 flat layouts, the stage-3 units, and the bytes of parameter buffers, masters, stage-1
 grad buffers, AdamW state after a step and the offload host buffers. The planner calls
 the engine's own rules (which groups, units, persistence, offload); this checks the bytes
-it counts from them.
+it counts from them, and (world 1) that it counts the prefetch the engine makes.
 """
 
 from __future__ import annotations
@@ -109,9 +109,39 @@ HYBRID: list[dict[str, Any]] = [
 ]
 
 
+def _prefetch_case() -> None:
+    """The planner's gathered bytes are the engine's peak, by the engine's own prefetch
+    budget: with the next unit prefetched where it fits, and without it where
+    max_live_bytes leaves no room for it beside the largest."""
+    base = {"stage": 3, "compute_dtype": "fp32", "min_unit_params": 100, "persistence_threshold": 0}
+    with torch.device("meta"):
+        meta = make_model()
+    plan = plan_groups(meta, zs.ZeroConfig.from_dict(base), 1)
+    persistent = sum(u.gathered_bytes for u in plan.units if u.persistent)
+    moving = sorted((u.gathered_bytes for u in plan.units if not u.persistent), reverse=True)
+    assert len(moving) == 2, moving
+    for max_live, prefetched in ((2**40, moving[1]), (persistent + sum(moving) - 1, 0)):
+        cfg = zs.ZeroConfig.from_dict({**base, "max_live_bytes": max_live})
+        est = estimate(meta, cfg, 1, 2, 5, optimizer=make_optimizer(meta))
+        assert est.gathered == persistent + moving[0] + prefetched, (max_live, est.gathered)
+        model = make_model()
+        model, opt = zs.initialize(model, make_optimizer(model), cfg)
+        idx = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+        # The first step records the order; the second prefetches along it.
+        for _ in range(2):
+            F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = zs.engine_stats(model)
+        assert stats.prefetches > 0
+        assert stats.peak_live_bytes == est.gathered, (max_live, stats.peak_live_bytes)
+
+
 def _all_cases() -> None:
     world = dist.get_world_size()
     run_each(CORE + (MORE if world == 2 else []) + (HYBRID if world == 4 else []), _case)
+    if world == 1:
+        _prefetch_case()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

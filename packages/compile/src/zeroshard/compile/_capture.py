@@ -155,6 +155,6 @@ def _grad_shard_hook(group: weakref.ref[Any]) -> Callable[[torch.Tensor], None]:
     def hook(master: torch.Tensor) -> None:
         owner = group()
         if owner is not None:
-            owner.grad_shard = master.grad
+            owner.take_master_grad()
 
     return hook

@@ -28,6 +28,7 @@ from zeroshard.engine.planner._step_time import (
     check_step_in_backward,
     project_step,
 )
+from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime.offload._fused_adam import steps_in_blocks
 
 GIB = 2**30
@@ -129,15 +130,12 @@ def _gathered(plan: GroupPlan, cfg: ZeroConfig) -> int:
     moving = sorted((u.gathered_bytes for u in plan.units if not u.persistent), reverse=True)
     if not moving:
         return persistent
-    inflight = 0
-    for nbytes in moving[1 : 1 + cfg.stage3.prefetch_depth]:
-        if inflight + nbytes > cfg.stage3.prefetch_bytes:
-            break
-        inflight += nbytes
-    # No prefetch pushes the gathered bytes past max_live_bytes.
-    return min(
-        persistent + moving[0] + inflight, max(cfg.stage3.max_live_bytes, persistent + moving[0])
-    )
+    # The largest unit in use, and the next largest prefetched behind it by the engine's
+    # own budget.
+    budget = PrefetchBudget.of(cfg.stage3)
+    ahead = moving[1 : 1 + budget.depth]
+    taken = budget.take(ahead, persistent + moving[0])
+    return persistent + moving[0] + sum(ahead[:taken])
 
 
 def estimate(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._estimate import Estimate
+from zeroshard.engine.runtime._prefetch import prefetch_bytes_for
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ def candidate_configs(
     engine does not prefetch them at all)."""
     delayed = base.offload.delay_param_update
     shards = sorted({world, *([gpus_per_node] if gpus_per_node < world else [])})
-    enough = max(1, largest_unit_bytes * base.stage3.prefetch_depth)
+    enough = prefetch_bytes_for(largest_unit_bytes, base.stage3.prefetch_depth)
     out = []
     for stage in (2, 3):
         prefetch = sorted(

@@ -4,10 +4,11 @@
 Compute is one measured figure: a single-GPU step with no communication (or FLOPs over a
 measured FLOP/s), split into forward and backward as 1 : 2 (1 : 3 under activation
 checkpointing, whose backward recomputes the forward). Stage 3 prefetches the next unit
-while one computes (when `prefetch_depth` >= 1 and the unit fits in `prefetch_bytes`),
-so forward takes max(compute, gathers) plus the first gather, which nothing hides; the
-backward likewise hides its gathers, reduce-scatters and (hybrid) replica all-reduces
-behind its compute, all on one communication stream, except the last group's reduction.
+while one computes (when the engine's `PrefetchBudget` admits the largest unit behind
+one as large), so forward takes max(compute, gathers) plus the first gather, which
+nothing hides; the backward likewise hides its gathers, reduce-scatters and (hybrid)
+replica all-reduces behind its compute, all on one communication stream, except the last
+group's reduction.
 Stage 2 reduces in backward the same way; stage 1 reduces after backward. Stages 1/2
 all-gather the updated parameters after the step, exposed.
 
@@ -37,6 +38,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
+from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime._stepper import step_in_backward_refusal
 
 
@@ -142,7 +144,9 @@ def project_step(
         once = sum(t for t, u in zip(gather, units, strict=True) if u.persistent)
         latency += (len(units) + len(moving)) * cluster.latency_s(shard)
         largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
-        if cfg.stage3.prefetch_depth >= 1 and largest <= cfg.stage3.prefetch_bytes:
+        persistent = sum(u.gathered_bytes for u in units if u.persistent)
+        # Prefetched behind a unit as large, by the engine's own budget.
+        if PrefetchBudget.of(cfg.stage3).admits(largest, persistent + largest):
             head = once + (moving[0] if moving else 0.0)
             f = max(fwd, sum(moving)) + head
             b = max(bwd, sum(moving) + sum(reduce)) + tail

@@ -212,6 +212,11 @@ class FlatParamGroup:
         self.grad_shard = self.master.grad = torch.empty_like(self.master)
         return self.grad_shard
 
+    def take_master_grad(self) -> None:
+        """Autograd accumulated this window's gradient into `master.grad` itself (a
+        compiled graph reduce-scatters into it): that tensor is the gradient shard."""
+        self.grad_shard = self.master.grad
+
     def drop_grad_shard(self) -> None:
         """Hold no gradient of this window (freed unless it lives in `grad_home`)."""
         self.grad_shard = self.master.grad = None

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime._unit import Unit, UnitState
 from zeroshard.engine.runtime._unit_plan import UnitPlan, is_persistent
@@ -71,9 +72,7 @@ class Stage3Runtime:
             )
             for i, (plan, groups) in enumerate(plans)
         ]
-        self.prefetch_depth = prefetch_depth
-        self.prefetch_bytes = prefetch_bytes
-        self.max_live_bytes = max_live_bytes
+        self.prefetch = PrefetchBudget(prefetch_depth, prefetch_bytes, max_live_bytes)
         self._unit_of_group = {g.index: u for u in self.units for g in u.groups}
         self._order: list[Unit] = []
         self._position: dict[int, int] = {}
@@ -182,16 +181,11 @@ class Stage3Runtime:
 
     # -- prefetch ------------------------------------------------------------------------
     def _prefetch(self, candidates: Sequence[Unit]) -> None:
-        in_flight = 0
-        for u in candidates:
-            if u.state is not UnitState.RELEASED:
-                continue
-            if in_flight + u.nbytes > self.prefetch_bytes:
-                return
-            if self.stats.live_bytes + u.nbytes > self.max_live_bytes:
-                return
+        """Start gathering the released ones of `candidates` the budget takes, in order."""
+        released = [u for u in candidates if u.state is UnitState.RELEASED]
+        taken = self.prefetch.take([u.nbytes for u in released], self.stats.live_bytes)
+        for u in released[:taken]:
             u.start_gather(prefetch=True)
-            in_flight += u.nbytes
 
     # -- forward -------------------------------------------------------------------------
     def _make_pre_forward(self, u: Unit) -> Any:
@@ -205,7 +199,7 @@ class Stage3Runtime:
             u.pre_forward()
             if self._order_valid:
                 pos = len(self._recording) - 1
-                self._prefetch(self._order[pos + 1 : pos + 1 + self.prefetch_depth])
+                self._prefetch(self._order[pos + 1 : pos + 1 + self.prefetch.depth])
 
         return pre_forward
 
@@ -258,7 +252,7 @@ class Stage3Runtime:
             u.pre_backward()
             pos = self._position.get(u.index) if self._order_valid else None
             if pos:
-                self._prefetch(self._order[max(0, pos - self.prefetch_depth) : pos][::-1])
+                self._prefetch(self._order[max(0, pos - self.prefetch.depth) : pos][::-1])
             return grad
 
         return pre_backward
