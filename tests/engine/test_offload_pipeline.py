@@ -26,7 +26,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from tests.engine._offload_train import train_and_collect
-from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS
+from zeroshard.engine.runtime.offload._plan import GRAD_STAGING
 
 STEPS = 3
 MICRO = 2
@@ -179,9 +179,9 @@ def _host_bytes(device: str) -> None:
     assert off is not None
     space = off.layout.num_chunks * off.layout.shard_numel
     biggest = max(g.layout.shard_numel for g in opt.flat_groups if off.holds(g))
-    # fp32 master + bf16 gradient per element; bf16 staging slots (pinned on a GPU), one
+    # fp32 master + bf16 gradient per element; bf16 staging buffers (pinned on a GPU), one
     # group's fp32 upcast.
-    fixed = GRAD_SLOTS * biggest * 2 + biggest * 4
+    fixed = GRAD_STAGING * biggest * 2 + biggest * 4
     assert off.nbytes().host == space * 6 + fixed
     batches = global_batches(2, 2, world, MICRO)
     loss_fn(model, batches[0, 0, rank].to(device)).backward()

@@ -13,7 +13,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import VOCAB, global_batches, loss_fn, make_model, make_optimizer
-from zeroshard.engine.runtime._unit import TrainingState, UnitState
+from zeroshard.engine.runtime._unit import UnitState
 
 
 class Expert(nn.Module):
@@ -134,7 +134,6 @@ def _live_case(device: str, depth: int) -> None:
         # once the order is known (after the first step) the last unit of forward, which
         # backward needs first; after backward every group was reduce-scattered once and
         # the rest released.
-        assert all(u.training_state is TrainingState.IDLE for u in units)
         kept = [u for u in units if u.state is not UnitState.RELEASED and not u.persistent]
         assert kept == ([last] if step > 0 else []), (step, [u.label for u in kept])
         loss.backward()

@@ -20,8 +20,8 @@ copy the rank's own part again (as the eager engine gathers: [Note: in-place gat
 zeroshard.engine). A reduce-scatter whose full-size input nothing else reads is in place
 too: its result is this rank's part of that input, so NCCL does not copy it out. What
 this saves is the rank's own part: 1/world of the bytes, so all of them on one GPU (where
-NCCL's collectives are plain device copies: 3.6 ms of a 243 ms hf-llama 1.3b step on an
-H200) and little on many. Fused runs of small gathers are left out of place (they are
+NCCL's collectives are plain device copies: docs/benchmarks.md, design-measurements) and
+little on many. Fused runs of small gathers are left out of place (they are
 copied apart anyway).
 """
 

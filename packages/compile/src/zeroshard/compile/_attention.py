@@ -4,8 +4,8 @@
 A model compiled whole may build its causal mask inside the graph: transformers (before
 torch 2.14, where Dynamo reads `torch.compiler.is_exporting()` as True) never skips its
 mask under `torch.compile`, so every `scaled_dot_product_attention` gets an explicit
-boolean `attn_mask` and `is_causal=False`. With a mask, SDPA cannot use the flash kernels
-(on an H100 the cuDNN attention with the mask took three times as long). A mask computed
+boolean `attn_mask` and `is_causal=False`. With a mask, SDPA cannot use the flash kernels,
+and its masked kernel is much slower (docs/benchmarks.md, design-measurements). A mask computed
 from constants alone (no graph input among its ancestors) is the same on every call, so
 the pass evaluates it once, at compile time; if it is the lower-triangular causal mask
 (square, the same for every batch and head) the call becomes `is_causal=True` with no

@@ -13,11 +13,9 @@ parameters, so their gradients land where `ZeroOptimizer.step()` reads them (see
 
 The views go straight into each holder's `_parameters` (every module and attribute that
 holds the parameter: tied weights have several) and the parameters go back in `finally`.
-`torch.func.functional_call` did the same through its generic reparametrization, which
-Dynamo traces too. On a 24-layer `transformers` Llama (hidden 256, one rank, aot_eager,
-a 2-core CPU machine) Dynamo's tracing took 8.8-12.5 s this way against 12.2-15.3 s
-through functional_call (two to three runs each); `torch.compile` of the plain model
-took 9.0-9.5 s.
+`torch.func.functional_call` would do the same through its generic reparametrization,
+which Dynamo traces too, and takes longer to trace (docs/benchmarks.md,
+design-measurements).
 """
 
 from __future__ import annotations

@@ -113,9 +113,10 @@ def order(graph: fx.Graph) -> dict[fx.Node, int]:
 
 class Positions:
     """Each node's place in a graph, kept up to date through the moves made with
-    `move_before` and `move_after` (for passes that move many nodes: renumbering the whole
-    graph after each move was about 40% of the passes' time on a 24-layer model). Only
-    nodes that were in the graph when it was made have a place."""
+    `move_before` and `move_after` (for passes that move many nodes, renumbering the whole
+    graph after each move is a large part of their time: docs/benchmarks.md,
+    design-measurements). Only nodes that were in the graph when it was made have a
+    place."""
 
     # Room between neighbours: each move into a gap halves it, so 32 moves into one gap
     # fit before a renumbering.

@@ -6,9 +6,9 @@ from no parameter: rotary cos/sin from the positions, a mask from the labels. It
 then broadcast them into much larger activations (`q * cos`). Left to itself, the
 min-cut partitioner recomputes such a table in backward (it costs no saved memory) and
 inductor, seeing a cheap pointwise value, inlines it into every consumer: each layer's
-kernels compute cos and sin again for every element of q and k, forward and backward (on
-an H100, hf-llama 1.3b's kernels applying rotary took 9.7 ms per step; blocks compiled one
-by one, which receive cos/sin as inputs, took 2.5). Tagged MUST_SAVE, the table is a
+kernels compute cos and sin again for every element of q and k, forward and backward,
+several times the time of the same kernels in blocks compiled one by one, which receive
+cos/sin as inputs (docs/benchmarks.md, design-measurements). Tagged MUST_SAVE, the table is a
 forward output: inductor computes it once into a buffer, every layer reads it, and
 backward reads the saved copy.
 A table is at most half the size of the forward activation it is broadcast into, so

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Fitted by `benchmarks/plan_validation` (least squares on t = alpha + S' / B with
-# S' = S (n-1)/n) to the raw NCCL curves in benchmarks/results/nccl_raw_2gpu.json
-# (2 x NVIDIA H200, 2026-11-22, sizes 1 MiB .. 1 GiB, all-gather and reduce-scatter
-# together); `tests/engine/test_estimate_cli.py` refits and compares.
+# S' = S (n-1)/n) to the raw NCCL curves in benchmarks/results/nccl_raw_2gpu.json (the
+# machine and sizes: docs/benchmarks.md, design-measurements);
+# `tests/engine/test_estimate_cli.py` refits and compares.
 NVLINK_GBPS_FIT = 265.2
 NVLINK_LATENCY_US_FIT = 32.2
 

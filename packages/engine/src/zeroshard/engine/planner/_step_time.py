@@ -21,8 +21,8 @@ that the bus writes and the step reads (twice the reduce dtype), and what goes u
 fp32 master the bus reads (4), or with `offload.params` the compute-dtype shard the step
 writes (its lines read first) and stage 3's forward and backward gathers each read (4 x
 its itemsize). The bus's copies count because they land in and leave from the same
-memory: at bf16, 32 bytes against fused AdamW's 28, and on H200 hosts the
-`delay_param_update` step took 1.06-1.33x fused AdamW alone (docs/benchmarks.md,
+memory: at bf16, 32 bytes against fused AdamW's 28, and the measured
+`delay_param_update` step is near that ratio to fused AdamW alone (docs/benchmarks.md,
 offload-goal1-again, the record of six runs). The serial step adds that CPU time to the GPU's; under
 `step_in_backward()` the CPU steps groups as backward hands them over, so backward and
 the CPU overlap and the next forward waits; with `offload.delay_param_update` the CPU

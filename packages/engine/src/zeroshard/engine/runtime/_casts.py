@@ -3,13 +3,11 @@
 [Note: widening copies]
 On CUDA, `dst.copy_(src)` from bf16 or fp16 into fp32 runs torch's generic copy kernel,
 which loads and casts one element at a time (`unrolled_elementwise_kernel`), slower than
-the multi-tensor copy `_foreach_copy_` runs for the same pair (on one H200: 1.9 against
-2.7 TB/s for 64M elements). The fold of the reduced gradients into the fp32 shards is
-such a copy of every gradient, every step: on gpt 1.3B it took 4.0 ms a step through
-`copy_`, where the hand-written floor's `_foreach_copy_` of the same bytes took 2.2 ms.
-Widening is exact, so both give the same bits. Narrowing (fp32 into bf16 or fp16) has a
-vectorized kernel of its own in `copy_` (4.0 TB/s, against 3.0 for the foreach copy) and
-keeps it.
+the multi-tensor copy `_foreach_copy_` runs for the same pair. The fold of the reduced
+gradients into the fp32 shards is such a copy of every gradient, every step, so the
+difference shows in the step (docs/benchmarks.md, design-measurements). Widening is
+exact, so both give the same bits. Narrowing (fp32 into bf16 or fp16) has a vectorized
+kernel of its own in `copy_`, faster than the foreach copy, and keeps it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """`phase`: a profiler label on a phase of the step, free when no profiler runs.
 
-`record_function` enters and leaves a dispatcher op even when nothing records it (about
-20 us a use on a slow host): on the per-unit and per-bucket paths, a hundred or more a
-step, that is host time the GPU may wait for. The labels exist for the profiler's trace
-(benchmarks/train_step reads `zeroshard::optimizer_step`), so they are made only while a
-profiler runs.
+`record_function` enters and leaves a dispatcher op even when nothing records it
+(docs/benchmarks.md, design-measurements): on the per-unit and per-bucket paths, a
+hundred or more a step, that is host time the GPU may wait for. The labels exist for the
+profiler's trace (benchmarks/train_step reads `zeroshard::optimizer_step`), so they are
+made only while a profiler runs.
 """
 
 from __future__ import annotations

@@ -40,15 +40,6 @@ class UnitState(Enum):
     GATHERED = "gathered"
 
 
-class TrainingState(Enum):
-    """Which phase of the step the unit is in (as FSDP2's `TrainingState`)."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-
-
 class Unit:
     """A module whose flat groups are gathered and released together.
 
@@ -73,7 +64,6 @@ class Unit:
         self.groups = groups
         self.persistent = persistent
         self.state = UnitState.RELEASED
-        self.training_state = TrainingState.IDLE
         self._stats = stats
         self._check_gather = check_gather
         self._handles: list[Handle] = []
@@ -127,7 +117,6 @@ class Unit:
     # -- the step ------------------------------------------------------------------------
     def pre_forward(self) -> None:
         """Before the module runs: its parameters must be whole."""
-        self.training_state = TrainingState.FORWARD
         self.gather()
 
     def post_forward(self, *, keep: bool = False) -> None:
@@ -135,25 +124,20 @@ class Unit:
         and with `keep` this one: backward needs it first)."""
         if not self.persistent and not keep:
             self.release()
-        self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
         """A gradient reached the unit's outputs: its parameters must be whole again."""
-        self.training_state = TrainingState.PRE_BACKWARD
         self.gather()
 
     def grads_reduced(self, g: FlatParamGroup) -> None:
         """`g`'s gradients are all in and queued for reduction: once every trainable
         group of the unit is, backward is done with its parameters."""
         self._reduced += 1
-        if self._reduced == self._trainable:
-            self.training_state = TrainingState.POST_BACKWARD
-            if not self.persistent:
-                self.release()
+        if self._reduced == self._trainable and not self.persistent:
+            self.release()
 
     def backward_done(self) -> None:
         """End of backward: release what is still gathered (no gradient arrived for it)."""
         self._reduced = 0
         if not self.persistent:
             self.release()
-        self.training_state = TrainingState.IDLE

@@ -214,11 +214,11 @@ def initialize(
             cfg.loss_scale.min_scale,
             log_skips=everyone.rank == 0,
         )
-    runtime = None
+    stage3 = None
     if cfg.stage == 3:
         units = _shard_stage3(plan, cfg, place, offload, param_init, init_seed)
         groups = tuple(g for _, unit_groups in units for g in unit_groups)
-        runtime = Stage3Runtime(
+        stage3 = Stage3Runtime(
             units,
             shard_group=shard_group,
             prefetch_depth=cfg.stage3.prefetch_depth,
@@ -231,14 +231,14 @@ def initialize(
         groups = tuple(_build(g, cfg, place, offload) for g in plan.groups)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
     reducer = GradReducer(
-        groups if runtime is None else runtime.reduce_order(),
+        groups if stage3 is None else stage3.reduce_order(),
         stage=cfg.stage,
         reduce_dtype=cfg.precision.grad_reduce_dtype,
         overlap=cfg.comm.overlap,
         max_inflight=cfg.comm.max_inflight_reductions,
         replicate=replicate,
-        events=runtime,
-        stats=None if runtime is None else runtime.stats,
+        events=stage3,
+        stats=None if stage3 is None else stage3.stats,
     )
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
     zopt = ZeroOptimizer(
@@ -249,10 +249,10 @@ def initialize(
         scaler,
         cfg.comm.allgather_bucket_bytes,
         stepper=_stepper(optimizer, groups, offload, cfg),
-        hooks=runtime,
+        hooks=stage3,
     )
     seconds = time.perf_counter() - start
-    state = EngineState(cfg, shard_group, replicate, groups, zopt, runtime, offload)
+    state = EngineState(cfg, shard_group, replicate, groups, zopt, stage3, offload)
     attach_state(model, state)
     install_state_dict_hooks(model, state)
     if everyone.rank == 0:

@@ -11,12 +11,10 @@ the tensors in the optimizer state. A state dict loaded into the optimizer bring
 ones: `forget` drops the views then, so they never keep the old state's memory alive,
 and a state replaced any other way is caught by the identity check at the next step.
 
-Stepping a group's blocks on several threads at once (each its own upcast and share of
-the cores) was measured on one H200 host (16 cores, 1.2e9 elements, the step alone
-against torch's fused AdamW alone): 1 thread 1.25x, 2 threads 1.83x, 4 threads 1.83-2.26x;
-each thread's OpenMP team beside the others' makes libgomp throttle its idle threads
-([Note: host step threads] in _threads.py). One thread it is; the loop before the
-kept views was 1.40x there.
+A group's blocks are stepped on one thread. On several at once (each its own upcast and
+share of the cores) each thread's OpenMP team beside the others' makes libgomp throttle
+its idle threads ([Note: host step threads] in _threads.py), and the step is slower, not
+faster (docs/benchmarks.md, design-measurements).
 """
 
 from __future__ import annotations

@@ -2,18 +2,14 @@
 
 [Note: compiled host step]
 The blocked step ([Note: blocked host step] in _fused_adam.py) makes passes over each
-block, each an OpenMP region of its own: the gradient's upcast, torch's fused kernel and
-(then always, now with offload_params) the master's cast. The CPU step is bound by
-memory, and those passes add traffic and regions: on one H200 host the blocked step
-alone, with the cast, took 1.47x torch's fused AdamW alone (the same loop in a
-6e8-element microbenchmark there: 1.47x). Here inductor compiles the whole update into
-one loop: the gradient read in its reduce dtype and scaled by the pending factors, the
-master and moments read and written once, and with offload_params the compute-dtype
-shard written straight into the host shards (otherwise the device casts the masters:
-[Note: offload upload] in _upload.py). Measured on H200 hosts over 1B elements,
-when the loop still wrote a compute-dtype shard: 1.24x torch's fused AdamW in the
-offload benchmark (each in a process of its own); in one process, alternating, the step
-1.06x and the kernel's own calls 0.99x.
+block, each an OpenMP region of its own: the gradient's upcast, torch's fused kernel and,
+with offload_params, the master's cast. The CPU step is bound by memory, and those passes
+add traffic and regions. Here inductor compiles the whole update into one loop: the
+gradient read in its reduce dtype and scaled by the pending factors, the master and
+moments read and written once, and with offload_params the compute-dtype shard written
+straight into the host shards (otherwise the device casts the masters: [Note: offload
+upload] in _upload.py). That brings the step near torch's fused AdamW alone, which the
+blocked step is well behind (docs/benchmarks.md, design-measurements).
 
 The arithmetic is torch's Adam/AdamW (its hyperparameters, bias corrections computed in
 double and rounded to fp32, decoupled or L2 weight decay, amsgrad, maximize) but not its
@@ -28,40 +24,35 @@ the reduce dtype and in fp32 (gradient accumulation's), so a rank without a work
 compiler fails there on every rank and the first step compiles nothing. Dynamo also
 guards the calling thread's intra-op thread count, so it is compiled for the main
 thread's and, on a GPU, for the stepping thread's share ([Note: host step threads]):
-the first `step_in_backward` step recompiled on the stepping thread otherwise. Pieces are cut
-at upload chunks, so each writes one slot, and are a chunk long, so a call's own cost
-(Dynamo's guards, the coefficients) stays small beside it.
+otherwise the first `step_in_backward` step would recompile on the stepping thread.
+Pieces are cut at upload chunks, so each writes within one chunk, and are a chunk long,
+so a call's own cost (Dynamo's guards, the coefficients) stays small beside it.
 
 The loop is compiled with inductor's `cpp.dynamic_threads`: it always runs in parallel,
 on the team of whichever thread calls it ([Note: host step threads]). Without it
 inductor writes the compiling thread's count into the loop, or makes the loop serial
-when the length it sees is short for that count: compiled at initialize on 64
-elements, the step ran 7.4x slower than torch's fused AdamW on a 16-core host.
+when the length it sees is short for that count, as the few elements `initialize`
+compiles on are (docs/benchmarks.md, design-measurements).
 
 The kernel is built with inductor's `cpp_wrapper`, whose entry point releases the GIL
 while the loop runs (the default Python binding holds it for the whole call, unlike
 torch's own ops). Where it runs on the stepping thread (`delay_param_update`,
 `step_in_backward`) the main thread's forward and the autograd thread's backward must
-queue their kernels meanwhile. Held, they queued them only between pieces: on one H200
-host at 7.06B parameters with `delay_param_update`, the forward took 0.86-1.14 s beside
-the step against 0.18 s with the GIL released, and the whole step 2.63-2.79 s against
-2.16-2.36 s (each group's step and each gradient's receive timed, both builds in one
-process, alternating). With the GIL free the stepping thread never waited for a
-gradient (its largest gap between groups 34 ms, against 420-450 ms held): the step is
-then the CPU step's own length. tests/engine/test_offload_compiled.py checks that
-another thread runs during a call. This build alone, over 1B elements in 32M-element
-pieces, ran at torch's fused AdamW's speed on one H200 host and at 0.91x on another.
-In training the delay_param_update step is this kernel's own time on the stepping
-thread's cores plus 5-9%, and its spread from step to step is the kernel's own speed
-beside the GPU work: the figures are in docs/benchmarks.md, offload-compiled.
+queue their kernels meanwhile. With the GIL held they would queue them only between
+pieces, so the forward beside the step would stretch and the stepping thread would wait
+for gradients between groups (docs/benchmarks.md, design-measurements); with it released
+the step is the CPU step's own length. tests/engine/test_offload_compiled.py checks that
+another thread runs during a call. What the step takes in training is in
+docs/benchmarks.md, offload-compiled.
 
 Each piece goes in as a tensor over its own slice of its storage (`_alone`): no view
-base, offset 0. Passed as views, Dynamo guarded their bases' sizes and offsets and the
-equalities it happened to see between them (an offset equal to a length, the first
-group's offset 0), and pieces of a later step recompiled. Alone, a piece's length is
+base, offset 0. Passed as views, Dynamo would guard their bases' sizes and offsets and
+the equalities it happened to see between them (an offset equal to a length, the first
+group's offset 0), and pieces of a later step would recompile. Alone, a piece's length is
 the only guard, and one compile serves every length but 1 (Dynamo specializes a length
-of 1: such a piece compiles once more). Marking the lengths unbacked instead removes
-even that, but inductor's loop over an unbacked length ran 7x slower on the CPU box.
+of 1: such a piece compiles once more). Marking the lengths unbacked instead would remove
+even that, but inductor's loop over an unbacked length is much slower on the CPU
+(docs/benchmarks.md, design-measurements).
 """
 
 from __future__ import annotations

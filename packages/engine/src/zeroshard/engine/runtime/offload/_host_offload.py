@@ -30,10 +30,10 @@ handle was waited. `receive` makes the D2H stream wait on the current stream and
 keeps the allocator from reusing its block before that stream has read it. The first
 gradient a group receives since `zero_grad` lands in its host gradient directly: no zero
 fill, no add, no host work at all. A later one (gradient accumulation) lands in a pinned
-staging slot and one worker thread adds it into the fp32 gradient once the copy's event
+staging buffer and one worker thread adds it into the fp32 gradient once the copy's event
 completed, while backward goes on (torch ops release the GIL). The worker runs its tasks
 in order (each waits on its copy's event first), so an add never reads a copy still in
-flight nor races the copy it adds to. A slot is reused only after its add finished; at
+flight nor races the copy it adds to. A staging buffer is reused only after its add finished; at
 most `_MAX_PENDING` copies are outstanding, which bounds the device blocks they hold and
 the staging memory. `drain` (end of backward, stage 1's reduction) waits for every copy
 and add, so the optimizer, clipping and checkpoints read complete gradients.
@@ -75,7 +75,7 @@ from zeroshard.engine.runtime.offload._blocks import BlockedStep
 from zeroshard.engine.runtime.offload._compiled_step import coefficients, scale_of, step_piece
 from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK, FusedAdam
 from zeroshard.engine.runtime.offload._io import GradAdd, SideStream, grad_worker, host_tensor, land
-from zeroshard.engine.runtime.offload._plan import GRAD_SLOTS, OffloadSizes
+from zeroshard.engine.runtime.offload._plan import GRAD_STAGING, OffloadSizes
 from zeroshard.engine.runtime.offload._step_thread import StepThread
 from zeroshard.engine.runtime.offload._upload import ShardUpload
 
@@ -127,7 +127,7 @@ class HostOffload:
         offload_params, reduce_dtype = sizes.offload_params, sizes.reduce_dtype
         self.offset = dict(zip(indices, sizes.offsets, strict=True))
         self._numel = dict(zip(indices, sizes.shard_numels, strict=True))
-        self._largest = sizes.grad_slot_numel
+        self._largest = sizes.staging_numel
         self.layout = sizes.chunks
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self._pinned_bytes = 0
@@ -161,7 +161,7 @@ class HostOffload:
         # (`home`): each chunk goes up once every master in it is in place.
         self._out.begin([(lo, lo + self._numel[i]) for i, lo in self.offset.items()])
         self._down = SideStream(self.device)
-        self._free_grad_slots = self._slots(GRAD_SLOTS, sizes.grad_slot_numel, reduce_dtype, pin)
+        self._free_staging = self._buffers(GRAD_STAGING, sizes.staging_numel, reduce_dtype, pin)
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         self._worker = grad_worker(self.device)
         # The thread that steps groups beside the main thread (step_in_backward,
@@ -183,7 +183,7 @@ class HostOffload:
         self._pinned_bytes += t.nbytes if pinned else 0
         return t
 
-    def _slots(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    def _buffers(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
         return [self._host(numel, dtype, pin) for _ in range(count)]
 
     def _flat(self, t: torch.Tensor, g: FlatParamGroup) -> torch.Tensor:
@@ -216,15 +216,15 @@ class HostOffload:
         while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
             self._retire_oldest()
         self.step_thread.arrived(g)
-        slot: torch.Tensor | None = None
+        staged: torch.Tensor | None = None
         add = None
         if g.grad_shard is None:
             dst = g.claim_grad_shard()
         else:
-            while not self._free_grad_slots:
+            while not self._free_staging:
                 self._retire_oldest()
-            slot = self._free_grad_slots.pop()
-            dst = slot[: out.numel()]
+            staged = self._free_staging.pop()
+            dst = staged[: out.numel()]
             add = self._accumulate(g, dst)
         with self._down.after_current():
             dst.copy_(out, non_blocking=True)
@@ -232,7 +232,7 @@ class HostOffload:
         if self._down.stream is not None:
             out.record_stream(self._down.stream)
         future = self._worker.submit(land, event, add)
-        self._pending.append((future, slot))
+        self._pending.append((future, staged))
         self.step_thread.landing(g, future)
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
@@ -249,12 +249,12 @@ class HostOffload:
         return GradAdd(home, staged, source, tuple(self._factors.pop(g.index, ())))
 
     def _retire_oldest(self) -> None:
-        future, slot = self._pending.popleft()
+        future, staged = self._pending.popleft()
         try:
             future.result()
         finally:
-            if slot is not None:
-                self._free_grad_slots.append(slot)
+            if staged is not None:
+                self._free_staging.append(staged)
 
     def drain(self) -> None:
         """Wait until every gradient copy has landed, every staged one was added and every

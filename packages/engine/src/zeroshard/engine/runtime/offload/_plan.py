@@ -14,10 +14,10 @@ import torch
 from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
-# Pinned staging slots for reduce-dtype gradients coming down under gradient accumulation:
+# Pinned staging buffers for reduce-dtype gradients coming down under gradient accumulation:
 # two, so that one can fill while the other drains (see [Note: offload stream order] in
 # _host_offload.py).
-GRAD_SLOTS = 2
+GRAD_STAGING = 2
 
 
 def choose_offloaded(
@@ -54,7 +54,7 @@ class OffloadSizes:
     in a chunk space of `chunks`, an fp32 master (pinned, as it goes up to the device;
     pageable with offload_params) and a gradient in the reduce dtype (pinned) per chunk,
     the compute-dtype shards (pinned on the host with offload_params, else on the device,
-    cast there from an fp32 staging chunk), the gradient staging slots (pinned) and the
+    cast there from an fp32 staging chunk), the gradient staging buffers (pinned) and the
     step's fp32 upcast (pageable): one block where the optimizer steps in blocks, else one
     shard.
 
@@ -64,7 +64,7 @@ class OffloadSizes:
     shard_numels: tuple[int, ...]  # each offloaded shard's elements, in chunk-space order
     offsets: tuple[int, ...]  # each shard's start in the chunk space, in the given order
     chunks: ChunkLayout
-    grad_slot_numel: int  # the largest shard: any staged gradient fits in a slot
+    staging_numel: int  # the largest shard: any staged gradient fits in one
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     offload_params: bool
@@ -75,8 +75,8 @@ class OffloadSizes:
         """Elements of the step's fp32 upcast: one block, or one shard where the optimizer
         steps whole groups ([Note: blocked host step])."""
         if self.blocked_step:
-            return min(STEP_BLOCK, self.grad_slot_numel)
-        return self.grad_slot_numel
+            return min(STEP_BLOCK, self.staging_numel)
+        return self.staging_numel
 
     @property
     def used_numel(self) -> int:
@@ -92,7 +92,7 @@ class OffloadSizes:
     def pinned_bytes(self) -> int:
         """Host bytes that are pinned (when pinning succeeds: on a GPU)."""
         compute, grad = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
-        pinned = (self.chunk_space_numel + GRAD_SLOTS * self.grad_slot_numel) * grad
+        pinned = (self.chunk_space_numel + GRAD_STAGING * self.staging_numel) * grad
         if self.offload_params:
             return pinned + self.chunk_space_numel * compute
         return pinned + self.chunk_space_numel * 4
@@ -131,7 +131,7 @@ def offload_sizes(
         shard_numels=tuple(shard_numels),
         offsets=tuple(itertools.accumulate(shard_numels, initial=0))[:-1],
         chunks=ChunkLayout.build(numel * shard_size, per_rank * shard_size, shard_size),
-        grad_slot_numel=max(shard_numels, default=0),
+        staging_numel=max(shard_numels, default=0),
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
         offload_params=offload_params,

@@ -47,9 +47,9 @@ finished (`HostOffload.receive` waits for it), so no second host gradient is hel
 host bytes per parameter) and backward waits on the CPU only where the CPU is slower.
 Gradient accumulation and stage 1's reduction at the step land in the same buffers
 after the same wait. The order is the reducer's, not the groups' index order: stepped
-highest index first (as this thread once was), the next backward's first gradient
-waited for almost the whole step (0.9-2.3 s on one H200 host at 7.06B parameters, with
-205 of 206 gradients arriving after the step's last group).
+highest index first, the next backward's first gradient would wait for almost the whole
+step, nearly every gradient arriving after the step's last group (docs/benchmarks.md,
+design-measurements).
 
 The masters and the optimizer state are those of step k only once it finished: clipping
 (its upcasts share the step's scratch), `state_dict`, checkpoints, loads,

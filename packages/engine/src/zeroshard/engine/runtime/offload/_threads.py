@@ -5,12 +5,11 @@ torch's CPU kernels run on an OpenMP team of the thread that calls them (libgomp
 torch's Linux wheels). Once two teams exist, libgomp manages more threads than there are
 cores, and then lets an idle thread spin ~1000 times instead of ~300,000 before it sleeps
 on a futex, so each of the host step's short parallel regions (four per block, tens of
-microseconds each: [Note: blocked host step]) wakes its team from sleep. On one H200
-host (16 cores) a 1M-element block of the step took 0.23-0.28 ms with one team and
-0.34-0.38 ms with the main thread's team beside the stepping thread's, whichever of the
-two ran it; and `step_in_backward`, whose groups step on a thread of their own
-([Note: offload step pipeline]), stepped 2.3-3.1 G elements/s against 3.8-4.2 for the
-serial step on the main thread. So while groups step on the stepping thread (under
+microseconds each: [Note: blocked host step]) wakes its team from sleep: a block steps
+markedly slower with the main thread's team beside the stepping thread's, whichever of
+the two runs it, and so does `step_in_backward`, whose groups step on a thread of their
+own ([Note: offload step pipeline]), against the serial step on the main thread
+(docs/benchmarks.md, design-measurements). So while groups step on the stepping thread (under
 `step_in_backward`, and `delay_param_update`'s step in flight), the main thread's team is
 cut to `MAIN_KEEP` threads (libgomp ends a pool's surplus threads when a smaller region
 starts) and the stepping thread takes the other cores. Meanwhile the main thread only

@@ -8,14 +8,12 @@ Once all of a chunk's part in those ranges is final, the chunk goes up: its fp32
 (pinned) are copied by the H2D stream into an fp32 staging chunk on the device and cast
 there into the device shards. The CPU writes no cast at all: the step's loop reads the
 gradient and the master and moments and writes those back, nothing more ([Note: compiled
-host step] in _compiled_step.py). Casting on the host instead, into pinned compute-dtype
-slots that then went up, cost the host 4 bytes of memory traffic a parameter (the write,
-and the read of its lines first) where the fp32 copy costs the bus 2 more: the stage-2
-step of a 5.05B GPT with `step_in_backward` and `offload_compiled_step` on one H200 host,
-both ways alternating in one process, took 1.98 s with slots and 1.84 s this way (3
-cycles of 4-step blocks, every cycle faster by 0.12-0.17 s; a diagnostic script, not
-benchmarks/: docs/benchmarks.md, section offload-deepspeed-fp32-upload). The bits are the same: a
-cast of the same fp32 value, round to nearest even on either side. With compute in fp32
+host step] in _compiled_step.py). A cast on the host, into pinned compute-dtype buffers
+sent up after it, would cost the host 4 bytes of memory traffic a parameter (the write,
+and the read of its lines first) where the fp32 copy costs the bus 2 more, and host
+memory is what bounds the step (docs/benchmarks.md, sections
+offload-deepspeed-fp32-upload and design-measurements). The bits are the same: a cast of
+the same fp32 value, round to nearest even on either side. With compute in fp32
 the masters go straight into the device shards.
 
 The masters of a chunk are rewritten by the next round's step only: `begin` waits for
@@ -40,10 +38,9 @@ once every group with a part in it was stepped, so each one's gradient was on th
 and the CPU saw it there only after its D2H copy completed, which followed on the device
 the group's backward and so every gather of its shard. Parts of no named range (frozen
 groups, groups with no gradient) are rewritten with the bits they hold. Waiting instead
-on the current stream as queued when a chunk completes held each copy behind every
-backward kernel queued ahead of it; with the pinned slots this pass once had, reused only
-after their copies, the host step under `step_in_backward` was then paced by the GPU's
-backward.
+on the current stream as queued when a chunk completes would hold each copy behind every
+backward kernel queued ahead of it, and a host buffer reused only after its copy would
+then pace the host step under `step_in_backward` by the GPU's backward.
 
 On the CPU (gloo) there are no streams or events: the copies complete as they return.
 """
