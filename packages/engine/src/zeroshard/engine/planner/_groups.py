@@ -16,27 +16,9 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.runtime._group_plan import plan_flat_groups
+from zeroshard.engine.runtime._group_plan import PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._unit_plan import is_persistent
 from zeroshard.engine.runtime.offload._plan import OffloadSizes
-from zeroshard.partition import FlatLayout, GroupKey
-
-
-@dataclass(frozen=True)
-class PlannedGroup:
-    """One flat group as `initialize()` would lay it out on every rank."""
-
-    index: int
-    key: GroupKey
-    layout: FlatLayout
-    unit: int | None  # stage 3: the unit owning it
-    persistent: bool  # stage 3: its unit stays gathered for the whole step
-    offloaded: bool
-
-    @property
-    def trainable(self) -> bool:
-        """Whether its parameters take gradients."""
-        return self.key.requires_grad
 
 
 @dataclass(frozen=True)
@@ -52,7 +34,7 @@ class PlannedUnit:
 class GroupPlan:
     """All flat groups (and stage-3 units) of a model under one config and shard-group size."""
 
-    groups: tuple[PlannedGroup, ...]
+    groups: tuple[PlannedFlatGroup, ...]
     units: tuple[PlannedUnit, ...]
     offload: OffloadSizes | None  # what HostOffload allocates (None: nothing offloaded)
     shard_size: int
@@ -87,18 +69,7 @@ def plan_groups(
         persistent = is_persistent(ui, numel, cfg.stage3.persistence_threshold)
         gathered = sum(lay.padded_numel for lay in layouts) * itemsize
         units.append(PlannedUnit(unit.name, gathered, persistent))
-    groups = tuple(
-        PlannedGroup(
-            g.index,
-            g.key,
-            g.layout,
-            g.unit,
-            g.unit is not None and units[g.unit].persistent,
-            g.offloaded,
-        )
-        for g in plan.groups
-    )
-    return GroupPlan(groups, tuple(units), plan.offload, shard_size)
+    return GroupPlan(plan.groups, tuple(units), plan.offload, shard_size)
 
 
 def state_bytes(
