@@ -77,7 +77,7 @@ def _parity_case(
     ratio = offload.get("offload_ratio", 1.0)
     # Offloaded masters (and so their optimizer state) are host tensors; with a ratio the
     # rest stays where it was, on the device.
-    moved = [g for g in opt.flat_groups if g.grads is offloaded]
+    moved = [g for g in opt.flat_groups if g.grads is offloaded.grads]
     assert moved == held and all(g.master.device.type == "cpu" for g in moved)
     groups = list(opt.flat_groups)
     if ratio == 1.0:
@@ -201,10 +201,10 @@ def _evenness(device: str) -> None:
         assert b.chunks > 1, "the test wants several chunks"
         # The fp32 host gradient is pinned (gradients land in it by DMA) where pinning works:
         # on a GPU; CPU ranks pin nothing.
-        grad = offloaded.grad.nbytes
+        grad = offloaded.grads.grad.nbytes
         assert b.host >= 2 * grad, (b, grad)
         if device == "cuda":
-            assert offloaded.grad.is_pinned() and b.pinned >= grad, (b, grad)
+            assert offloaded.grads.grad.is_pinned() and b.pinned >= grad, (b, grad)
             # The masters go up to be cast on the device (not with offload_params).
             assert offloaded.master.is_pinned() == (offloaded.compute_dev is not None)
         else:

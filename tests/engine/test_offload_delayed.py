@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
-import zeroshard.engine.runtime.offload._host_offload as offload_module
+import zeroshard.engine.runtime.offload._host_grads as grads_module
 import zeroshard.engine.runtime.offload._step as step_module
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model
@@ -320,10 +320,10 @@ def test_checkpoint_waits_for_the_step_in_flight(tmp_path: Any, device: str) -> 
 def _stepped_in_arrival_order(device: str) -> None:
     arrived: list[int] = []
     stepped: list[int] = []
-    receive = offload_module.HostOffload.receive
+    receive = grads_module.HostGrads.receive
     step_blocked = step_module._step_blocked
 
-    def arrive(self: offload_module.HostOffload, g: Any, out: torch.Tensor, **kw: Any) -> None:
+    def arrive(self: grads_module.HostGrads, g: Any, out: torch.Tensor, **kw: Any) -> None:
         arrived.append(g.index)
         receive(self, g, out, **kw)
 
@@ -342,7 +342,7 @@ def _stepped_in_arrival_order(device: str) -> None:
     model, opt = zs.initialize(model, _adamw(model), config)
     batches = global_batches(STEPS, 1, dist.get_world_size(), MICRO)
     with (
-        mock.patch.object(offload_module.HostOffload, "receive", arrive),
+        mock.patch.object(grads_module.HostGrads, "receive", arrive),
         mock.patch.object(step_module, "_step_blocked", step),
     ):
         for k in range(STEPS):

@@ -19,104 +19,17 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from zeroshard.comm import Group, Handle, completed_handle
-from zeroshard.engine.runtime._grad_destination import DEVICE_GRADS, GradDestination
+from zeroshard.engine.runtime._gather_source import GatherSource
+from zeroshard.engine.runtime._grad_destination import GradDestination
+from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
 from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
-
-
-class GatherSource(Protocol):
-    """What a flat group's all-gather sends and how its gathered buffer is filled: the
-    master cast to the compute dtype (`MASTER_CAST`), or the compute shard CPU offload
-    keeps on the device (`offload.HostOffload`). Stage 3's gathers and stages 1/2's
-    publish both go through it."""
-
-    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
-        """Start gathering every rank's shard of `g` into `buffer` (its compute-dtype flat
-        buffer, storage allocated); `buffer` holds them once the handle was waited."""
-        ...
-
-    def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
-        """The masters of `groups` changed outside a step (a load, an edit): make what the
-        next gathers send from them."""
-        ...
-
-
-def gather_in_place(
-    g: FlatParamGroup, buffer: torch.Tensor, shard: torch.Tensor, *, label: str
-) -> Handle:
-    """[Note: in-place gather] This rank's `shard` (in `buffer`'s dtype, or cast to it) is
-    copied straight into its part of `buffer`, and the all-gather runs in place (its input
-    is that part, as FSDP2's): no send buffer is allocated, and the collective does not
-    copy this rank's own part again (NCCL skips it in place; with one rank nothing is left
-    to move). The copy is ordered before the collective on the current stream."""
-    lo, hi = g.shard_range
-    mine = buffer[lo:hi]
-    mine.copy_(shard)
-    return g.process_group.all_gather_into(buffer, mine, label=label)
-
-
-class MasterCast:
-    """Gathers send the fp32 master cast to the compute dtype: the cast writes this rank's
-    part of the buffer, so only compute-dtype bytes travel."""
-
-    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
-        """Cast the master into `buffer` and gather in place."""
-        return gather_in_place(g, buffer, g.master.detach(), label=label)
-
-    def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Nothing: every gather casts the master as it is."""
-
-
-MASTER_CAST = MasterCast()
-
-
-class GroupHome(Protocol):
-    """Where a flat group keeps its fp32 master shard, sends its reduced gradient and reads
-    its gathers from: `DEVICE_HOME`, or an offloaded group's part of the host storage
-    (`offload.HostOffload.home`). Given to `build_flat_group`, so the group is complete
-    when built."""
-
-    @property
-    def grads(self) -> GradDestination:
-        """Where the group's reduced gradient shard goes."""
-        ...
-
-    @property
-    def source(self) -> GatherSource:
-        """What the group's gathers send."""
-        ...
-
-    @property
-    def grad(self) -> torch.Tensor | None:
-        """The memory the gradient shard lives in between steps (None: allocated when a
-        window's first gradient arrives)."""
-        ...
-
-    def master(self, shard: torch.Tensor) -> torch.Tensor:
-        """The fp32 master holding `shard` (this rank's part of the flat buffer)."""
-        ...
-
-
-class DeviceHome:
-    """The master and its gradient on the group's device; gathers cast the master."""
-
-    grads: GradDestination = DEVICE_GRADS
-    source: GatherSource = MASTER_CAST
-    grad: torch.Tensor | None = None
-
-    def master(self, shard: torch.Tensor) -> torch.Tensor:
-        """A new fp32 copy of `shard`, where it is."""
-        return shard.detach().to(torch.float32, copy=True)
-
-
-DEVICE_HOME = DeviceHome()
 
 
 @dataclass(eq=False)

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.comm import Group, Handle
-from zeroshard.engine.runtime._flat_group import FlatParamGroup, GatherSource
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._gather_source import GatherSource
 from zeroshard.engine.runtime._grad_destination import by_destination, by_device
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler

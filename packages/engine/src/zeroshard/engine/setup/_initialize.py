@@ -14,13 +14,9 @@ from torch import nn
 
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig, as_config
-from zeroshard.engine.runtime._flat_group import (
-    DEVICE_HOME,
-    FlatParamGroup,
-    GroupHome,
-    build_flat_group,
-)
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
+from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
 from zeroshard.engine.runtime._group_plan import FlatGroupPlan, PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._names import canonical_name

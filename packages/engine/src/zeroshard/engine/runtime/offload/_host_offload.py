@@ -60,37 +60,23 @@ and are complete when they return.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zeroshard.comm import Handle
-from zeroshard.engine.runtime._flat_group import FlatParamGroup, gather_in_place
-from zeroshard.engine.runtime._host_norm import norm_of_rows, row_norms
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._gather_source import gather_in_place
 from zeroshard.engine.runtime.offload._blocks import BlockedStep
 from zeroshard.engine.runtime.offload._compiled_step import coefficients, scale_of, step_piece
-from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK, FusedAdam
-from zeroshard.engine.runtime.offload._io import GradAdd, SideStream, grad_worker, host_tensor, land
-from zeroshard.engine.runtime.offload._plan import GRAD_STAGING, OffloadSizes
+from zeroshard.engine.runtime.offload._fused_adam import FusedAdam
+from zeroshard.engine.runtime.offload._host_grads import HostGrad, HostGrads
+from zeroshard.engine.runtime.offload._io import HostMemory
+from zeroshard.engine.runtime.offload._plan import OffloadSizes
 from zeroshard.engine.runtime.offload._step_thread import StepThread
 from zeroshard.engine.runtime.offload._upload import ShardUpload
-
-# Gradient copies (and adds) outstanding at once; see [Note: offload stream order].
-_MAX_PENDING = 4
-
-
-@dataclass(frozen=True)
-class HostGrad:
-    """An offloaded group's gradient as its step reads it: the tensor (the reduce dtype or
-    fp32) and the clipping / unscaling factors not applied to it yet ([Note: offload host
-    memory]). A delayed step holds this while `zero_grad` forgets the group's gradient."""
-
-    tensor: torch.Tensor
-    factors: tuple[torch.Tensor | float, ...]
 
 
 @dataclass(frozen=True)
@@ -107,8 +93,9 @@ class OffloadBytes:
 
 
 class HostOffload:
-    """Host state of the offloaded groups: the `GradDestination` of their gradients and the
-    `GatherSource` of their gathers; see [Note: offload stream order]."""
+    """Host state of the offloaded groups: their masters, their gradients (`grads`, their
+    `GradDestination`), the upload of their compute shards (their `GatherSource`) and
+    their host step; see [Note: offload stream order]."""
 
     def __init__(
         self,
@@ -124,30 +111,27 @@ class HostOffload:
         self.device = device
         # Pinning only speeds up copies to a GPU; on the CPU there is no bus to cross.
         pin = pin and self.device.type == "cuda"
-        offload_params, reduce_dtype = sizes.offload_params, sizes.reduce_dtype
+        offload_params = sizes.offload_params
         self.offset = dict(zip(indices, sizes.offsets, strict=True))
         self._numel = dict(zip(indices, sizes.shard_numels, strict=True))
-        self._largest = sizes.staging_numel
         self.layout = sizes.chunks
         n, s = self.layout.num_chunks, self.layout.shard_numel
-        self._pinned_bytes = 0
-        self._host_bytes = 0
+        self._memory = HostMemory()
         # Pinned where the masters go up to be cast on the device ([Note: offload upload]
         # in _upload.py); with offload_params they never cross the bus.
-        self.master = self._host(n * s, torch.float32, pin and not offload_params).view(n, s)
-        self.grad = self._host(n * s, reduce_dtype, pin).view(n, s)
-        # The fp32 gradient of gradient accumulation, made on first use (see the Note);
-        # without one (`grad` is fp32 already) accumulation adds into `grad`.
-        self._acc: torch.Tensor | None = self.grad if reduce_dtype == torch.float32 else None
-        # The step's fp32 upcast: one block, or one group's where the step is not blocked
-        # (grown to that on first need); pageable: only the CPU reads it.
-        self._upcast = self._host(sizes.upcast_numel, torch.float32, False)
+        master_pinned = pin and not offload_params
+        self.master = self._memory.alloc(n * s, torch.float32, master_pinned).view(n, s)
+        # The thread that steps groups beside the main thread (step_in_backward,
+        # delay_param_update).
+        self.step_thread = StepThread(self.device)
+        # The offloaded groups' GradDestination: their gradients on the host.
+        self.grads = HostGrads(
+            sizes, self.offset, device=device, pin=pin, memory=self._memory, thread=self.step_thread
+        )
         self._blocked = BlockedStep()
         # offload.compiled_step: each group in one compiled pass per chunk ([Note: compiled
         # host step] in _compiled_step.py).
         self._compiled = compiled_step
-        # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
-        self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._out = ShardUpload(
             self.master,
             sizes.used_numel,
@@ -155,18 +139,11 @@ class HostOffload:
             sizes.compute_dtype,
             pin=pin,
             offload_params=offload_params,
-            alloc=self._host,
+            alloc=self._memory.alloc,
         )
         # The compute shards are made from the masters as the groups hand them over
         # (`home`): each chunk goes up once every master in it is in place.
         self._out.begin([(lo, lo + self._numel[i]) for i, lo in self.offset.items()])
-        self._down = SideStream(self.device)
-        self._free_staging = self._buffers(GRAD_STAGING, sizes.staging_numel, reduce_dtype, pin)
-        self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
-        self._worker = grad_worker(self.device)
-        # The thread that steps groups beside the main thread (step_in_backward,
-        # delay_param_update).
-        self.step_thread = StepThread(self.device)
 
     def home(self, index: int) -> HostHome:
         """Where flat group `index` keeps its master and gradient: its part of the host
@@ -176,18 +153,6 @@ class HostOffload:
     def holds(self, g: FlatParamGroup) -> bool:
         """Whether `g` is one of the offloaded groups."""
         return g.index in self.offset
-
-    def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        t, pinned = host_tensor(numel, dtype, pin=pin)
-        self._host_bytes += t.nbytes
-        self._pinned_bytes += t.nbytes if pinned else 0
-        return t
-
-    def _buffers(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-        return [self._host(numel, dtype, pin) for _ in range(count)]
-
-    def _flat(self, t: torch.Tensor, g: FlatParamGroup) -> torch.Tensor:
-        return self._part(t, g.index)
 
     def _part(self, t: torch.Tensor, index: int) -> torch.Tensor:
         lo = self.offset[index]
@@ -203,78 +168,6 @@ class HostOffload:
         self._out.written(lo, lo + self._numel[index])
         return host
 
-    # -- gradients in (GradDestination) ---------------------------------------------------
-    def reduces_in_place(self, g: FlatParamGroup, reduce_dtype: torch.dtype) -> bool:
-        """Never: the shard is copied to the host after the reduce-scatter's wait, so it
-        keeps a small tensor of its own rather than the whole bucket."""
-        return False
-
-    def receive(self, g: FlatParamGroup, out: torch.Tensor, *, fresh: bool = False) -> None:
-        """Take a reduced gradient shard (on the device, complete on the current stream) into
-        `g`'s host gradient, without waiting for it (see [Note: offload stream order]);
-        `out` is copied, fresh or not."""
-        while self._pending and (len(self._pending) >= _MAX_PENDING or self._pending[0][0].done()):
-            self._retire_oldest()
-        self.step_thread.arrived(g)
-        staged: torch.Tensor | None = None
-        add = None
-        if g.grad_shard is None:
-            dst = g.claim_grad_shard()
-        else:
-            while not self._free_staging:
-                self._retire_oldest()
-            staged = self._free_staging.pop()
-            dst = staged[: out.numel()]
-            add = self._accumulate(g, dst)
-        with self._down.after_current():
-            dst.copy_(out, non_blocking=True)
-            event = self._down.event()
-        if self._down.stream is not None:
-            out.record_stream(self._down.stream)
-        future = self._worker.submit(land, event, add)
-        self._pending.append((future, staged))
-        self.step_thread.landing(g, future)
-
-    def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
-        """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
-        assert g.grad_shard is not None
-        if g.grad_shard.dtype == torch.float32:
-            return GradAdd(g.grad_shard, staged, None, ())
-        if self._acc is None:
-            n, s = self.layout.num_chunks, self.layout.shard_numel
-            self._acc = self._host(n * s, torch.float32, False).view(n, s)
-        source, home = g.grad_shard, self._flat(self._acc, g)
-        # Later micro-steps and the step read the fp32 gradient.
-        g.grad_shard = home
-        return GradAdd(home, staged, source, tuple(self._factors.pop(g.index, ())))
-
-    def _retire_oldest(self) -> None:
-        future, staged = self._pending.popleft()
-        try:
-            future.result()
-        finally:
-            if staged is not None:
-                self._free_staging.append(staged)
-
-    def drain(self) -> None:
-        """Wait until every gradient copy has landed, every staged one was added and every
-        group stepped in backward was stepped."""
-        while self._pending:
-            self._retire_oldest()
-        self.step_thread.drain()
-
-    # -- the step's gradients ------------------------------------------------------------
-    def blocks(self, g: FlatParamGroup) -> list[tuple[int, int]]:
-        """[lo, hi) of each block of `g`'s shard, in order ([Note: blocked host step])."""
-        n = g.layout.shard_numel
-        return [(lo, min(n, lo + STEP_BLOCK)) for lo in range(0, n, STEP_BLOCK)]
-
-    def host_grad(self, g: FlatParamGroup) -> HostGrad | None:
-        """`g`'s gradient of this window with its pending factors; None if none arrived."""
-        if g.grad_shard is None:
-            return None
-        return HostGrad(g.grad_shard, tuple(self._factors.get(g.index, ())))
-
     def step_blocked(
         self, g: FlatParamGroup, adam: FusedAdam, state: dict[str, Any], grad: HostGrad
     ) -> None:
@@ -289,8 +182,9 @@ class HostOffload:
         def written(lo: int, hi: int, src: torch.Tensor) -> None:
             self._out.written(base + lo, base + hi, src)
 
+        upcast = self.grads.upcast
         self._blocked.step(
-            g.index, adam, state, g.master, grad.tensor, grad.factors, self._upcast, written
+            g.index, adam, state, g.master, grad.tensor, grad.factors, upcast, written
         )
 
     def _step_compiled(
@@ -318,64 +212,6 @@ class HostOffload:
         """The optimizer's state is about to be replaced (a state dict loaded)."""
         self._blocked.forget()
 
-    @torch.no_grad()
-    def grad_block(self, grad: HostGrad, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of `grad` in fp32, its factors applied: a view of the fp32
-        gradient itself, or an upcast valid until the next call."""
-        if grad.tensor.dtype == torch.float32:
-            return grad.tensor[lo:hi]
-        out = self._upcast[: hi - lo]
-        out.copy_(grad.tensor[lo:hi])
-        for f in grad.factors:
-            out.mul_(f)
-        return out
-
-    def norms(self, groups: Sequence[FlatParamGroup]) -> list[torch.Tensor]:
-        """Each group's norm, one group upcast at a time ([Note: offload host memory])."""
-        return [self.grad_norm(g) for g in groups]
-
-    def grad_norm(self, g: FlatParamGroup) -> torch.Tensor:
-        """The 2-norm of `g`'s gradient as the step will see it (zeros if none arrived), on
-        every core, block by block ([Note: host gradient norm])."""
-        grad = self.host_grad(g)
-        if grad is None:
-            return torch.zeros(())
-        rows = [row_norms(self.grad_block(grad, lo, hi)) for lo, hi in self.blocks(g)]
-        return norm_of_rows(rows)
-
-    def scale(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
-        """Multiply the gradients of `groups` by `factor`: in place where fp32, else when
-        the step upcasts them ([Note: offload host memory])."""
-        if isinstance(factor, torch.Tensor):
-            factor = factor.cpu()
-        fp32 = [g.grad_shard for g in groups if g.grad_shard is not None]
-        fp32 = [t for t in fp32 if t.dtype == torch.float32]
-        if fp32:
-            torch._foreach_mul_(fp32, factor)
-        for g in groups:
-            if g.grad_shard is not None and g.grad_shard.dtype != torch.float32:
-                self._factors.setdefault(g.index, []).append(factor)
-
-    def forget(self, g: FlatParamGroup, *, set_to_none: bool) -> None:
-        """zero_grad: `g` holds nothing of the next window; both ways its host memory stays
-        (the next gradient overwrites it, no zero fill)."""
-        g.grad_shard = None
-        self._factors.pop(g.index, None)
-
-    @torch.no_grad()
-    def grad_fp32(self, g: FlatParamGroup) -> torch.Tensor | None:
-        """`g`'s whole gradient in fp32, its factors applied (the step outside [Note:
-        blocked host step]): the fp32 gradient itself, or an upcast valid until the next
-        call; None if `g` has none."""
-        grad = self.host_grad(g)
-        if grad is None or grad.tensor.dtype == torch.float32:
-            return None if grad is None else grad.tensor
-        if self._upcast.numel() < grad.tensor.numel():
-            # Planned as one block (the optimizer steps in blocks) but this step is not.
-            self._host_bytes -= self._upcast.nbytes
-            self._upcast = self._host(self._largest, torch.float32, False)
-        return self.grad_block(grad, 0, grad.tensor.numel())
-
     # -- shards out ----------------------------------------------------------------------
     def begin_upload(self, groups: Sequence[FlatParamGroup]) -> None:
         """Start rewriting the compute shards of `groups` from their masters ([Note:
@@ -391,7 +227,7 @@ class HostOffload:
 
     def stepped(self, g: FlatParamGroup) -> None:
         """All of `g`'s master is final for this step (block by block, as `written`)."""
-        for lo, hi in self.blocks(g):
+        for lo, hi in self.grads.blocks(g):
             self.written(g, lo, hi)
 
     def finish_upload(self) -> None:
@@ -429,7 +265,8 @@ class HostOffload:
         n, s = self.layout.num_chunks, self.layout.shard_numel
         up = self._out.compute_dtype.itemsize if self.compute_host is not None else 4
         device = self._out.device_nbytes
-        return OffloadBytes(n, self._host_bytes, self._pinned_bytes, device, n * s * up)
+        memory = self._memory
+        return OffloadBytes(n, memory.host_bytes, memory.pinned_bytes, device, n * s * up)
 
 
 class HostHome:
@@ -441,9 +278,9 @@ class HostHome:
         self._offload, self._index = offload, index
 
     @property
-    def grads(self) -> HostOffload:
+    def grads(self) -> HostGrads:
         """The host takes the reduced gradients."""
-        return self._offload
+        return self._offload.grads
 
     @property
     def source(self) -> HostOffload:
@@ -453,7 +290,7 @@ class HostHome:
     @property
     def grad(self) -> torch.Tensor:
         """The host gradient, in the reduce dtype, kept between steps."""
-        return self._offload._part(self._offload.grad, self._index)
+        return self._offload._part(self._offload.grads.grad, self._index)
 
     def master(self, shard: torch.Tensor) -> torch.Tensor:
         """The host view holding `shard`'s values."""

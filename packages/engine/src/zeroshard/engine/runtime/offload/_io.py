@@ -34,6 +34,25 @@ def host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Ten
     return t.zero_(), pinned
 
 
+class HostMemory:
+    """The host tensors of one `HostOffload`, and their bytes (pinned of those)."""
+
+    def __init__(self) -> None:
+        self.host_bytes = 0
+        self.pinned_bytes = 0
+
+    def alloc(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """A zeroed 1-D host tensor, pinned if asked and possible (`host_tensor`)."""
+        t, pinned = host_tensor(numel, dtype, pin=pin)
+        self.host_bytes += t.nbytes
+        self.pinned_bytes += t.nbytes if pinned else 0
+        return t
+
+    def drop(self, t: torch.Tensor) -> None:
+        """`t`, pageable and from `alloc`, is held no more."""
+        self.host_bytes -= t.nbytes
+
+
 class SideStream:
     """A CUDA side stream, or nothing on the CPU (where copies complete as they return)."""
 

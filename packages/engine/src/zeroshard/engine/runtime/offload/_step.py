@@ -79,7 +79,8 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime.offload._fused_adam import FusedAdam, fused_adam, steps_in_blocks
-from zeroshard.engine.runtime.offload._host_offload import HostGrad, HostOffload
+from zeroshard.engine.runtime.offload._host_grads import HostGrad
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
 
 _PER_ELEMENT: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
@@ -165,12 +166,12 @@ def _step_group(
     step: Callable[[], Any], inner: torch.optim.Optimizer, offload: HostOffload, g: FlatParamGroup
 ) -> None:
     """Step `g`'s master alone on its fp32 gradient, casting it for the upload as it goes."""
-    host = offload.host_grad(g)
+    host = offload.grads.host_grad(g)
     adam = fused_adam(inner, g.key.param_group) if host is not None else None
     if adam is not None and host is not None:
         _step_blocked(adam, inner, offload, g, host)
         return
-    grad = offload.grad_fp32(g)
+    grad = offload.grads.grad_fp32(g)
     if grad is not None:
         g.master.grad = grad
         _step_masters(step, inner, [g.master])
@@ -189,7 +190,7 @@ def step_offloaded(
     step = _unhooked_step(inner)
     if step is None:
         for g in on_host:
-            grad = offload.grad_fp32(g)
+            grad = offload.grads.grad_fp32(g)
             # Every group at once: a copy of each upcast (the buffer holds one group's).
             if grad is not None and grad is not g.grad_shard:
                 grad = grad.clone()
@@ -258,7 +259,7 @@ class DelayedStep:
         # and `zero_grad` forget the gradients before the thread gets to a group.
         work: dict[int, tuple[FusedAdam, HostGrad]] = {}
         for g in on_host:
-            adam, grad = fused_adam(inner, g.key.param_group), offload.host_grad(g)
+            adam, grad = fused_adam(inner, g.key.param_group), offload.grads.host_grad(g)
             if adam is None or grad is None:
                 continue
             if isinstance(adam.lr, torch.Tensor):
