@@ -20,6 +20,8 @@ EDITABLE = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy", "matplotlib"]
 # The versions tests/integration/test_hf_*.py and zeroshard.engine.huggingface are checked with.
 HF_DEPS = ["transformers==5.23.0", "accelerate==1.15.0"]
+# The version tests/integration/test_lightning.py and zeroshard.engine.lightning are checked with.
+LIGHTNING = "lightning==2.6.6"
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -35,7 +37,7 @@ DEEPSPEED = "deepspeed==0.19.8"
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite on CPU ranks over gloo."""
-    _install(session, *TEST_DEPS, *HF_DEPS)
+    _install(session, *TEST_DEPS, *HF_DEPS, LIGHTNING)
     session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
     session.run("pytest", *(session.posargs or ["-q"]))
 
@@ -43,7 +45,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package's src/."""
-    _install(session, "mypy>=1.10", *HF_DEPS)
+    _install(session, "mypy>=1.10", *HF_DEPS, LIGHTNING)
     session.run("mypy", *(f"-p=zeroshard.{p}" for p in PACKAGES))
 
 

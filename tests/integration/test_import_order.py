@@ -26,7 +26,10 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "setup": {"config", "runtime", "state"},
     "planner": {"config", "runtime"},
     "huggingface": {"config", "runtime", "state", "setup"},
+    "lightning": {"config", "runtime", "state", "setup"},
 }
+# Integrations that may take from the other parts only what the public face exports.
+PUBLIC_ONLY = ("lightning",)
 
 
 def _module_name(path: Path, src: Path) -> str:
@@ -100,12 +103,55 @@ def engine_violations(engine: Path) -> list[str]:
     return out
 
 
+def public_names(engine: Path) -> set[str]:
+    """The names in the public face's `__all__` (parsed, not imported)."""
+    tree = ast.parse((engine / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {
+                str(ast.literal_eval(e))
+                for e in ast.walk(node.value)
+                if isinstance(e, ast.Constant)
+            }
+    return set()
+
+
+def private_name_violations(engine: Path, part: str) -> list[str]:
+    """Names `part` imports from the engine's other parts that the public face does not
+    export."""
+    public = public_names(engine)
+    src = engine.parents[1]
+    out = []
+    for path in sorted((engine / part).rglob("*.py")):
+        module = _module_name(path, src)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            imported = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            target = _part_of(imported)
+            if target is None or target == part:
+                continue
+            for alias in node.names:
+                if alias.name not in public:
+                    where = f"{path.relative_to(src)}:{node.lineno}"
+                    out.append(f"{where}: {part} imports {alias.name} from {imported}, not public")
+    return out
+
+
 def test_packages_import_downward_only() -> None:
     assert package_violations(ROOT) == []
 
 
 def test_engine_parts_import_in_order() -> None:
     assert engine_violations(ENGINE) == []
+
+
+def test_integrations_use_public_names_only() -> None:
+    for part in PUBLIC_ONLY:
+        assert private_name_violations(ENGINE, part) == []
 
 
 def test_an_upward_import_is_reported(tmp_path: Path) -> None:
