@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._common import SMOKE_OUT
+from benchmarks._common._models import BenchModel
 from benchmarks.train_step._engines import ENGINES
-from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._profile import profile
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings, Skipped
