@@ -128,8 +128,8 @@ def demo_hf(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
-    _install(session, "numpy", "matplotlib")
-    for script in ("flatten", "leaf_fetch"):
+    _install(session, "numpy", "matplotlib", LIGHTNING)
+    for script in ("flatten", "leaf_fetch", "lightning"):
         session.run("python", "-m", f"benchmarks.{script}", "--smoke", *session.posargs)
     session.run("python", "-m", "benchmarks.consolidate", "--source", "dcp", "--smoke")
     session.run(

@@ -18,6 +18,7 @@ Lightning checkpoint into safetensors equal to DDP's weights at that step.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -260,6 +261,19 @@ def test_lightning_trainer_and_fabric(tmp_path: Path) -> None:
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_example_under_lightnings_own_launcher(tmp_path: Path) -> None:
+    """examples/lightning_gpt.py started by `python`: Lightning starts the second rank, the
+    fit checkpoints (a sharded directory) and ends."""
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_gpt.py"), "--devices", "2"]
+    cmd += ["--strategy", "zeroshard_stage_3", "--steps", "2", "--batch", "2", "--seq-len", "32"]
+    cmd += ["--ckpt-dir", str(tmp_path), "--save-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "last.ckpt" / "latest").is_file(), sorted(tmp_path.rglob("*"))
+    assert (tmp_path / "step=2.ckpt" / "checkpoint" / "metadata.json").is_file()
 
 
 def test_registry_precision_and_imports() -> None:
