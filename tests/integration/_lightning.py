@@ -114,6 +114,26 @@ def loader(samples: int = SAMPLES, seed: int = 1) -> DataLoader[Any]:
     return DataLoader(dataset(samples, seed), batch_size=BATCH)
 
 
+class ManualNet(Net):
+    """Net under manual optimization: backward, clip_gradients and the step by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss, sync_dist=True)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+        return loss
+
+
 class Recorder(Logger):
     """Keeps every logged row: {step: {metric: value}}."""
 
@@ -188,7 +208,8 @@ def trainer(
 
 def fit(strategy: Any, root: Path, *, steps: int = 6, ckpt_path: Any = None, **kwargs: Any) -> Any:
     """One fit (and a test after it): what it logged, and the module."""
-    model = Net(in_configure_model=kwargs.pop("in_configure_model", False))
+    manual = kwargs.pop("manual", False)
+    model = ManualNet() if manual else Net(kwargs.pop("in_configure_model", False))
     t, rec = trainer(strategy, root, steps=steps, **kwargs)
     t.fit(model, loader(), loader(16, seed=2), ckpt_path=ckpt_path)
     t.test(model, loader(16, seed=3), verbose=False)
@@ -207,13 +228,26 @@ def assert_rows_equal(got: dict[int, dict[str, float]], want: dict[int, dict[str
 
 
 def fabric_run(
-    strategy: Any, root: Path, *, steps: int, save_at: int | None = None, load: Path | None = None
+    strategy: Any,
+    root: Path,
+    *,
+    steps: int,
+    save_at: int | None = None,
+    load: Path | None = None,
+    empty_init: bool | None = None,
 ) -> list[float]:
-    """A Fabric loop (accumulation 2, clipping, LR schedule): the global loss of each step."""
+    """A Fabric loop (accumulation 2, clipping, LR schedule): the global loss of each step.
+    With `empty_init` set, the model (of DetLinear layers) is built in `fabric.init_module`."""
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size())
     fabric.launch()
     torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block(), nn.Linear(D, OUT))
+    if empty_init is None:
+        model = nn.Sequential(Block(), Block(), nn.Linear(D, OUT))
+    else:
+        with fabric.init_module(empty_init=empty_init):
+            model = nn.Sequential(Block(DetLinear), Block(DetLinear), DetLinear(D, OUT))
+        on_meta = all(p.is_meta for p in model.parameters())
+        assert on_meta == bool(empty_init and "zeroshard" in type(strategy).__name__.lower())
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     model, opt = fabric.setup(model, opt)

@@ -105,6 +105,24 @@ def _at_two(root: str) -> None:
             for name, value in metrics.items():
                 assert abs(rows[s][name] - value) <= 3e-2 * abs(value) + 1e-3, (s, name, rows[s])
 
+    def manual_case() -> None:
+        manual = {"manual": True, "accumulate_grad_batches": 1, "gradient_clip_val": None}
+        want, _, _ = fit("ddp", out / "ddp-manual", ckpt=False, **manual)
+        got, _, _ = fit(_zs(2), out / "zs-manual", ckpt=False, **manual)
+        # DDP's reference norm is taken after the user's own clip_gradients: compare the loss.
+        assert all("grad_norm" in got[s] for s in range(1, 6)), got
+        losses = {s: {"train_loss": r["train_loss"]} for s, r in got.items() if "train_loss" in r}
+        assert_rows_equal(
+            losses,
+            {s: {"train_loss": r["train_loss"]} for s, r in want.items() if "train_loss" in r},
+        )
+
+    def fabric_meta_case() -> None:
+        zs3 = ZeroShardFabricStrategy(config={"stage": 3, **UNITS})
+        base = fabric_run("ddp", out / "fabric-ddp-det", steps=2, empty_init=False)
+        got = fabric_run(zs3, out / "fabric-zs-meta", steps=2, empty_init=True)
+        assert got == pytest.approx(base, rel=1e-6), (got, base)
+
     def fabric_case() -> None:
         zs3 = ZeroShardFabricStrategy(config={"stage": 3, **UNITS})
         base = fabric_run("ddp", out / "fabric-ddp", steps=4, save_at=2)
@@ -121,6 +139,8 @@ def _at_two(root: str) -> None:
         {"kind": "meta", "arg": None},
         *({"kind": "precision", "arg": p} for p in ("bf16-mixed", "16-mixed", "bf16-true")),
         {"kind": "fabric", "arg": None},
+        {"kind": "manual", "arg": None},
+        {"kind": "fabric_meta", "arg": None},
     ]
 
     def body(kind: str, arg: Any) -> None:
@@ -130,6 +150,10 @@ def _at_two(root: str) -> None:
             meta_case()
         elif kind == "precision":
             precision_case(arg)
+        elif kind == "manual":
+            manual_case()
+        elif kind == "fabric_meta":
+            fabric_meta_case()
         else:
             fabric_case()
 
@@ -188,6 +212,11 @@ def _refusals(root: str) -> None:
         def configure_optimizers(self) -> Any:
             return [torch.optim.SGD(self.parameters(), lr=0.1)] * 2
 
+    class OddHyperparameters(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"activation": torch.nn.Tanh()})
+
     class SkipsBatches(Net):
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return None
@@ -204,13 +233,15 @@ def _refusals(root: str) -> None:
         (ZeroShardStrategy(), TwoOptimizers, manual, "returned 2 optimizers"),
         (ZeroShardStrategy(), SkipsBatches, {}, "returned None"),
         (ZeroShardStrategy(), Net, {"ckpt_path": ddp_file}, str(ddp_file)),
+        (ZeroShardStrategy(), OddHyperparameters, {"ckpt": True}, "['hyper_parameters']"),
     ]
 
     def body(index: int) -> None:
         strategy, model_class, options, wanted = cases[index]
         ckpt_path = options.pop("ckpt_path", None)
-        t, _ = trainer(strategy, out / "refused", steps=2, ckpt=False, **options)
-        with pytest.raises((ValueError, RuntimeError, OSError)) as err:
+        ckpt = options.pop("ckpt", False)
+        t, _ = trainer(strategy, out / f"refused-{index}", steps=2, ckpt=ckpt, **options)
+        with pytest.raises((ValueError, RuntimeError, OSError, TypeError)) as err:
             t.fit(model_class(), loader(), ckpt_path=ckpt_path)
         assert wanted in str(err.value), str(err.value)
 
@@ -222,6 +253,9 @@ def _refusals(root: str) -> None:
     t.validate(model, loader(16, seed=2), verbose=False)
     with pytest.raises(ValueError, match="sharded for evaluation only"):
         t.fit(model, loader())
+    t, _ = trainer(_zs(3), out / "refused", steps=2, ckpt=False)
+    with pytest.raises(ValueError, match="sharded before with another config"):
+        t.validate(model, loader(16, seed=2), verbose=False)
 
     from lightning.fabric import Fabric
 
@@ -230,6 +264,8 @@ def _refusals(root: str) -> None:
     net = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="together"):
         fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
+    evaluated = fabric.setup(torch.nn.Linear(4, 4))  # no optimizer: for evaluation
+    assert torch.isfinite(evaluated(torch.ones(2, 4))).all()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = fabric.setup(net, opt)
     fabric.backward(net(torch.ones(2, 4)).sum())
