@@ -1,9 +1,10 @@
 """What every benchmark shares: the report writer, the start of ranks, matplotlib, the
-benchmarked models and their optimizer.
+benchmarked models and their optimizer, device waits and emptying.
 
 No benchmark imports another; what two of them need lives here.
 """
 
+from benchmarks._common._device import free, sync
 from benchmarks._common._models import LR, MODELS, BenchModel, adamw, bench_model
 from benchmarks._common._plot import pyplot
 from benchmarks._common._ranks import (
@@ -44,6 +45,7 @@ __all__ = [
     "command",
     "entry_point",
     "environment",
+    "free",
     "init_ranks",
     "join",
     "markdown_table",
@@ -53,5 +55,6 @@ __all__ = [
     "pyplot",
     "replace_section",
     "spawn_ranks",
+    "sync",
     "write_section",
 ]

@@ -17,7 +17,6 @@ of random tokens, as train_step does.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import zeroshard.engine as zs
 import zeroshard.engine.lightning  # noqa: F401  (registers "zeroshard_stage_3")
-from benchmarks._common import BenchModel, adamw
+from benchmarks._common import BenchModel, adamw, free, sync
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -47,19 +46,6 @@ class Run:
     def median_ms(self) -> float:
         """The median step, in milliseconds."""
         return statistics.median(self.times) * 1000
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing to wait for on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free(device: torch.device) -> None:
-    """Drop the last run's engine (its hooks and the module form cycles) and its memory."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class _SameBatch(Dataset[Batch]):

@@ -12,6 +12,7 @@ agree with `Trainer(accumulate_grad_batches=..., gradient_clip_val=...)` or be "
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from zeroshard.engine.lightning._precision import compute_dtype_of
 ConfigSource: TypeAlias = ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 """What `config=` takes: a ZeroConfig or its dict (None: stage 2 defaults), or a DeepSpeed
 config (a dict or a JSON file)."""
+
+log = logging.getLogger("zeroshard.engine.lightning")
 
 _AUTO = "auto"
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
@@ -51,6 +54,16 @@ class LoopSettings:
 
     hidden_size: int | None = None
     """The model's hidden size, for DeepSpeed's "auto" bucket sizes."""
+
+
+def engine_config(source: ConfigSource, loop: LoopSettings, *, rank_zero: bool) -> ZeroConfig:
+    """The ZeroConfig to initialize with; on rank 0 (`rank_zero`) each DeepSpeed key not
+    honoured is logged. ValueError naming the key where the config contradicts the loop."""
+    cfg, notes = resolve_config(source, loop)
+    if rank_zero:
+        for line in notes:
+            log.info("DeepSpeed config %s", line)
+    return cfg
 
 
 def resolve_config(source: ConfigSource, loop: LoopSettings) -> tuple[ZeroConfig, list[str]]:

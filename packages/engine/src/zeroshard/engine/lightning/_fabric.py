@@ -17,7 +17,6 @@ shards, and accumulating over several backwards needs nothing more.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -36,7 +35,7 @@ from torch.optim import Optimizer
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.lightning._checkpoint import load_sharded, save_sharded
-from zeroshard.engine.lightning._config import ConfigSource, LoopSettings, resolve_config
+from zeroshard.engine.lightning._config import ConfigSource, LoopSettings, engine_config
 from zeroshard.engine.lightning._engine import EngineRoot, build_engine, engine_root, reuse_engine
 from zeroshard.engine.lightning._precision import (
     ZeroShardFabricPrecision,
@@ -44,8 +43,6 @@ from zeroshard.engine.lightning._precision import (
     flag_of,
 )
 from zeroshard.engine.lightning._registry import register
-
-log = logging.getLogger(__name__)
 
 
 class _EngineBackwardSync(_BackwardSyncControl):
@@ -112,10 +109,7 @@ class ZeroShardFabricStrategy(DDPStrategy):
         """The engine's config: `config` with the precision flag applied."""
         if self._config is None:
             loop = LoopSettings(self.precision.precision, None, None)
-            self._config, notes = resolve_config(self._config_source, loop)
-            if self.is_global_zero:
-                for line in notes:
-                    log.info("DeepSpeed config %s", line)
+            self._config = engine_config(self._config_source, loop, rank_zero=self.is_global_zero)
         return self._config
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:

@@ -21,7 +21,6 @@ reduce) with the model and optimizer handed to the engine instead of Distributed
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -42,12 +41,10 @@ from torch.optim import Optimizer
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.config._deepspeed_config import hidden_size_of
 from zeroshard.engine.lightning._checkpoint import SHARDED_KEYS, load_sharded, save_sharded
-from zeroshard.engine.lightning._config import ConfigSource, LoopSettings, resolve_config
+from zeroshard.engine.lightning._config import ConfigSource, LoopSettings, engine_config
 from zeroshard.engine.lightning._engine import EngineRoot, build_engine, engine_root, reuse_engine
 from zeroshard.engine.lightning._precision import ZeroShardPrecision, flag_of
 from zeroshard.engine.lightning._registry import register
-
-log = logging.getLogger(__name__)
 
 
 class ZeroShardStrategy(DDPStrategy):
@@ -121,10 +118,7 @@ class ZeroShardStrategy(DDPStrategy):
                 gradient_clip_val=float(clip or 0.0),
                 hidden_size=hidden_size_of(module),
             )
-            self._config, notes = resolve_config(self._config_source, loop)
-            if self.is_global_zero:
-                for line in notes:
-                    log.info("DeepSpeed config %s", line)
+            self._config = engine_config(self._config_source, loop, rank_zero=self.is_global_zero)
         return self._config
 
     def _module(self) -> pl.LightningModule:
