@@ -18,6 +18,7 @@ Lightning checkpoint into safetensors equal to DDP's weights at that step.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,10 +57,15 @@ def _resumed(rows: dict[int, dict[str, float]], after: int) -> dict[int, dict[st
 
 def _at_two(root: str) -> None:
     import torch
+    import torch.distributed as dist
 
     import zeroshard.engine as zs
     from tests.integration._lightning import UNITS, assert_rows_equal, fabric_run, fit
-    from zeroshard.engine.lightning import ZeroShardFabricStrategy, ZeroShardPrecision
+    from zeroshard.engine.lightning import (
+        ZeroShardFabricStrategy,
+        ZeroShardPrecision,
+        ZeroShardStrategy,
+    )
 
     out = Path(root)
     ddp, _, _ = fit("ddp", out / "ddp")
@@ -80,6 +86,24 @@ def _at_two(root: str) -> None:
         assert state.config.stage == stage and len(state.optimizer.param_groups) == 1
         resumed, _, _ = fit(_zs(stage), out / f"stage{stage}-resumed", ckpt_path=where / start.name)
         assert_rows_equal(_resumed(resumed, step), _resumed(ddp_resumed, step))
+
+    def deepspeed_case() -> None:
+        # A ds_config.json as DeepSpeed users write it: "auto" filled from the Trainer.
+        config = {
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "bf16": {"enabled": "auto"},
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+        }
+        path = out / "ds_config.json"
+        if dist.get_rank() == 0:
+            path.write_text(json.dumps(config))
+        dist.barrier()
+        rows, model, _ = fit(ZeroShardStrategy(str(path)), out / "zs-ds", ckpt=False)
+        cfg = zs.engine_state(model).config
+        assert (cfg.stage, cfg.stage3.persistence_threshold) == (3, 0), cfg
+        assert_rows_equal(rows, ddp)  # no ModelCheckpoint here: saving changes no step
 
     def meta_case() -> None:
         rows, model, _ = fit(_zs(3), out / "zs-meta", ckpt=False, in_configure_model=True)
@@ -137,6 +161,7 @@ def _at_two(root: str) -> None:
     cases: list[dict[str, Any]] = [
         *({"kind": "stage", "arg": s} for s in (1, 2, 3)),
         {"kind": "meta", "arg": None},
+        {"kind": "deepspeed", "arg": None},
         *({"kind": "precision", "arg": p} for p in ("bf16-mixed", "16-mixed", "bf16-true")),
         {"kind": "fabric", "arg": None},
         {"kind": "manual", "arg": None},
@@ -148,6 +173,8 @@ def _at_two(root: str) -> None:
             stage_case(arg)
         elif kind == "meta":
             meta_case()
+        elif kind == "deepspeed":
+            deepspeed_case()
         elif kind == "precision":
             precision_case(arg)
         elif kind == "manual":
