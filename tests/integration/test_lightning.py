@@ -259,6 +259,7 @@ def _refusals(root: str) -> None:
         (ZeroShardStrategy(), Net, {"gradient_clip_algorithm": "value"}, "global norm only"),
         (ZeroShardStrategy(), TwoOptimizers, manual, "returned 2 optimizers"),
         (ZeroShardStrategy(), SkipsBatches, {}, "returned None"),
+        (ZeroShardStrategy(), Net, {"sync_batchnorm": True}, "sync_batchnorm=True"),
         (ZeroShardStrategy(), Net, {"ckpt_path": ddp_file}, str(ddp_file)),
         (ZeroShardStrategy(), OddHyperparameters, {"ckpt": True}, "['hyper_parameters']"),
     ]
