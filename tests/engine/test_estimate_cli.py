@@ -14,7 +14,7 @@ import torch
 
 from zeroshard.engine import ZeroConfig
 from zeroshard.engine.planner import _cli as cli
-from zeroshard.engine.planner._activations import default_loss, measure_activations
+from zeroshard.engine.planner._activations import GradPath, default_loss, trace_operators
 from zeroshard.engine.planner._cli import _parser, main
 from zeroshard.engine.planner._cluster import NVLINK_GBPS_FIT, NVLINK_LATENCY_US_FIT
 from zeroshard.engine.planner._estimate import estimate, estimate_on_trace, trace_micro_batch
@@ -221,8 +221,8 @@ def test_activation_peak_matches_a_measured_cpu_run(checkpointing: bool) -> None
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     measured = _cpu_profiler_peak(real, torch.randint(0, shape.vocab_size, (2, 64)))
     plan = plan_groups(meta, cfg, 1)
-    trace = measure_activations(meta, plan, cfg, 2, 64, default_loss)
-    assert abs(trace.peak - measured) <= 0.02 * measured, (trace.peak, measured)
+    peak = GradPath(plan, cfg).peak(trace_operators(meta, 2, 64, default_loss))
+    assert abs(peak - measured) <= 0.02 * measured, (peak, measured)
 
 
 def test_cli_reads_a_hugging_face_config(

@@ -45,17 +45,6 @@ LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class ActivationTrace:
-    """Bytes above the model states during one forward and backward of one micro-batch.
-
-    `peak`: the largest total during forward and backward, the engine's gradient buckets
-    and shards included.
-    """
-
-    peak: int
-
-
-@dataclass(frozen=True)
 class OperatorTrace:
     """The bytes operators hold during one forward and backward of one micro-batch (each
     full gradient freed as it arrives), cut at each gradient's arrival."""
@@ -114,7 +103,8 @@ class GradPath:
     the group is complete its fp32 shard appears (on the device unless offloaded) and the
     bucket lives on until `max_inflight_reductions` later groups were launched. Stage 1
     accumulates into the grad buffer counted with the model states. Each full gradient is
-    freed once it is copied, as the engine's hook does (the trace already saw that).
+    freed once it is copied, as the engine's hook does (the trace already saw that). One
+    instance replays one trace.
     """
 
     def __init__(self, plan: GroupPlan, cfg: ZeroConfig):
@@ -253,17 +243,3 @@ def trace_operators(
             h.remove()
     between.append(live.cut())
     return OperatorTrace(micro_batch, seq_len, dtype, tuple(arrivals), tuple(between))
-
-
-def measure_activations(
-    model: nn.Module,
-    plan: GroupPlan,
-    cfg: ZeroConfig,
-    micro_batch: int,
-    seq_len: int,
-    loss_fn: LossFn,
-) -> ActivationTrace:
-    """One forward and backward of `model` (on the meta device) on `micro_batch` x `seq_len`
-    token ids with `plan`'s gradient path; see [Note: measuring on meta]."""
-    trace = trace_operators(model, micro_batch, seq_len, loss_fn)
-    return ActivationTrace(GradPath(plan, cfg).peak(trace))
