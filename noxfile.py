@@ -42,6 +42,24 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *(session.posargs or ["-q"]))
 
 
+def _readme_install() -> str:
+    """The install line of the README's Install section, as a user would paste it."""
+    for line in Path("README.md").read_text().splitlines():
+        if line.strip().startswith("python -m pip install ./packages/"):
+            return line.strip()
+    raise RuntimeError("README.md has no 'python -m pip install ./packages/...' line")
+
+
+@nox.session(reuse_venv=False)
+def bare(session: nox.Session) -> None:
+    """The README's install in a fresh virtualenv (torch, then the packages with only what
+    they declare), then examples/train_gpt.py trained, resumed and consolidated on 2 CPU
+    ranks: .ci/bare_example.py."""
+    session.install(TORCH)
+    session.run("bash", "-c", _readme_install(), external=True)
+    session.run("python", ".ci/bare_example.py", str(Path(session.create_tmp()) / "bare"))
+
+
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package's src/."""
