@@ -20,6 +20,8 @@ EDITABLE = [arg for p in PACKAGES for arg in ("-e", f"packages/{p}")]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy", "matplotlib"]
 # The versions tests/integration/test_hf_*.py and zeroshard.engine.huggingface are checked with.
 HF_DEPS = ["transformers==5.23.0", "accelerate==1.15.0"]
+# The version tests/integration/test_lightning.py and zeroshard.engine.lightning are checked with.
+LIGHTNING = "lightning==2.6.6"
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -35,15 +37,33 @@ DEEPSPEED = "deepspeed==0.19.8"
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite on CPU ranks over gloo."""
-    _install(session, *TEST_DEPS, *HF_DEPS)
+    _install(session, *TEST_DEPS, *HF_DEPS, LIGHTNING)
     session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
     session.run("pytest", *(session.posargs or ["-q"]))
+
+
+def _readme_install() -> str:
+    """The install line of the README's Install section, as a user would paste it."""
+    for line in Path("README.md").read_text().splitlines():
+        if line.strip().startswith("python -m pip install ./packages/"):
+            return line.strip()
+    raise RuntimeError("README.md has no 'python -m pip install ./packages/...' line")
+
+
+@nox.session(reuse_venv=False)
+def bare(session: nox.Session) -> None:
+    """The README's install in a fresh virtualenv (torch, then the packages with only what
+    they declare), then examples/train_gpt.py trained, resumed and consolidated on 2 CPU
+    ranks: .ci/bare_example.py."""
+    session.install(TORCH)
+    session.run("bash", "-c", _readme_install(), external=True)
+    session.run("python", ".ci/bare_example.py", str(Path(session.create_tmp()) / "bare"))
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package's src/."""
-    _install(session, "mypy>=1.10", *HF_DEPS)
+    _install(session, "mypy>=1.10", *HF_DEPS, LIGHTNING)
     session.run("mypy", *(f"-p=zeroshard.{p}" for p in PACKAGES))
 
 
@@ -126,8 +146,8 @@ def demo_hf(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
-    _install(session, "numpy", "matplotlib")
-    for script in ("flatten", "leaf_fetch"):
+    _install(session, "numpy", "matplotlib", LIGHTNING)
+    for script in ("flatten", "leaf_fetch", "lightning"):
         session.run("python", "-m", f"benchmarks.{script}", "--smoke", *session.posargs)
     session.run("python", "-m", "benchmarks.consolidate", "--source", "dcp", "--smoke")
     session.run(

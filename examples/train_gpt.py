@@ -340,11 +340,12 @@ def main() -> None:
         if resumed is not None:
             log.info("resumed from step %d of %s", resumed, args.ckpt_dir)
 
+    first_step = data["next_step"]  # 0, or the step a resumed run goes on from
     start_loss = evaluate(model, corpus, args, rank, world, device, autocast)
-    log.info("step 0: held-out loss %.4f", start_loss)
+    log.info("step %d: held-out loss %.4f", first_step, start_loss)
     tokens_per_step = args.batch * args.accum * cfg.seq_len
     bar = tqdm(
-        range(data["next_step"], args.steps),
+        range(first_step, args.steps),
         disable=rank != 0,
         desc="train",
         unit="step",
@@ -394,11 +395,12 @@ def main() -> None:
 
     end_loss = evaluate(model, corpus, args, rank, world, device, autocast)
     log.info(
-        "step %d: held-out loss %.4f (train %.4f); started at %.4f",
+        "step %d: held-out loss %.4f (train %.4f); %.4f at step %d",
         args.steps,
         end_loss,
         train_loss,
         start_loss,
+        first_step,
     )
     if args.sample > 0 or args.final_weights is not None:
         state = {k: v.cpu() for k, v in full_state().items()}  # collective: every rank calls

@@ -1,8 +1,11 @@
-"""What every benchmark shares: the report writer, the start of ranks, matplotlib.
+"""What every benchmark shares: the report writer, the start of ranks, matplotlib, the
+benchmarked models and their optimizer, device waits and emptying.
 
 No benchmark imports another; what two of them need lives here.
 """
 
+from benchmarks._common._device import free, sync
+from benchmarks._common._models import LR, MODELS, BenchModel, adamw, bench_model
 from benchmarks._common._plot import pyplot
 from benchmarks._common._ranks import (
     Placement,
@@ -29,14 +32,20 @@ from benchmarks._common._report import (
 
 __all__ = [
     "DOC",
+    "LR",
+    "MODELS",
+    "BenchModel",
     "Placement",
     "RESULTS",
     "ROOT",
     "SMOKE_OUT",
+    "adamw",
+    "bench_model",
     "code_version",
     "command",
     "entry_point",
     "environment",
+    "free",
     "init_ranks",
     "join",
     "markdown_table",
@@ -46,5 +55,6 @@ __all__ = [
     "pyplot",
     "replace_section",
     "spawn_ranks",
+    "sync",
     "write_section",
 ]

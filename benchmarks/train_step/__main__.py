@@ -70,9 +70,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
+from benchmarks._common._models import MODELS, BenchModel, bench_model
 from benchmarks.train_step._compile import CompileTime, cache_dir, measure, probe
 from benchmarks.train_step._engines import ENGINES, default_engines
-from benchmarks.train_step._models import MODELS, BenchModel, bench_model
 from benchmarks.train_step._plots import plot, plot_split
 from benchmarks.train_step._report import report
 from benchmarks.train_step._result import Result, save_json

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import ROOT
+from benchmarks._common._models import BenchModel
 from benchmarks.train_step._engines import ENGINES
-from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._settings import Settings
 from zeroshard.compile import PASSES_KEY
 

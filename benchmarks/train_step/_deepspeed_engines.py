@@ -7,7 +7,8 @@ import logging
 import torch
 from torch import nn
 
-from benchmarks.train_step._settings import Settings, Stepper, adamw
+from benchmarks._common import adamw
+from benchmarks.train_step._settings import Settings, Stepper
 
 
 def setup_ds(model: nn.Module, s: Settings, stage: int) -> Stepper:

@@ -11,10 +11,10 @@ import argparse
 import importlib.metadata
 
 from benchmarks._common import markdown_table
+from benchmarks._common._models import BenchModel
 from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._goals import compile_table, one_gpu_goals
-from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import SMOKE_OUT, command
+from benchmarks._common._models import BenchModel
 from benchmarks.train_step._compile import CompileTime
-from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._settings import Settings
 from benchmarks.train_step._trace import TraceSummary
 

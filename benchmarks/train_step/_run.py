@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import time
 import traceback
@@ -13,29 +12,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import SMOKE_OUT
+from benchmarks._common import SMOKE_OUT, free, sync
+from benchmarks._common._models import BenchModel
 from benchmarks.train_step._engines import ENGINES
-from benchmarks.train_step._models import BenchModel
 from benchmarks.train_step._profile import profile
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings, Skipped
 from benchmarks.train_step._trace import TraceSummary
 
 GIB = 1024**3
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing to wait for on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    # Drop every reference cycle (engines and hooks form them) before the cache is emptied,
-    # so the next engine starts from the same empty device.
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _agree(values: list[float], ok: bool, error: str | None) -> tuple[list[float], str | None]:
@@ -73,7 +58,7 @@ def _measure(
     """Build, wrap, warm up, time (and, if `profiled`, profile) one engine on this rank.
 
     Everything the engine allocates is local to this frame, so it is all released when
-    the function returns or raises (see `_free`).
+    the function returns or raises (see `free`).
     """
     device = settings.device
     if ENGINES[name].compiled:
@@ -88,7 +73,7 @@ def _measure(
         throwaway = bm.tiny()
     ENGINES[name].setup(throwaway, settings)
     del throwaway
-    _free(device)
+    free(device)
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
     torch.manual_seed(0)
@@ -150,7 +135,7 @@ def run_engine(
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
             if rank == 0:
                 traceback.print_exc()
-    _free(settings.device)  # after the except block, so the traceback's frames are gone
+    free(settings.device)  # after the except block, so the traceback's frames are gone
     if engine.rank0_only:
         dist.barrier()  # the others waited here while rank 0 ran alone
     if skipped:  # the hybrid's sizes do not apply: name the engine only

@@ -2,9 +2,9 @@
 
 A setup takes a freshly built fp32 model on the benchmark device and returns a `Stepper`:
 one call is one full training step (forward, backward, optimizer step, zero grad) on a
-micro-batch. All engines use torch.optim.AdamW (fused on CUDA) with the same
-hyperparameters; what differs is only how parameters, gradients and optimizer state are
-distributed and cast.
+micro-batch. All engines use `benchmarks._common.adamw` (torch's AdamW, fused on CUDA)
+with the same hyperparameters; what differs is only how parameters, gradients and
+optimizer state are distributed and cast.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 Stepper = Callable[[torch.Tensor, torch.Tensor], None]
-LR = 1e-4
 
 # Per-engine lines for the report (rank 0), e.g. the bytes a compiled step gathers.
 NOTES: dict[str, str] = {}
@@ -37,11 +36,6 @@ class Settings:
 
 class Skipped(Exception):
     """An engine that does not apply to this world (a row says why; not a failure)."""
-
-
-def adamw(params: Any, device: torch.device) -> torch.optim.AdamW:
-    """The optimizer of every engine: AdamW, fused on CUDA."""
-    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 def hybrid_shape(s: Settings) -> tuple[int, int]:

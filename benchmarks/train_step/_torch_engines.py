@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.train_step._settings import Settings, Stepper, adamw, hybrid_shape
+from benchmarks._common import adamw
+from benchmarks.train_step._settings import Settings, Stepper, hybrid_shape
 
 
 def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:

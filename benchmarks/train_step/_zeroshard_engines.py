@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks._common import adamw
 from benchmarks.train_step._settings import (
     NOTES,
     Settings,
     Stepper,
-    adamw,
     dtype_name,
     hybrid_shape,
 )

@@ -160,7 +160,7 @@ def test_cli_inspect_and_consolidate(
     src = world3 / "s1-async1"
     assert main(["inspect", str(src)]) == 0
     text = capsys.readouterr().out
-    for needle in ("zeroshard-ckpt v2", "world size", "stage", "step-11", "parameters"):
+    for needle in ("zeroshard-ckpt v3", "world size", "stage", "step-11", "parameters"):
         assert needle in text, text
     s = describe(src, step=10)
     want = _state_dict(world3, 1)

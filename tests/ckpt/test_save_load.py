@@ -182,7 +182,7 @@ def test_single_process_save_and_metadata(tmp_path: Path) -> None:
     h = save(tmp_path, 3, meta=b.meta, tensors=b.ranks[0], tag="best")
     assert h.done and h.path == tmp_path / "best" and read_latest(tmp_path) == "best"
     raw = json.loads((tmp_path / "best" / "metadata.json").read_text())
-    assert raw["format"] == "zeroshard-ckpt" and raw["version"] == 2 and raw["step"] == 3
+    assert raw["format"] == "zeroshard-ckpt" and raw["version"] == 3 and raw["step"] == 3
     assert raw["files"]["rank00000.safetensors"]["algorithm"] == "crc32"
     assert raw["frozen"] == ["frozen.weight", "frozen.bias"]
     assert raw["tied"] == {"head.weight": "embed.weight"}

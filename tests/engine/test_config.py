@@ -182,6 +182,45 @@ def test_unknown_key_lists_the_valid_ones() -> None:
     assert "reduce_bucket_bytes" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        # DeepSpeed's key where ours was meant: the error says why the dict was read as
+        # DeepSpeed's and names our key.
+        (
+            {"stage": 3, "offload_param": True},
+            r"offload_param must be a dict .*read as DeepSpeed's config because of "
+            r"\['offload_param'\]; 'offload_param' is DeepSpeed's key: did you mean "
+            r"zeroshard's 'offload_params'\?",
+        ),
+        # Our keys beside DeepSpeed's: refused, naming both.
+        (
+            {"stage": 3, "compute_dtype": "bf16", "offload_param": {"device": "cpu"}},
+            r"config mixes zeroshard keys \['compute_dtype'\] with DeepSpeed keys "
+            r"\['offload_param'\]: a dict is read as one or the other; .*did you mean "
+            r"zeroshard's 'offload_params'\?",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu"}, "offload_chunk_bytes": 1 << 20},
+            r"mixes zeroshard keys \['offload_chunk_bytes'\] with DeepSpeed keys "
+            r"\['offload_optimizer \(a dict\)'\]",
+        ),
+        (
+            {"zero_optimization": {"stage": 2}, "compute_dtype": "bf16"},
+            r"mixes zeroshard keys \['compute_dtype'\] with DeepSpeed keys "
+            r"\['zero_optimization'\]",
+        ),
+    ],
+)
+def test_deepspeed_spelling_where_ours_was_meant(bad: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        as_config(bad)
+    # Each spelling alone is read.
+    assert as_config({"stage": 3, "offload_optimizer": True, "offload_params": True}).offload.params
+    ds = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    assert as_config(ds).offload.params
+
+
 def test_not_a_dict_is_refused() -> None:
     with pytest.raises(TypeError, match="config must be a ZeroConfig or a dict, got str"):
         as_config("ds_config.json")  # type: ignore[arg-type]

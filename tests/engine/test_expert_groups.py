@@ -12,6 +12,9 @@ per pair of ranks, in the metadata), then loaded at world 2 where each expert is
 its rank (groups of 1): the loaded weights equal the saved ones exactly, and one more
 step matches the reference continued from its own saved state (momentum included).
 Consolidation writes one instance at a time, equal to that instance's full state dict.
+
+Ranks built with weights of their own start from the first rank of each parameter's
+replicas: the trunk from rank 0, each expert from the first rank of its pair.
 """
 
 from __future__ import annotations
@@ -121,10 +124,29 @@ def _case(pairs: dict[int, Group], stage: int, root: str) -> None:
     dist.barrier()
 
 
+def _start_from_own_group(pairs: dict[int, Group]) -> None:
+    """Every rank built with weights of its own: the trunk becomes rank 0's, each expert
+    its pair's first rank's (rank 0 or 1: their experts differ, and stay so)."""
+    rank = dist.get_rank()
+    model = Trunk(100 + rank)  # an expert of its own on every rank
+    with torch.no_grad():
+        model.emb.weight.add_(rank)  # and a trunk of its own
+    first = rank % 2  # the first rank of this rank's pair {first, first + 2}
+    want = {
+        **Trunk(0).state_dict(),
+        **{f"expert.{k}": v for k, v in Trunk(100 + first).expert.state_dict().items()},
+    }
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = zs.initialize(model, opt, {"stage": 1}, process_groups={"expert": pairs[first]})
+    for name, p in model.named_parameters():  # whole on every rank at stage 1
+        assert torch.equal(p.detach(), want[name]), name
+
+
 def _expert_groups(root: str) -> None:
     # Every rank creates both subgroups, in the same order.
     pairs = {e: Group(dist.new_group([e, e + 2])) for e in (0, 1)}
     run_each(subtests({"stage": [1, 2, 3]}), lambda stage: _case(pairs, stage, root))
+    run_each([{}], lambda: _start_from_own_group(pairs))
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +210,6 @@ def test_expert_checkpoint_consolidates_one_instance(
         for name, value in got.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
     meta = json.loads((src / "step-3" / "metadata.json").read_text())
-    assert meta["version"] == 2
+    assert meta["version"] == 3
     expert_sets = [g["rank_sets"] for g in meta["groups"] if "rank_sets" in g]
     assert expert_sets and all(sets == [[0, 2], [1, 3]] for sets in expert_sets)

@@ -145,3 +145,12 @@ def _not_in_optimizer() -> None:
 
 def test_bad_initialize_inputs() -> None:
     run_ranks(_not_in_optimizer, 1)
+
+
+def test_initialize_without_a_process_group_names_the_call_to_make() -> None:
+    """The pytest process has no process group: the error names the function the docs
+    tell users to call (docs/reliability.md), not only torch's."""
+    assert not dist.is_initialized()
+    model = make_model()
+    with pytest.raises(RuntimeError, match=r"call zeroshard\.comm\.init_process_group\(\) first"):
+        zs.initialize(model, make_optimizer(model), {"stage": 2})

@@ -173,7 +173,7 @@ def test_buffer_reshaped_with_the_same_numel_is_refused(tmp_path: Path) -> None:
     d["files"]["rank00000.safetensors"].update(
         bytes=len(data), digest=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
     )
-    (root / "step-1" / "metadata.json").write_text(json.dumps(d))
+    (root / "step-1" / "metadata.json").write_text(CheckpointMeta.from_dict(d).to_json())
     with pytest.raises(CheckpointError, match=r"buffer 'grid' has shape \(2, 6\), metadata"):
         consolidate(root, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks._common._models import bench_model
 from benchmarks.train_step._compile import CACHES, PHASES, CompileTime, Probe, probe
 from benchmarks.train_step._goals import compile_table
-from benchmarks.train_step._models import bench_model
 from benchmarks.train_step._settings import Settings
 from tests._dist import run_ranks
 

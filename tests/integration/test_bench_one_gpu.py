@@ -9,12 +9,13 @@ import copy
 import pytest
 import torch
 
+from benchmarks._common import LR
 from benchmarks.train_step.__main__ import round_order
 from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._goals import one_gpu_goals
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._run import combine
-from benchmarks.train_step._settings import LR, Settings
+from benchmarks.train_step._settings import Settings
 from benchmarks.train_step._torch_engines import setup_floor32
 from examples import gpt
 

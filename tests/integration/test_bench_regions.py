@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.train_step._models import MODELS, bench_model
+from benchmarks._common._models import MODELS, bench_model
 from benchmarks.train_step._torch_engines import mark_block_regions, memoized_region_schemas
 
 

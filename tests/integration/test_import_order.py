@@ -1,7 +1,8 @@
 """Imports point one way: between the packages, and between the engine's parts.
 
 Packages: comm <- partition <- ckpt <- engine <- compile (a package imports only those
-before it), and compile reaches the engine through its public face only. The engine's
+before it), no package imports another's underscore (private) modules, and compile
+reaches the engine through its public face only. The engine's
 parts (docs/design.md, "The engine's folders"): each imports only the parts
 `ENGINE_PARTS` allows, none imports the public face `zeroshard.engine`, and the top level
 holds nothing but that face. Every import counts: at module level, inside a function or
@@ -26,7 +27,10 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "setup": {"config", "runtime", "state"},
     "planner": {"config", "runtime"},
     "huggingface": {"config", "runtime", "state", "setup"},
+    "lightning": {"config", "runtime", "state", "setup"},
 }
+# Integrations that may take from the other parts only what the public face exports.
+PUBLIC_ONLY = ("lightning",)
 
 
 def _module_name(path: Path, src: Path) -> str:
@@ -55,8 +59,8 @@ def _part_of(module: str) -> str | None:
 
 
 def package_violations(root: Path) -> list[str]:
-    """Imports under `root`/packages that point up the package order, or into the engine's
-    parts from another package."""
+    """Imports under `root`/packages that point up the package order, into another
+    package's private modules, or into the engine's parts from another package."""
     out = []
     for rank, name in enumerate(PACKAGES):
         src = root / "packages" / name / "src"
@@ -69,6 +73,11 @@ def package_violations(root: Path) -> list[str]:
                 where = f"{path.relative_to(root)}:{line}"
                 if PACKAGES.index(names[1]) > rank:
                     out.append(f"{where}: {name} imports {imported}, above it")
+                elif names[1] != name and any(part.startswith("_") for part in names[2:]):
+                    out.append(
+                        f"{where}: {imported} is private to {names[1]}; import its public "
+                        f"names from zeroshard.{names[1]}"
+                    )
                 elif name != "engine" and names[1] == "engine" and len(names) > 2:
                     out.append(f"{where}: {imported} is inside the engine; import zeroshard.engine")
     return out
@@ -100,6 +109,44 @@ def engine_violations(engine: Path) -> list[str]:
     return out
 
 
+def public_names(engine: Path) -> set[str]:
+    """The names in the public face's `__all__` (parsed, not imported)."""
+    tree = ast.parse((engine / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {
+                str(ast.literal_eval(e))
+                for e in ast.walk(node.value)
+                if isinstance(e, ast.Constant)
+            }
+    return set()
+
+
+def private_name_violations(engine: Path, part: str) -> list[str]:
+    """Names `part` imports from the engine's other parts that the public face does not
+    export."""
+    public = public_names(engine)
+    src = engine.parents[1]
+    out = []
+    for path in sorted((engine / part).rglob("*.py")):
+        module = _module_name(path, src)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            imported = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            target = _part_of(imported)
+            if target is None or target == part:
+                continue
+            for alias in node.names:
+                if alias.name not in public:
+                    where = f"{path.relative_to(src)}:{node.lineno}"
+                    out.append(f"{where}: {part} imports {alias.name} from {imported}, not public")
+    return out
+
+
 def test_packages_import_downward_only() -> None:
     assert package_violations(ROOT) == []
 
@@ -108,10 +155,16 @@ def test_engine_parts_import_in_order() -> None:
     assert engine_violations(ENGINE) == []
 
 
+def test_integrations_use_public_names_only() -> None:
+    for part in PUBLIC_ONLY:
+        assert private_name_violations(ENGINE, part) == []
+
+
 def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     """The checks see what they are there to see: a runtime module importing the state, a
     part importing the face, config importing the runtime (relatively), a module at the
-    top level, ckpt importing the engine, compile importing a part."""
+    top level, ckpt importing the engine, compile importing a part, the engine importing
+    a private module of ckpt (at module level and inside a function)."""
     engine = tmp_path / "packages" / "engine" / "src" / "zeroshard" / "engine"
     for part, text in {
         "runtime": "from zeroshard.engine.state._masters import gather_masters\n",
@@ -129,6 +182,13 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     ckpt_src = tmp_path / "packages" / "ckpt" / "src" / "zeroshard" / "ckpt"
     ckpt_src.mkdir(parents=True)
     (ckpt_src / "_z.py").write_text("import zeroshard.engine\n")
+    state = tmp_path / "packages" / "engine" / "src" / "zeroshard" / "engine" / "state"
+    state.mkdir(parents=True)
+    (state / "_w.py").write_text(
+        "from zeroshard.ckpt._meta import MASTER\n"
+        "from zeroshard.ckpt import load\n"
+        "def f():\n    import zeroshard.comm._group\n"
+    )
 
     assert engine_violations(engine) == [
         "zeroshard/engine/_stray.py: only the public face (__init__.py) lives at the top level",
@@ -140,6 +200,10 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
     ]
     assert package_violations(tmp_path) == [
         "packages/ckpt/src/zeroshard/ckpt/_z.py:1: ckpt imports zeroshard.engine, above it",
+        "packages/engine/src/zeroshard/engine/state/_w.py:1: zeroshard.ckpt._meta is private "
+        "to ckpt; import its public names from zeroshard.ckpt",
+        "packages/engine/src/zeroshard/engine/state/_w.py:4: zeroshard.comm._group is private "
+        "to comm; import its public names from zeroshard.comm",
         "packages/compile/src/zeroshard/compile/_y.py:1: zeroshard.engine.runtime._stats is "
-        "inside the engine; import zeroshard.engine",
+        "private to engine; import its public names from zeroshard.engine",
     ]

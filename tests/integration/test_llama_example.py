@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.train_step._models import HFCausalLM, bench_model
+from benchmarks._common._models import HFCausalLM, bench_model
 from examples.llama import Llama, LlamaConfig, hf_config, parameters_count
 
 # Odd enough to catch a wrong split: 3 query heads per k/v head, head_dim 8, 3 blocks.

@@ -7,8 +7,10 @@ zeroshard checkpoint, a DeepSpeed ZeRO checkpoint (`read_deepspeed_checkpoint` r
 DeepSpeed's files without DeepSpeed, refusing unsafe pickles) or a PyTorch DCP
 directory; `read_deepspeed_training_state` reads a DeepSpeed run's optimizer state and
 loss scale by parameter name, to resume it, and `convert_deepspeed` rewrites it as a
-zeroshard checkpoint (read back by name with `read_named_state`). The on-disk format is described in
-docs/checkpoint-format.md.
+zeroshard checkpoint (read back by name with `read_named_state`). `resume_order` lists
+the checkpoints of a root a restart should try, best first. `read_safetensors_header`
+and `pread_into` read any safetensors file by byte range. The on-disk format is
+described in docs/checkpoint-format.md.
 """
 
 from zeroshard.ckpt._consolidate import consolidate
@@ -22,6 +24,7 @@ from zeroshard.ckpt._deepspeed import (
 from zeroshard.ckpt._deepspeed_files import is_deepspeed_checkpoint
 from zeroshard.ckpt._deepspeed_optim import read_deepspeed_training_state
 from zeroshard.ckpt._errors import (
+    CHECKPOINT_ERRORS,
     CheckpointError,
     ChecksumError,
     FormatVersionError,
@@ -32,15 +35,32 @@ from zeroshard.ckpt._errors import (
 from zeroshard.ckpt._extra import RankExtra
 from zeroshard.ckpt._inspect import Summary, describe
 from zeroshard.ckpt._load import GroupPlacement, LoadedShards, load
-from zeroshard.ckpt._meta import CheckpointMeta, GroupMeta, buffer_key, shard_key
+from zeroshard.ckpt._meta import (
+    MASTER,
+    OPTIM_PREFIX,
+    CheckpointMeta,
+    GroupMeta,
+    buffer_key,
+    check_names_shapes,
+    shard_key,
+)
 from zeroshard.ckpt._named_reader import is_converted_checkpoint, read_named_state
 from zeroshard.ckpt._named_state import LossScaleState, NamedParamGroup, NamedTrainingState
-from zeroshard.ckpt._paths import list_checkpoints, read_latest, remove_checkpoint
+from zeroshard.ckpt._names import canonical_name
+from zeroshard.ckpt._paths import checkpoint_step, list_checkpoints, read_latest, remove_checkpoint
+from zeroshard.ckpt._resume_order import ResumeOrder, resume_order
 from zeroshard.ckpt._save import SaveHandle, save
+from zeroshard.ckpt._stfile import pread_into
+from zeroshard.ckpt._stfile import read_header as read_safetensors_header
+from zeroshard.ckpt._stfile import st_code as safetensors_dtype_code
+from zeroshard.ckpt._stfile import st_dtype as safetensors_dtype
 from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
-from zeroshard.ckpt._writer import WriteResult
+from zeroshard.ckpt._writer import RangeSpec, WriteResult
 
 __all__ = [
+    "CHECKPOINT_ERRORS",
+    "MASTER",
+    "OPTIM_PREFIX",
     "CheckpointError",
     "CheckpointMeta",
     "ChecksumError",
@@ -58,12 +78,17 @@ __all__ = [
     "NamedParamGroup",
     "NamedTrainingState",
     "OutputExistsError",
+    "RangeSpec",
     "RankExtra",
+    "ResumeOrder",
     "SaveHandle",
     "Summary",
     "UnsafePickleError",
     "WriteResult",
     "buffer_key",
+    "canonical_name",
+    "check_names_shapes",
+    "checkpoint_step",
     "consolidate",
     "convert_deepspeed",
     "describe",
@@ -71,11 +96,16 @@ __all__ = [
     "is_deepspeed_checkpoint",
     "list_checkpoints",
     "load",
+    "pread_into",
     "read_deepspeed_checkpoint",
     "read_deepspeed_training_state",
     "read_latest",
     "read_named_state",
+    "read_safetensors_header",
     "remove_checkpoint",
+    "resume_order",
+    "safetensors_dtype",
+    "safetensors_dtype_code",
     "save",
     "shard_key",
 ]

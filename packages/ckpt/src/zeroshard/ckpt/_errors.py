@@ -29,3 +29,15 @@ class ModelMismatchError(CheckpointError):
 
 class OutputExistsError(CheckpointError):
     """The output path (or checkpoint directory) exists and overwriting was not asked for."""
+
+
+# The classes an agreement carries to every rank as themselves (zeroshard.comm's
+# `Agreement.outcome`); an error of any other class arrives as a CheckpointError.
+CHECKPOINT_ERRORS: tuple[type[CheckpointError], ...] = (
+    CheckpointError,
+    FormatVersionError,
+    ChecksumError,
+    MissingShardError,
+    ModelMismatchError,
+    OutputExistsError,
+)

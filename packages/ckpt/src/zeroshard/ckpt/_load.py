@@ -223,6 +223,10 @@ def load(
     with CheckpointReader(path, tag=tag, step=step) as reader:
         meta = reader.meta
         reader.check_present()
+        if verify and meta.buffers:
+            # Rank 0's file holds the buffers, whose shapes `expected` is checked against:
+            # its header is read only once the file is known intact.
+            reader.verify({0}, workers)
         if expected is not None:
             check_names_shapes(checkpoint_shapes(reader), expected, f"checkpoint {reader.path}")
         targets = _target_layouts(meta, world_size, layouts, set(placements or {}))

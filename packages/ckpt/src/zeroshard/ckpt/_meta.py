@@ -7,24 +7,46 @@ code: the layouts, dtypes, optimizer hyperparameters, tied aliases and per-file 
 
 Format version 2 added `GroupMeta.rank_sets` (groups sharded over a process group of
 their own, such as experts); version 1 checkpoints, which have none, are still read.
+Version 3 added the checksum of `metadata.json` itself (see [Note: the metadata's own
+checksum]); versions 1 and 2, which have none, are read unchecked.
+
+[Note: the metadata's own checksum]
+The last field of `metadata.json` is `"checksum": "crc32:{digest}"`, the crc32 of the
+whole file with the digest's 8 characters written as zeros: every byte but those is
+covered, the line's own frame and the closing brace included. It is checked on the
+bytes, before they are decoded: a flipped bit anywhere is a `ChecksumError`, never a
+silently different learning rate or step. A version 3 file without that line (or one
+whose line is damaged) is a `ChecksumError` too.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from zeroshard.ckpt._errors import CheckpointError, FormatVersionError, ModelMismatchError
+from zeroshard.ckpt._errors import (
+    CheckpointError,
+    ChecksumError,
+    FormatVersionError,
+    ModelMismatchError,
+)
 from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 2
-# Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world).
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
+# 2 is 3 without the metadata's own checksum.
+READABLE_VERSIONS = (1, 2, 3)
+# The first version whose metadata.json carries its own checksum.
+CHECKSUMMED_VERSION = 3
+_BLANK_DIGEST = b"00000000"
+_CHECKSUM_TAIL = re.compile(rb'\n "checksum": "crc32:([0-9a-f]{8})"\n\}\n\Z')
 MASTER = "master"
 PARAM = "param"
 OPTIM_PREFIX = "optim."
@@ -54,6 +76,9 @@ def extra_key(name: str) -> str:
 def rank_file(rank: int) -> str:
     """The file name of a rank's shards."""
     return f"rank{rank:05d}.safetensors"
+
+
+RANK_FILE_GLOB = "rank*.safetensors"
 
 
 def _check_json(what: str, value: Any) -> None:
@@ -338,7 +363,8 @@ class CheckpointMeta:
         }
 
     def to_json(self) -> str:
-        """The metadata as JSON text: one top-level field per line, one group per line."""
+        """The metadata as JSON text: one top-level field per line, one group per line,
+        the checksum last (see [Note: the metadata's own checksum])."""
         lines = []
         for k, v in self.to_dict().items():
             if k == "groups":
@@ -347,7 +373,10 @@ class CheckpointMeta:
             else:
                 text = json.dumps(v, separators=(",", ":"))
             lines.append(f" {json.dumps(k)}: {text}")
-        return "{\n" + ",\n".join(lines) + "\n}\n"
+        head = "{\n" + ",\n".join(lines) + ',\n "checksum": "crc32:'
+        tail = '"\n}\n'
+        blank = (head + _BLANK_DIGEST.decode() + tail).encode()
+        return f"{head}{zlib.crc32(blank):08x}{tail}"
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CheckpointMeta:
@@ -397,12 +426,33 @@ class CheckpointMeta:
     @staticmethod
     def from_json(text: str) -> CheckpointMeta:
         """Parse `to_json()` output."""
+        return CheckpointMeta.from_bytes(text.encode())
+
+    @staticmethod
+    def from_bytes(data: bytes) -> CheckpointMeta:
+        """Parse the bytes of a `metadata.json`, its checksum checked first (see [Note:
+        the metadata's own checksum]): ChecksumError if they are damaged."""
+        found = _CHECKSUM_TAIL.search(data)
+        if found is not None:
+            digest = found.group(1).decode()
+            blank = data[: found.start(1)] + _BLANK_DIGEST + data[found.end(1) :]
+            if f"{zlib.crc32(blank):08x}" != digest:
+                raise ChecksumError(
+                    f"metadata's crc32 is {zlib.crc32(blank):08x}, its checksum line says "
+                    f"{digest}: the file is damaged (or was edited by hand)"
+                )
         try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"metadata is not valid JSON: {e}") from e
+            d = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChecksumError(f"metadata is not valid JSON (the file is damaged): {e}") from e
         if not isinstance(d, dict):
-            raise CheckpointError("metadata is not a JSON object")
+            raise ChecksumError("metadata is not a JSON object (the file is damaged)")
+        version = d.get("version")
+        if found is None and version in READABLE_VERSIONS and version >= CHECKSUMMED_VERSION:
+            raise ChecksumError(
+                f"metadata of format version {version} has no intact checksum line: the "
+                "file is damaged (or was edited by hand)"
+            )
         return CheckpointMeta.from_dict(d)
 
 

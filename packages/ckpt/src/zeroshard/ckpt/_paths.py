@@ -4,27 +4,55 @@ A root holds committed checkpoints (`step-{N}` or a tag), each with `metadata.js
 and a `latest` file naming the newest one. Names starting with '.' are work in
 progress (`.{name}.tmp`) or a checkpoint being replaced (`.{name}.old`); they never
 count as checkpoints.
+
+`latest` holds the name on its first line and, on its second, `crc32:{digest}` of that
+name, so that a damaged pointer (a flipped bit that names another, older checkpoint;
+a file filled with zeros) is told from a good one. A pointer of one line (written
+before the checksum) is read as it is.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
+import zlib
 from pathlib import Path
 
-from zeroshard.ckpt._errors import CheckpointError, MissingShardError
+from zeroshard.ckpt._errors import CheckpointError, ChecksumError, MissingShardError
 from zeroshard.ckpt._stfile import fsync_dir
 
 LATEST = "latest"
 METADATA = "metadata.json"
+_LATEST_CHECKSUM = "crc32:"
+
+
+def checkpoint_step(step: object) -> int:
+    """`step` as an int (anything with `__index__`: an int, a NumPy or 0-d tensor integer);
+    CheckpointError for a bool, a float, a string or a negative number."""
+    if type(step).__name__ in ("bool", "bool_"):
+        raise CheckpointError(f"step must be an integer, got the bool {step!r}")
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise CheckpointError(
+            f"step must be an integer, got {type(step).__name__} {step!r}"
+        ) from None
+    if value < 0:
+        raise CheckpointError(f"step must be >= 0, got {value}")
+    return value
+
+
+def step_of_name(name: str) -> int | None:
+    """N for a checkpoint named 'step-N', else None (a tag)."""
+    num = name.removeprefix("step-")
+    return int(num) if name.startswith("step-") and num.isdigit() else None
 
 
 def checkpoint_name(step: int, tag: str | None = None) -> str:
     """The directory name of a checkpoint: the tag if given, else 'step-{step}'."""
     if tag is None:
-        if step < 0:
-            raise CheckpointError(f"step must be >= 0, got {step}")
-        return f"step-{step}"
+        return f"step-{checkpoint_step(step)}"
     if not tag or tag.startswith(".") or "/" in tag or "\\" in tag or tag == LATEST:
         raise CheckpointError(f"bad checkpoint tag {tag!r}: no '/', no leading '.', not 'latest'")
     return tag
@@ -41,20 +69,40 @@ def old_dir(root: Path, name: str) -> Path:
 
 
 def read_latest(root: Path) -> str | None:
-    """The checkpoint name the `latest` pointer holds, or None if there is none."""
+    """The checkpoint name the `latest` pointer holds, or None if there is none;
+    ChecksumError if the pointer is damaged, CheckpointError if it names no checkpoint
+    of this root."""
+    path = root / LATEST
     try:
-        name = (root / LATEST).read_text().strip()
+        data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if not name:
-        return None
+    name = _pointer_name(data, path)
     # `latest` names a directory of this root; anything else would read or (through
     # overwrite and remove) touch files outside it.
     if name.startswith((".", "/", "\\")) or "/" in name or "\\" in name or name == LATEST:
         raise CheckpointError(
-            f"{root / LATEST} holds {name!r}, which is not a checkpoint name of this root "
+            f"{path} holds {name!r}, which is not a checkpoint name of this root "
             "(an absolute path, '..' or a hidden name); fix or delete that file"
         )
+    return name
+
+
+def _pointer_name(data: bytes, path: Path) -> str:
+    """The name a `latest` file's bytes hold; ChecksumError if they are damaged."""
+    try:
+        lines = data.decode().split("\n")
+    except UnicodeDecodeError:
+        raise ChecksumError(f"{path} is damaged (not UTF-8 text): {data[:40]!r}") from None
+    name = lines[0].strip()
+    if len(lines) > 1 and lines[1]:  # the checksum line (a one-line pointer has none)
+        digest = f"{zlib.crc32(lines[0].encode()):08x}"
+        if lines[1] != _LATEST_CHECKSUM + digest or any(lines[2:]):
+            raise ChecksumError(
+                f"{path} is damaged: it holds {data[:80]!r}, whose checksum does not match"
+            )
+    if not name or not name.isprintable():
+        raise ChecksumError(f"{path} is damaged: it holds {data[:40]!r}, not a checkpoint name")
     return name
 
 
@@ -62,7 +110,7 @@ def write_latest(root: Path, name: str) -> None:
     """Point `latest` at `name` atomically: write a temp file, fsync, rename, fsync the dir."""
     tmp = root / f".{LATEST}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(name + "\n")
+        f.write(f"{name}\n{_LATEST_CHECKSUM}{zlib.crc32(name.encode()):08x}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
@@ -74,8 +122,8 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     root = Path(root)
 
     def order(name: str) -> tuple[int, int, str]:
-        num = name.removeprefix("step-")
-        return (0, int(num), "") if name.startswith("step-") and num.isdigit() else (1, 0, name)
+        step = step_of_name(name)
+        return (0, step, "") if step is not None else (1, 0, name)
 
     if not root.is_dir():
         return []

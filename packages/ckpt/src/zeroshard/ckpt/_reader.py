@@ -33,11 +33,11 @@ from zeroshard.ckpt._stfile import Entry, Header, file_digest, pread_into, read_
 def read_meta(directory: Path) -> CheckpointMeta:
     """The metadata of a checkpoint directory."""
     try:
-        text = (directory / METADATA).read_text()
+        data = (directory / METADATA).read_bytes()
     except FileNotFoundError:
         raise MissingShardError(f"{directory / METADATA} is missing") from None
     try:
-        return CheckpointMeta.from_json(text)
+        return CheckpointMeta.from_bytes(data)
     except CheckpointError as e:
         raise type(e)(f"{directory / METADATA}: {e}") from None
 

@@ -38,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.ckpt._agree import Agreement
-from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
+from zeroshard.ckpt._errors import CHECKPOINT_ERRORS, CheckpointError, OutputExistsError
 from zeroshard.ckpt._extra import RankExtra, extra_entries
 from zeroshard.ckpt._meta import (
     EXTRA_METADATA,
@@ -53,12 +52,13 @@ from zeroshard.ckpt._paths import (
     LATEST,
     METADATA,
     checkpoint_name,
+    checkpoint_step,
     old_dir,
     temp_dir,
     write_latest,
 )
-from zeroshard.ckpt._stfile import fsync_dir, write_file
-from zeroshard.comm import Group
+from zeroshard.ckpt._stfile import check_header_fits, fsync_dir, write_file
+from zeroshard.comm import Agreement, Group, warn_on_rank0
 
 _pending: SaveHandle | None = None
 
@@ -146,8 +146,8 @@ class SaveHandle:
         error = self._error
         if error is None and f is None:
             error = CheckpointError(f"rank {ag.rank} wrote no file")
-        try:  # every rank raises the same error (see [Note: one outcome] in _agree)
-            ag.outcome(error, f"save of {self._name!r}: writing the shards")
+        try:  # every rank raises the same error ([Note: one outcome] in zeroshard.comm)
+            ag.outcome(error, f"save of {self._name!r}: writing the shards", CHECKPOINT_ERRORS)
         except CheckpointError:
             if ag.rank == 0:
                 shutil.rmtree(temp_dir(self._root, self._name), ignore_errors=True)
@@ -162,7 +162,7 @@ class SaveHandle:
                 _publish(self._root, self._name, meta)
             except BaseException as e:
                 problem = e
-        ag.outcome(problem, f"save of {self._name!r}: commit")
+        ag.outcome(problem, f"save of {self._name!r}: commit", CHECKPOINT_ERRORS)
         self._committed = True
         return self.path
 
@@ -309,38 +309,81 @@ def save(
     """
     global _pending
     if _pending is not None:
-        _pending.wait()  # the next save waits for (and commits) the previous one
+        _commit_previous(_pending)
     ag = Agreement(group)
     root = Path(root)
-    name = checkpoint_name(step, tag)
+    name = _agreed_name(ag, root, step, tag, async_save, overwrite)
     shapes = {}
     if ag.rank == 0:  # rank 0 holds the buffers and writes the metadata
         shapes = {
             b: tuple(tensors[k].shape) for b in meta.buffers if (k := buffer_key(b)) in tensors
         }
-    meta = meta.with_files(step, {}, shapes)
+    meta = meta.with_files(checkpoint_step(step), {}, shapes)
+    file_metadata = None if extra is None else {"format": "pt", EXTRA_METADATA: extra.text}
     problem: BaseException | None = None
     ordered: dict[str, torch.Tensor] = {}
     try:
         ordered = _check_tensors(meta, tensors, ag.rank, ag.size)
         if extra is not None:
             ordered.update(extra_entries(extra, ordered))
+        check_header_fits(ordered, file_metadata, f"rank {ag.rank}'s file")
         if ag.rank == 0:
             _prepare(root, name, overwrite)
     except (CheckpointError, OSError) as e:
         problem = e
     try:
-        ag.outcome(problem, f"save of {name!r}: before writing")
+        ag.outcome(problem, f"save of {name!r}: before writing", CHECKPOINT_ERRORS)
     except CheckpointError:
         if ag.rank == 0:
             shutil.rmtree(temp_dir(root, name), ignore_errors=True)
         raise
     handle = SaveHandle(ag, root, name, meta)
-    if extra is not None:
-        handle._file_metadata = {"format": "pt", EXTRA_METADATA: extra.text}
+    handle._file_metadata = file_metadata
     handle._start(ordered, async_save)
     if async_save:
         _pending = handle
     else:
         handle.wait()
     return handle
+
+
+def _commit_previous(previous: SaveHandle) -> None:
+    """Commit the pending async save before the next one starts. If it failed, every
+    rank learnt so in the same agreement: it is reported, and the next save goes on
+    (a failed write must not cost the checkpoint after it too)."""
+    try:
+        previous.wait()
+    except CheckpointError as e:
+        warn_on_rank0(
+            f"the async save {previous._name!r} failed and was not committed ({e}); "
+            "the next save goes on"
+        )
+
+
+def _agreed_name(
+    ag: Agreement,
+    root: Path,
+    step: object,
+    tag: str | None,
+    async_save: bool,
+    overwrite: bool,
+) -> str:
+    """The checkpoint's name, once every rank passed the same, valid arguments: the
+    same ValueError on every rank where they differ (see [Note: the same value on
+    every rank] in zeroshard.comm), the same CheckpointError where they are invalid."""
+    try:
+        name = checkpoint_name(checkpoint_step(step), tag)
+        problem = None
+    except CheckpointError as e:
+        name, problem = "", e
+    fields = [
+        ("root", os.path.abspath(root)),
+        ("checkpoint", name or f"(invalid: {problem})"),
+        ("async_save", str(bool(async_save))),
+        ("overwrite", str(bool(overwrite))),
+    ]
+    hint = "Call save with the same arguments on every rank"
+    ag.check_same(fields, "at save", f"save to {root}: arguments", hint)
+    if problem is not None:
+        raise problem
+    return name

@@ -43,7 +43,10 @@ for _attr, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 _IO_CHUNK = 16 * 1024 * 1024
-_MAX_HEADER = 100 * 1024 * 1024
+# The largest JSON header the safetensors library reads (its MAX_HEADER_SIZE): the
+# writer refuses a bigger one before writing and the reader accepts up to it, so every
+# file written reads back, with this reader and with the library.
+MAX_HEADER_BYTES = 100_000_000
 _MAX_READ = 1 << 30
 
 
@@ -119,6 +122,24 @@ def plan_header(
     entries = {n: Entry(d, s, data_start + p, b) for n, d, s, p, b in layout}
     header = Header(entries, dict(metadata or {}), data_start, data_start + pos)
     return struct.pack("<Q", len(text)) + text, header
+
+
+def check_header_fits(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, what: str
+) -> None:
+    """CheckpointError if the header of a file of `tensors` and `metadata` would be
+    bigger than a safetensors header may be (MAX_HEADER_BYTES)."""
+    head, _ = plan_header(
+        ((k, t.dtype, tuple(t.shape)) for k, t in tensors.items()), metadata or {"format": "pt"}
+    )
+    if len(head) - 8 > MAX_HEADER_BYTES:
+        extra = sum(len(v) for v in (metadata or {}).values())
+        raise CheckpointError(
+            f"{what} would have a {len(head) - 8:,}-byte safetensors header ({extra:,} "
+            f"bytes of it the JSON of the state kept beside the shards), over the "
+            f"{MAX_HEADER_BYTES:,} a safetensors header may hold: keep big arrays in "
+            "tensors, not in lists of numbers"
+        )
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -201,7 +222,7 @@ def read_header(fd: int, path: Path | str) -> Header:
     if len(raw) < 8:
         raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
     (n,) = struct.unpack("<Q", raw)
-    if n > _MAX_HEADER or 8 + n > size:
+    if n > MAX_HEADER_BYTES or 8 + n > size:
         raise CheckpointError(f"{path}: bad safetensors header length {n} (file has {size} bytes)")
     try:
         fields = json.loads(os.pread(fd, n, 8))

@@ -5,9 +5,11 @@ finishes it or raises `CollectiveTimeoutError` naming the operation and a label.
 `make_hybrid_groups` builds shard and replicate subgroups. `init_process_group` sets up
 the default group from the launcher's environment, safely across torchrun restarts.
 `warn_on_rank0` / `warn_tagged` warn once per job (or per rank, naming it) at the
-user's line.
+user's line. `Agreement` (and `agreed`) brings every rank to one outcome: the same
+error on every rank when one failed, or when a value differs between ranks.
 """
 
+from zeroshard.comm._agree import Agreement, agreed
 from zeroshard.comm._errors import CollectiveTimeoutError
 from zeroshard.comm._group import DEFAULT_TIMEOUT, Group, Handle, ReduceOp, completed_handle
 from zeroshard.comm._hybrid import HybridGroups, make_hybrid_groups
@@ -16,11 +18,13 @@ from zeroshard.comm._warn import is_rank0, process_rank, warn_on_rank0, warn_tag
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "Agreement",
     "CollectiveTimeoutError",
     "Group",
     "Handle",
     "HybridGroups",
     "ReduceOp",
+    "agreed",
     "completed_handle",
     "init_process_group",
     "is_rank0",

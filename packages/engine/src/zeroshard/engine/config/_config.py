@@ -8,12 +8,14 @@ Built in Python from policies, or from a dict: our flat keys (`{"stage": 3,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from zeroshard.engine.config._deepspeed_translate import (
     DEEPSPEED_ZERO_KEYS,
+    PRECISION_BLOCKS,
     is_deepspeed_dict,
     translate_deepspeed,
 )
@@ -120,7 +122,7 @@ class ZeroConfig:
             raise ValueError(f"a config must be a dict, got {shown(d)}")
         _check_string_keys(d, "config")
         if is_deepspeed_dict(d):
-            d = translate_deepspeed(d)
+            d = _read_deepspeed(d)
         return _build(_split_flat(d))
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +148,37 @@ def _check_string_keys(d: Mapping[Any, Any], where: str) -> None:
     for key in d:
         if not isinstance(key, str):
             raise ValueError(f"{where} keys must be strings, got {shown(key)}")
+
+
+def _read_deepspeed(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A dict read as DeepSpeed's, translated to our flat keys. One dict is read in one
+    spelling: with our own keys beside DeepSpeed's it is refused, and an error of the
+    translation says which keys made it DeepSpeed's and which of ours each resembles
+    (DeepSpeed's `offload_param` beside our `offload_params`)."""
+    ours = set(FLAT_KEYS) | set(_POLICIES)
+    theirs = {"zero_optimization", *DEEPSPEED_ZERO_KEYS, *PRECISION_BLOCKS}
+    # The shared names: "stage" means the same in both; "offload_optimizer" is ours when
+    # a bool and DeepSpeed's when a dict.
+    why = sorted(k for k in d if k in theirs and k not in ours)
+    if isinstance(d.get("offload_optimizer"), Mapping):
+        why.append("offload_optimizer (a dict)")
+    hints = ""
+    for key in why:
+        close = difflib.get_close_matches(key, sorted(ours - theirs), n=1, cutoff=0.8)
+        if close:
+            hints += f"; {key!r} is DeepSpeed's key: did you mean zeroshard's {close[0]!r}?"
+    mixed = sorted(k for k in d if k in ours and k not in theirs)
+    if mixed:
+        raise ValueError(
+            f"config mixes zeroshard keys {mixed} with DeepSpeed keys "
+            f"{why}: a dict is read as one or the other{hints}"
+        )
+    try:
+        return translate_deepspeed(d)
+    except ValueError as e:
+        if not hints:
+            raise
+        raise ValueError(f"{e} (read as DeepSpeed's config because of {why}{hints})") from None
 
 
 def _split_flat(d: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

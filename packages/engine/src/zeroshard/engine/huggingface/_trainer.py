@@ -26,7 +26,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-unt
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from zeroshard.ckpt._agree import Agreement
+from zeroshard.comm import Agreement
 from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.config._trainer_ds_config import trainer_ds_settings
 from zeroshard.engine.huggingface._blocks import compile_blocks, model_blocks

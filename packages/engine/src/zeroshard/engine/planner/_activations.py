@@ -11,8 +11,14 @@ corrected here: `scaled_dot_product_attention` on meta takes the math path (it w
 materialize the seq x seq scores), so without a mask it is routed to the flash-attention
 kernel (a CUDA device picks flash or memory-efficient attention, a CPU its own flash
 kernel: none keeps the scores); and the engine's gradient path (stage 2/3 buckets and fp32
-shards, freeing each full gradient as it is copied) is replayed by gradient hooks
-(`GradPath`) so the backward peak sees the shards grow as the activations shrink.
+shards, freeing each full gradient as it is copied) is laid over the trace (`GradPath`)
+so the backward peak sees the shards grow as the activations shrink.
+
+The operators' bytes do not depend on the config beyond the compute dtype: every full
+gradient is freed as it arrives whatever the stage. So one run gives an `OperatorTrace`
+(the bytes when each gradient arrived, the most bytes between arrivals) and each config's
+gradient path is replayed on it without running the model again: the planner's
+recommendation estimates a dozen configs on one trace.
 """
 
 from __future__ import annotations
@@ -39,18 +45,23 @@ LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class ActivationTrace:
-    """Bytes above the model states during one forward and backward of one micro-batch.
+class OperatorTrace:
+    """The bytes operators hold during one forward and backward of one micro-batch (each
+    full gradient freed as it arrives), cut at each gradient's arrival."""
 
-    `peak`: the largest total during forward and backward, the engine's gradient buckets
-    and shards included.
-    """
-
-    peak: int
+    micro_batch: int
+    seq_len: int
+    dtype: torch.dtype
+    arrivals: tuple[tuple[str, int], ...]
+    """In arrival order: (parameter name, bytes held when its gradient arrived)."""
+    between: tuple[int, ...]
+    """The most bytes held after each operator between two arrivals (before the first,
+    ..., after the last): one more entry than `arrivals`."""
 
 
 class _LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts the bytes of storages created by operators while they are alive."""
+    """Counts the bytes of storages created by operators while they are alive, and the
+    most of them since the last `cut`."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -58,12 +69,12 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Views of tensors that existed before (parameters, the input) allocate nothing.
         self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}  # type: ignore[no-untyped-call]
         self.current = 0
-        self.peak = 0
+        self.peak = 0  # since the last cut
 
-    def add(self, nbytes: int) -> None:
-        """Bytes allocated outside any operator (the engine's buckets and shards)."""
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+    def cut(self) -> int:
+        """The most bytes held since the last cut; start counting anew."""
+        peak, self.peak = self.peak, 0
+        return peak
 
     def sweep(self) -> None:
         """Forget the storages that died since the last operator."""
@@ -86,17 +97,18 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class GradPath:
-    """Replays the engine's gradient path on the tracker, one gradient at a time.
+    """Replays the engine's gradient path on an `OperatorTrace`, one gradient at a time.
 
     Stage 2/3: a group's bucket (padded, reduce dtype) appears at its first gradient; when
     the group is complete its fp32 shard appears (on the device unless offloaded) and the
     bucket lives on until `max_inflight_reductions` later groups were launched. Stage 1
     accumulates into the grad buffer counted with the model states. Each full gradient is
-    freed once it is copied, as the engine's hook does.
+    freed once it is copied, as the engine's hook does (the trace already saw that). One
+    instance replays one trace.
     """
 
-    def __init__(self, model: nn.Module, plan: GroupPlan, cfg: ZeroConfig, live: _LiveBytes):
-        self.live, self.stage, self.limit = live, cfg.stage, cfg.comm.max_inflight_reductions
+    def __init__(self, plan: GroupPlan, cfg: ZeroConfig):
+        self.stage, self.limit = cfg.stage, cfg.comm.max_inflight_reductions
         self.group_of: dict[str, int] = {}
         for g in plan.groups:
             for s in g.layout.slots:
@@ -106,41 +118,37 @@ class GradPath:
         self.started: set[int] = set()
         self.inflight: deque[int] = deque()
         self.bucket_bytes = reduce_dtype_bytes(cfg)
-        self.handles = []
-        seen: set[int] = set()
-        for name, p in named_parameters(model):
-            if p.requires_grad and id(p) not in seen and name in self.group_of:
-                seen.add(id(p))
-                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))  # type: ignore[no-untyped-call]
 
-    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def on_grad(p: torch.Tensor) -> None:
-            p.grad = None
-            if self.stage == 1:
-                return
-            g = self.plan.groups[self.group_of[name]]
-            if g.index not in self.started:
-                self.started.add(g.index)
-                self.live.add(g.layout.padded_numel * self.bucket_bytes)
-            self.remaining[g.index] -= 1
-            if self.remaining[g.index] == 0:
-                if not g.offloaded:
-                    self.live.add(g.layout.shard_numel * 4)
-                self.inflight.append(g.index)
-                while len(self.inflight) > self.limit:
-                    self._retire(self.inflight.popleft())
+    def on_grad(self, name: str) -> list[int]:
+        """The bytes the engine allocates (or frees, negative) as `name`'s gradient arrives,
+        in order."""
+        if self.stage == 1 or name not in self.group_of:
+            return []
+        g = self.plan.groups[self.group_of[name]]
+        out = []
+        if g.index not in self.started:
+            self.started.add(g.index)
+            out.append(g.layout.padded_numel * self.bucket_bytes)
+        self.remaining[g.index] -= 1
+        if self.remaining[g.index] == 0:
+            if not g.offloaded:
+                out.append(g.layout.shard_numel * 4)
+            self.inflight.append(g.index)
+            while len(self.inflight) > self.limit:
+                retired = self.plan.groups[self.inflight.popleft()]
+                out.append(-retired.layout.padded_numel * self.bucket_bytes)
+        return out
 
-        return on_grad
-
-    def _retire(self, index: int) -> None:
-        self.live.add(-self.plan.groups[index].layout.padded_numel * self.bucket_bytes)
-
-    def close(self) -> None:
-        """End of backward: the buckets in flight are waited on and freed."""
-        while self.inflight:
-            self._retire(self.inflight.popleft())
-        for h in self.handles:
-            h.remove()
+    def peak(self, trace: OperatorTrace) -> int:
+        """The most bytes of operators and gradient path together over the trace (the
+        buckets still in flight at the end only shrink the total)."""
+        peak = held = 0  # held: the gradient path's bytes
+        for (name, at_arrival), before in zip(trace.arrivals, trace.between, strict=False):
+            peak = max(peak, before + held)
+            for nbytes in self.on_grad(name):
+                held += nbytes
+                peak = max(peak, at_arrival + held)
+        return max(peak, trace.between[-1] + held)
 
 
 def _flash_sdpa(
@@ -192,16 +200,11 @@ def default_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
 
-def measure_activations(
-    model: nn.Module,
-    plan: GroupPlan,
-    cfg: ZeroConfig,
-    micro_batch: int,
-    seq_len: int,
-    loss_fn: LossFn,
-) -> ActivationTrace:
-    """One forward and backward of `model` (on the meta device) on `micro_batch` x `seq_len`
-    token ids; see [Note: measuring on meta]."""
+def trace_operators(
+    model: nn.Module, micro_batch: int, seq_len: int, loss_fn: LossFn
+) -> OperatorTrace:
+    """One forward and backward of `model` (on the meta device, in the dtype its
+    parameters have) on `micro_batch` x `seq_len` token ids; see [Note: measuring on meta]."""
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError(
             "estimate() needs the model on the meta device (build it under "
@@ -214,11 +217,29 @@ def measure_activations(
     # The converter memoizes: these are the very fakes the operators will see.
     existing = [fake.from_tensor(t) for t in (*model.parameters(), *model.buffers())]
     live = _LiveBytes([*existing, idx])
-    path = GradPath(model, plan, cfg, live)
+    arrivals: list[tuple[str, int]] = []
+    between: list[int] = []
+
+    def arrived(name: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(p: torch.Tensor) -> None:
+            p.grad = None  # the engine's hook frees each full gradient once it is copied
+            between.append(live.cut())
+            arrivals.append((name, live.current))
+
+        return on_grad
+
+    handles, seen = [], set()
+    for name, p in named_parameters(model):
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            handles.append(p.register_post_accumulate_grad_hook(arrived(name)))  # type: ignore[no-untyped-call]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     try:
         with _flash_attention(), fake, live:
             loss = loss_fn(model, idx)
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
-        path.close()
-    return ActivationTrace(live.peak)
+        for h in handles:
+            h.remove()
+    between.append(live.cut())
+    return OperatorTrace(micro_batch, seq_len, dtype, tuple(arrivals), tuple(between))

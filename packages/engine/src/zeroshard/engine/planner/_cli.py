@@ -6,50 +6,125 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._activations import OperatorTrace, default_loss
 from zeroshard.engine.planner._cluster import Cluster, Link
-from zeroshard.engine.planner._estimate import GIB, Estimate, estimate
+from zeroshard.engine.planner._estimate import (
+    GIB,
+    Estimate,
+    check_inputs,
+    estimate_on_trace,
+    trace_micro_batch,
+)
 from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, build
-from zeroshard.engine.planner._recommend import candidate_configs, recommend
+from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zeroshard-plan",
         description="Per-rank memory and projected step time of a zeroshard run.",
+        epilog="Step times need a compute figure you measured: --step-ms, or "
+        "--achieved-tflops with --flops-per-token (see docs/scaling.md).",
     )
-    p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a HF config.json path")
-    p.add_argument("--world", type=int, required=True, help="GPUs in the run")
-    p.add_argument("--micro-batch", type=int, default=1)
+    sizes = ", ".join(f"{name} ({_count(shape.parameters)})" for name, shape in PRESETS.items())
+    p.add_argument("model", help=f"a preset: {sizes}; or a Hugging Face config.json path")
+    p.add_argument("--world", type=int, required=True, help="GPUs in the run (required)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        help="a preset with this many blocks instead of its own (7b with 34: the 7.06B GPT "
+        "of docs/benchmarks.md's offload runs)",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)"
+    )
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
-    p.add_argument("--shard-group-size", type=int, help="hybrid: shard within groups of this size")
-    p.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
+    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (default 3)")
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        help="hybrid: shard within groups of this many GPUs, replicate across (default: all)",
+    )
+    p.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "params"),
+        default="none",
+        help="CPU offload: of optimizer state and fp32 masters, or also (stage 3) of the "
+        "parameter shards (default none)",
+    )
     p.add_argument(
         "--offload-overlap",
         choices=("none", "backward", "delayed"),
         default="none",
         help="the CPU step beside backward (step_in_backward) or beside the next forward "
-        "and backward (delay_param_update); default: after backward",
+        "and backward (delay_param_update); default none: after backward",
     )
-    p.add_argument("--dtype", default="bf16", help="compute dtype (bf16, fp16, fp32)")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--prefetch-bytes", type=int, help="stage 3 prefetch bytes")
-    p.add_argument("--memory-limit-gib", type=float, help="recommend a config that fits this")
-    p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
-        "--internode-gbps", type=float, default=50.0, help="GB/s per GPU (50 = 400 Gb/s)"
+        "--dtype",
+        default="bf16",
+        choices=("bf16", "fp16", "fp32"),
+        help="compute dtype; master weights stay fp32 (default bf16)",
     )
-    p.add_argument("--internode-latency-us", type=float, default=5.0)
-    p.add_argument("--step-ms", type=float, help="measured one-GPU step (no communication), ms")
-    p.add_argument("--achieved-tflops", type=float, help="measured achieved TFLOP/s per GPU")
     p.add_argument(
-        "--flops-per-token", type=float, help="training FLOPs per token (with the above)"
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block in backward (default off)",
     )
-    p.add_argument("--cpu-adam-params-per-s", type=float, help="measured CPU AdamW rate (offload)")
+    p.add_argument(
+        "--prefetch-bytes", type=int, help="stage 3 prefetch budget in bytes (default 1 GiB)"
+    )
+    p.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        help="also recommend the config predicted best within this many GiB per GPU",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument(
+        "--internode-gbps",
+        type=float,
+        default=50.0,
+        help="GB/s per GPU between nodes (default 50, i.e. 400 Gb/s)",
+    )
+    p.add_argument(
+        "--internode-latency-us",
+        type=float,
+        default=5.0,
+        help="latency per hop between nodes, microseconds (default 5)",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        help="measured step on one GPU (no communication), same micro-batch, ms",
+    )
+    p.add_argument(
+        "--achieved-tflops",
+        type=float,
+        help="measured achieved TFLOP/s per GPU (needs --flops-per-token)",
+    )
+    p.add_argument(
+        "--flops-per-token",
+        type=float,
+        help="training FLOPs per token (needs --achieved-tflops)",
+    )
+    p.add_argument(
+        "--cpu-adam-params-per-s",
+        type=float,
+        help="measured rate of torch's fused AdamW on the host, parameters a second "
+        "(needed to price an offloaded step)",
+    )
     return p
+
+
+NOT_PRICED = "no --step-ms, nor --achieved-tflops with --flops-per-token"
 
 
 def _config(a: argparse.Namespace) -> ZeroConfig:
@@ -92,6 +167,17 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("--micro-batch and --seq must be >= 1")
     if a.memory_limit_gib is not None and not a.memory_limit_gib > 0:
         raise ValueError(f"--memory-limit-gib must be > 0, got {a.memory_limit_gib}")
+    if (a.achieved_tflops is None) != (a.flops_per_token is None):
+        given, missing = (
+            ("--achieved-tflops", "--flops-per-token")
+            if a.flops_per_token is None
+            else ("--flops-per-token", "--achieved-tflops")
+        )
+        raise ValueError(f"{given} needs {missing}: the step's compute time is their quotient")
+    if a.step_ms is not None and a.achieved_tflops is not None:
+        raise ValueError("give --step-ms or --achieved-tflops with --flops-per-token, not both")
+    if a.layers is not None and (a.layers < 1 or a.model not in PRESETS):
+        raise ValueError("--layers takes a count >= 1 and a preset (not a config.json)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,13 +186,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(a)
         cfg = _config(a)
-        model = build(a.model, activation_checkpointing=a.activation_checkpointing)
+        model = build(
+            a.model, activation_checkpointing=a.activation_checkpointing, n_layer=a.layers
+        )
         if a.seq is None and a.model not in PRESETS:
             raise ValueError("--seq is needed with a config.json (presets have their own)")
         seq = a.seq or PRESETS[a.model].seq_len
         compute = _compute(a, a.micro_batch * seq)
         if compute is None:
-            print("(no --step-ms or --achieved-tflops/--flops-per-token: memory only)")
+            print(f"({NOT_PRICED}: memory only)")
         if a.offload != "none" and compute is not None and a.cpu_adam_params_per_s is None:
             raise ValueError("offload step time needs --cpu-adam-params-per-s (a measured rate)")
         cluster = Cluster(
@@ -114,16 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             internode=Link(a.internode_gbps, a.internode_latency_us),
         )
 
+        # One forward and backward on meta per compute dtype, whatever the configs compared.
+        traces: dict[torch.dtype, OperatorTrace] = {}
+
         def run(c: ZeroConfig, comp: Compute | None = compute) -> Estimate:
             # Every offloaded config steps in backward; one the engine refuses it (stage 1,
             # fp16) raises, as the engine would.
             in_backward = a.offload_overlap == "backward" and c.offload.optimizer
-            return estimate(
+            check_inputs(c, a.world, a.micro_batch, seq, in_backward)
+            dtype = c.precision.compute_dtype
+            if dtype not in traces:
+                traces[dtype] = trace_micro_batch(model, c, a.micro_batch, seq, default_loss)
+            return estimate_on_trace(
+                traces[dtype],
                 model,
                 c,
                 a.world,
-                a.micro_batch,
-                seq,
                 compute=comp,
                 cluster=cluster,
                 step_in_backward=in_backward,
@@ -142,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for e in rec.candidates:
                 mark = "*" if e is rec.best else " "
                 c = e.config
-                speed = f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU" if e.step else "-"
+                speed = f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU" if e.step else "speed not priced"
                 prefetch = (
                     f", prefetch {c.stage3.prefetch_bytes / GIB:.2f} GiB" if c.stage == 3 else ""
                 )
@@ -153,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if rec.best is None:
                 print("   nothing fits: more GPUs, a smaller micro-batch, or offload params")
+            elif compute is None:
+                print(f"   * speed not priced ({NOT_PRICED}): {MEMORY_ONLY_RULE}")
     except ValueError as e:
         print(f"zeroshard-plan: error: {e}", file=sys.stderr)
         return 2

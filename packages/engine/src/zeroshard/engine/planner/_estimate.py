@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig, as_config
-from zeroshard.engine.planner._activations import LossFn, default_loss, measure_activations
+from zeroshard.engine.planner._activations import (
+    GradPath,
+    LossFn,
+    OperatorTrace,
+    default_loss,
+    trace_operators,
+)
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
 from zeroshard.engine.planner._step_time import (
@@ -138,6 +144,33 @@ def _gathered(plan: GroupPlan, cfg: ZeroConfig) -> int:
     return persistent + moving[0] + sum(ahead[:taken])
 
 
+def check_inputs(
+    cfg: ZeroConfig, world_size: int, micro_batch: int, seq_len: int, step_in_backward: bool
+) -> None:
+    """The errors `estimate` raises before it runs anything."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    if step_in_backward:
+        check_step_in_backward(cfg)
+    shard = cfg.shard_group_size or world_size
+    if world_size % shard:
+        raise ValueError(
+            f"shard_group_size {shard} does not divide the world of {world_size} ranks"
+        )
+
+
+def trace_micro_batch(
+    model: nn.Module, cfg: ZeroConfig, micro_batch: int, seq_len: int, loss_fn: LossFn
+) -> OperatorTrace:
+    """The operators' bytes of one micro-batch of `model` in `cfg`'s compute dtype: what
+    `estimate_on_trace` needs, the same for every config of that dtype."""
+    # The engine computes in the compute dtype: the activations are measured on such a copy.
+    runnable = copy.deepcopy(model).to(cfg.precision.compute_dtype)
+    return trace_operators(runnable, micro_batch, seq_len, loss_fn)
+
+
 def estimate(
     model: nn.Module,
     config: ZeroConfig | Mapping[str, Any] | None,
@@ -160,26 +193,45 @@ def estimate(
     `step_in_backward`: each backward runs under the optimizer's `step_in_backward()`.
     """
     cfg = as_config(config)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if micro_batch < 1 or seq_len < 1:
-        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
-    if step_in_backward:
-        check_step_in_backward(cfg)
+    check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
+    return estimate_on_trace(
+        trace_micro_batch(model, cfg, micro_batch, seq_len, loss_fn),
+        model,
+        cfg,
+        world_size,
+        compute=compute,
+        cluster=cluster,
+        optimizer=optimizer,
+        optimizer_bytes_per_element=optimizer_bytes_per_element,
+        step_in_backward=step_in_backward,
+    )
+
+
+def estimate_on_trace(
+    trace: OperatorTrace,
+    model: nn.Module,
+    cfg: ZeroConfig,
+    world_size: int,
+    *,
+    compute: Compute | None = None,
+    cluster: Cluster | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_bytes_per_element: int = 8,
+    step_in_backward: bool = False,
+) -> Estimate:
+    """`estimate` with the micro-batch already traced (`trace_micro_batch`), so that
+    several configs of one compute dtype cost one forward and backward on meta."""
+    if trace.dtype != cfg.precision.compute_dtype:
+        raise ValueError(f"the trace ran in {trace.dtype}, the config computes in another dtype")
+    micro_batch, seq_len = trace.micro_batch, trace.seq_len
+    check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
     shard = cfg.shard_group_size or world_size
-    if world_size % shard:
-        raise ValueError(
-            f"shard_group_size {shard} does not divide the world of {world_size} ranks"
-        )
     groups_of = None
     if optimizer is not None:
         groups_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
     # Without the optimizer, the host counts one group's fp32 upcast (the larger case).
     blocked = optimizer is not None and steps_in_blocks(optimizer)
     plan = plan_groups(model, cfg, shard, groups_of, blocked)
-    # The engine computes in the compute dtype: the activations are measured on such a copy.
-    runnable = copy.deepcopy(model).to(cfg.precision.compute_dtype)
-    acts = measure_activations(runnable, plan, cfg, micro_batch, seq_len, loss_fn)
     host = pinned = 0
     if plan.offload is not None:
         moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
@@ -200,7 +252,7 @@ def estimate(
         states=state_bytes(plan, cfg, optimizer_bytes_per_element),
         grad_shards=grad_shard_bytes(plan),
         gathered=_gathered(plan, cfg),
-        activations_peak=acts.peak,
+        activations_peak=GradPath(plan, cfg).peak(trace),
         host=host,
         pinned=pinned,
         step=step,

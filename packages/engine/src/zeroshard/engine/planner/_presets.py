@@ -31,6 +31,19 @@ class Shape:
     ffn: int
     seq_len: int
 
+    @property
+    def parameters(self) -> int:
+        """Parameters of the `PresetModel` of this shape (a GPT's tied head counted once),
+        without building it: the command's help lists every preset's."""
+        d, ffn = self.d_model, self.ffn
+        if self.family == "gpt":
+            attention = 3 * d * d + 3 * d + d * d + d
+            block = attention + (d * ffn + ffn) + (ffn * d + d) + 2 * 2 * d
+            return self.vocab_size * d + self.seq_len * d + self.n_layer * block + 2 * d
+        kv = 2 * self.n_kv_head * (d // self.n_head) * d
+        block = d * d + kv + d * d + 3 * d * ffn + 2 * d
+        return 2 * self.vocab_size * d + self.n_layer * block + d
+
 
 PRESETS: dict[str, Shape] = {
     "tiny": Shape("gpt", 256, 256, 4, 4, 4, 1024, 128),

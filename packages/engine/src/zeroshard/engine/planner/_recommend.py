@@ -50,15 +50,29 @@ def candidate_configs(
     return out
 
 
+MEMORY_ONLY_RULE = (
+    "of the configs that fit, the one with the least overhead: offload off before on (the "
+    "host's step is the slowest part of an offloaded one), stage 2 before 3 (no parameter "
+    "gathers), at stage 3 the larger prefetch, then the smaller peak"
+)
+
+
+def _memory_only_key(e: Estimate) -> tuple[float, ...]:
+    """Without step times: the order of MEMORY_ONLY_RULE."""
+    c = e.config
+    prefetch = c.stage3.prefetch_bytes if c.stage == 3 else 0
+    return (float(c.offload.optimizer), float(c.stage), -float(prefetch), float(e.peak))
+
+
 def recommend(
     configs: list[ZeroConfig], run: Callable[[ZeroConfig], Estimate], limit_bytes: int
 ) -> Recommendation:
     """Estimate each config with `run`; the fastest whose projected peak fits `limit_bytes`
-    (or, without step times, the smallest fitting peak)."""
+    (or, without step times, the first fitting one in the order of MEMORY_ONLY_RULE)."""
     done = tuple(run(c) for c in configs)
     fitting = [e for e in done if e.peak <= limit_bytes]
 
-    def key(e: Estimate) -> float:
-        return e.step.total_s if e.step is not None else float(e.peak)
+    def key(e: Estimate) -> tuple[float, ...]:
+        return (e.step.total_s,) if e.step is not None else _memory_only_key(e)
 
     return Recommendation(min(fitting, key=key) if fitting else None, done)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zeroshard.ckpt._names import canonical_name
+from zeroshard.ckpt import canonical_name
 
 __all__ = ["canonical_name", "named_buffers", "named_parameters"]
 

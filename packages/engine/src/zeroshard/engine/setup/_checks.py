@@ -18,8 +18,9 @@ def check_model(model: nn.Module, cfg: ZeroConfig) -> None:
         raise ValueError("this model was already initialized by zeroshard")
     if not torch.distributed.is_initialized():
         raise RuntimeError(
-            "torch.distributed is not initialized: launch with torchrun and "
-            "call torch.distributed.init_process_group() first"
+            "torch.distributed is not initialized: launch with torchrun and call "
+            "zeroshard.comm.init_process_group() first (torch's own works too, but comes up "
+            "unreliably after torchrun restarts: docs/reliability.md)"
         )
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta and cfg.stage != 3:

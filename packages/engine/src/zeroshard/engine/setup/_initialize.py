@@ -39,6 +39,7 @@ from zeroshard.engine.setup._agreement import (
     describe_rank,
     raise_if_any_failed,
 )
+from zeroshard.engine.setup._broadcast import broadcast_initial_state
 from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
 from zeroshard.engine.setup._host_memory import check_host_memory
 from zeroshard.engine.setup._materialize import (
@@ -180,6 +181,8 @@ def initialize(
         shard_group, {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
     )
     param_group_of = param_group_index(model, optimizer)
+    # Before anything is flattened: [Note: one set of initial weights].
+    broadcast_initial_state(model, everyone, place.own)
     start = time.perf_counter()
     plan = plan_flat_groups(
         model,
@@ -321,7 +324,7 @@ def _compile_host_step(world: Group, optimizer: torch.optim.Optimizer, cfg: Zero
     adams = [fused_adam(optimizer, k) for k in range(len(optimizer.param_groups))]
     if world.rank == 0:
         log.info("offload.compiled_step: compiling the host step (once per process)")
-    error = ""
+    error: Exception | None = None
     try:
         grads = {cfg.precision.grad_reduce_dtype, torch.float32}
         threads = {torch.get_num_threads()}
@@ -333,7 +336,7 @@ def _compile_host_step(world: Group, optimizer: torch.optim.Optimizer, cfg: Zero
         out = cfg.precision.compute_dtype if cfg.offload.params else None
         compile_variants([a for a in adams if a is not None], grads, out, threads)
     except Exception as e:  # whatever inductor raises: every rank must hear of it
-        error = f"{type(e).__name__}: {e}"
+        error = e
     what = (
         "offload.compiled_step (offload_compiled_step): compiling the host step with "
         "torch.compile's CPU backend (it needs a working C++ compiler, $CXX else g++: "

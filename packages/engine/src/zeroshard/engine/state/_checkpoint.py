@@ -1,15 +1,9 @@
 """`save_checkpoint` / `load_checkpoint`: the engine's state in zeroshard.ckpt's format.
 
-Each flat group is stored under `group{index}` with its layout: the fp32 master shard
-and every optimizer state tensor shaped like it (`optim.exp_avg`, ...); per-group
-optimizer scalars (Adam's `step`) go into the metadata. Loading works at any world size:
-`zeroshard.ckpt.load` reads each rank's new shard ranges straight from the files.
-
-Parameters on a process group of their own (`initialize(..., process_groups=...)`,
-experts) hold different values on different sets of ranks: their groups record those
-sets (`GroupMeta.rank_sets`, ordered by first rank), and a rank loads the instance whose
-place its own group has in the same order, at any size of that group.
-
+What goes where is `_checkpoint_layout`'s; loading works at any world size
+(`zeroshard.ckpt.load` reads each rank's new shard ranges straight from the files) and
+changes nothing unless everything could be read ([Note: all or nothing] in
+`_checkpoint_apply`). Both calls first check that every rank passed the same arguments.
 The user's own state (`client_state`, `rank_state`) goes with it: see [Note: user state].
 """
 
@@ -21,128 +15,38 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from zeroshard.ckpt import (
+    CHECKPOINT_ERRORS,
     CheckpointError,
-    CheckpointMeta,
-    GroupMeta,
-    GroupPlacement,
     LoadedShards,
-    RankExtra,
     SaveHandle,
-    buffer_key,
+    checkpoint_step,
     load,
     save,
-    shard_key,
 )
-from zeroshard.ckpt._agree import agreed
-from zeroshard.ckpt._meta import MASTER
-from zeroshard.comm import Group
-from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._names import canonical_name, named_parameters
+from zeroshard.comm import Agreement, Group, agreed
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
+from zeroshard.engine.state._checkpoint_apply import (
+    apply_loaded,
+    check_optimizer_structure,
+    restore_user_state,
+)
+from zeroshard.engine.state._checkpoint_layout import (
+    aliases,
+    checkpoint_contents,
+    checkpoint_group_name,
+    module_buffers,
+    placements,
+)
 from zeroshard.engine.state._named_load import is_named_checkpoint, load_named
 from zeroshard.engine.state._user_state import (
     GLOBAL,
     PER_RANK,
     check_requested,
     encode_state,
-    restore,
     saved_scope,
 )
-
-_OPTIM = "optim."
-
-
-def _group_name(g: FlatParamGroup) -> str:
-    return f"group{g.index}"
-
-
-RankSets = tuple[tuple[int, ...], ...]
-
-
-def _rank_sets(state: EngineState) -> dict[int, RankSets]:
-    """For each flat group on a process group of its own: the ranks (of the shard group,
-    the checkpoint's numbering) of every instance of it, ordered by first rank.
-    Collective over the shard group when there are such groups."""
-    own = [g for g in state.groups if g.process_group.pg is not state.shard_group.pg]
-    if not own:
-        return {}
-    shard_pg = state.shard_group.pg
-
-    def numbered(global_rank: int) -> int:
-        return global_rank if shard_pg is None else dist.get_group_rank(shard_pg, global_rank)
-
-    mine = {
-        g.index: tuple(
-            numbered(g.process_group.global_rank(r)) for r in range(g.process_group.size)
-        )
-        for g in own
-    }
-    everyone: list[dict[int, tuple[int, ...]] | None] = [None] * state.shard_group.size
-    dist.all_gather_object(everyone, mine, group=shard_pg)
-    return {g.index: tuple(sorted({m[g.index] for m in everyone if m})) for g in own}
-
-
-def _placements(state: EngineState) -> dict[str, GroupPlacement]:
-    """Where this rank sits in each group on a process group of its own (collective)."""
-    me = state.shard_group.rank
-    out = {}
-    by_index = {g.index: g for g in state.groups}
-    for index, sets in _rank_sets(state).items():
-        g = by_index[index]
-        (instance,) = [i for i, ranks in enumerate(sets) if me in ranks]
-        out[_group_name(g)] = GroupPlacement(instance, len(sets), g.process_group.rank)
-    return out
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_json_value(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    return value
-
-
-def _split_state(
-    g: FlatParamGroup, opt_state: Mapping[str, Any]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The optimizer state of a master shard: shard-shaped tensors, and scalars."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
-    for key, value in opt_state.items():
-        if isinstance(value, torch.Tensor) and value.shape == g.master.shape:
-            tensors[key] = value.detach()
-        elif isinstance(value, torch.Tensor) and value.numel() == 1:
-            scalars[key] = value.item()
-        elif isinstance(value, (int, float, bool)):
-            scalars[key] = value
-        else:
-            raise ValueError(
-                f"optimizer state {key!r} of group {g.index} is a {type(value).__name__} "
-                "that is neither shaped like the shard nor a scalar: cannot checkpoint it"
-            )
-    return tensors, scalars
-
-
-def _aliases(model: nn.Module, state: EngineState) -> dict[str, str]:
-    canonical = {id(p): n for g in state.groups for n, p in zip(g.names, g.params, strict=True)}
-    return {
-        name: canonical[id(p)]
-        for name, p in named_parameters(model, remove_duplicate=False)
-        if canonical.get(id(p), name) != name
-    }
-
-
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    params = {id(p) for p in model.parameters()}
-    return {
-        canonical_name(k): v
-        for k, v in model.state_dict(keep_vars=True).items()
-        if id(v) not in params
-    }
 
 
 def save_checkpoint(
@@ -174,89 +78,106 @@ def save_checkpoint(
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    everyone = every_rank(state)
+    fields = [
+        # One directory: rank 0 makes the folder every rank writes its file into.
+        ("directory", os.path.abspath(directory)),
+        *call_fields(tag, client_state, rank_state),
+        ("step", _step_text(step)),
+        ("async_save", str(bool(async_save))),
+        ("overwrite", str(bool(overwrite))),
+    ]
+    # Labelled as the save's later agreements are (ckpt's `save of 'step-N': ...`); the
+    # name is only formatted here, checked inside the agreed save below.
+    name = tag if tag is not None else f"step-{step}"
+    check_same_call(everyone, "save_checkpoint", f"save of {name!r}", fields)
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
     state.optimizer.settle()
     # Encoded on every rank, client_state too (only rank 0 stores it), so that bad input
     # fails on every rank alike, before any file is touched.
-    # Labelled as the save's later agreements are (ckpt's `save of 'step-N': ...`); the
-    # name is only formatted here, checked inside the agreed save below.
-    name = tag if tag is not None else f"step-{step}"
     extra = agreed(
-        state.shard_group,
+        everyone,
         f"save of {name!r}: user state",
         lambda: encode_state({GLOBAL: client_state, PER_RANK: rank_state}),
+        CHECKPOINT_ERRORS,
     )
     if extra is not None and state.shard_group.rank != 0:
         extra = encode_state({PER_RANK: rank_state})
     writes = state.replicate is None or state.replicate.rank == 0
     handle = None
     if writes:
-        handle = _save(model, state, directory, step, tag, async_save, overwrite, extra)
+        meta, tensors = checkpoint_contents(model, state)
+        handle = save(
+            Path(directory),
+            step,
+            meta=meta,
+            tensors=tensors,
+            group=state.shard_group,
+            tag=tag,
+            async_save=async_save,
+            overwrite=overwrite,
+            extra=extra,
+        )
     if state.replicate is not None and not async_save:
-        Group(timeout=state.shard_group.timeout).barrier(label="save_checkpoint: all replicas")
+        everyone.barrier(label="save_checkpoint: all replicas")
     return handle
 
 
-def _save(
-    model: nn.Module,
-    state: EngineState,
-    directory: str | os.PathLike[str],
-    step: int,
+def every_rank(state: EngineState) -> Group:
+    """Every rank of the job: the shard group, or under hybrid sharding the world."""
+    if state.replicate is None:
+        return state.shard_group
+    return Group(timeout=state.shard_group.timeout)
+
+
+def _step_text(step: object) -> str:
+    try:
+        return str(checkpoint_step(step))
+    except CheckpointError:  # refused by the save, on every rank alike
+        return repr(step)
+
+
+def call_fields(
     tag: str | None,
-    async_save: bool,
-    overwrite: bool,
-    extra: RankExtra | None,
-) -> SaveHandle:
-    inner = state.optimizer.inner
-    groups: list[GroupMeta] = []
-    tensors: dict[str, torch.Tensor] = {}
-    rank_sets = _rank_sets(state)
-    for g in state.groups:
-        name = _group_name(g)
-        shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
-        kinds = {MASTER: torch.float32}
-        tensors[shard_key(name, MASTER)] = g.master.detach()
-        for key, t in shard_tensors.items():
-            kinds[_OPTIM + key] = t.dtype
-            tensors[shard_key(name, _OPTIM + key)] = t
-        groups.append(
-            GroupMeta(
-                name,
-                g.layout,
-                kinds,
-                param_group=g.key.param_group if g.trainable else None,
-                requires_grad=g.trainable,
-                scalars=scalars,
-                rank_sets=rank_sets.get(g.index),
-            )
-        )
-    buffers = _buffers(model)
-    if state.shard_group.rank == 0:
-        tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
-    scaler = state.optimizer.scaler
-    meta = CheckpointMeta(
-        world_size=state.shard_group.size,
-        groups=tuple(groups),
-        stage=state.config.stage,
-        compute_dtype=state.config.precision.compute_dtype,
-        param_groups=tuple(
-            {k: _json_value(v) for k, v in pg.items() if k != "params"} for pg in inner.param_groups
-        ),
-        tied=_aliases(model, state),
-        buffers=tuple(buffers),
-        extra={"loss_scaler": None if scaler is None else scaler.state_dict()},
+    client_state: Mapping[str, Any] | None,
+    rank_state: Mapping[str, Any] | None,
+) -> list[tuple[str, str]]:
+    """The arguments of a save, load or resume that every rank must pass alike, as
+    strings. A load's directory is not one of them (ranks may reach one checkpoint by
+    different paths): what every rank read is compared instead (`_check_same_read`)."""
+
+    def keys(entries: Mapping[str, Any] | None) -> str:
+        return "None" if entries is None else repr(sorted(map(str, entries)))
+
+    return [
+        ("tag", repr(tag)),
+        ("client_state", keys(client_state)),
+        ("rank_state", keys(rank_state)),
+    ]
+
+
+def check_same_call(everyone: Group, call: str, label: str, fields: list[tuple[str, str]]) -> None:
+    """The same ValueError on every rank, before anything else, if the ranks called
+    `call` with different arguments (one rank's client_state only would leave the
+    others waiting in a collective it never joins). `label` names the collective."""
+    Agreement(everyone).check_same(
+        fields,
+        f"at {call}",
+        f"{label}: arguments",
+        f"Call {call} with the same arguments on every rank",
     )
-    return save(
-        Path(directory),
-        step,
-        meta=meta,
-        tensors=tensors,
-        group=state.shard_group,
-        tag=tag,
-        async_save=async_save,
-        overwrite=overwrite,
-        extra=extra,
+
+
+def _check_same_read(everyone: Group, label: str, loaded: LoadedShards) -> None:
+    """The same ValueError on every rank if they read different checkpoints (another
+    step, other files), before anything is changed."""
+    files = ",".join(f"{n}:{f.digest}" for n, f in sorted(loaded.meta.files.items()))
+    Agreement(everyone).check_same(
+        [("checkpoint", f"step {loaded.meta.step}, files {files}")],
+        "at load_checkpoint",
+        f"{label}: the checkpoint read",
+        "Every rank must load one checkpoint",
     )
 
 
@@ -323,6 +244,9 @@ def load_checkpoint(
     state = engine_state(model)
     if optimizer is not state.optimizer:
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+    everyone = every_rank(state)
+    fields = [*call_fields(tag, client_state, rank_state), ("step", repr(step))]
+    check_same_call(everyone, "load_checkpoint", f"load_checkpoint({str(directory)!r})", fields)
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
     state.optimizer.settle()
@@ -346,16 +270,16 @@ def load_checkpoint(
                 f"parameters on a process group of their own ({own[:3]}...) load from "
                 "zeroshard checkpoints only, not from a DeepSpeed (named) one"
             )
-        return load_named(model, state, Path(directory), tag, step, _aliases(model, state))
+        return load_named(model, state, Path(directory), tag, step, aliases(model, state))
     shard_group = state.shard_group
-    placements = _placements(state)
+    places = placements(state)
     expected = {
         n: tuple(int(d) for d in slot.shape)
         for g in state.groups
         for n, slot in zip(g.names, g.layout.slots, strict=True)
     }
-    expected.update({alias: expected[name] for alias, name in _aliases(model, state).items()})
-    buffers = _buffers(model)
+    expected.update({alias: expected[name] for alias, name in aliases(model, state).items()})
+    buffers = module_buffers(model)
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
     me, size = shard_group.rank, shard_group.size
     extras = {0} if client_state is not None else set()
@@ -370,54 +294,27 @@ def load_checkpoint(
             tag=tag,
             step=step,
             expected=expected,
-            layouts={_group_name(g): g.layout for g in state.groups},
-            placements=placements,
+            layouts={checkpoint_group_name(g): g.layout for g in state.groups},
+            placements=places,
             device=shard_group.device,
             extras=extras,
         )
+        check_optimizer_structure(state, got)
         return (got, *_user_state(got, me, size, client_state, rank_state))
 
-    # One outcome on every rank (a file bad on one rank fails the load everywhere).
-    loaded, saved_global, saved_mine = agreed(
-        shard_group, f"load_checkpoint({str(directory)!r})", read
-    )
-    meta = loaded.meta
-    inner = state.optimizer.inner
-    for g in state.groups:
-        name = _group_name(g)
-        gm = loaded.sources[name]  # its kinds and scalars (the groups may be regrouped)
-        g.master.copy_(loaded.shard(name, MASTER))
-        if not g.trainable:
-            continue
-        opt_state: dict[str, Any] = {
-            # Offloaded groups keep their optimizer state beside their master, on the host.
-            k[len(_OPTIM) :]: loaded.shard(name, k).to(g.master.device, copy=True)
-            for k in gm.shards
-            if k.startswith(_OPTIM)
-        }
-        pg = inner.param_groups[g.key.param_group]
-        on_device = bool(pg.get("fused") or pg.get("capturable"))
-        for key, value in gm.scalars.items():
-            # torch keeps Adam's step as a float32 tensor, on the device when fused.
-            opt_state[key] = torch.tensor(
-                float(value), dtype=torch.float32, device=g.master.device if on_device else "cpu"
-            )
-        inner.state[g.master] = opt_state
-    if len(meta.param_groups) == len(inner.param_groups):
-        for pg, saved in zip(inner.param_groups, meta.param_groups, strict=True):
-            for key, value in saved.items():
-                pg[key] = tuple(value) if isinstance(pg.get(key), tuple) else value
-    for name, value in loaded.buffers.items():
-        buffers[name].copy_(value)
-    scaler_state = meta.extra.get("loss_scaler")
-    if state.optimizer.scaler is not None and scaler_state is not None:
-        state.optimizer.scaler.load_state_dict(scaler_state)
-    state.optimizer.republish()
+    # Read and check everything first, with one outcome on every rank (a file bad on one
+    # rank fails the load everywhere); only then change anything.
+    label = f"load_checkpoint({str(directory)!r})"
+    loaded, saved_global, saved_mine = agreed(everyone, label, read, CHECKPOINT_ERRORS)
+    _check_same_read(everyone, label, loaded)
     if client_state is not None or rank_state is not None:
-
-        def put_back() -> None:
-            restore(saved_global, client_state if client_state is not None else {})
-            restore(saved_mine, rank_state if rank_state is not None else {})
-
-        agreed(shard_group, f"load_checkpoint({str(directory)!r}): user state", put_back)
-    return meta.step
+        # The user's objects first: their own load_state_dict is the one part that can
+        # fail as it is applied; then every rank puts them back as they were, and the
+        # model and optimizer are not touched.
+        restore_user_state(
+            everyone,
+            f"{label}: user state",
+            [(saved_global, client_state or {}), (saved_mine, rank_state or {})],
+        )
+    apply_loaded(state, loaded, buffers)
+    return loaded.meta.step

@@ -27,9 +27,13 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._stfile import pread_into, st_code, st_dtype
-from zeroshard.ckpt._stfile import read_header as st_read_header
+from zeroshard.ckpt import (
+    CheckpointError,
+    pread_into,
+    read_safetensors_header,
+    safetensors_dtype,
+    safetensors_dtype_code,
+)
 from zeroshard.engine.runtime._names import named_buffers, named_parameters
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
@@ -62,7 +66,7 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of the stored data."""
-        return st_dtype(self.dtype)
+        return safetensors_dtype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -89,13 +93,15 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], int]:
     except OSError as e:
         raise SafetensorsLoadError(f"cannot read {path}: {e}") from e
     try:
-        header = st_read_header(fd, path)
+        header = read_safetensors_header(fd, path)
     except CheckpointError as e:
         raise SafetensorsLoadError(str(e)) from e
     finally:
         os.close(fd)
     entries = {
-        name: TensorEntry(name, path, st_code(e.dtype), e.shape, e.offset, e.offset + e.nbytes)
+        name: TensorEntry(
+            name, path, safetensors_dtype_code(e.dtype), e.shape, e.offset, e.offset + e.nbytes
+        )
         for name, e in header.entries.items()
     }
     return entries, header.data_start

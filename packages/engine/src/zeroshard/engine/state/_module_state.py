@@ -5,11 +5,16 @@ Stage 3 keeps only fp32 master shards, so torch's own `state_dict()` would retur
 tensors and `load_state_dict()` of full tensors would fail on their shapes. Hooks on the
 model make both behave as on the module before `initialize()`:
 
-- `state_dict()` (stage 3) all-gathers the masters one flat group at a time and puts each
-  parameter's full value, in its original dtype, under its names (tied parameters share
-  one tensor). It is then collective: call it on every rank. Stages 1/2 keep torch's
-  own (the parameters are whole; compute dtype), with no collective, so the DDP habit
-  `if rank == 0: torch.save(model.state_dict(), path)` still works there. Inside
+- `state_dict()` gives every parameter the value of its fp32 master in the parameter's
+  original dtype, at every stage, under its names (tied parameters share one tensor):
+  what the module before `initialize()` would hold, and what `save_pretrained` should
+  write (FSDP2's full state dict does the same). Stage 3 all-gathers the masters one flat
+  group at a time, so it is collective: call it on every rank. At stages 1/2 the
+  parameters are whole on every rank in the compute dtype: where that is each
+  parameter's own dtype and no delayed step runs behind them (`delay_param_update`), they
+  hold exactly those values and torch's own state dict is kept, with no collective (the
+  DDP habit `if rank == 0: torch.save(model.state_dict(), path)` works there); in mixed
+  precision the masters are gathered as at stage 3, a collective. Inside
   `state_dict_on_rank0(model)` only rank 0 keeps the values, on the CPU; the other ranks
   get an empty dict (FSDP's full state dict with `rank0_only` and `offload_to_cpu`).
   `state_dict(keep_vars=True)` returns the live (sharded) parameters, untouched.
@@ -147,7 +152,8 @@ def _fill_full(
         return  # keep_vars=True asks for the live parameters themselves
     # Rank 0 of the job (under hybrid sharding every shard group has a rank 0 of its own).
     keep = not mode.rank0_only or is_rank0()
-    if state.stage3 is not None:  # stages 1/2: the parameters are whole already
+    if not _parameters_hold_masters(state):
+        state.optimizer.settle()  # the masters of every step() so far
         for g in state.groups:  # the same order on every rank keeps the gathers matched
             (full,) = gather_masters([g], "state_dict")
             if keep:
@@ -165,6 +171,18 @@ def _fill_full(
         for k, v in state_dict.items():
             if isinstance(v, torch.Tensor):
                 state_dict[k] = v.detach().cpu()
+
+
+def _parameters_hold_masters(state: EngineState) -> bool:
+    """Stages 1/2: whether every parameter holds its master's value in its own dtype (the
+    publish casts each master to the compute dtype after every step), so `state_dict()`
+    can read the parameters instead of gathering the masters."""
+    cfg = state.config
+    return (
+        state.stage3 is None
+        and not cfg.offload.delay_param_update
+        and all(g.key.dtype == cfg.precision.compute_dtype for g in state.groups)
+    )
 
 
 @torch.no_grad()

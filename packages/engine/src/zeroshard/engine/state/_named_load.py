@@ -22,16 +22,17 @@ import torch
 from torch import nn
 
 from zeroshard.ckpt import (
+    CHECKPOINT_ERRORS,
     ModelMismatchError,
+    NamedTrainingState,
+    RangeSpec,
+    check_names_shapes,
     is_converted_checkpoint,
     is_deepspeed_checkpoint,
     read_deepspeed_training_state,
     read_named_state,
 )
-from zeroshard.ckpt._agree import agreed
-from zeroshard.ckpt._meta import check_names_shapes
-from zeroshard.ckpt._named_state import NamedTrainingState
-from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.comm import agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_buffers
 from zeroshard.engine.runtime._state import EngineState
@@ -247,5 +248,7 @@ def load_named(
 
     # One outcome on every rank (a file bad on one rank fails the load everywhere), and
     # nothing is changed unless every rank read its shards.
-    named, shards = agreed(state.shard_group, f"load_checkpoint({str(path)!r})", read)
+    named, shards = agreed(
+        state.shard_group, f"load_checkpoint({str(path)!r})", read, CHECKPOINT_ERRORS
+    )
     return apply_named_shards(model, state, named, shards)

@@ -26,7 +26,7 @@ than strings, or keys starting with '__') are tagged.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -139,12 +139,3 @@ def check_requested(saved: Mapping[str, Any], wanted: Mapping[str, Any], what: s
             f"{what} has no entr{'y' if len(missing) == 1 else 'ies'} {missing} "
             f"(it holds {sorted(saved)})"
         )
-
-
-def restore(saved: Mapping[str, Any], into: MutableMapping[str, Any]) -> None:
-    """Load each requested entry: Stateful objects in place, plain data into the mapping."""
-    for key, target in list(into.items()):
-        if isinstance(target, Stateful):
-            target.load_state_dict(saved[key])
-        else:
-            into[key] = saved[key]

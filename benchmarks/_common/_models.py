@@ -1,4 +1,5 @@
-"""The models benchmarks/train_step times (`--model`), each behind one `BenchModel`.
+"""The models benchmarks/train_step and benchmarks/lightning time (`--model`), each behind
+one `BenchModel`, and the optimizer every engine steps them with (`adamw`).
 
 - `gpt`: examples/gpt.py (LayerNorm, GELU MLP, learned positions, tied head);
 - `llama`: examples/llama.py (RMSNorm, SwiGLU, rotary, grouped-query SDPA, untied head);
@@ -22,6 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples import gpt, llama
+
+LR = 1e-4
+
+
+def adamw(params: Any, device: torch.device) -> torch.optim.AdamW:
+    """The optimizer of every engine: AdamW, fused on CUDA."""
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 @dataclass(frozen=True)

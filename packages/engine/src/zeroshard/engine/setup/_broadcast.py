@@ -1,0 +1,107 @@
+"""`broadcast_initial_state`: every replica of a parameter or buffer starts equal.
+
+[Note: one set of initial weights]
+Ranks that build the model with different seeds, or that load pretrained weights on
+rank 0 only (`if rank == 0: model.load_state_dict(...)`), hold different weights under
+the same names; sharded as they are, each rank's shard would come from its own copy and
+the model would be stitched from every rank's weights. So, as DDP and DeepSpeed do at
+construction, `initialize` first copies every parameter and buffer from the first rank
+of the ranks that hold replicas of it, before anything is flattened:
+
+- most tensors are replicated on every rank of the group `initialize` shards over (and
+  under hybrid sharding on every rank of the world: the shard groups are replicas of
+  each other), so they come from its rank 0;
+- a module given a process group of its own (`process_groups=`, experts) is replicated
+  on that group only: its tensors come from that group's first rank, and other groups'
+  ranks keep theirs (they hold other experts under the same names).
+
+Parameters still on the meta device are not sent: stage 3 materializes them unit by
+unit from a generator seeded alike on every rank (`_materialize`), so they start equal.
+
+Cost: one pass over the weights, each tensor's bytes in its own dtype sent once from the
+first rank (a model's bytes: 2 bytes a parameter in bf16). They go through one staging
+buffer of at most `BUCKET_BYTES` on the group's device, so no rank holds more than
+that beyond its model, at stage 3 too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Group
+
+BUCKET_BYTES = 64 * 2**20
+_LABEL = "initialize: the first rank's weights to every replica"
+
+
+def _replica_groups(
+    model: nn.Module, everyone: Group, own: Mapping[str, Group]
+) -> list[tuple[Group, list[torch.Tensor]]]:
+    """The tensors to send over each group, in an order every rank shares."""
+    groups = [everyone, *(own[path] for path in sorted(own))]
+    where: dict[int, int] = {}
+    # Shorter paths first: a module inside another's own group takes its innermost one.
+    for path in sorted(own, key=lambda p: (len(p.split(".")), p)):
+        index = 1 + sorted(own).index(path)
+        module = model.get_submodule(path)
+        where.update({id(t): index for t in (*module.parameters(), *module.buffers())})
+    tensors: list[list[torch.Tensor]] = [[] for _ in groups]
+    for _, t in (*model.named_parameters(), *model.named_buffers()):
+        if not t.is_meta:
+            tensors[where.get(id(t), 0)].append(t)
+    return list(zip(groups, tensors, strict=True))
+
+
+@torch.no_grad()
+def broadcast_initial_state(model: nn.Module, everyone: Group, own: Mapping[str, Group]) -> None:
+    """Copy every parameter and buffer from the first rank of its replicas, through one
+    bounded buffer. See [Note: one set of initial weights]."""
+    for group, tensors in _replica_groups(model, everyone, own):
+        if group.size > 1 and tensors:
+            _broadcast(group, tensors)
+
+
+def _broadcast(group: Group, tensors: Sequence[torch.Tensor]) -> None:
+    """Send `tensors`' bytes from the group's rank 0, a bucket at a time."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if total == 0:
+        return
+    bucket = torch.empty(min(total, BUCKET_BYTES), dtype=torch.uint8, device=group.device)
+    sender = group.rank == 0
+    pieces: list[tuple[torch.Tensor, int, int, int]] = []  # (bytes, start, count, at)
+    rewrite: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its contiguous copy)
+    filled = 0
+
+    def flush() -> None:
+        nonlocal filled
+        group.broadcast(bucket[:filled], 0, label=_LABEL).wait()
+        if not sender:
+            for raw, start, count, at in pieces:
+                raw[start : start + count].copy_(bucket[at : at + count])
+        pieces.clear()
+        filled = 0
+
+    for t in tensors:
+        data = t.detach()
+        work = data if data.is_contiguous() else data.contiguous()
+        if work is not data:
+            rewrite.append((data, work))
+        raw = work.view(-1).view(torch.uint8)
+        start = 0
+        while start < raw.numel():
+            count = min(raw.numel() - start, bucket.numel() - filled)
+            if sender:
+                bucket[filled : filled + count].copy_(raw[start : start + count])
+            pieces.append((raw, start, count, filled))
+            filled += count
+            start += count
+            if filled == bucket.numel():
+                flush()
+    if filled:
+        flush()
+    if not sender:
+        for data, work in rewrite:
+            data.copy_(work)

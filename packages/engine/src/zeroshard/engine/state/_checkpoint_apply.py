@@ -1,0 +1,148 @@
+"""What `load_checkpoint` does once every rank has read and checked a checkpoint.
+
+[Note: all or nothing]
+A load changes nothing unless it can change everything, on every rank. So it runs in
+three phases, each ending in one agreed outcome: read and check everything (files,
+names, shapes, the optimizer's structure, the user's entries: `check_optimizer_structure`
+runs here); then give the user's own objects their state (`restore_user_state`), the one
+part that can fail as it is applied (a `Stateful`'s `load_state_dict` is the user's
+code), undone on every rank if it failed on any; then copy the model's and optimizer's
+state in (`apply_loaded`), which only copies tensors already read.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from zeroshard.ckpt import (
+    CHECKPOINT_ERRORS,
+    MASTER,
+    OPTIM_PREFIX,
+    CheckpointError,
+    LoadedShards,
+)
+from zeroshard.comm import Group, agreed
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._state import EngineState
+from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name
+from zeroshard.engine.state._user_state import Stateful
+
+
+def check_optimizer_structure(state: EngineState, loaded: LoadedShards) -> None:
+    """CheckpointError naming what differs when the checkpoint's optimizer has other
+    param groups than this one (their number, or which parameters are in which), as
+    torch's own `load_state_dict` refuses them."""
+    inner = state.optimizer.inner
+    saved = loaded.meta.param_groups
+    where = f"checkpoint {loaded.path}"
+    if len(saved) != len(inner.param_groups):
+        raise CheckpointError(
+            f"{where} holds an optimizer with {len(saved)} param group(s), this optimizer "
+            f"has {len(inner.param_groups)}: build it with the param groups it was saved with"
+        )
+    saved_group = {
+        s.name: g.param_group for g in loaded.meta.groups if g.requires_grad for s in g.layout.slots
+    }
+    moved = [
+        f"{n} (param group {saved_group[n]} there, {g.key.param_group} here)"
+        for g in state.groups
+        if g.trainable
+        for n in g.names
+        if n in saved_group and saved_group[n] != g.key.param_group
+    ]
+    if moved:
+        shown = ", ".join(moved[:5]) + (f", ... ({len(moved)} in all)" if len(moved) > 5 else "")
+        raise CheckpointError(f"{where} puts parameters in other param groups: {shown}")
+
+
+def restore_user_state(
+    everyone: Group,
+    label: str,
+    pairs: Sequence[tuple[Mapping[str, Any], MutableMapping[str, Any]]],
+) -> None:
+    """Load each (saved, into) pair's entries (Stateful objects in place, plain data into
+    the mapping) with one outcome on every rank: if any rank failed, every rank puts
+    every entry back as it was and raises the same error. See [Note: all or nothing]."""
+    undo: list[Callable[[], None]] = []
+
+    def put_back() -> None:
+        for saved, into in pairs:
+            for key, target in list(into.items()):
+                # The undo is taken first: a load_state_dict that raises may have
+                # changed part of its object already.
+                if isinstance(target, Stateful):
+                    undo.append(_undo_load(target))
+                    target.load_state_dict(saved[key])
+                else:
+                    undo.append(_undo_set(into, key))
+                    into[key] = saved[key]
+
+    try:
+        agreed(everyone, label, put_back, CHECKPOINT_ERRORS)
+    except CheckpointError as e:
+        stuck = []
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception as again:  # the agreed error stays the one raised
+                stuck.append(repr(again))
+        if stuck:
+            raise type(e)(f"{e}; putting user state back failed too: {stuck}") from e
+        raise
+
+
+def _undo_load(target: Stateful) -> Callable[[], None]:
+    before = copy.deepcopy(target.state_dict())
+    return lambda: target.load_state_dict(before)
+
+
+def _undo_set(into: MutableMapping[str, Any], key: str) -> Callable[[], None]:
+    old = into[key]
+    return lambda: into.__setitem__(key, old)
+
+
+def apply_loaded(
+    state: EngineState, loaded: LoadedShards, buffers: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy a checked checkpoint's masters, optimizer state and hyperparameters, buffers
+    and loss scale into the engine, then republish the parameters."""
+    meta = loaded.meta
+    inner = state.optimizer.inner
+    states: list[tuple[FlatParamGroup, dict[str, Any]]] = []
+    for g in state.groups:
+        if not g.trainable:
+            continue
+        name = checkpoint_group_name(g)
+        gm = loaded.sources[name]  # its kinds and scalars (the groups may be regrouped)
+        opt_state: dict[str, Any] = {
+            # Offloaded groups keep their optimizer state beside their master, on the host.
+            k[len(OPTIM_PREFIX) :]: loaded.shard(name, k).to(g.master.device, copy=True)
+            for k in gm.shards
+            if k.startswith(OPTIM_PREFIX)
+        }
+        pg = inner.param_groups[g.key.param_group]
+        on_device = bool(pg.get("fused") or pg.get("capturable"))
+        for key, value in gm.scalars.items():
+            # torch keeps Adam's step as a float32 tensor, on the device when fused.
+            opt_state[key] = torch.tensor(
+                float(value), dtype=torch.float32, device=g.master.device if on_device else "cpu"
+            )
+        states.append((g, opt_state))
+    # Every new tensor exists now (an allocation that fails has changed nothing): copy.
+    for g in state.groups:
+        g.master.copy_(loaded.shard(checkpoint_group_name(g), MASTER))
+    for g, opt_state in states:
+        inner.state[g.master] = opt_state
+    for pg, saved in zip(inner.param_groups, meta.param_groups, strict=True):
+        for key, value in saved.items():
+            pg[key] = tuple(value) if isinstance(pg.get(key), tuple) else value
+    for name, value in loaded.buffers.items():
+        buffers[name].copy_(value)
+    scaler_state = meta.extra.get("loss_scaler")
+    if state.optimizer.scaler is not None and scaler_state is not None:
+        state.optimizer.scaler.load_state_dict(scaler_state)
+    state.optimizer.republish()
