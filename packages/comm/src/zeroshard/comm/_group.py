@@ -229,6 +229,9 @@ class Group:
     ) -> Handle:
         """Gather every rank's `input` into `output` (size x input.numel(), rank-major)."""
         _check_flat_pair("all_gather_into", label, output, input, "output", self.size)
+        if output.is_floating_point() and output.element_size() == 1:
+            # gloo has no fp8 type; a gather only moves bytes: fp8 travels as uint8.
+            output, input = output.view(torch.uint8), input.view(torch.uint8)
         given = self._give(output, input)
         work = _all_gather_flat(given[0], given[1], group=self.pg, async_op=True)
         return self._handle(work, "all_gather", label, (output, input), given=given)
