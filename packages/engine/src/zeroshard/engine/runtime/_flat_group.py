@@ -10,7 +10,9 @@ all-gathered back into `param_buffer`.
 Stage 3 (`ShardedStorage`) keeps only the fp32 master shard: each gather casts it to the
 compute dtype first, so only compute-dtype bytes travel (keeping a compute-dtype copy of
 the shard would save that small cast at the price of memory); `param_buffer` has storage
-only while the group's unit is gathered.
+only while the group's unit is gathered. A group whose `GatherSource` gathers another
+dtype (torchao's fp8 weights: [Note: the fp8 gather] in _float8_gather.py) keeps its
+buffer in that dtype, and its parameters hold stand-ins of their shapes while gathered.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ class ShardedStorage:
     """Stage 3: `param_buffer` has storage only while the group's unit is gathered.
 
     One buffer for the group's whole life: only its storage is resized (see [Note:
-    released storage]), so the views, made once, stay valid across gathers.
+    released storage]), so the views, made once, stay valid across gathers. `views` are
+    what the parameters hold while gathered: views of the buffer, or `stand_ins` where it
+    holds another dtype than they compute in.
     """
 
     param_buffer: torch.Tensor
@@ -89,7 +93,8 @@ class FlatParamGroup:
 
     @property
     def param_buffer(self) -> torch.Tensor:
-        """The compute-dtype flat buffer the parameters are views of (when gathered)."""
+        """The flat buffer gathers fill: the compute-dtype one the parameters are views of
+        (when gathered), or at stage 3 one of its `source`'s `gathered_dtype`."""
         return self.storage.param_buffer
 
     @property
@@ -178,9 +183,10 @@ class FlatParamGroup:
 
     def release(self) -> None:
         """Stage 3: free the gathered buffer's memory (see [Note: released storage])."""
-        buffer = self._sharded().param_buffer
-        buffer.untyped_storage().resize_(0)
-        empty = buffer.new_empty(0)
+        storage = self._sharded()
+        storage.param_buffer.untyped_storage().resize_(0)
+        # In the parameters' own dtype (the buffer's may be another: fp8).
+        empty = storage.views[0].new_empty(0)
         for p in self.params:
             p.data = empty
 
@@ -331,5 +337,19 @@ def _shard(
     shard = flatten_shard(params, layout, process_group.rank, device=process_group.device)
     master = home.master(shard)
     del shard
-    buffer = torch.empty(layout.padded_numel, dtype=compute_dtype, device=process_group.device)
-    return master, ShardedStorage(buffer, slot_views(buffer, layout)), FlattenTier.DEVICE
+    device = process_group.device
+    dtype = home.source.gathered_dtype(compute_dtype)
+    buffer = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+    if dtype == compute_dtype:
+        views = slot_views(buffer, layout)
+    else:
+        views = stand_ins(layout, compute_dtype, device)
+    return master, ShardedStorage(buffer, views), FlattenTier.DEVICE
+
+
+def stand_ins(layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """What the parameters hold while gathered into a buffer of another dtype (fp8), whose
+    source gives forward its own tensors: one NaN expanded to each slot's shape, so
+    autograd accumulates their gradients as ever and a read of one is NaN, never a value."""
+    nan = torch.full((), float("nan"), dtype=dtype, device=device)
+    return [nan.expand(s.shape) for s in layout.slots]

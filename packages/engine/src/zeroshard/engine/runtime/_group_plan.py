@@ -2,7 +2,8 @@
 
 Shapes are enough (a model on the meta device will do): which parameters make up each
 flat group (`plan_buckets` at stages 1/2, one group per `GroupKey` of each unit of
-`plan_units` at stage 3), its layout (`flat_layout`), which groups CPU offload takes
+`plan_units` at stage 3, where torchao's fp8 weights that gather in fp8 get groups of
+their own), its layout (`flat_layout`), which groups CPU offload takes
 (`choose_offloaded`) and what the host then allocates (`offload_sizes`). `initialize()`
 allocates the host storage from it first and builds each group into its home; the
 planner counts it. One plan, so neither can drift from the other.
@@ -10,9 +11,10 @@ planner counts it. One plan, so neither can drift from the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
@@ -29,7 +31,8 @@ ProcessGroupOf = Callable[[str, nn.Parameter], str]
 @dataclass(frozen=True)
 class PlannedFlatGroup:
     """One flat group as `initialize()` builds it: its parameters (canonical names), layout,
-    stage-3 unit and whether CPU offload holds it."""
+    stage-3 unit, whether CPU offload holds it and whether it gathers in fp8 (torchao's
+    fp8 weights: [Note: the fp8 gather])."""
 
     index: int
     key: GroupKey
@@ -37,6 +40,7 @@ class PlannedFlatGroup:
     layout: FlatLayout
     unit: int | None
     offloaded: bool
+    float8: bool = False
 
     @property
     def trainable(self) -> bool:
@@ -67,16 +71,19 @@ def plan_flat_groups(
     param_group_of: Mapping[int, int] | None,
     process_group_of: ProcessGroupOf | None = None,
     blocked_step: bool,
+    float8: Collection[int] = frozenset(),
 ) -> FlatGroupPlan:
     """The flat groups of `model` under `cfg`, each sharded over `size_of(key)` ranks.
 
     `param_group_of` maps id(parameter) to its optimizer param group (None: all in one),
     `process_group_of` names a parameter's process group (None: the default one for all);
     offloaded shards are laid out over `shard_size` ranks; `blocked_step`: the optimizer
-    steps offloaded groups in blocks (torch's fused Adam/AdamW: one block's fp32 upcast).
+    steps offloaded groups in blocks (torch's fused Adam/AdamW: one block's fp32 upcast);
+    `float8`: the ids of the weights gathered in fp8 (stage 3: groups of their own).
     """
     compute = cfg.precision.compute_dtype
     planned: list[tuple[GroupKey, list[tuple[str, nn.Parameter]], int | None]] = []
+    fp8: set[int] = set()  # indices into `planned` of the groups gathered in fp8
     units: tuple[UnitPlan, ...] = ()
     if cfg.stage == 3:
         units = tuple(plan_units(model, cfg.stage3))
@@ -84,7 +91,14 @@ def plan_flat_groups(
             grouped = group_parameters(
                 unit.params, param_group_of=param_group_of, process_group_of=process_group_of
             )
-            planned += [(key, named, ui) for key, named in grouped.items()]
+            for key, named in grouped.items():
+                wide = [(n, p) for n, p in named if id(p) not in float8]
+                narrow = [(n, p) for n, p in named if id(p) in float8]
+                if wide:
+                    planned.append((key, wide, ui))
+                if narrow:
+                    fp8.add(len(planned))
+                    planned.append((key, narrow, ui))
     else:
         grouped = group_parameters(
             named_parameters(model),
@@ -93,7 +107,11 @@ def plan_flat_groups(
         )
         buckets = plan_buckets(model, grouped, cfg.comm.reduce_bucket_bytes, compute.itemsize)
         planned = [(key, run, None) for key, run in buckets]
-    layouts = [flat_layout(named, key, size_of(key), compute) for key, named, _ in planned]
+    # fp8 buffers align their slots to 16 bytes too (fp8 matmuls need it): 16 elements.
+    layouts = [
+        flat_layout(named, key, size_of(key), torch.uint8 if i in fp8 else compute)
+        for i, (key, named, _) in enumerate(planned)
+    ]
     offloaded: set[int] = set()
     if cfg.offload.optimizer:
         offloaded = set(
@@ -105,7 +123,7 @@ def plan_flat_groups(
             )
         )
     groups = tuple(
-        PlannedFlatGroup(i, key, tuple(named), layout, unit, i in offloaded)
+        PlannedFlatGroup(i, key, tuple(named), layout, unit, i in offloaded, i in fp8)
         for i, ((key, named, unit), layout) in enumerate(zip(planned, layouts, strict=True))
     )
     moved = [g.layout.shard_numel for g in groups if g.offloaded]

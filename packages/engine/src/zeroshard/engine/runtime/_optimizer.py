@@ -209,9 +209,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
         """Publish `groups`' masters; `uploaded`: the step rewrote their compute shards."""
         groups = list(groups)
-        if not uploaded:
-            # Masters changed outside a step (a load): what gathers send follows first.
-            for source, same in _by_source(groups):
+        # What gathers send follows the masters first: after a step, or after they
+        # changed outside one (a load).
+        for source, same in _by_source(groups):
+            if uploaded:
+                source.after_step(same)
+            else:
                 source.refresh(same)
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
         # of gathers are in flight, which bounds the temporary send buffers.

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class EngineStats:
     """Counters for tests and benchmarks (stage 3, eager or compiled); reset with `reset()`.
 
-    `live_bytes` / `peak_live_bytes` count gathered parameter buffers only.
+    `live_bytes` / `peak_live_bytes` count gathered parameter buffers only;
+    `scale_reductions` the all-reduces of the fp8 weights' amaxes (one per step and
+    process group: [Note: the fp8 gather]).
     """
 
     gathers: int = 0
@@ -20,6 +22,7 @@ class EngineStats:
     peak_live_bytes: int = 0
     prefetches: int = 0
     order_changes: int = 0
+    scale_reductions: int = 0
 
     def reset(self) -> None:
         """Zero every counter but the live bytes (which describe the present)."""

@@ -15,6 +15,12 @@ from torch import nn
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, build_flat_group
+from zeroshard.engine.runtime._float8 import (
+    float8_weights,
+    gathered_in_float8,
+    unwrap_float8_weights,
+)
+from zeroshard.engine.runtime._float8_gather import Float8Gather, Float8Home
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
 from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
 from zeroshard.engine.runtime._group_plan import FlatGroupPlan, PlannedFlatGroup, plan_flat_groups
@@ -75,16 +81,27 @@ class _Placement:
         return self.shard_group if key.process_group == "default" else self.own[key.process_group]
 
 
-def _home(g: PlannedFlatGroup, offload: HostOffload | None) -> GroupHome:
-    """Where planned group `g` keeps its master: its part of the host storage, or the device."""
-    if g.offloaded:
-        assert offload is not None
-        return offload.home(g.index)
-    return DEVICE_HOME
+@dataclass(frozen=True)
+class _Homes:
+    """Where the planned groups are built: CPU offload's host storage, the fp8 weights'
+    gather, or the device."""
+
+    offload: HostOffload | None = None
+    float8: Float8Gather | None = None
+
+    def of(self, g: PlannedFlatGroup) -> GroupHome:
+        """Where planned group `g` keeps its master and what its gathers send."""
+        if g.offloaded:
+            assert self.offload is not None
+            return self.offload.home(g.index)
+        if g.float8:
+            assert self.float8 is not None
+            return Float8Home(self.float8)
+        return DEVICE_HOME
 
 
 def _build(
-    g: PlannedFlatGroup, cfg: ZeroConfig, place: _Placement, offload: HostOffload | None
+    g: PlannedFlatGroup, cfg: ZeroConfig, place: _Placement, homes: _Homes
 ) -> FlatParamGroup:
     """Build planned group `g` into its home."""
     return build_flat_group(
@@ -96,7 +113,7 @@ def _build(
         compute_dtype=cfg.precision.compute_dtype,
         stage=cfg.stage,
         tier=FlattenTier(cfg.flatten_tier),
-        home=_home(g, offload),
+        home=homes.of(g),
     )
 
 
@@ -104,7 +121,7 @@ def _shard_stage3(
     plan: FlatGroupPlan,
     cfg: ZeroConfig,
     place: _Placement,
-    offload: HostOffload | None,
+    homes: _Homes,
     param_init: ParamInit,
     init_seed: int,
 ) -> list[tuple[UnitPlan, tuple[FlatParamGroup, ...]]]:
@@ -119,7 +136,7 @@ def _shard_stage3(
             materialize_unit(
                 unit, ui, device=place.shard_group.device, param_init=param_init, seed=init_seed
             )
-        groups = tuple(_build(g, cfg, place, offload) for g in plan.groups_of(ui))
+        groups = tuple(_build(g, cfg, place, homes) for g in plan.groups_of(ui))
         units.append((unit, groups))
     return units
 
@@ -150,6 +167,8 @@ def initialize(
     """
     cfg = as_config(config)
     check_model(model, cfg)
+    # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
+    unwrap_float8_weights(model, optimizer)
     refusal = delayed_step_refusal(optimizer) if cfg.offload.delay_param_update else ""
     if cfg.offload.compiled_step and not refusal:
         what = "offload.compiled_step compiles torch's Adam/AdamW update"
@@ -184,6 +203,14 @@ def initialize(
     # Before anything is flattened: [Note: one set of initial weights].
     broadcast_initial_state(model, everyone, place.own)
     start = time.perf_counter()
+    fp8 = gathered_in_float8(model, cfg)
+    if not fp8 and everyone.rank == 0 and float8_weights(model):
+        log.info(
+            "zeroshard: enable_fsdp_float8_all_gather: stage %d%s gathers the fp8 weights in "
+            "the compute dtype (their Float8Linears cast them, as without the option)",
+            cfg.stage,
+            " with offload_optimizer" if cfg.stage == 3 else "",
+        )
     plan = plan_flat_groups(
         model,
         cfg,
@@ -192,6 +219,7 @@ def initialize(
         param_group_of=param_group_of,
         process_group_of=place.label,
         blocked_step=steps_in_blocks(optimizer),
+        float8=fp8,
     )
     # Host storage first, so each offloaded group is built into its part of it.
     offload = None
@@ -214,8 +242,9 @@ def initialize(
             log_skips=everyone.rank == 0,
         )
     stage3 = None
+    homes = _Homes(offload, Float8Gather(fp8, cfg.precision.compute_dtype) if fp8 else None)
     if cfg.stage == 3:
-        units = _shard_stage3(plan, cfg, place, offload, param_init, init_seed)
+        units = _shard_stage3(plan, cfg, place, homes, param_init, init_seed)
         groups = tuple(g for _, unit_groups in units for g in unit_groups)
         stage3 = Stage3Runtime(
             units,
@@ -225,9 +254,12 @@ def initialize(
             max_live_bytes=cfg.stage3.max_live_bytes,
             persistence_threshold=cfg.stage3.persistence_threshold,
         )
+        if homes.float8 is not None:
+            # After the runtime's hooks, so a unit is gathered before its weights are read.
+            homes.float8.attach(groups, stage3.stats)
     else:
         # Stages 1/2: flat groups of about `reduce_bucket_bytes`, in gradient-ready order.
-        groups = tuple(_build(g, cfg, place, offload) for g in plan.groups)
+        groups = tuple(_build(g, cfg, place, homes) for g in plan.groups)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
     reducer = GradReducer(
         groups if stage3 is None else stage3.reduce_order(),

@@ -250,6 +250,13 @@ class HostOffload:
         """Without offload_params: the compute shards, on the device."""
         return self._out.compute_dev
 
+    def gathered_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """`GatherSource`: the compute dtype, which the compute shards hold."""
+        return compute_dtype
+
+    def after_step(self, groups: Sequence[FlatParamGroup]) -> None:
+        """`GatherSource`: nothing; the host step uploaded the compute shards itself."""
+
     def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
         """`GatherSource`: gather `g`'s compute shard (the device's copy, or with
         offload_params the host's, sent up first) in place."""

@@ -1,0 +1,280 @@
+"""`Float8Gather`: stage 3 gathers torchao's fp8 weights in fp8 (the `GatherSource` of
+their flat groups).
+
+[Note: the fp8 gather]
+A flat group of fp8 weights (`Float8Linear` weights whose config sets
+`enable_fsdp_float8_all_gather`: `plan_flat_groups` gives them groups of their own)
+keeps its gathered buffer in fp8. A gather casts this rank's fp32 master shard to fp8,
+each weight's part with that weight's scale, straight into this rank's part of the
+buffer and all-gathers in place ([Note: in-place gather]): one byte per element travels,
+and the cast is the downcast a compute-dtype gather makes anyway, so nothing is added.
+
+A weight's scale is torchao's tensorwise one, `finfo(fp8).max / amax`, from the amax of
+the whole weight: each rank takes the amax of each weight's piece of its shard, and one
+MAX all-reduce of all those amaxes over the process group gives every rank every
+weight's amax (one collective for all fp8 weights, not one per weight). The scales are
+taken after every step and after every change of the masters (a load), as torchao's
+`precompute_float8_dynamic_scale_for_fsdp` does for FSDP2, so forward and backward of a
+step cast alike and a gather needs no collective of its own.
+
+The cast rounds to the compute dtype first (fp32 -> bf16 -> fp8) and the amax is the
+compute-dtype weight's: exactly what `Float8Linear` does when it casts a compute-dtype
+weight itself, so the fp8 gather is bit for bit the compute-dtype gather followed by
+torchao's own cast (tests/engine/test_float8.py checks it).
+
+While its unit is gathered, an fp8 weight's parameter holds a stand-in of its shape
+(autograd accumulates its gradient as ever, and the reducer takes it from there); the
+`Float8Linear` reads its weight as torchao's `Float8TrainingTensor` over its slot of
+the buffer with its scale, which a forward pre-hook puts into the module's
+`_parameters` for its own forward only and whose gradient goes to the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Group, Handle
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._float8 import Float8Weight
+from zeroshard.engine.runtime._group_home import DeviceHome
+from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.partition import FlatLayout
+
+
+@dataclass(frozen=True, eq=False)
+class Float8Wire:
+    """How one flat group of fp8 weights travels, for the eager gathers and for
+    `zeroshard.compile`'s: the fp8 `dtype`; one fp32 scale per slot (`scales`, rewritten
+    in place after every step); this rank's shard cut into `segments` (start, end, slot),
+    each cast with its slot's scale (alignment gaps and padding go with a neighbour: they
+    are zeros); and per slot the weight that makes its data the `Float8Linear`'s."""
+
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    scales: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+    weights: tuple[Float8Weight, ...]
+
+    def cast_into(self, out: torch.Tensor, shard: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write `shard` (fp32, this rank's) cast to fp8 into `out`: torchao's cast of the
+        compute-dtype weight (upcast, scaled, saturated), bit for bit."""
+        limit = torch.finfo(self.dtype).max
+        for start, end, slot in self.segments:
+            scaled = torch.mul(shard[start:end].to(self.compute_dtype).float(), scales[slot])
+            out[start:end].copy_(scaled.clamp_(-limit, limit))
+
+    def weight(self, slot: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Slot `slot`'s fp8 `data` (shaped like the weight) as the tensor its
+        `Float8Linear` computes with: torchao's `Float8TrainingTensor`."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        w = self.weights[slot]
+        out: torch.Tensor = Float8TrainingTensor(
+            data, scale, self.compute_dtype, w.mm_config, GemmInputRole.WEIGHT
+        )
+        return out
+
+
+class _Float8Weight(torch.autograd.Function):
+    """The `Float8TrainingTensor` a `Float8Linear` computes with, its gradient going to
+    the weight's parameter (a stand-in of its shape while gathered)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        param: torch.Tensor,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        make: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        return make(data, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad, None, None, None
+
+
+def segments(layout: FlatLayout, lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """Shard [lo, hi) of `layout` cut at slot boundaries: (start, end, slot) in shard
+    coordinates. Slot k owns [its offset, the next slot's); what lies before the first
+    slot goes with it."""
+    slots = layout.slots
+    out = []
+    for k, slot in enumerate(slots):
+        start = 0 if k == 0 else slot.offset
+        end = slots[k + 1].offset if k + 1 < len(slots) else layout.padded_numel
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            out.append((a - lo, b - lo, k))
+    return tuple(out)
+
+
+class Float8Gather:
+    """The `GatherSource` of the fp8 weights' flat groups (see [Note: the fp8 gather]).
+
+    `weights` are the model's fp8 weights by id(parameter) (one fp8 dtype for all, as
+    torchao's own scale precomputation takes); `attach` takes their groups once built,
+    registers the `Float8Linear`s' hooks and takes the first scales.
+    """
+
+    def __init__(self, weights: Mapping[int, Float8Weight], compute_dtype: torch.dtype) -> None:
+        dtypes = {w.dtype for w in weights.values()}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"enable_fsdp_float8_all_gather: the fp8 weights use {len(dtypes)} fp8 dtypes "
+                f"({sorted(map(str, dtypes))}); zeroshard gathers them in one"
+            )
+        (self.dtype,) = dtypes
+        self.compute_dtype = compute_dtype
+        self._weights = dict(weights)
+        self._stats = EngineStats()
+        self._wires: dict[int, Float8Wire] = {}
+        self._groups: dict[int, FlatParamGroup] = {}
+
+    # -- GatherSource --------------------------------------------------------------------
+    def gathered_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The fp8 dtype: the gathered buffer holds fp8."""
+        return self.dtype
+
+    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
+        """Cast the master into `buffer`'s part for this rank, in fp8, and gather in place."""
+        wire = self._wires[g.index]
+        lo, hi = g.shard_range
+        wire.cast_into(buffer[lo:hi], g.master.detach(), wire.scales)
+        return g.process_group.all_gather_into(buffer, buffer[lo:hi], label=label)
+
+    @torch.no_grad()
+    def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
+        """The masters of `groups` changed: take their scales again (collective)."""
+        self.take_scales(groups)
+
+    @torch.no_grad()
+    def after_step(self, groups: Sequence[FlatParamGroup]) -> None:
+        """The masters of `groups` were stepped: take their scales (collective)."""
+        self.take_scales(groups)
+
+    # -- the groups ----------------------------------------------------------------------
+    def wire(self, g: FlatParamGroup) -> Float8Wire | None:
+        """How `g` travels, if it is one of this source's groups."""
+        return self._wires.get(g.index)
+
+    def attach(self, groups: Sequence[FlatParamGroup], stats: EngineStats) -> None:
+        """Take this source's groups among `groups` (built, every rank in the same order):
+        hooks on their `Float8Linear`s, then the first scales (collective); the scales'
+        all-reduces are counted in `stats`."""
+        self._stats = stats
+        mine = [g for g in groups if g.source is self]
+        for g in mine:
+            lo, hi = g.shard_range
+            weights = tuple(self._weights[id(p)] for p in g.params)
+            scales = torch.ones(len(g.params), dtype=torch.float32, device=g.master.device)
+            wire = Float8Wire(
+                self.dtype, self.compute_dtype, scales, segments(g.layout, lo, hi), weights
+            )
+            self._wires[g.index] = wire
+            self._groups[g.index] = g
+            for slot, w in enumerate(weights):
+                _install_hooks(w.module, g, slot, wire)
+        self.take_scales(mine)
+
+    @torch.no_grad()
+    def take_scales(self, groups: Sequence[FlatParamGroup]) -> None:
+        """Every weight's scale from the amax of the whole weight: one MAX all-reduce per
+        process group of all the groups' local amaxes (collective, in `groups`' order)."""
+        by_group: dict[int, tuple[Group, list[FlatParamGroup]]] = {}
+        for g in groups:
+            if g.index in self._wires:
+                by_group.setdefault(id(g.process_group), (g.process_group, []))[1].append(g)
+        for process_group, same in by_group.values():
+            amax = torch.cat([_local_amax(g) for g in same])
+            process_group.all_reduce(amax, op="max", label="amax of the fp8 weights").wait()
+            self._stats.scale_reductions += 1
+            at = 0
+            for g in same:
+                wire = self._wires[g.index]
+                n = len(g.params)
+                wire.scales.copy_(_scales(amax[at : at + n], wire))
+                at += n
+
+
+def _local_amax(g: FlatParamGroup) -> torch.Tensor:
+    """max |w| over each slot's piece of this rank's shard (0 where it holds none)."""
+    lo, hi = g.shard_range
+    master = g.master.detach()
+    zero = master.new_zeros(())
+    pieces = {}
+    for k, slot in enumerate(g.layout.slots):
+        a, b = max(lo, slot.offset), min(hi, slot.end)
+        if a < b:
+            pieces[k] = master[a - lo : b - lo]
+    norms = {}
+    if pieces:
+        found = torch._foreach_norm(list(pieces.values()), ord=float("inf"))
+        norms = dict(zip(pieces, found, strict=True))
+    return torch.stack([norms.get(k, zero) for k in range(len(g.params))]).float()
+
+
+def _scales(amax: torch.Tensor, wire: Float8Wire) -> torch.Tensor:
+    """torchao's scales for the weights of `wire` from their fp32 amaxes: the amax of the
+    compute-dtype weight (rounding is monotonic, so that is the fp32 amax rounded)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    rounded = amax.to(wire.compute_dtype)
+    out = amax_to_scale(rounded, wire.dtype)
+    pow2 = [k for k, w in enumerate(wire.weights) if w.round_scales_to_power_of_2]
+    if pow2:
+        index = torch.tensor(pow2, device=amax.device)
+        out[index] = amax_to_scale(rounded[index], wire.dtype, round_scales_to_power_of_2=True)
+    result: torch.Tensor = out
+    return result
+
+
+def _install_hooks(module: nn.Module, g: FlatParamGroup, slot: int, wire: Float8Wire) -> None:
+    """While `module` (a Float8Linear) runs on a gathered `g`, its weight is the fp8 slot."""
+    param = g.params[slot]
+    layout = g.layout.slots[slot]
+
+    def make(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return wire.weight(slot, data, scale)
+
+    installed: list[torch.Tensor] = []
+
+    def pre_forward(module: nn.Module, args: Any) -> None:
+        # Someone else put the weight in (zeroshard.compile's graph), or the group is not
+        # gathered (the parameter then holds what Float8Linear casts itself).
+        if module._parameters.get("weight") is not param:
+            return
+        buffer = g.param_buffer
+        if buffer.untyped_storage().nbytes() == 0 or param.shape != layout.shape:
+            return
+        data = buffer[layout.offset : layout.end].view(layout.shape)
+        weight = _Float8Weight.apply(param, data, wire.scales[slot], make)  # type: ignore[no-untyped-call]
+        installed.append(weight)
+        module._parameters["weight"] = weight
+
+    def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+        if installed and module._parameters.get("weight") is installed[-1]:
+            module._parameters["weight"] = param
+        installed.clear()
+
+    module.register_forward_pre_hook(pre_forward)
+    module.register_forward_hook(post_forward, always_call=True)
+
+
+class Float8Home(DeviceHome):
+    """The `GroupHome` of an fp8 weights' group: the master and its gradient on the
+    device, as `DEVICE_HOME`'s; gathers in fp8."""
+
+    def __init__(self, source: Float8Gather) -> None:
+        self.source = source
+
+
+def float8_wire(g: FlatParamGroup) -> Float8Wire | None:
+    """How flat group `g` travels when it gathers in fp8 (torchao's fp8 weights at stage
+    3: [Note: the fp8 gather]); None when it gathers in the compute dtype."""
+    return g.source.wire(g) if isinstance(g.source, Float8Gather) else None
