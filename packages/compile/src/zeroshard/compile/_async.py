@@ -23,6 +23,12 @@ this saves is the rank's own part: 1/world of the bytes, so all of them on one G
 NCCL's collectives are plain device copies: docs/benchmarks.md, design-measurements) and
 little on many. Fused runs of small gathers are left out of place (they are
 copied apart anyway).
+
+[Note: fp8 on the wire]
+An fp8 gather's shard is cast with torchao's cast of the compute-dtype weight, each
+weight's segment of the shard with its own scale (`Float8Wire.segments`: a few slices,
+which inductor fuses into the one kernel writing the buffer's part), and travels as
+uint8 (the same bytes; gloo has no fp8 type), viewed back as fp8 after the wait.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ from torch import fx
 from zeroshard.compile._graph import (
     Positions,
     gathers,
+    is_float8_gather,
     is_reduce_scatter,
     is_view,
     nbytes,
     order,
     refresh_val,
 )
-from zeroshard.compile._ops import group_name, rank_of, replicate_of
+from zeroshard.compile._ops import group_name, rank_of, replicate_of, wire_of
 from zeroshard.compile._pipeline import PassContext
 
 _c10d = torch.ops._c10d_functional
@@ -94,10 +101,43 @@ def _key(gather: fx.Node) -> int:
 def _send(graph: fx.Graph, gather: fx.Node) -> fx.Node:
     """The shard cast to the gather's dtype (the cast happens before communication)."""
     shard, dtype = gather.args[0], gather.args[3]
-    assert isinstance(shard, fx.Node)
+    assert isinstance(shard, fx.Node) and isinstance(dtype, torch.dtype)
+    if is_float8_gather(gather):
+        return _float8_send(graph, gather, shard, dtype)
     if shard.meta.get("val") is not None and shard.meta["val"].dtype == dtype:
         return shard
     return _call(graph, torch.ops.prims.convert_element_type.default, (shard, dtype))
+
+
+def _float8_send(graph: fx.Graph, gather: fx.Node, shard: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """The shard in fp8, each segment scaled by its weight's scale ([Note: fp8 on the
+    wire]): `Float8Wire.cast_into`, as aten."""
+    key, scales = gather.args[1], gather.args[4]
+    assert isinstance(key, int) and isinstance(scales, fx.Node)
+    wire = wire_of(key)
+    convert = torch.ops.prims.convert_element_type.default
+    limit = torch.finfo(dtype).max
+    parts = []
+    for start, end, slot in wire.segments:
+        piece = _call(graph, aten.slice.Tensor, (shard, 0, start, end))
+        wide = _call(
+            graph, convert, (_call(graph, convert, (piece, wire.compute_dtype)), torch.float32)
+        )
+        scale = _call(graph, aten.select.int, (scales, 0, slot))
+        scaled = _call(graph, aten.mul.Tensor, (wide, scale))
+        # Saturated as torchao's cast, in the ops inductor lowers (it decomposes clamp).
+        scaled = _call(graph, aten.clamp_min.default, (scaled, -limit))
+        scaled = _call(graph, aten.clamp_max.default, (scaled, limit))
+        parts.append(_call(graph, convert, (scaled, dtype)))
+    return parts[0] if len(parts) == 1 else _call(graph, aten.cat.default, (parts,))
+
+
+def _as_bytes(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """`node` viewed as uint8 when it is fp8 ([Note: fp8 on the wire])."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.is_floating_point() and val.element_size() == 1:
+        return _call(graph, aten.view.dtype, (node, torch.uint8))
+    return node
 
 
 def _gather_in_place(graph: fx.Graph, gather: fx.Node) -> fx.Node:
@@ -120,8 +160,8 @@ def _gather_in_place(graph: fx.Graph, gather: fx.Node) -> fx.Node:
     return _call(
         graph,
         _c10d.all_gather_into_tensor_out.default,
-        (own, world, group_name(key)),
-        {"out": full},
+        (_as_bytes(graph, own), world, group_name(key)),
+        {"out": _as_bytes(graph, full)},
     )
 
 
@@ -155,10 +195,14 @@ def issue_async(graph: fx.Graph, context: PassContext) -> None:
                 start = _gather_in_place(graph, run[0])
             else:
                 sends = [_send(graph, g) for g in run]
-                send = _call(graph, aten.cat.default, (sends,))
+                send = _as_bytes(graph, _call(graph, aten.cat.default, (sends,)))
                 start = _call(graph, _c10d.all_gather_into_tensor.default, (send, world, group))
         with graph.inserting_before(first):
             done = _call(graph, _c10d.wait_tensor.default, (start,))
+            dtype = run[0].args[3]
+            assert isinstance(dtype, torch.dtype)
+            if done.meta["val"].dtype != dtype:  # fp8, sent as uint8
+                done = _call(graph, aten.view.dtype, (done, dtype))
             outs = [done]
             if len(run) > 1:
                 # Rank-major [rank][gather 0 | gather 1 | ...]: each gather's full buffer

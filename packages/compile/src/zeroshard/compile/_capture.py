@@ -16,6 +16,11 @@ holds the parameter: tied weights have several) and the parameters go back in `f
 `torch.func.functional_call` would do the same through its generic reparametrization,
 which Dynamo traces too, and takes longer to trace (docs/benchmarks.md,
 design-measurements).
+
+A group of torchao's fp8 weights (`zs.float8_wire`) is gathered in fp8 instead, its
+weights going in as the `Float8TrainingTensor`s their `Float8Linear`s compute with
+(`_float8.GatheredFloat8`); its scales are inputs of the graph, rewritten in place by
+the engine after every step.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard.compile._float8 import GatheredFloat8
 from zeroshard.compile._ops import register_target
-from zeroshard.engine import EngineState, EngineStats
+from zeroshard.engine import EngineState, EngineStats, float8_wire
 
 _forwards = itertools.count()
 
-Forward = Callable[[list[torch.Tensor], tuple[Any, ...], dict[str, Any]], Any]
+Forward = Callable[
+    [list[torch.Tensor], list[torch.Tensor | None], tuple[Any, ...], dict[str, Any]], Any
+]
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ class FlatSpec:
     pieces: tuple[int, ...]
     # (index of its piece, shape) per parameter, in the group's order.
     slots: tuple[tuple[int, tuple[int, ...]], ...]
+    # A group of torchao's fp8 weights: gathered in fp8 (`GatheredFloat8`).
+    float8: bool
 
 
 def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
@@ -61,7 +71,8 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
         # Under hybrid sharding the groups shard over `shard_group` and their gradients
         # are then averaged over `replicate`, as the eager reducer does.
         replicate = state.replicate if g.process_group is state.shard_group else None
-        key = register_target(g.process_group, stats, f"flat group {g.index}", replicate)
+        wire = float8_wire(g)
+        key = register_target(g.process_group, stats, f"flat group {g.index}", replicate, wire)
         pieces, piece_of_slot = g.layout.split_sizes()
         slots = tuple(
             (piece, tuple(s.shape)) for piece, s in zip(piece_of_slot, g.layout.slots, strict=True)
@@ -70,13 +81,20 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
             FlatSpec(
                 key,
                 g.process_group.size,
-                g.param_buffer.dtype,
+                state.config.precision.compute_dtype,
                 state.config.precision.grad_reduce_dtype,
                 pieces,
                 slots,
+                wire is not None,
             )
         )
     return specs
+
+
+def graph_scales(state: EngineState) -> list[torch.Tensor | None]:
+    """Per flat group of `state`, the scales its fp8 gather reads (None: not fp8)."""
+    wires = [float8_wire(g) for g in state.groups]
+    return [None if w is None else w.scales for w in wires]
 
 
 def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatSpec]) -> Forward:
@@ -92,18 +110,35 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
         for g, spec in zip(state.groups, specs, strict=True)
     ]
 
-    def forward(shards: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def forward(
+        shards: list[torch.Tensor],
+        scales: list[torch.Tensor | None],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for spec, shard, spec_places in zip(specs, shards, places, strict=True):
-                full = torch.ops.zeroshard.gather(
-                    shard, spec.key, spec.world, torch.float32, spec.reduce_dtype
-                )
-                if spec.compute_dtype != torch.float32:
-                    full = full.to(spec.compute_dtype)
-                split = full.split(spec.pieces)
-                for owners, piece, shape in spec_places:
-                    view = split[piece].view(shape)
+            for spec, shard, scale, spec_places in zip(specs, shards, scales, places, strict=True):
+                views: tuple[torch.Tensor, ...]
+                if spec.float8:
+                    views = GatheredFloat8.apply(  # type: ignore[no-untyped-call]
+                        shard,
+                        scale,
+                        spec.key,
+                        spec.world,
+                        spec.reduce_dtype,
+                        spec.pieces,
+                        spec.slots,
+                    )
+                else:
+                    full = torch.ops.zeroshard.gather(
+                        shard, spec.key, spec.world, torch.float32, spec.reduce_dtype
+                    )
+                    if spec.compute_dtype != torch.float32:
+                        full = full.to(spec.compute_dtype)
+                    split = full.split(spec.pieces)
+                    views = tuple(split[piece].view(shape) for _, piece, shape in spec_places)
+                for (owners, _, _), view in zip(spec_places, views, strict=True):
                     for params, attr in owners:
                         swapped.append((params, attr, params[attr]))
                         params[attr] = view

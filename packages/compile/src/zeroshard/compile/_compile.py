@@ -12,7 +12,7 @@ from torch import nn
 
 from zeroshard.comm import warn_on_rank0
 from zeroshard.compile._backend import Captures, capture_errors, make_backend
-from zeroshard.compile._capture import flat_specs, gathered_forward, route_grads
+from zeroshard.compile._capture import flat_specs, gathered_forward, graph_scales, route_grads
 from zeroshard.compile._ops import unregister_target
 from zeroshard.compile._passes import default_pipeline
 from zeroshard.compile._pipeline import Pipeline
@@ -51,6 +51,7 @@ class CompiledModel:
         state = engine_state(model)
         self._state = state
         self._shards = [g.master for g in state.groups]
+        self._scales = graph_scales(state)
         kwargs = dict(torch_compile_kwargs)
         inner = kwargs.pop("backend", "inductor")
         options = kwargs.pop("options", None)
@@ -140,7 +141,7 @@ class CompiledModel:
         try:
             # The compiled graph gathers and releases itself: the engine's hooks stand aside.
             with runtime.suspended():
-                return self._compiled(self._shards, args, kwargs)
+                return self._compiled(self._shards, self._scales, args, kwargs)
         except capture_errors() as e:
             if not first:
                 raise

@@ -17,6 +17,7 @@ from zeroshard.compile import _ops  # noqa: F401
 
 _aten = torch.ops.aten
 _GATHER = torch.ops.zeroshard.gather
+_GATHER_FP8 = torch.ops.zeroshard.gather_fp8
 _RELEASE = torch.ops.zeroshard.release
 _REDUCE = torch.ops.zeroshard.reduce_scatter
 
@@ -47,8 +48,19 @@ _VIEW_METHODS = frozenset(
 
 
 def is_gather(node: fx.Node) -> bool:
-    """Whether `node` calls `zeroshard::gather`."""
-    return node.op == "call_function" and node.target in (_GATHER, _GATHER.default)
+    """Whether `node` calls `zeroshard::gather` or `zeroshard::gather_fp8` (both take the
+    shard, the op key, the world and the gathered dtype first)."""
+    return node.op == "call_function" and node.target in (
+        _GATHER,
+        _GATHER.default,
+        _GATHER_FP8,
+        _GATHER_FP8.default,
+    )
+
+
+def is_float8_gather(node: fx.Node) -> bool:
+    """Whether `node` calls `zeroshard::gather_fp8` (torchao's fp8 weights, in fp8)."""
+    return node.op == "call_function" and node.target in (_GATHER_FP8, _GATHER_FP8.default)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:

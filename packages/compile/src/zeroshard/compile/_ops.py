@@ -4,9 +4,12 @@
 shard to `dtype` and all-gathers it into a new full flat buffer; its autograd formula
 reduce-scatters the full gradient (cast to `reduce_dtype`) back to the shard's size, so
 AOTAutograd puts `zeroshard::reduce_scatter` into the backward graph by itself.
-`zeroshard::release(buffer, key)` marks the point after a buffer's last use (see
-[Note: what release does]). Every op has a fake kernel, so Dynamo and AOTAutograd trace
-them by shape alone.
+`zeroshard::gather_fp8(shard, key, world, dtype, scales)` is the gather of a flat group
+of torchao's fp8 weights ([Note: the fp8 gather] in zeroshard.engine): the shard cast to
+fp8, each weight's part with its scale, then all-gathered; it has no autograd formula of
+its own (`_float8.GatheredFloat8` routes the weights' gradients). `zeroshard::release(
+buffer, key)` marks the point after a buffer's last use (see [Note: what release does]).
+Every op has a fake kernel, so Dynamo and AOTAutograd trace them by shape alone.
 
 Ops carry an integer `key` rather than a process group (ops take only tensors and
 scalars): `register_target` maps it to the `Group` to talk on, the engine's `EngineStats`
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 
 from zeroshard.comm import Group
-from zeroshard.engine import EngineStats
+from zeroshard.engine import EngineStats, Float8Wire
 
 
 @dataclass(frozen=True)
@@ -32,21 +35,27 @@ class _Target:
     stats: EngineStats
     label: str
     replicate: Group | None
+    wire: Float8Wire | None
 
 
 _TARGETS: dict[int, _Target] = {}
 
 
 def register_target(
-    process_group: Group, stats: EngineStats, label: str, replicate: Group | None = None
+    process_group: Group,
+    stats: EngineStats,
+    label: str,
+    replicate: Group | None = None,
+    wire: Float8Wire | None = None,
 ) -> int:
     """A key under which the ops find `process_group` (and `replicate`, under hybrid
-    sharding) and count into `stats`: the smallest one no live model holds."""
+    sharding; `wire`, for a group of fp8 weights) and count into `stats`: the smallest
+    one no live model holds."""
     # Keys are constants in the traced graphs, so in the compile caches' keys too: a model
     # compiled after an earlier one was dropped gets the keys that one had, and so loads
     # its compiled code (with ever-new keys it would miss every cache, in-process too).
     key = next(k for k in itertools.count() if k not in _TARGETS)
-    _TARGETS[key] = _Target(process_group, stats, label, replicate)
+    _TARGETS[key] = _Target(process_group, stats, label, replicate, wire)
     return key
 
 
@@ -83,6 +92,41 @@ def _gather_fake(
     shard: torch.Tensor, key: int, world: int, dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> torch.Tensor:
     return shard.new_empty(shard.numel() * world, dtype=dtype)
+
+
+@torch.library.custom_op("zeroshard::gather_fp8", mutates_args=())
+def gather_fp8(
+    shard: torch.Tensor, key: int, world: int, dtype: torch.dtype, scales: torch.Tensor
+) -> torch.Tensor:
+    """All-gather `shard` cast to fp8 `dtype` (each weight's part with its scale of
+    `scales`) into a new flat buffer of world x its size; in place, as the eager gather."""
+    target = _target(key)
+    wire = wire_of(key)
+    n = shard.numel()
+    out = torch.empty(n * world, dtype=dtype, device=shard.device)
+    rank = target.process_group.rank
+    own = out[rank * n : (rank + 1) * n]
+    wire.cast_into(own, shard.detach(), scales)
+    target.process_group.all_gather_into(
+        out, own, label=f"compiled fp8 gather of {target.label}"
+    ).wait()
+    target.stats.gathered(out.nbytes)
+    return out
+
+
+@gather_fp8.register_fake
+def _gather_fp8_fake(
+    shard: torch.Tensor, key: int, world: int, dtype: torch.dtype, scales: torch.Tensor
+) -> torch.Tensor:
+    return shard.new_empty(shard.numel() * world, dtype=dtype)
+
+
+def wire_of(key: int) -> Float8Wire:
+    """How the fp8 group of `key` travels."""
+    wire = _target(key).wire
+    if wire is None:
+        raise RuntimeError(f"zeroshard op key {key} is not a group of fp8 weights")
+    return wire
 
 
 @torch.library.custom_op("zeroshard::reduce_scatter", mutates_args=())

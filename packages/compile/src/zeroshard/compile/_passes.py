@@ -31,6 +31,7 @@ from zeroshard.compile._graph import (
     aliases,
     cast_dtype,
     gathers,
+    is_float8_gather,
     is_gather,
     is_reduce_scatter,
     is_release,
@@ -87,8 +88,11 @@ def mark_recompute(graph: fx.Graph, context: PassContext) -> None:
 def fuse_downcast(graph: fx.Graph, context: PassContext) -> None:
     """Gather in the dtype the parameters are used in: when every use of a gathered buffer
     (through views) is a cast to one dtype, the gather casts the shard instead, so fewer
-    bytes travel and no full-precision copy of the parameters is ever made."""
+    bytes travel and no full-precision copy of the parameters is ever made. An fp8 gather
+    is fused already (its buffer's casts are torchao's dequantization, not a downcast)."""
     for gather in gathers(graph):
+        if is_float8_gather(gather):
+            continue
         views = aliases(gather)
         leaves = users_of(views)
         dtypes = {cast_dtype(u) for u in leaves}

@@ -25,6 +25,7 @@ from zeroshard.engine.config._policies import (
 from zeroshard.engine.planner._cluster import Cluster, Link
 from zeroshard.engine.planner._estimate import Estimate, estimate
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.runtime._float8_gather import Float8Wire, float8_wire
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import DivergentRanksError
 from zeroshard.engine.runtime._state import (
@@ -56,6 +57,7 @@ __all__ = [
     "EngineState",
     "EngineStats",
     "Estimate",
+    "Float8Wire",
     "Link",
     "LoadReport",
     "LossScalePolicy",
@@ -71,6 +73,7 @@ __all__ = [
     "engine_state",
     "engine_stats",
     "estimate",
+    "float8_wire",
     "full_state_dict",
     "gathered_parameters",
     "hidden_size_of",
