@@ -19,7 +19,7 @@ from zeroshard.engine.planner._estimate import (
     trace_micro_batch,
 )
 from zeroshard.engine.planner._groups import plan_groups
-from zeroshard.engine.planner._presets import PRESETS, build
+from zeroshard.engine.planner._presets import PRESETS, build, convert_float8
 from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
 
@@ -73,6 +73,19 @@ def _parser() -> argparse.ArgumentParser:
         default="bf16",
         choices=("bf16", "fp16", "fp32"),
         help="compute dtype; master weights stay fp32 (default bf16)",
+    )
+    p.add_argument(
+        "--fp8",
+        choices=("none", "tensorwise", "rowwise"),
+        default="none",
+        help="train the linears (all but the head) with torchao's fp8 recipe (needs "
+        "torchao; default none)",
+    )
+    p.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="with --fp8 tensorwise: stage 3 gathers those weights in fp8 "
+        "(torchao's enable_fsdp_float8_all_gather)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -176,6 +189,8 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError(f"{given} needs {missing}: the step's compute time is their quotient")
     if a.step_ms is not None and a.achieved_tflops is not None:
         raise ValueError("give --step-ms or --achieved-tflops with --flops-per-token, not both")
+    if a.fp8_all_gather and a.fp8 != "tensorwise":
+        raise ValueError("--fp8-all-gather needs --fp8 tensorwise (torchao's only recipe for it)")
     if a.layers is not None and (a.layers < 1 or a.model not in PRESETS):
         raise ValueError("--layers takes a count >= 1 and a preset (not a config.json)")
 
@@ -189,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = build(
             a.model, activation_checkpointing=a.activation_checkpointing, n_layer=a.layers
         )
+        if a.fp8 != "none":
+            convert_float8(model, a.fp8, a.fp8_all_gather)
         if a.seq is None and a.model not in PRESETS:
             raise ValueError("--seq is needed with a config.json (presets have their own)")
         seq = a.seq or PRESETS[a.model].seq_len

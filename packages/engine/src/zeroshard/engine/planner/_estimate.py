@@ -34,6 +34,7 @@ from zeroshard.engine.planner._step_time import (
     check_step_in_backward,
     project_step,
 )
+from zeroshard.engine.runtime._float8 import unwrap_float8_weights
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime.offload._fused_adam import steps_in_blocks
 
@@ -57,6 +58,7 @@ class Estimate:
     host: int  # offload: host bytes per rank (master, gradient, optimizer state, staging)
     pinned: int
     step: StepTime | None
+    float8: int = 0  # stage 3: parameters gathered in fp8 (torchao's fp8 weights)
 
     @property
     def states_total(self) -> int:
@@ -107,7 +109,8 @@ class Estimate:
             f"| fp32 gradient shards (in a step) | {self.grad_shards / GIB:.2f} |",
         ]
         if cfg.stage == 3:
-            lines.append(f"| gathered units in flight | {self.gathered / GIB:.2f} |")
+            fp8 = f" (fp8 for {self.float8 / 1e9:.2f}B parameters)" if self.float8 else ""
+            lines.append(f"| gathered units in flight{fp8} | {self.gathered / GIB:.2f} |")
         lines += [
             f"| activations + gradient path (on meta) | {self.activations_peak / GIB:.2f} |",
             f"| = projected peak | {self.peak / GIB:.2f} |",
@@ -166,8 +169,11 @@ def trace_micro_batch(
 ) -> OperatorTrace:
     """The operators' bytes of one micro-batch of `model` in `cfg`'s compute dtype: what
     `estimate_on_trace` needs, the same for every config of that dtype."""
-    # The engine computes in the compute dtype: the activations are measured on such a copy.
-    runnable = copy.deepcopy(model).to(cfg.precision.compute_dtype)
+    # The engine computes in the compute dtype: the activations are measured on such a copy,
+    # whose torchao fp8 weights are plain, as the engine's (runtime/_float8.py).
+    runnable = copy.deepcopy(model)
+    unwrap_float8_weights(runnable)
+    runnable = runnable.to(cfg.precision.compute_dtype)
     return trace_operators(runnable, micro_batch, seq_len, loss_fn)
 
 
@@ -256,4 +262,5 @@ def estimate_on_trace(
         host=host,
         pinned=pinned,
         step=step,
+        float8=sum(g.layout.numel for g in plan.groups if g.float8),
     )

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._float8 import gathered_in_float8
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._unit_plan import is_persistent
 from zeroshard.engine.runtime.offload._plan import OffloadSizes
@@ -60,14 +61,16 @@ def plan_groups(
         size_of=lambda _: shard_size,
         param_group_of=param_group_of,
         blocked_step=blocked_step,
+        float8=gathered_in_float8(model, cfg),
     )
     itemsize = cfg.precision.compute_dtype.itemsize
     units: list[PlannedUnit] = []
     for ui, unit in enumerate(plan.units):
-        layouts = [g.layout for g in plan.groups_of(ui)]
-        numel = sum(lay.numel for lay in layouts)
+        groups = plan.groups_of(ui)
+        numel = sum(g.layout.numel for g in groups)
         persistent = is_persistent(ui, numel, cfg.stage3.persistence_threshold)
-        gathered = sum(lay.padded_numel for lay in layouts) * itemsize
+        # torchao's fp8 weights gather one byte per element ([Note: the fp8 gather]).
+        gathered = sum(g.layout.padded_numel * (1 if g.float8 else itemsize) for g in groups)
         units.append(PlannedUnit(unit.name, gathered, persistent))
     return GroupPlan(plan.groups, tuple(units), plan.offload, shard_size)
 

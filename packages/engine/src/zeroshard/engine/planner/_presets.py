@@ -171,3 +171,23 @@ def build(name: str, *, activation_checkpointing: bool, n_layer: int | None = No
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()  # type: ignore[operator]
     return model
+
+
+def convert_float8(model: nn.Module, recipe: str, all_gather: bool) -> None:
+    """Every linear of `model` but its output head made torchao's fp8 training linear
+    (as torchtitan converts), by `recipe` ('tensorwise', 'rowwise'), the weights gathered
+    in fp8 with `all_gather` (tensorwise only)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ValueError("fp8 needs torchao: pip install 'zeroshard-engine[fp8]'") from None
+    if all_gather and recipe != "tensorwise":
+        raise ValueError(f"the fp8 all-gather takes the tensorwise recipe, not {recipe!r}")
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=all_gather
+    )
+    convert_to_float8_training(
+        model,
+        config=config,
+        module_filter_fn=lambda m, fqn: fqn.rpartition(".")[2] not in ("head", "lm_head"),
+    )

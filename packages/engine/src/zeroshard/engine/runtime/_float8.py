@@ -63,7 +63,9 @@ def _is_wrapped(p: Any) -> bool:
     return utils is not None and isinstance(p, utils.WeightWithDynamicFloat8CastTensor)
 
 
-def unwrap_float8_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def unwrap_float8_weights(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Replace every torchao fp8-gather weight subclass in `model` (and in `optimizer`'s
     param groups) by the plain parameter it wraps."""
     swapped: dict[int, nn.Parameter] = {}
@@ -82,7 +84,7 @@ def unwrap_float8_weights(model: nn.Module, optimizer: torch.optim.Optimizer) ->
             plain.requires_grad_(wrapped.requires_grad)
             swapped[id(wrapped)] = plain
         module._parameters["weight"] = plain
-    if not swapped:
+    if not swapped or optimizer is None:
         return
     for pg in optimizer.param_groups:
         pg["params"] = [swapped.get(id(p), p) for p in pg["params"]]
