@@ -61,12 +61,14 @@ class GPTConfig:
 
 
 # "tiny" is the demo (byte-level vocabulary, ~3.3M parameters); "1.3b" is the
-# GPT-3 XL shape the benchmarks time; "7b" is the LLaMA-7B width and depth in GPT form.
+# GPT-3 XL shape the benchmarks time; "7b" is the LLaMA-7B width and depth in GPT form;
+# "wide" is 7b's width at 8 layers and seq 4096 (1.83B), where fp8 matmuls pay most.
 # 50304 = 50257 (GPT-2's vocabulary) rounded up to a multiple of 64 for tensor cores.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, d_model=256, n_layer=4, n_head=4, seq_len=128),
     "1.3b": GPTConfig(vocab_size=50304, d_model=2048, n_layer=24, n_head=16, seq_len=2048),
     "7b": GPTConfig(vocab_size=50304, d_model=4096, n_layer=32, n_head=32, seq_len=2048),
+    "wide": GPTConfig(vocab_size=50304, d_model=4096, n_layer=8, n_head=32, seq_len=4096),
 }
 
 

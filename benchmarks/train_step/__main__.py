@@ -34,7 +34,14 @@ re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fs
 (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c` (compiled whole),
 `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
 (DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
-`--shard-group-size` ranks, replicate across the rest). Each gets the same freshly built
+`--shard-group-size` ranks, replicate across the rest). The fp8 engines, run only when
+named (torchao's float8 training of every block's linears, by the `--fp8` recipe:
+`_float8.py`): the floors `floor8` and `floorc8`, `zs3-fp8`, `zs3c-fp8`, `fsdp2-fp8`,
+`fsdp2c-fp8`, and with those weights gathered in fp8 (torchao's
+`enable_fsdp_float8_all_gather`: zeroshard's fp8 gather, FSDP2's fp8 all-gather)
+`zs3-fp8g`, `zs3c-fp8g`, `fsdp2-fp8g`, `fsdp2c-fp8g`; each against its fp8 floor, and
+issue 61's goals table compares them with the bf16 engines of the same run. The preset
+`wide` (gpt: d 4096, 8 layers, seq 4096) is where fp8 pays most. Each gets the same freshly built
 model (`--activation-checkpointing` recomputes every block in backward, for every
 engine), the same random tokens and torch.optim.AdamW. Per engine:
 init time (wrapping, model construction excluded), median step time over `--steps` after
@@ -106,6 +113,12 @@ def parse_args() -> argparse.Namespace:
         help="per-GPU peak for MFU (default: H100/H200 SXM bf16 dense, 989)",
     )
     p.add_argument("--zs-config", default="{}", help="JSON merged into the zeroshard config")
+    p.add_argument(
+        "--fp8",
+        default="tensorwise",
+        choices=("tensorwise", "rowwise"),
+        help="torchao recipe of the fp8 engines (floor8, zs3c-fp8, ...; default tensorwise)",
+    )
     p.add_argument(
         "--shard-group-size",
         type=int,
@@ -224,6 +237,7 @@ def main() -> None:
         args.micro_batch,
         json.loads(args.zs_config),
         args.shard_group_size,
+        args.fp8,
     )
     names = args.engines.split(",") if args.engines else default_engines()
     # DeepSpeed last (a stable sort keeps the order otherwise): see `Engine.runs_last`.

@@ -17,8 +17,14 @@ from torch import nn
 
 from benchmarks.train_step import _torch_engines as tch
 from benchmarks.train_step._deepspeed_engines import setup_ds
+from benchmarks.train_step._float8 import in_float8
 from benchmarks.train_step._settings import Settings, Stepper
-from benchmarks.train_step._zeroshard_engines import setup_zs, setup_zs3b, setup_zs3c
+from benchmarks.train_step._zeroshard_engines import (
+    setup_zs,
+    setup_zs3_noted,
+    setup_zs3b,
+    setup_zs3c,
+)
 
 
 @dataclass(frozen=True)
@@ -40,13 +46,16 @@ class Engine:
     # state (its accelerator, logging, hooks), which must not touch the engines timed before.
     runs_last: bool = False
     # Runs only where `--engines` names it: a diagnostic whose cold compile alone takes
-    # about a minute on a GPU, of no use to a run that compares the engines' steps.
+    # about a minute on a GPU, of no use to a run that compares the engines' steps; or an
+    # fp8 engine, which a run asks for with its floors.
     on_request: bool = False
+    # Its blocks' linears train in fp8 (torchao, `--fp8`): its floor is `floor8`/`floorc8`.
+    fp8: bool = False
 
     @property
     def floor(self) -> str:
         """The floor this engine's gap is measured against."""
-        return "floorc" if self.compiled else "floor"
+        return ("floorc" if self.compiled else "floor") + ("8" if self.fp8 else "")
 
 
 def _has(module: str, attr: str | None = None) -> Callable[[], bool]:
@@ -71,8 +80,12 @@ def _zs(stage: int, hybrid: bool = False) -> Callable[[nn.Module, Settings], Ste
     return lambda m, s: setup_zs(m, s, stage, hybrid)
 
 
-def _zs3c(fuse_downcast: bool) -> Callable[[nn.Module, Settings], Stepper]:
-    return lambda m, s: setup_zs3c(m, s, fuse_downcast)
+def _zs3c(fuse_downcast: bool, name: str) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs3c(m, s, fuse_downcast, name)
+
+
+def _zs3(name: str) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs3_noted(m, s, name)
 
 
 def _ds(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
@@ -81,8 +94,22 @@ def _ds(stage: int) -> Callable[[nn.Module, Settings], Stepper]:
 
 _ZEROSHARD = _has("zeroshard.engine", "initialize")
 _COMPILE = _has("zeroshard.compile", "compile")
+_TORCHAO = _has("torchao.float8", "convert_to_float8_training")
+
+
+def _both(*checks: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: all(check() for check in checks)
+
+
 # Finds deepspeed without importing it (see `runs_last`).
 _DEEPSPEED = _has("deepspeed")
+
+# The flags of the fp8 engines: floors run alone, compiled ones against `floorc8`, and
+# none runs unless named (a run asks for them with their floors).
+_FP8: dict[str, bool] = {"fp8": True, "on_request": True}
+_FP8C: dict[str, bool] = {**_FP8, "compiled": True}
+_FLOOR: dict[str, bool] = {**_FP8, "rank0_only": True}
+_FLOORC: dict[str, bool] = {**_FLOOR, "compiled": True}
 
 ENGINES: dict[str, Engine] = {
     e.name: e
@@ -150,7 +177,7 @@ ENGINES: dict[str, Engine] = {
         ),
         # zeroshard.compile: compiled stage 3 and its peer, FSDP2 with compiled blocks.
         *(
-            Engine(name, what, _zs3c(fuse_downcast), _COMPILE, compiled=True)
+            Engine(name, what, _zs3c(fuse_downcast, name), _COMPILE, compiled=True)
             for name, what, fuse_downcast in (
                 ("zs3c", "zeroshard stage 3, compiled (zeroshard.compile, inductor)", True),
                 ("zs3c-nofuse", "zs3c without the fused downcast (fp32 gathers, then cast)", False),
@@ -169,6 +196,58 @@ ENGINES: dict[str, Engine] = {
             tch.setup_fsdp2c,
             _always,
             compiled=True,
+        ),
+        # fp8 (`_float8.py`): the blocks' linears by torchao's `--fp8` recipe; "-fp8g"
+        # gathers those weights in fp8 too (enable_fsdp_float8_all_gather).
+        *(
+            Engine(name, what, in_float8(setup, gather), _both(available, _TORCHAO), **flags)
+            for name, what, setup, gather, available, flags in (
+                ("floor8", "`floor`, blocks in fp8", tch.setup_floor, False, _always, _FLOOR),
+                ("floorc8", "`floorc`, blocks in fp8", tch.setup_floorc, False, _always, _FLOORC),
+                ("zs3-fp8", "`zs3`, blocks in fp8", _zs3("zs3-fp8"), False, _ZEROSHARD, _FP8),
+                (
+                    "zs3-fp8g",
+                    "`zs3`, blocks in fp8, their weights gathered in fp8",
+                    _zs3("zs3-fp8g"),
+                    True,
+                    _ZEROSHARD,
+                    _FP8,
+                ),
+                (
+                    "zs3c-fp8",
+                    "`zs3c`, blocks in fp8",
+                    _zs3c(True, "zs3c-fp8"),
+                    False,
+                    _COMPILE,
+                    _FP8C,
+                ),
+                (
+                    "zs3c-fp8g",
+                    "`zs3c`, blocks in fp8, their weights gathered in fp8",
+                    _zs3c(True, "zs3c-fp8g"),
+                    True,
+                    _COMPILE,
+                    _FP8C,
+                ),
+                ("fsdp2-fp8", "`fsdp2`, blocks in fp8", tch.setup_fsdp2, False, _always, _FP8),
+                (
+                    "fsdp2-fp8g",
+                    "`fsdp2`, blocks in fp8, FSDP2's fp8 all-gather",
+                    tch.setup_fsdp2_fp8_gather,
+                    True,
+                    _always,
+                    _FP8,
+                ),
+                ("fsdp2c-fp8", "`fsdp2c`, blocks in fp8", tch.setup_fsdp2c, False, _always, _FP8C),
+                (
+                    "fsdp2c-fp8g",
+                    "`fsdp2c`, blocks in fp8, FSDP2's fp8 all-gather",
+                    tch.setup_fsdp2c_fp8_gather,
+                    True,
+                    _always,
+                    _FP8C,
+                ),
+            )
         ),
     ]
 }

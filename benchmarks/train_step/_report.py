@@ -14,6 +14,7 @@ from benchmarks._common import markdown_table
 from benchmarks._common._models import BenchModel
 from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._engines import ENGINES
+from benchmarks.train_step._float8_goals import float8_goals
 from benchmarks.train_step._goals import compile_table, one_gpu_goals
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings
@@ -85,8 +86,13 @@ def report(
         f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
         f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n{versions}"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
-        "synchronized, on the slowest rank; the floors (`floor`, `floor32`, `floorc`) run "
-        "alone on rank 0."
+        "synchronized, on the slowest rank; the floors (`floor`, `floor32`, `floorc`, "
+        "`floor8`, `floorc8`) run alone on rank 0."
+        + (
+            f" fp8 engines: torchao's `{settings.fp8}` recipe on every block's linears."
+            if any(ENGINES[r.engine].fp8 for r in results)
+            else ""
+        )
         + (
             f" {args.rounds} rounds, engines in alternating order (as listed, then "
             "reversed, ...), each engine built afresh every round: the median of the "
@@ -125,6 +131,9 @@ def report(
     goals = one_gpu_goals({r.engine: r for r in results}, compile_times) if world == 1 else []
     if goals:
         body += ["", *goals]
+    fp8 = float8_goals(by)
+    if fp8:
+        body += ["", *fp8]
     if compile_times:
         body += ["", *compile_table(compile_times)]
     leaks = [f"`{r.engine}` {r.left_gib:.2f} GiB" for r in results if r.left_gib > 0.25]

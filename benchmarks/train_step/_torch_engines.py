@@ -4,7 +4,7 @@ hybrid, with compiled blocks)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,9 +20,14 @@ def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
 
 
 def plain_step(
-    model: nn.Module, opt: torch.optim.Optimizer, s: Settings, autocast: bool
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    s: Settings,
+    autocast: bool,
+    after_step: Callable[[], None] | None = None,
 ) -> Stepper:
-    """forward (under autocast if asked), backward, optional clip, step, zero_grad."""
+    """forward (under autocast if asked), backward, optional clip, step, `after_step`,
+    zero_grad."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with _autocast(s) if autocast else contextlib.nullcontext():
@@ -31,6 +36,8 @@ def plain_step(
         if s.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
         opt.step()
+        if after_step is not None:
+            after_step()
         opt.zero_grad(set_to_none=True)
 
     return step
@@ -197,7 +204,11 @@ def _fully_shard() -> tuple[Any, Any]:
 
 
 def _setup_fsdp2(
-    model: nn.Module, s: Settings, reshard_after_forward: bool, hybrid: bool = False
+    model: nn.Module,
+    s: Settings,
+    reshard_after_forward: bool,
+    hybrid: bool = False,
+    after_step: Callable[[], None] | None = None,
 ) -> Stepper:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -217,7 +228,8 @@ def _setup_fsdp2(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's parameters (embeddings, final norm) are needed last in backward anyway.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    return plain_step(model, adamw(model.parameters(), s.device), s, autocast=False)
+    opt = adamw(model.parameters(), s.device)
+    return plain_step(model, opt, s, autocast=False, after_step=after_step)
 
 
 def setup_fsdp2(model: nn.Module, s: Settings) -> Stepper:
@@ -240,3 +252,20 @@ def setup_fsdp2c(model: nn.Module, s: Settings) -> Stepper:
     fully_shard then hooks the wrapper, so its gathers stay outside the compiled blocks."""
     compile_blocks(model)
     return _setup_fsdp2(model, s, reshard_after_forward=True)
+
+
+def setup_fsdp2_fp8_gather(model: nn.Module, s: Settings) -> Stepper:
+    """`fsdp2` whose fp8 weights (torchao's fp8 all-gather) take their scales after
+    every step, in one all-reduce (`precompute_float8_dynamic_scale_for_fsdp`)."""
+    from benchmarks.train_step._float8 import precompute_scales
+
+    return _setup_fsdp2(model, s, reshard_after_forward=True, after_step=precompute_scales(model))
+
+
+def setup_fsdp2c_fp8_gather(model: nn.Module, s: Settings) -> Stepper:
+    """`fsdp2c` with torchao's fp8 all-gather, as `setup_fsdp2_fp8_gather`."""
+    from benchmarks.train_step._float8 import precompute_scales
+
+    after = precompute_scales(model)  # before compile_blocks wraps the blocks
+    compile_blocks(model)
+    return _setup_fsdp2(model, s, reshard_after_forward=True, after_step=after)

@@ -48,6 +48,32 @@ def setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) ->
     return step
 
 
+def setup_zs3_noted(model: nn.Module, s: Settings, name: str) -> Stepper:
+    """zeroshard stage 3, noting the bytes gathered per step and the fp8 weights' scale
+    all-reduces once, on rank 0, for the report (NOTES, under the engine's `name`)."""
+    import zeroshard.engine as zs
+
+    zmodel, opt = _initialize(model, s, 3)
+    stats = zs.engine_stats(zmodel)
+    steps = 0
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal steps
+        stats.reset()
+        _train_step(zmodel, opt, s, x, y)
+        steps += 1
+        if steps == 2 and dist.get_rank() == 0:
+            note = (
+                f"per step: {stats.gathers} gathers, "
+                f"{stats.bytes_gathered / 2**20:.1f} MiB gathered, "
+                f"{stats.scale_reductions} fp8 scale all-reduce(s)"
+            )
+            NOTES[name] = note
+            print(f"[{name}] {note}", flush=True)
+
+    return step
+
+
 def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
     """zeroshard stage 3 with every block's `forward` under torch.compile, as a torchtitan
     user compiles blocks: the engine's hooks run eagerly around the blocks' graphs, and one
@@ -61,9 +87,9 @@ def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
     return step
 
 
-def setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
+def setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool, name: str) -> Stepper:
     """zeroshard stage 3 compiled whole by zeroshard.compile (inductor); records the bytes
-    gathered per step once, on rank 0, for the report (NOTES)."""
+    gathered per step once, on rank 0, for the report (NOTES, under the engine's `name`)."""
     import zeroshard.compile as zc
 
     zmodel, opt = _initialize(model, s, 3)
@@ -87,7 +113,7 @@ def setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool) -> Stepper:
                 f"peak gathered {st.peak_live_bytes / 2**20:.1f} MiB, "
                 f"captures {compiled.compiles}, eager fallback {compiled.eager}"
             )
-            NOTES["zs3c" if fuse_downcast else "zs3c-nofuse"] = note
-            print(f"[zs3c fuse_downcast={fuse_downcast}] {note}", flush=True)
+            NOTES[name] = note
+            print(f"[{name}] {note}", flush=True)
 
     return step
