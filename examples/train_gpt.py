@@ -110,6 +110,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "never"],
         help="auto: load the newest complete checkpoint of --ckpt-dir if there is one",
     )
+    p.add_argument(
+        "--fp8",
+        default="none",
+        choices=["none", "tensorwise", "rowwise"],
+        help="train the blocks' linears in fp8 with torchao's recipe (emulated on CPU)",
+    )
+    p.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="with --fp8 tensorwise at stage 3: gather those weights in fp8",
+    )
     p.add_argument("--loss-log", type=Path, default=None, help="rank 0 appends 'step loss' lines")
     p.add_argument(
         "--final-weights", type=Path, default=None, help="write the fp32 weights (safetensors)"
@@ -123,7 +134,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ckpt-dir needs a ZeRO stage (1-3)")
     if args.shard_group_size is not None and args.stage == 0:
         p.error("--shard-group-size needs a ZeRO stage (1-3)")
+    if args.fp8_all_gather and args.fp8 != "tensorwise":
+        p.error("--fp8-all-gather needs --fp8 tensorwise (torchao's only recipe for it)")
     return args
+
+
+def to_float8(model: GPT, recipe: str, all_gather: bool, device: torch.device) -> None:
+    """Every linear of the blocks trained in fp8 by torchao (the embedding and the tied
+    head stay as they are); emulated off CUDA. `all_gather`: zeroshard's stage 3 gathers
+    those weights in fp8 (torchao's `enable_fsdp_float8_all_gather`)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        emulate=device.type != "cuda",
+        enable_fsdp_float8_all_gather=all_gather,
+    )
+    for block in model.blocks:
+        convert_to_float8_training(block, config=config)
 
 
 def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
@@ -303,13 +333,16 @@ def main() -> None:
     corpus = Corpus(CORPUS, cfg.seq_len)
     torch.manual_seed(args.seed)  # same initial weights on every rank
     plain = GPT(cfg).to(device)
+    if args.fp8 != "none":
+        to_float8(plain, args.fp8, args.fp8_all_gather, device)
     engine = "DDP" if args.stage == 0 else f"zeroshard stage {args.stage}"
     log.info(
-        "GPT %s: %.2fM parameters; %s, %s, %d rank(s) on %s; global batch %d x %d tokens",
+        "GPT %s: %.2fM parameters; %s, %s%s, %d rank(s) on %s; global batch %d x %d tokens",
         args.preset,
         parameters_count(cfg) / 1e6,
         engine,
         args.dtype,
+        "" if args.fp8 == "none" else f", blocks in fp8 ({args.fp8})",
         world,
         device.type,
         args.batch * args.accum,
