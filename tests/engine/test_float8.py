@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks, world_fits
+from tests._dist import run_each, run_ranks
 from tests.engine._float8 import (
     batches,
     ddp_reference,
@@ -119,8 +119,8 @@ def _all(device: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_float8_training(world_size: int, device: str) -> None:
+def test_float8_training(device: str) -> None:
     pytest.importorskip("torchao")
-    world_fits(device, world_size)
-    run_ranks(_all, world_size, device, device=device)
+    # Two ranks, or one on a machine of one GPU (the real fp8 kernels need a GPU each).
+    world = 2 if device == "cpu" or torch.cuda.device_count() >= 2 else 1
+    run_ranks(_all, world, device, device=device)

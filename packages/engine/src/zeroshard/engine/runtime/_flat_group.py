@@ -49,13 +49,15 @@ class ShardedStorage:
     """Stage 3: `param_buffer` has storage only while the group's unit is gathered.
 
     One buffer for the group's whole life: only its storage is resized (see [Note:
-    released storage]), so the views, made once, stay valid across gathers. `views` are
-    what the parameters hold while gathered: views of the buffer, or `stand_ins` where it
-    holds another dtype than they compute in.
+    released storage]), so the views, made once, stay valid across gathers. `slots` are
+    the buffer's views, one per slot; `views` what the parameters hold while gathered:
+    the same, or `stand_ins` where the buffer holds another dtype than they compute in
+    (its source then reads `slots` for the tensors forward computes with).
     """
 
     param_buffer: torch.Tensor
     views: list[torch.Tensor]
+    slots: list[torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -340,11 +342,9 @@ def _shard(
     device = process_group.device
     dtype = home.source.gathered_dtype(compute_dtype)
     buffer = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-    if dtype == compute_dtype:
-        views = slot_views(buffer, layout)
-    else:
-        views = stand_ins(layout, compute_dtype, device)
-    return master, ShardedStorage(buffer, views), FlattenTier.DEVICE
+    slots = slot_views(buffer, layout)
+    views = slots if dtype == compute_dtype else stand_ins(layout, compute_dtype, device)
+    return master, ShardedStorage(buffer, views, slots), FlattenTier.DEVICE
 
 
 def stand_ins(layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

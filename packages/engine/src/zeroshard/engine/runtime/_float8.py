@@ -63,9 +63,7 @@ def _is_wrapped(p: Any) -> bool:
     return utils is not None and isinstance(p, utils.WeightWithDynamicFloat8CastTensor)
 
 
-def unwrap_float8_weights(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> None:
+def unwrap_float8_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Replace every torchao fp8-gather weight subclass in `model` (and in `optimizer`'s
     param groups) by the plain parameter it wraps."""
     swapped: dict[int, nn.Parameter] = {}

@@ -31,7 +31,7 @@ the buffer with its scale, which a forward pre-hook puts into the module's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, Handle
-from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._flat_group import FlatParamGroup, ShardedStorage
 from zeroshard.engine.runtime._float8 import Float8Weight
 from zeroshard.engine.runtime._group_home import DeviceHome
 from zeroshard.engine.runtime._stats import EngineStats
@@ -71,18 +71,24 @@ class Float8Wire:
     def weight(self, slot: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Slot `slot`'s fp8 `data` (shaped like the weight) as the tensor its
         `Float8Linear` computes with: torchao's `Float8TrainingTensor`."""
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
-        w = self.weights[slot]
-        out: torch.Tensor = Float8TrainingTensor(
-            data, scale, self.compute_dtype, w.mm_config, GemmInputRole.WEIGHT
-        )
-        return out
+        return _float8_tensor(data, scale, self.compute_dtype, self.weights[slot].mm_config)
 
 
+def _float8_tensor(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm_config: Any
+) -> torch.Tensor:
+    """fp8 `data` with its `scale` as torchao's weight tensor, computing in `dtype`."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    out: torch.Tensor = Float8TrainingTensor(data, scale, dtype, mm_config, GemmInputRole.WEIGHT)
+    return out
+
+
+@torch._dynamo.allow_in_graph
 class _Float8Weight(torch.autograd.Function):
     """The `Float8TrainingTensor` a `Float8Linear` computes with, its gradient going to
-    the weight's parameter (a stand-in of its shape while gathered)."""
+    the weight's parameter (a stand-in of its shape while gathered). Dynamo keeps it
+    whole (as torchao's own casts), so blocks compiled one by one take it too."""
 
     @staticmethod
     def forward(
@@ -90,9 +96,9 @@ class _Float8Weight(torch.autograd.Function):
         param: torch.Tensor,
         data: torch.Tensor,
         scale: torch.Tensor,
-        make: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        mm_config: Any,
     ) -> torch.Tensor:
-        return make(data, scale)
+        return _float8_tensor(data, scale, param.dtype, mm_config)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -237,23 +243,25 @@ def _scales(amax: torch.Tensor, wire: Float8Wire) -> torch.Tensor:
 def _install_hooks(module: nn.Module, g: FlatParamGroup, slot: int, wire: Float8Wire) -> None:
     """While `module` (a Float8Linear) runs on a gathered `g`, its weight is the fp8 slot."""
     param = g.params[slot]
-    layout = g.layout.slots[slot]
-
-    def make(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return wire.weight(slot, data, scale)
-
+    mm_config = wire.weights[slot].mm_config
+    # The slot's fp8 data, through a tensor of its own: it shares the buffer's memory (and
+    # sees every gather, the storage being resized, never replaced) but not its version
+    # counter, so a graph that saved it for backward (a block compiled one by one) is not
+    # refused for the re-gather that wrote the buffer in between, as a parameter's view is
+    # not ([Note: released storage] in _flat_group.py).
+    storage = g.storage
+    assert isinstance(storage, ShardedStorage)
+    data = torch.empty(0, dtype=wire.dtype, device=g.param_buffer.device)
+    data.data = storage.slots[slot]
     installed: list[torch.Tensor] = []
 
     def pre_forward(module: nn.Module, args: Any) -> None:
-        # Someone else put the weight in (zeroshard.compile's graph), or the group is not
-        # gathered (the parameter then holds what Float8Linear casts itself).
-        if module._parameters.get("weight") is not param:
+        # Only over the stand-in (all strides 0) of a gathered group: not where someone
+        # else put the weight in (zeroshard.compile's graph), nor where the parameter
+        # holds values Float8Linear casts itself (gathered_parameters' fp32 weights).
+        if module._parameters.get("weight") is not param or any(param.stride()):
             return
-        buffer = g.param_buffer
-        if buffer.untyped_storage().nbytes() == 0 or param.shape != layout.shape:
-            return
-        data = buffer[layout.offset : layout.end].view(layout.shape)
-        weight = _Float8Weight.apply(param, data, wire.scales[slot], make)  # type: ignore[no-untyped-call]
+        weight = _Float8Weight.apply(param, data, wire.scales[slot], mm_config)  # type: ignore[no-untyped-call]
         installed.append(weight)
         module._parameters["weight"] = weight
 
