@@ -22,6 +22,9 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy", "matplotlib"]
 HF_DEPS = ["transformers==5.23.0", "accelerate==1.15.0"]
 # The version tests/integration/test_lightning.py and zeroshard.engine.lightning are checked with.
 LIGHTNING = "lightning==2.6.6"
+# The version the fp8 tests (tests/*/test_float8*.py) check zeroshard's fp8 training with;
+# installed after torch, which it needs (its wheel does not pin one).
+TORCHAO = "torchao==0.18.0"
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -38,6 +41,7 @@ DEEPSPEED = "deepspeed==0.19.8"
 def tests(session: nox.Session) -> None:
     """The whole test suite on CPU ranks over gloo."""
     _install(session, *TEST_DEPS, *HF_DEPS, LIGHTNING)
+    session.install(TORCHAO)
     session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
     session.run("pytest", *(session.posargs or ["-q"]))
 
