@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
         choices=("tensorwise", "rowwise"),
         help="torchao recipe of the fp8 run; tensorwise also gathers in fp8 (default)",
     )
-    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches (default 8)")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches (default 16)")
     p.add_argument("--smoke", action="store_true", help="a few steps, bench-out/ only")
     args = p.parse_args()
     if args.smoke:

@@ -69,7 +69,9 @@ def plot(runs: list[Run], path: Path, title: str) -> bool:
     for r in runs:
         ax.plot(range(len(r.losses)), r.losses, label=r.label, linewidth=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (rank 0)")
+    # Log scale: the runs' gap late in training, where the loss is small, stays visible.
+    ax.set_yscale("log")
+    ax.set_ylabel("training loss (rank 0, log scale)")
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)

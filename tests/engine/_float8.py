@@ -83,8 +83,9 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def batches(steps: int, accum: int, world: int, micro: int = 2, seq: int = 9) -> torch.Tensor:
-    """[steps, accum, world, micro, seq+1] token ids, identical on every rank."""
+def batches(steps: int, accum: int, world: int, micro: int = 2, seq: int = 8) -> torch.Tensor:
+    """[steps, accum, world, micro, seq+1] token ids, identical on every rank (16 tokens a
+    micro-batch: the real fp8 matmuls want every inner dimension a multiple of 16)."""
     g = torch.Generator().manual_seed(99)
     return torch.randint(0, VOCAB, (steps, accum, world, micro, seq + 1), generator=g)
 

@@ -41,7 +41,7 @@ def _planned_as_built() -> None:
         assert built == [g.float8 for g in plan.groups] and any(built) == gather
         assert state.stage3 is not None
         assert [u.nbytes for u in state.stage3.units] == [u.gathered_bytes for u in plan.units]
-        plans[gather] = zs.estimate(meta, cfg, world, 2, 9), meta
+        plans[gather] = zs.estimate(meta, cfg, world, 2, 8), meta
     (wide, _), (narrow, meta) = plans[False], plans[True]
     fp8 = sum(b.up.weight.numel() + b.down.weight.numel() for b in meta.blocks)
     assert wide.float8 == 0 and narrow.float8 == fp8

@@ -65,8 +65,9 @@ class Float8Wire:
         compute-dtype weight (upcast, scaled, saturated), bit for bit."""
         limit = torch.finfo(self.dtype).max
         for start, end, slot in self.segments:
-            scaled = torch.mul(shard[start:end].to(self.compute_dtype).float(), scales[slot])
-            out[start:end].copy_(scaled.clamp_(-limit, limit))
+            # A copy of its own (at fp32 compute too), scaled and saturated in place.
+            wide = shard[start:end].to(self.compute_dtype).to(torch.float32, copy=True)
+            out[start:end].copy_(wide.mul_(scales[slot]).clamp_(-limit, limit))
 
     def weight(self, slot: int, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Slot `slot`'s fp8 `data` (shaped like the weight) as the tensor its
