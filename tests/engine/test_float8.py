@@ -4,7 +4,8 @@ gather (`enable_fsdp_float8_all_gather`).
 Parity: against torch DDP + torchao on the same ranks and micro-batches (torchao scales
 each rank's activations by their own amax, so a single process on the global batch is
 not the reference), fp32 compute, at stages 1-3, hybrid, with accumulation and
-clipping, recipes tensorwise (with and without the fp8 gather) and rowwise. Tolerance:
+clipping, recipes tensorwise (with and without the fp8 gather, and with it asked for
+under CPU offload, which gathers in the compute dtype) and rowwise. Tolerance:
 rtol 1e-5 on the losses, atol 2e-4 on the final weights. Both cast the same values with
 the same scales; they differ only in the order the gradients are summed (all-reduce
 against reduce-scatter: 4e-7 on the weights), unless that moves a value across an fp8
@@ -14,9 +15,12 @@ accumulation, at stages 2 and 3 alike). 2e-4 is 2% of one step at the learning r
 1e-2; a missed update or a wrong scale is far above it.
 
 The fp8 gather: at bf16 compute, the run with it is bit for bit the run without it (the
-compute-dtype gather, then torchao's own cast with the same scales); it gathers at most
+compute-dtype gather, then torchao's own cast with the same scales; unclipped, as the
+fp8 weights' groups of their own change the order the global norm is summed in, to the
+last bit); it gathers at most
 0.55x the bytes for those weights, and takes its scales with one all-reduce per step.
-On the CPU torchao emulates the fp8 matmuls; `--device cuda` runs the real kernels.
+Weights of two fp8 dtypes to gather are refused by name. On the CPU torchao emulates
+the fp8 matmuls; `--device cuda` runs the real kernels.
 """
 
 from __future__ import annotations
@@ -42,7 +46,14 @@ STAGE3 = {"min_unit_params": 1, "persistence_threshold": 0}
 
 
 def _parity_case(
-    device: str, stage: int, recipe: str, gather: bool, accum: int, clip: bool, hybrid: bool
+    device: str,
+    stage: int,
+    recipe: str,
+    gather: bool,
+    accum: int,
+    clip: bool,
+    hybrid: bool,
+    offload: bool = False,
 ) -> None:
     data = batches(STEPS, accum, dist.get_world_size())
     max_norm = 0.5 if clip else None
@@ -53,6 +64,8 @@ def _parity_case(
     config: dict[str, Any] = {"stage": stage, **STAGE3}
     if hybrid:
         config["shard_group_size"] = 1
+    if offload:  # the fp8 weights then gather in the compute dtype (docs/fp8.md)
+        config["offload_optimizer"] = True
     model, opt = zs.initialize(net, make_optimizer(net), config)
     losses = train(model, opt, data, max_norm, opt.clip_grad_norm_, device)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
@@ -80,7 +93,43 @@ def _parity(device: str) -> None:
         dict(stage=stage, recipe="tensorwise", gather=True, accum=1, clip=True, hybrid=True)
         for stage in (2, 3)
     ]
+    cases.append(
+        dict(
+            stage=3,
+            recipe="tensorwise",
+            gather=True,
+            accum=1,
+            clip=True,
+            hybrid=False,
+            offload=True,
+        )
+    )
     run_each(cases, lambda **c: _parity_case(device, **c))
+
+
+def _two_fp8_dtypes(device: str) -> None:
+    """Weights of two fp8 dtypes to gather in fp8: refused by name, on every rank."""
+    import dataclasses
+
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.config import CastConfig
+
+    from tests.engine._float8 import float8_config
+
+    net = make_net(3, None, False, device)
+    e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
+    configs = [
+        float8_config("tensorwise", True, device),
+        dataclasses.replace(
+            float8_config("tensorwise", True, device),
+            cast_config_weight=e5m2,
+            cast_config_weight_for_grad_input=e5m2,
+        ),
+    ]
+    for block, config in zip(net.blocks, configs, strict=True):
+        convert_to_float8_training(block, config=config)
+    with pytest.raises(ValueError, match="2 fp8 dtypes"):
+        zs.initialize(net, make_optimizer(net), {"stage": 3, **STAGE3})
 
 
 def _same_as_compute_dtype_gather(device: str) -> None:
@@ -97,7 +146,9 @@ def _same_as_compute_dtype_gather(device: str) -> None:
         first = runtime.units[0].nbytes  # the root: the one unit without fp8 weights
         before = stats.scale_reductions
         stats.reset()
-        losses = train(model, opt, data, 0.5, opt.clip_grad_norm_, device)
+        # No clipping here: the global norm sums the flat groups' norms, and the fp8
+        # weights' groups of their own sum it in another order (the last bit may differ).
+        losses = train(model, opt, data, None, opt.clip_grad_norm_, device)
         runs[gather] = (losses, zs.full_state_dict(model), stats.bytes_gathered, first)
         if gather:
             assert before == 1  # the first scales, at initialize
@@ -115,6 +166,7 @@ def _same_as_compute_dtype_gather(device: str) -> None:
 
 def _all(device: str) -> None:
     run_each([{}], lambda: _same_as_compute_dtype_gather(device))
+    run_each([{}], lambda: _two_fp8_dtypes(device))
     _parity(device)
 
 
