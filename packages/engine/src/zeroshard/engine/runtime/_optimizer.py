@@ -2,7 +2,8 @@
 
 It is a `torch.optim.Optimizer` (LR schedulers and optimizer hooks work) that shares
 `param_groups` and `state` with the wrapped optimizer, whose `params` lists now hold
-the master shards instead of the model's parameters.
+the master shards instead of the model's parameters (a whole-matrix optimizer's: the
+whole parameters this rank owns).
 """
 
 from __future__ import annotations
@@ -37,11 +38,21 @@ class StepHooks(Protocol):
         ...
 
 
+def bind_masters(inner: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]) -> None:
+    """Make `inner`'s param group k step the master shards of the trainable flat groups
+    built from its parameters (it keeps its hyperparameters); before the stepper is built,
+    which may bind its own (whole parameters: `whole/_whole_step.py`)."""
+    for k, pg in enumerate(inner.param_groups):
+        pg["params"] = [g.master for g in groups if g.trainable and g.key.param_group == k]
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
 
     `stepper` (chosen by `initialize`) steps the masters: on the device, or with CPU
-    offload some of them, and so their optimizer state, on the host.
+    offload some of them, and so their optimizer state, on the host. `inner` (its
+    param groups bound by `bind_masters`) is the user's optimizer, or several of them
+    combined (`_optimizers.CombinedOptimizer`).
     """
 
     def __init__(
@@ -67,12 +78,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._overflow = False
         masters = [g.master for g in self.flat_groups if g.trainable]
-        # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
-        # master shards of the flat groups built from each group's parameters.
-        for k, pg in enumerate(inner.param_groups):
-            pg["params"] = [
-                g.master for g in self.flat_groups if g.trainable and g.key.param_group == k
-            ]
         # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
         # replaced by the inner optimizer's own, so both see the same objects.
         super().__init__(masters, dict(inner.defaults))

@@ -5,9 +5,9 @@
 Ranks that disagree (stage 2 on one, 3 on another; fp32 against bf16; one extra layer)
 would issue different collectives, and gloo aborts the process or a rank reads past the
 end of its unit list. So `initialize` first describes, as a list of (field, value)
-strings, what must be equal on every rank: every config field, the world size, and
-every parameter's name, shape, dtype, requires_grad, optimizer param group and whether
-it is on the meta device, and every buffer's name, shape and dtype (the weights are then
+strings, what must be equal on every rank: every config field, the world size, the
+optimizers' types, every parameter's name, shape, dtype, requires_grad, optimizer param
+group and whether it is on the meta device, and every buffer's name, shape and dtype (the weights are then
 broadcast: [Note: one set of initial weights]), and compares it across ranks before any
 other collective (zeroshard.comm's `Agreement.check_same`: one all-gather of two
 integers when they agree).
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Agreement, Group
+from zeroshard.engine.runtime._optimizers import CombinedOptimizer
 
 
 def describe_rank(
@@ -31,6 +32,8 @@ def describe_rank(
     """What must be equal on every rank, as (field, value) strings in a fixed order."""
     fields = list(_config_fields("config", config))
     fields.append(("world size", str(world.size)))
+    combined = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
+    fields.append(("optimizers", ", ".join(type(o).__name__ for o in combined)))
     group_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
     # Buffers before parameters: the first difference of a model with an extra layer is
     # then its first parameter, shown against "(absent)".

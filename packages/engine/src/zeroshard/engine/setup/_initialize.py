@@ -20,7 +20,8 @@ from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
 from zeroshard.engine.runtime._group_plan import FlatGroupPlan, PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._names import canonical_name
-from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer, bind_masters
+from zeroshard.engine.runtime._optimizers import as_optimizers, combine
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
@@ -34,6 +35,7 @@ from zeroshard.engine.runtime.offload._plan import OffloadSizes
 from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
 from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
 from zeroshard.engine.runtime.offload._threads import stepping_threads
+from zeroshard.engine.runtime.whole._declare import steps_whole
 from zeroshard.engine.setup._agreement import (
     check_ranks_agree,
     describe_rank,
@@ -42,6 +44,7 @@ from zeroshard.engine.setup._agreement import (
 from zeroshard.engine.setup._broadcast import broadcast_initial_state
 from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
 from zeroshard.engine.setup._host_memory import check_host_memory
+from zeroshard.engine.setup._whole import check_whole_optimizers, whole_matrix_steppers
 from zeroshard.engine.setup._materialize import (
     ParamInit,
     is_meta,
@@ -126,7 +129,7 @@ def _shard_stage3(
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     config: ZeroConfig | Mapping[str, Any] | None = None,
     *,
     group: Group | None = None,
@@ -138,7 +141,11 @@ def initialize(
 
     Returns the same module (its parameters now views of flat compute-dtype buffers,
     with hooks installed) and a `ZeroOptimizer` that wraps `optimizer`, which must be
-    freshly built on the model's parameters (no state yet). At stage 3 the model may be
+    freshly built on the model's parameters (no state yet): one torch optimizer, or a
+    sequence of them over disjoint parameters (torch.optim.Muon on the hidden matrices
+    and AdamW on the rest), stepped, clipped, scheduled and saved as one. Whole-matrix
+    optimizers (torch.optim.Muon, or one that declares `zeroshard_whole_params = True`)
+    step each matrix whole, on one rank ([Note: whole-matrix optimizers]). At stage 3 the model may be
     built on the meta device: each unit is then materialized and initialized by
     `param_init(module)` (default: `reset_parameters()`) with the generator seeded from
     `init_seed`, sharded and freed before the next, so no rank holds the whole model.
@@ -150,6 +157,9 @@ def initialize(
     """
     cfg = as_config(config)
     check_model(model, cfg)
+    optimizers = as_optimizers(optimizer)
+    check_whole_optimizers(optimizers, cfg)
+    optimizer = combine(optimizers)
     refusal = delayed_step_refusal(optimizer) if cfg.offload.delay_param_update else ""
     if cfg.offload.compiled_step and not refusal:
         what = "offload.compiled_step compiles torch's Adam/AdamW update"
@@ -240,6 +250,7 @@ def initialize(
         stats=None if stage3 is None else stage3.stats,
     )
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
+    bind_masters(optimizer, groups)
     zopt = ZeroOptimizer(
         optimizer,
         groups,
@@ -247,7 +258,7 @@ def initialize(
         shard_group,
         scaler,
         cfg.comm.allgather_bucket_bytes,
-        stepper=_stepper(optimizer, groups, offload, cfg),
+        stepper=_stepper(optimizers, optimizer, groups, offload, cfg),
         hooks=stage3,
     )
     seconds = time.perf_counter() - start
@@ -271,13 +282,18 @@ def initialize(
 
 
 def _stepper(
+    optimizers: Sequence[torch.optim.Optimizer],
     optimizer: torch.optim.Optimizer,
     groups: Sequence[FlatParamGroup],
     offload: HostOffload | None,
     cfg: ZeroConfig,
 ) -> Stepper:
     """How the masters are stepped: on the device, or with offload on the host after
-    backward (or in it), or beside the next window (delay_param_update)."""
+    backward (or in it), or beside the next window (delay_param_update); several
+    optimizers (`optimizer` combines them) each by its own stepper, whole-matrix ones by
+    theirs."""
+    if len(optimizers) > 1 or steps_whole(optimizer):
+        return whole_matrix_steppers(optimizers, groups)
     if offload is None:
         return DeviceStep(optimizer)
     if cfg.offload.delay_param_update:

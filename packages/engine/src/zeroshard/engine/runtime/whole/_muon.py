@@ -1,0 +1,124 @@
+"""`MuonStep`: torch.optim.Muon on sharded masters, each matrix orthogonalized once, by
+its owner ([Note: whole-matrix optimizers] in `_declare.py`).
+
+[Note: Muon's step, split]
+torch's Muon, per matrix: `buf.lerp_(grad, 1 - momentum)`; `update = grad.lerp(buf,
+momentum)` (Nesterov) or `buf`; `O = NS(update)`, whose first act is a cast to bf16;
+`param.mul_(1 - lr * weight_decay)`; `param.add_(O, alpha=-adjusted_lr)`. All but NS
+are elementwise, so every rank runs them on its own shard, in the same order, and the
+momentum stays sharded like AdamW's moments (one fp32 tensor shaped like the master, in
+`optimizer.state[master]["momentum_buffer"]`, checkpointed as any shard state). Only the
+update crosses ranks: cast to bf16 on each rank (the same bits as NS's own cast), sent
+to the owner, orthogonalized there by torch's own function, and sent back in bf16 (what
+NS returns). Per exchanged element that is 2 bytes to the owner and 2 back.
+
+Once per `step()`: the gradient it reads is the window's accumulated, reduced one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._stepper import OnDevice, StepOutcome
+from zeroshard.engine.runtime.whole._declare import _newton_schulz
+from zeroshard.engine.runtime.whole._exchange import MatrixExchange
+from zeroshard.engine.runtime.whole._owners import MatrixOwners
+
+
+def _torch_adjusted_lr() -> Callable[[float, str | None, torch.Size], float]:
+    from torch.optim import _muon
+
+    fn: Any = _muon._adjust_lr
+    return fn  # type: ignore[no-any-return]
+
+
+class MuonStep(OnDevice):
+    """torch.optim.Muon (`optimizer`, whose first param group is the combined optimizer's
+    `offset`-th) on `groups`, its flat groups; `owners` by process-group label."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: Sequence[FlatParamGroup],
+        owners: Mapping[str, MatrixOwners],
+        offset: int,
+    ) -> None:
+        ns = _newton_schulz()
+        assert ns is not None  # split_muon() checked it
+        self.newton_schulz = ns
+        self.adjusted_lr = _torch_adjusted_lr()
+        self.optimizer = optimizer
+        self.offset = offset
+        self.groups = [g for g in groups if g.trainable]
+        self.exchanges = {
+            g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
+            for g in self.groups
+        }
+
+    def _orthogonalize(self, update: torch.Tensor, pg: Mapping[str, Any]) -> torch.Tensor:
+        return self.newton_schulz(update, pg["ns_coefficients"], pg["ns_steps"], pg["eps"])
+
+    def step(self) -> StepOutcome:
+        """Every group's momentum and update on its shard, each exchanged update to its
+        owner and back orthogonalized, then weight decay and the add ([Note: Muon's step,
+        split]): all sends first, so the collectives overlap the orthogonalizations."""
+        todo = [g for g in self.groups if g.master.grad is not None]
+        sent = []
+        for g in todo:
+            pg = self.optimizer.param_groups[g.key.param_group - self.offset]
+            update = self._update(g, pg)
+            ex = self.exchanges[g.index]
+            owned = (
+                ex.to_owners(update, label=f"Muon updates of group {g.index}")
+                if ex.active
+                else None
+            )
+            sent.append((g, pg, update, owned))
+        back = []
+        for g, pg, update, owned in sent:
+            ex = self.exchanges[g.index]
+            lr = float(pg["lr"])
+            # The weight decay before any add, as torch's Muon orders them per matrix.
+            g.master.mul_(1 - lr * pg["weight_decay"])
+            for piece, view in zip(ex.local, ex.local_views(update), strict=True):
+                ortho = self._orthogonalize(view, pg)
+                alpha = -self.adjusted_lr(lr, pg["adjust_lr_fn"], torch.Size(piece.slot.shape))
+                g.master[piece.start : piece.start + piece.numel].view(piece.slot.shape).add_(
+                    ortho, alpha=alpha
+                )
+            returned = None
+            if owned is not None:
+                buffer, handle = owned
+                handle.wait()
+                for view in ex.views(buffer):
+                    # In place: `buffer` is ours, and NS casts (a no-op on bf16) first.
+                    view.copy_(self._orthogonalize(view, pg))
+                returned = ex.from_owners(buffer, label=f"Muon orthogonalized of group {g.index}")
+            back.append((g, pg, returned))
+        for g, pg, returned in back:
+            if returned is None:
+                continue
+            buffer, handle = returned
+            handle.wait()
+            lr = float(pg["lr"])
+            for piece, chunk in self.exchanges[g.index].split_back(buffer):
+                alpha = -self.adjusted_lr(lr, pg["adjust_lr_fn"], torch.Size(piece.slot.shape))
+                g.master[piece.start : piece.start + piece.numel].add_(chunk, alpha=alpha)
+        return StepOutcome.PUBLISH
+
+    def _update(self, g: FlatParamGroup, pg: Mapping[str, Any]) -> torch.Tensor:
+        """Momentum and Nesterov blend of `g`'s shard; the update cast to bf16."""
+        grad = g.master.grad
+        assert grad is not None
+        state = self.optimizer.state[g.master]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad)
+        buf: torch.Tensor = state["momentum_buffer"]
+        momentum = pg["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if pg["nesterov"] else buf
+        return update.bfloat16()
