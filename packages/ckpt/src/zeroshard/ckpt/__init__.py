@@ -40,8 +40,10 @@ from zeroshard.ckpt._meta import (
     OPTIM_PREFIX,
     CheckpointMeta,
     GroupMeta,
+    ParamState,
     buffer_key,
     check_names_shapes,
+    param_state_key,
     shard_key,
 )
 from zeroshard.ckpt._named_reader import is_converted_checkpoint, read_named_state
@@ -78,6 +80,7 @@ __all__ = [
     "NamedParamGroup",
     "NamedTrainingState",
     "OutputExistsError",
+    "ParamState",
     "RangeSpec",
     "RankExtra",
     "ResumeOrder",
@@ -96,6 +99,7 @@ __all__ = [
     "is_deepspeed_checkpoint",
     "list_checkpoints",
     "load",
+    "param_state_key",
     "pread_into",
     "read_deepspeed_checkpoint",
     "read_deepspeed_training_state",

@@ -68,6 +68,8 @@ class LoadedShards:
     sources: Mapping[str, GroupMeta] = field(default_factory=dict)
     # Rank file number -> its extra state, for the `extras` asked for that have one.
     extras: Mapping[int, RankExtra] = field(default_factory=dict)
+    # Parameter name -> its whole-parameter state tensors, for the `param_states` asked for.
+    param_states: Mapping[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
 
     def shard(self, group: str, kind: str) -> torch.Tensor:
         """This rank's shard of `group` of one kind ('master', 'param', 'optim.exp_avg')."""
@@ -205,6 +207,7 @@ def load(
     verify: bool = True,
     workers: int = 4,
     extras: Collection[int] = (),
+    param_states: Collection[str] = (),
 ) -> LoadedShards:
     """Read rank `rank`'s shards for `world_size` ranks (any world size) and the buffers.
 
@@ -216,7 +219,9 @@ def load(
     size). `kinds` limits which shard kinds are read. `verify` checks the size and
     checksum of every file read. `extras` names the rank files whose extra state
     (`RankExtra`) is read too, of those the checkpoint has (`LoadedShards.extras` holds
-    the ones with an extra). No collectives.
+    the ones with an extra). `param_states` names the parameters whose whole-parameter
+    optimizer state is read (`CheckpointMeta.param_states`; a name it lacks is a
+    CheckpointError). No collectives.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world size {world_size}")
@@ -238,7 +243,13 @@ def load(
         places = _placements(sources, rank, placements or {})
         plan: list[tuple[str, GroupMeta, str, list[_Copy]]] = []
         extra_ranks = sorted(r for r in set(extras) if 0 <= r < meta.world_size)
-        needed = {0, *extra_ranks}
+        lacking = sorted(set(param_states) - set(meta.param_states))
+        if lacking:
+            raise CheckpointError(
+                f"checkpoint {reader.path} keeps no whole-parameter optimizer state for "
+                f"{lacking[:5]}: was it saved with another optimizer for them?"
+            )
+        needed = {0, *extra_ranks, *(meta.param_states[n].rank for n in param_states)}
         for name, groups in sources.items():
             place = places[name]
             copies = _copies(groups, targets[name], place.rank)
@@ -263,8 +274,9 @@ def load(
         tensors = {shard_key(n, k): t for (n, _, k, _), t in zip(plan, shards, strict=True)}
         tensors.update({buffer_key(b): reader.read_buffer(b) for b in meta.buffers})
         found = {r: read_extra(reader, r) for r in extra_ranks}
+        whole = {n: reader.read_param_state(n) for n in sorted(set(param_states))}
     if torch.device(device).type != "cpu":
         tensors = {k: t.to(device) for k, t in tensors.items()}
     firsts = {name: groups[0] for name, groups in sources.items()}
     kept = {r: e for r, e in found.items() if e is not None}
-    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts, kept)
+    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts, kept, whole)

@@ -8,7 +8,11 @@ code: the layouts, dtypes, optimizer hyperparameters, tied aliases and per-file 
 Format version 2 added `GroupMeta.rank_sets` (groups sharded over a process group of
 their own, such as experts); version 1 checkpoints, which have none, are still read.
 Version 3 added the checksum of `metadata.json` itself (see [Note: the metadata's own
-checksum]); versions 1 and 2, which have none, are read unchecked.
+checksum]); versions 1 and 2, which have none, are read unchecked. Version 4 added
+`param_states`: optimizer state kept whole per parameter (a whole-matrix optimizer's,
+such as Shampoo's preconditioners), stored in the rank file of the rank that owned the
+parameter under `"pstate.{param}/{state}"`; a checkpoint without any is written as
+version 3, so older readers still read it.
 
 [Note: the metadata's own checksum]
 The last field of `metadata.json` is `"checksum": "crc32:{digest}"`, the crc32 of the
@@ -40,9 +44,11 @@ from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
 FORMAT_VERSION = 3
+# The version of a checkpoint with `param_states` (written only then).
+PARAM_STATES_VERSION = 4
 # Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
-# 2 is 3 without the metadata's own checksum.
-READABLE_VERSIONS = (1, 2, 3)
+# 2 is 3 without the metadata's own checksum, 3 is 4 without `param_states`.
+READABLE_VERSIONS = (1, 2, 3, 4)
 # The first version whose metadata.json carries its own checksum.
 CHECKSUMMED_VERSION = 3
 _BLANK_DIGEST = b"00000000"
@@ -51,6 +57,7 @@ MASTER = "master"
 PARAM = "param"
 OPTIM_PREFIX = "optim."
 BUFFER_PREFIX = "buffer."
+PARAM_STATE_PREFIX = "pstate."
 # A rank's own extra tensors (the caller's state beside the shards: see `RankExtra`).
 EXTRA_PREFIX = "extra."
 # The rank file's safetensors `__metadata__` entry holding the extra's JSON text.
@@ -66,6 +73,11 @@ def shard_key(group: str, kind: str) -> str:
 def buffer_key(name: str) -> str:
     """The key of a module buffer in rank 0's file."""
     return BUFFER_PREFIX + name
+
+
+def param_state_key(param: str, state: str) -> str:
+    """The key of one whole-parameter optimizer state tensor in its owner's rank file."""
+    return f"{PARAM_STATE_PREFIX}{param}/{state}"
 
 
 def extra_key(name: str) -> str:
@@ -210,6 +222,56 @@ class GroupMeta:
 
 
 @dataclass(frozen=True)
+class ParamState:
+    """One parameter's optimizer state kept whole (version 4): its tensors, stored in rank
+    file `rank` under `param_state_key(param, state)`, each with its dtype, shape and
+    whether it lived on the device (else on the host, as torch keeps Adam's `step`); and
+    its scalars (JSON values)."""
+
+    rank: int
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], bool]] = field(default_factory=dict)
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "tensors",
+            {
+                str(k): (d, tuple(int(x) for x in shape), bool(dev))
+                for k, (d, shape, dev) in self.tensors.items()
+            },
+        )
+        object.__setattr__(self, "scalars", dict(self.scalars))
+        _check_json("param state scalars", self.scalars)
+        for key, (dtype, _, _) in self.tensors.items():
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"param state {key!r}: dtype {dtype!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "rank": self.rank,
+            "tensors": {
+                k: [dtype_name(d), list(shape), on_device]
+                for k, (d, shape, on_device) in self.tensors.items()
+            },
+            "scalars": dict(self.scalars),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ParamState:
+        """Read `to_dict()` output."""
+        return ParamState(
+            rank=int(d["rank"]),
+            tensors={
+                str(k): (dtype_from_name(str(t[0])), tuple(int(x) for x in t[1]), bool(t[2]))
+                for k, t in d["tensors"].items()
+            },
+            scalars=dict(d.get("scalars", {})),
+        )
+
+
+@dataclass(frozen=True)
 class CheckpointMeta:
     """What `metadata.json` holds. `save` fills `step` and `files`; the rest is the caller's.
 
@@ -218,7 +280,8 @@ class CheckpointMeta:
     parameter to its canonical name (the one in a layout); `buffers` names the module
     buffers stored in rank 0's file and `buffer_shapes` their shapes (`save` fills it;
     empty in checkpoints written before it existed); `extra` is free JSON for the caller
-    (scheduler state, engine config).
+    (scheduler state, engine config). `param_states` holds, by parameter name, the
+    optimizer state kept whole (a whole-matrix optimizer's), version 4.
     """
 
     world_size: int
@@ -233,9 +296,13 @@ class CheckpointMeta:
     extra: Mapping[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     buffer_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    param_states: Mapping[str, ParamState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "param_states", dict(self.param_states))
+        if self.param_states and self.version == FORMAT_VERSION:
+            set_(self, "version", PARAM_STATES_VERSION)
         set_(self, "groups", tuple(self.groups))
         set_(self, "param_groups", tuple(dict(p) for p in self.param_groups))
         set_(self, "tied", dict(self.tied))
@@ -250,6 +317,10 @@ class CheckpointMeta:
             )
         if self.version == 1 and any(g.rank_sets is not None for g in self.groups):
             raise CheckpointError("format version 1 has no rank sets: metadata is malformed")
+        if self.param_states and self.version < PARAM_STATES_VERSION:
+            raise CheckpointError(
+                f"format version {self.version} has no param states: metadata is malformed"
+            )
         if self.world_size < 1:
             raise CheckpointError(f"world_size must be >= 1, got {self.world_size}")
         if self.stage not in (0, 1, 2, 3):
@@ -302,6 +373,14 @@ class CheckpointMeta:
                 raise CheckpointError(f"tied alias {alias!r} is also a stored name")
             if canonical not in names:
                 raise CheckpointError(f"tied alias {alias!r} points at unknown {canonical!r}")
+        trainable = {s.name for g in self.groups if g.requires_grad for s in g.layout.slots}
+        for name, ps in self.param_states.items():
+            if name not in trainable:
+                raise CheckpointError(f"param state of {name!r}, which is no trainable parameter")
+            if not 0 <= ps.rank < self.world_size:
+                raise CheckpointError(
+                    f"param state of {name!r} is in rank file {ps.rank}, of {self.world_size}"
+                )
 
     @property
     def frozen(self) -> tuple[str, ...]:
@@ -360,6 +439,11 @@ class CheckpointMeta:
                 for n, f in sorted(self.files.items())
             },
             "extra": dict(self.extra),
+            **(
+                {"param_states": {n: ps.to_dict() for n, ps in self.param_states.items()}}
+                if self.param_states
+                else {}
+            ),
         }
 
     def to_json(self) -> str:
@@ -392,6 +476,11 @@ class CheckpointMeta:
                 f"(this build of zeroshard-ckpt reads versions {READABLE_VERSIONS}); "
                 "upgrade zeroshard-ckpt to read it"
             )
+        if d.get("param_states") and version < PARAM_STATES_VERSION:
+            # Read as written: a version 3 file with param states is malformed, not new.
+            raise CheckpointError(
+                f"format version {version} has no param states: metadata is malformed"
+            )
         try:
             meta = CheckpointMeta(
                 world_size=int(d["world_size"]),
@@ -412,6 +501,9 @@ class CheckpointMeta:
                 },
                 extra=dict(d.get("extra", {})),
                 version=int(version),
+                param_states={
+                    str(n): ParamState.from_dict(ps) for n, ps in d.get("param_states", {}).items()
+                },
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed checkpoint metadata: missing or bad {e}") from e
@@ -459,6 +551,18 @@ class CheckpointMeta:
 def expected_shard_keys(meta: CheckpointMeta) -> dict[str, tuple[torch.dtype, int]]:
     """Key -> (dtype, numel) of the shard tensors every rank file stores (buffers excluded)."""
     return {key: (g.shards[kind], g.layout.shard_numel) for g, kind, key in meta.shard_keys()}
+
+
+def param_state_keys(
+    meta: CheckpointMeta, rank: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Key -> (dtype, shape) of the whole-parameter state tensors rank file `rank` stores."""
+    return {
+        param_state_key(name, key): (dtype, shape)
+        for name, ps in meta.param_states.items()
+        if ps.rank == rank
+        for key, (dtype, shape, _) in ps.tensors.items()
+    }
 
 
 def check_names_shapes(

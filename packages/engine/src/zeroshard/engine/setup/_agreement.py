@@ -7,10 +7,10 @@ would issue different collectives, and gloo aborts the process or a rank reads p
 end of its unit list. So `initialize` first describes, as a list of (field, value)
 strings, what must be equal on every rank: every config field, the world size, the
 optimizers' types, every parameter's name, shape, dtype, requires_grad, optimizer param
-group and whether it is on the meta device, and every buffer's name, shape and dtype (the weights are then
-broadcast: [Note: one set of initial weights]), and compares it across ranks before any
-other collective (zeroshard.comm's `Agreement.check_same`: one all-gather of two
-integers when they agree).
+group and whether it is on the meta device, and every buffer's name, shape and dtype
+(the weights are then broadcast: [Note: one set of initial weights]), and compares it
+across ranks before any other collective (zeroshard.comm's `Agreement.check_same`: one
+all-gather of two integers when they agree).
 """
 
 from __future__ import annotations

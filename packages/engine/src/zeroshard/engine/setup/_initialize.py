@@ -36,6 +36,7 @@ from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed
 from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
 from zeroshard.engine.runtime.offload._threads import stepping_threads
 from zeroshard.engine.runtime.whole._declare import steps_whole
+from zeroshard.engine.runtime.whole._whole_step import WholeParams
 from zeroshard.engine.setup._agreement import (
     check_ranks_agree,
     describe_rank,
@@ -44,13 +45,13 @@ from zeroshard.engine.setup._agreement import (
 from zeroshard.engine.setup._broadcast import broadcast_initial_state
 from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
 from zeroshard.engine.setup._host_memory import check_host_memory
-from zeroshard.engine.setup._whole import check_whole_optimizers, whole_matrix_steppers
 from zeroshard.engine.setup._materialize import (
     ParamInit,
     is_meta,
     materialize_unit,
     reset_parameters,
 )
+from zeroshard.engine.setup._whole import check_whole_optimizers, whole_matrix_steppers
 from zeroshard.engine.state._module_state import install_state_dict_hooks
 from zeroshard.partition import FlattenTier, GroupKey
 
@@ -145,8 +146,8 @@ def initialize(
     sequence of them over disjoint parameters (torch.optim.Muon on the hidden matrices
     and AdamW on the rest), stepped, clipped, scheduled and saved as one. Whole-matrix
     optimizers (torch.optim.Muon, or one that declares `zeroshard_whole_params = True`)
-    step each matrix whole, on one rank ([Note: whole-matrix optimizers]). At stage 3 the model may be
-    built on the meta device: each unit is then materialized and initialized by
+    step each matrix whole, on one rank ([Note: whole-matrix optimizers]). At stage 3
+    the model may be built on the meta device: each unit is then materialized and initialized by
     `param_init(module)` (default: `reset_parameters()`) with the generator seeded from
     `init_seed`, sharded and freed before the next, so no rank holds the whole model.
 
@@ -251,6 +252,7 @@ def initialize(
     )
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
     bind_masters(optimizer, groups)
+    stepper, whole = _stepper(optimizers, optimizer, groups, offload, cfg)
     zopt = ZeroOptimizer(
         optimizer,
         groups,
@@ -258,11 +260,11 @@ def initialize(
         shard_group,
         scaler,
         cfg.comm.allgather_bucket_bytes,
-        stepper=_stepper(optimizers, optimizer, groups, offload, cfg),
+        stepper=stepper,
         hooks=stage3,
     )
     seconds = time.perf_counter() - start
-    state = EngineState(cfg, shard_group, replicate, groups, zopt, stage3, offload)
+    state = EngineState(cfg, shard_group, replicate, groups, zopt, stage3, offload, whole)
     attach_state(model, state)
     install_state_dict_hooks(model, state)
     if everyone.rank == 0:
@@ -287,18 +289,18 @@ def _stepper(
     groups: Sequence[FlatParamGroup],
     offload: HostOffload | None,
     cfg: ZeroConfig,
-) -> Stepper:
+) -> tuple[Stepper, WholeParams | None]:
     """How the masters are stepped: on the device, or with offload on the host after
     backward (or in it), or beside the next window (delay_param_update); several
     optimizers (`optimizer` combines them) each by its own stepper, whole-matrix ones by
-    theirs."""
+    theirs (and the whole parameters this rank steps, by name)."""
     if len(optimizers) > 1 or steps_whole(optimizer):
         return whole_matrix_steppers(optimizers, groups)
     if offload is None:
-        return DeviceStep(optimizer)
+        return DeviceStep(optimizer), None
     if cfg.offload.delay_param_update:
-        return DelayedHostStep(optimizer, offload, groups)
-    return HostStep(optimizer, offload, groups)
+        return DelayedHostStep(optimizer, offload, groups), None
+    return HostStep(optimizer, offload, groups), None
 
 
 # fp32 state tensors per parameter element of torch's optimizers that keep a fixed number.

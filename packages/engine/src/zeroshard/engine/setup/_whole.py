@@ -13,7 +13,7 @@ from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
-from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
+from zeroshard.engine.runtime.whole._whole_step import WholeParams, WholeParamStep
 
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
@@ -49,12 +49,14 @@ def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int,
 
 def whole_matrix_steppers(
     optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[FlatParamGroup]
-) -> Stepper:
+) -> tuple[Stepper, WholeParams | None]:
     """One stepper per optimizer, over the flat groups of its param groups: torch's Muon
     split (`MuonStep`), another whole-matrix one on whole parameters (`WholeParamStep`),
-    any other on the device (`DeviceStep`); stepped in turn."""
+    any other on the device (`DeviceStep`); stepped in turn. Also the whole parameters
+    this rank steps, by name (None: no optimizer steps any)."""
     owners = plan_owners(((g.key, g.layout) for g in groups), whole_param_groups(optimizers))
     parts: list[Stepper] = []
+    whole: WholeParams | None = None
     offset = 0
     for o in optimizers:
         ks = range(offset, offset + len(o.param_groups))
@@ -62,8 +64,22 @@ def whole_matrix_steppers(
         if split_muon(o):
             parts.append(MuonStep(o, mine, owners, offset))
         elif steps_whole(o):
-            parts.append(WholeParamStep(o, mine, owners, offset))
+            own = sorted({n for g in mine if g.key.process_group != "default" for n in g.names})
+            if own:
+                # Their state is checkpointed by name, and several instances share names.
+                raise ValueError(
+                    f"{type(o).__name__} steps whole parameters by name, which parameters on "
+                    f"a process group of their own ({own[:3]}) do not have alone: give "
+                    "them another optimizer"
+                )
+            step = WholeParamStep(o, mine, owners, offset)
+            whole = step.whole if whole is None else _joined(whole, step.whole)
+            parts.append(step)
         else:
             parts.append(DeviceStep(o))
         offset += len(o.param_groups)
-    return parts[0] if len(parts) == 1 else StepEach(parts)
+    return (parts[0] if len(parts) == 1 else StepEach(parts)), whole
+
+
+def _joined(a: WholeParams, b: WholeParams) -> WholeParams:
+    return WholeParams(a.names | b.names, {**a.owned, **b.owned})

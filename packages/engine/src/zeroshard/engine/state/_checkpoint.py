@@ -298,6 +298,7 @@ def load_checkpoint(
             placements=places,
             device=shard_group.device,
             extras=extras,
+            param_states=sorted(state.whole_params.owned) if state.whole_params else (),
         )
         check_optimizer_structure(state, got)
         return (got, *_user_state(got, me, size, client_state, rank_state))

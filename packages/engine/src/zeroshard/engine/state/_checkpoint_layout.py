@@ -25,7 +25,9 @@ from zeroshard.ckpt import (
     CheckpointMeta,
     GroupMeta,
     GroupPlacement,
+    ParamState,
     buffer_key,
+    param_state_key,
     shard_key,
 )
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
@@ -105,6 +107,40 @@ def _split_state(
     return tensors, scalars
 
 
+def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
+    """The whole-parameter optimizer state of every parameter a whole-matrix optimizer
+    keeps it for (`EngineState.whole_params`): by name, each at the rank that owns it, and
+    this rank's tensors of it. Collective over the shard group when there are any."""
+    whole = state.whole_params
+    if whole is None:
+        return {}, {}
+    inner = state.optimizer.inner
+    tensors: dict[str, torch.Tensor] = {}
+    mine: dict[str, dict[str, Any]] = {}
+    for name, p in whole.owned.items():
+        kept: dict[str, Any] = {"tensors": {}, "scalars": {}}
+        for key, value in inner.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                kept["tensors"][key] = (value.dtype, tuple(value.shape), value.device.type != "cpu")
+                tensors[param_state_key(name, key)] = value.detach()
+            elif isinstance(value, (int, float, bool)):
+                kept["scalars"][key] = value
+            else:
+                raise ValueError(
+                    f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, neither "
+                    "a tensor nor a number: cannot checkpoint it"
+                )
+        mine[name] = kept
+    everyone: list[dict[str, dict[str, Any]] | None] = [None] * state.shard_group.size
+    dist.all_gather_object(everyone, mine, group=state.shard_group.pg)
+    states = {
+        name: ParamState(rank, kept["tensors"], kept["scalars"])
+        for rank, owned in enumerate(everyone)
+        for name, kept in (owned or {}).items()
+    }
+    return states, tensors
+
+
 def aliases(model: nn.Module, state: EngineState) -> dict[str, str]:
     """Each alias of a shared parameter -> the name its flat group holds it under."""
     canonical = {id(p): n for g in state.groups for n, p in zip(g.names, g.params, strict=True)}
@@ -153,6 +189,8 @@ def checkpoint_contents(
                 rank_sets=sets.get(g.index),
             )
         )
+    whole, whole_tensors = param_states(state)
+    tensors.update(whole_tensors)
     buffers = module_buffers(model)
     if state.shard_group.rank == 0:
         tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
@@ -168,5 +206,6 @@ def checkpoint_contents(
         tied=aliases(model, state),
         buffers=tuple(buffers),
         extra={"loss_scaler": None if scaler is None else scaler.state_dict()},
+        param_states=whole,
     )
     return meta, tensors

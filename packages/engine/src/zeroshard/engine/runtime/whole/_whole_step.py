@@ -14,6 +14,7 @@ moves 4 bytes of gradient and 4 of master to the owner and 4 of master back.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +23,15 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import OnDevice, StepOutcome
 from zeroshard.engine.runtime.whole._exchange import MatrixExchange
 from zeroshard.engine.runtime.whole._owners import MatrixOwners
+
+
+@dataclass(frozen=True)
+class WholeParams:
+    """What `WholeParamStep`s step whole and keep state for by name: every such
+    parameter's name (the same on every rank), and this rank's own whole parameters."""
+
+    names: frozenset[str]
+    owned: Mapping[str, nn.Parameter]
 
 
 class WholeParamStep(OnDevice):
@@ -52,6 +62,7 @@ class WholeParamStep(OnDevice):
                 bound[g.key.param_group - offset].append(p)
         for pg, params in zip(optimizer.param_groups, bound, strict=True):
             pg["params"] = params
+        self.whole = WholeParams(frozenset(n for g in self.groups for n in g.names), self.params)
 
     def step(self) -> StepOutcome:
         """Gradients and masters to the owners, the optimizer's step, masters back."""
