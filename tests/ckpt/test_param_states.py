@@ -77,7 +77,7 @@ def test_missing_or_malformed_param_states_are_refused(tmp_path: Path) -> None:
         CheckpointMeta.from_dict(d)
     d["version"] = 4
     d["param_states"]["frozen.weight"] = d["param_states"].pop("block.0.weight")
-    with pytest.raises(CheckpointError, match="'frozen.weight', which is no trainable"):
+    with pytest.raises(CheckpointError, match=r"'frozen\.weight', which is no trainable"):
         CheckpointMeta.from_dict(d)
     # A tensor whose shape the metadata does not say is refused at save, before writing.
     b = build(1, 3)
@@ -86,5 +86,5 @@ def test_missing_or_malformed_param_states_are_refused(tmp_path: Path) -> None:
         {param_state_key("block.0.weight", k): t for k, t in STATE["block.0.weight"].items()}
     )
     tensors[param_state_key("block.0.weight", "left")] = torch.zeros(4)
-    with pytest.raises(CheckpointError, match="param state 'pstate.block.0.weight/left' is"):
+    with pytest.raises(CheckpointError, match=r"param state 'pstate\.block\.0\.weight/left' is"):
         save(tmp_path / "bad", 10, meta=meta, tensors=tensors)

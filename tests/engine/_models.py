@@ -75,7 +75,9 @@ def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), foreach=True)
 
 
-def muon_and_adamw(model: nn.Module, muon: type[torch.optim.Optimizer] | None = None) -> list[torch.optim.Optimizer]:
+def muon_and_adamw(
+    model: nn.Module, muon: type[torch.optim.Optimizer] | None = None
+) -> list[torch.optim.Optimizer]:
     """torch's recipe: Muon on the hidden matrices (2-D weights but the tied embedding),
     AdamW on the rest; `muon` another class of Muon's signature."""
     emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
