@@ -32,6 +32,26 @@ def adamw(params: Any, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR = 0.02
+
+
+def optimizers(
+    params: list[Any], hidden: list[bool], device: torch.device, kind: str
+) -> list[torch.optim.Optimizer]:
+    """The engines' optimizers over `params`: AdamW on all (`adamw`), or torch's recipe
+    (`muon`): torch.optim.Muon on the hidden matrices (`hidden`, as the planner's
+    `hidden_matrices` says of a model's parameters), AdamW on the rest."""
+    if kind == "adamw":
+        return [adamw(params, device)]
+    if kind != "muon":
+        raise ValueError(f"unknown optimizer {kind!r}; valid: {', '.join(OPTIMIZERS)}")
+    matrices = [p for p, h in zip(params, hidden, strict=True) if h]
+    rest = [p for p, h in zip(params, hidden, strict=True) if not h]
+    muon = torch.optim.Muon(matrices, lr=MUON_LR, adjust_lr_fn="match_rms_adamw")
+    return [muon, adamw(rest, device)]
+
+
 @dataclass(frozen=True)
 class BenchModel:
     """One benchmarked model: how to build it, its size, its FLOPs and a one-line shape."""

@@ -22,6 +22,7 @@ from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, build
 from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.planner._whole import muon_recipe
 
 
 def _count(n: int) -> str:
@@ -73,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         default="bf16",
         choices=("bf16", "fp16", "fp32"),
         help="compute dtype; master weights stay fp32 (default bf16)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="AdamW on every parameter, or torch's Muon recipe: torch.optim.Muon on the "
+        "hidden matrices, AdamW on the rest (prices Muon's step: default adamw)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -201,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.gpus_per_node,
             internode=Link(a.internode_gbps, a.internode_latency_us),
         )
+        optimizers = muon_recipe(model) if a.optimizer == "muon" else None
+        if optimizers is not None and a.offload != "none":
+            raise ValueError("--optimizer muon steps each matrix on a device: no --offload")
 
         # One forward and backward on meta per compute dtype, whatever the configs compared.
         traces: dict[torch.dtype, OperatorTrace] = {}
@@ -220,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a.world,
                 compute=comp,
                 cluster=cluster,
+                optimizer=optimizers,
                 step_in_backward=in_backward,
             )
 
@@ -229,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             units = plan_groups(model, stage3, 1).units
             largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
             configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
-            if compute is not None and compute.cpu_adam_params_per_s is None:
+            if optimizers is not None or (
+                compute is not None and compute.cpu_adam_params_per_s is None
+            ):
                 configs = [c for c in configs if not c.offload.optimizer]
             rec = recommend(configs, run, int(a.memory_limit_gib * GIB))
             print(f"\nrecommendation within {a.memory_limit_gib:g} GiB per GPU:")

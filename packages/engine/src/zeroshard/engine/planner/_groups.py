@@ -73,9 +73,11 @@ def plan_groups(
 
 
 def state_bytes(
-    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
 ) -> dict[str, int]:
-    """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad)."""
+    """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad).
+    `optimizer_bytes_per_element`: one figure for every param group, or one per param
+    group index (those missing: 8, AdamW's)."""
     compute = cfg.precision.compute_dtype.itemsize
     out = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0, "offload_compute": 0}
     for g in plan.groups:
@@ -86,7 +88,12 @@ def state_bytes(
         if not g.offloaded:
             out["master"] += g.layout.shard_numel * 4
             if g.trainable:
-                out["optimizer"] += g.layout.shard_numel * optimizer_bytes_per_element
+                per = (
+                    optimizer_bytes_per_element.get(g.key.param_group, 8)
+                    if isinstance(optimizer_bytes_per_element, Mapping)
+                    else optimizer_bytes_per_element
+                )
+                out["optimizer"] += g.layout.shard_numel * per
     if plan.offload is not None:
         out["offload_compute"] = plan.offload.device_bytes
     return out
