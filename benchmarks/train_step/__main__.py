@@ -8,6 +8,8 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
     torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --model hf-llama \
         --engines floor,floor32,floorc,fsdp2,fsdp2c,zs2,zs3,zs3c --rounds 3 --compile-time
     torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
+    torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --optimizer muon \
+        --engines floor32,floor32-adamw,zs2,zs3,ds2,ds3
 
 Models (`--model`, see `_models.py`): `gpt` (examples/gpt.py), `llama`
 (examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
@@ -36,7 +38,10 @@ re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fs
 (DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
 `--shard-group-size` ranks, replicate across the rest). Each gets the same freshly built
 model (`--activation-checkpointing` recomputes every block in backward, for every
-engine), the same random tokens and torch.optim.AdamW. Per engine:
+engine), the same random tokens and torch.optim.AdamW (`--optimizer muon`: torch's
+recipe, torch.optim.Muon on the hidden matrices and AdamW on the rest, DeepSpeed's own
+Muon for `ds*`; `floor32-adamw`, run only when named, is `floor32` with AdamW alone, so a
+Muon run shows what Muon's step costs). Per engine:
 init time (wrapping, model construction excluded), median step time over `--steps` after
 `--warmup` (CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the
 memory kept between steps. An engine that fails gets a row saying why and the run goes on.
@@ -51,7 +56,8 @@ slowed by the collectives overlapping them (`_trace.py`).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling reads); full runs also write the "<section>" section of
 docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
-`_<preset>` for any preset but 1.3b, `_1gpu` in a world of one) and docs/<section>.png,
+`_<preset>` for any preset but 1.3b, `_muon` with `--optimizer muon`, `_1gpu` in a world
+of one) and docs/<section>.png,
 `--smoke` and `--no-write` only bench-out/.
 """
 
@@ -70,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
-from benchmarks._common._models import MODELS, BenchModel, bench_model
+from benchmarks._common._models import MODELS, OPTIMIZERS, BenchModel, bench_model
 from benchmarks.train_step._compile import CompileTime, cache_dir, measure, probe
 from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._plots import plot, plot_split
@@ -99,6 +105,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per engine")
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="bf16 (fp32 in --smoke)")
     p.add_argument("--clip", type=float, default=0.0, help="grad-norm clip in every engine")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="every engine's optimizer: AdamW (default), or muon: torch.optim.Muon on the "
+        "hidden matrices and AdamW on the rest (DeepSpeed: its own Muon)",
+    )
     p.add_argument(
         "--peak-tflops",
         type=float,
@@ -155,7 +168,8 @@ def parse_args() -> argparse.Namespace:
         preset = "" if args.preset == "1.3b" else f"_{args.preset}"
         # One GPU has sections of its own: the 2-GPU ones (no suffix) stay as measured.
         one = "_1gpu" if os.environ.get("WORLD_SIZE", "1") == "1" else ""
-        args.section = f"train_step{model}{preset}{one}".replace("-", "_").replace(".", "_")
+        muon = "_muon" if args.optimizer == "muon" else ""
+        args.section = f"train_step{model}{preset}{muon}{one}".replace("-", "_").replace(".", "_")
     if args.rounds < 1:
         p.error(f"--rounds must be a positive integer, got {args.rounds}")
     if args.compile_probe is not None and "=" not in args.compile_probe:
@@ -224,6 +238,7 @@ def main() -> None:
         args.micro_batch,
         json.loads(args.zs_config),
         args.shard_group_size,
+        args.optimizer,
     )
     names = args.engines.split(",") if args.engines else default_engines()
     # DeepSpeed last (a stable sort keeps the order otherwise): see `Engine.runs_last`.

@@ -102,6 +102,14 @@ ENGINES: dict[str, Engine] = {
             rank0_only=True,
         ),
         Engine(
+            "floor32-adamw",
+            "floor32 stepped by AdamW alone (in a --optimizer muon run: Muon's cost)",
+            tch.setup_floor32_adamw,
+            _always,
+            rank0_only=True,
+            on_request=True,
+        ),
+        Engine(
             "floorc",
             "the floor with every block torch.compile'd",
             tch.setup_floorc,

@@ -63,6 +63,7 @@ def save_json(
         "activation_checkpointing": args.activation_checkpointing,
         "shard_group_size": settings.shard_group_size,
         "clip": args.clip,
+        "optimizer": settings.optimizer,
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,
