@@ -14,12 +14,15 @@ they came from in its shard.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from zeroshard.comm import Group, Handle
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._stepper import OnDevice
+from zeroshard.engine.runtime.whole._owners import MatrixOwners
 from zeroshard.partition import FlatLayout, Slot
 
 
@@ -101,6 +104,31 @@ class MatrixExchange:
             out.append((p, back[at : at + p.numel]))
             at += p.numel
         return out
+
+
+class ExchangingStep(OnDevice):
+    """What the whole-matrix steppers share: their optimizer (whose first param group is
+    the combined optimizer's `offset`-th), its trainable flat groups and each one's
+    exchange with the owners (`owners`, by process-group label)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: Sequence[FlatParamGroup],
+        owners: Mapping[str, MatrixOwners],
+        offset: int,
+    ) -> None:
+        self.optimizer = optimizer
+        self.offset = offset
+        self.groups = [g for g in groups if g.trainable]
+        self.exchanges = {
+            g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
+            for g in self.groups
+        }
+        self.bind()
+
+    def bind(self) -> None:
+        """A stepper's own set-up, once its groups and exchanges are known."""
 
 
 def _in_shard(layout: FlatLayout, s: Slot, rank: int) -> bool:

@@ -17,16 +17,15 @@ Once per `step()`: the gradient it reads is the window's accumulated, reduced on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._stepper import OnDevice, StepOutcome
+from zeroshard.engine.runtime._stepper import StepOutcome
 from zeroshard.engine.runtime.whole._declare import _newton_schulz
-from zeroshard.engine.runtime.whole._exchange import MatrixExchange
-from zeroshard.engine.runtime.whole._owners import MatrixOwners
+from zeroshard.engine.runtime.whole._exchange import ExchangingStep
 
 
 def _torch_adjusted_lr() -> Callable[[float, str | None, torch.Size], float]:
@@ -36,28 +35,16 @@ def _torch_adjusted_lr() -> Callable[[float, str | None, torch.Size], float]:
     return fn  # type: ignore[no-any-return]
 
 
-class MuonStep(OnDevice):
+class MuonStep(ExchangingStep):
     """torch.optim.Muon (`optimizer`, whose first param group is the combined optimizer's
     `offset`-th) on `groups`, its flat groups; `owners` by process-group label."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        groups: Sequence[FlatParamGroup],
-        owners: Mapping[str, MatrixOwners],
-        offset: int,
-    ) -> None:
+    def bind(self) -> None:
+        """torch's own Newton-Schulz and learning-rate adjustment, so the bits are its."""
         ns = _newton_schulz()
         assert ns is not None  # split_muon() checked it
         self.newton_schulz = ns
         self.adjusted_lr = _torch_adjusted_lr()
-        self.optimizer = optimizer
-        self.offset = offset
-        self.groups = [g for g in groups if g.trainable]
-        self.exchanges = {
-            g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
-            for g in self.groups
-        }
 
     def _orthogonalize(self, update: torch.Tensor, pg: Mapping[str, Any]) -> torch.Tensor:
         return self.newton_schulz(update, pg["ns_coefficients"], pg["ns_steps"], pg["eps"])

@@ -13,16 +13,14 @@ moves 4 bytes of gradient and 4 of master to the owner and 4 of master back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._stepper import OnDevice, StepOutcome
-from zeroshard.engine.runtime.whole._exchange import MatrixExchange
-from zeroshard.engine.runtime.whole._owners import MatrixOwners
+from zeroshard.engine.runtime._stepper import StepOutcome
+from zeroshard.engine.runtime.whole._exchange import ExchangingStep
 
 
 @dataclass(frozen=True)
@@ -34,24 +32,14 @@ class WholeParams:
     owned: Mapping[str, nn.Parameter]
 
 
-class WholeParamStep(OnDevice):
+class WholeParamStep(ExchangingStep):
     """`optimizer` (whose first param group is the combined optimizer's `offset`-th) on
     whole parameters at their owners; `owners` by process-group label. Binds the
     optimizer's param groups to this rank's whole parameters (`params`, by name)."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        groups: Sequence[FlatParamGroup],
-        owners: Mapping[str, MatrixOwners],
-        offset: int,
-    ) -> None:
-        self.optimizer = optimizer
-        self.groups = [g for g in groups if g.trainable]
-        self.exchanges = {
-            g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
-            for g in self.groups
-        }
+    def bind(self) -> None:
+        """One empty whole parameter per matrix this rank owns, in its param group."""
+        optimizer = self.optimizer
         self.params: dict[str, nn.Parameter] = {}
         bound: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for g in self.groups:
@@ -59,7 +47,7 @@ class WholeParamStep(OnDevice):
             for slot in [p.slot for p in ex.local] + ex.owned:
                 p = nn.Parameter(g.master.new_empty(0))
                 self.params[slot.name] = p
-                bound[g.key.param_group - offset].append(p)
+                bound[g.key.param_group - self.offset].append(p)
         for pg, params in zip(optimizer.param_groups, bound, strict=True):
             pg["params"] = params
         self.whole = WholeParams(frozenset(n for g in self.groups for n in g.names), self.params)
