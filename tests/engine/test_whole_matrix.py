@@ -24,12 +24,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests
 from tests.engine._models import global_batches, loss_fn, make_model, muon_and_adamw
 from tests.engine.test_meta_init import _fill
+from zeroshard.ckpt import consolidate
 from zeroshard.comm import Group
 
 STEPS = 3
@@ -138,6 +140,11 @@ def _parity_case(stage: int, kind: str, dtype: str, accum: int, clip: bool, deca
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if decay else None
     _train(model, opt, batches, range(STEPS), clip, sched)
     _compare(model, ref, initial, dtype)
+    if kind == "muon":
+        # Muon's momentum is sharded as AdamW's moments are: shaped like this rank's shard.
+        (muon, _) = opt.inner.optimizers
+        for master in (p for pg in muon.param_groups for p in pg["params"]):
+            assert opt.state[master]["momentum_buffer"].shape == master.shape
 
 
 def _fp16_case(stage: int) -> None:
@@ -199,6 +206,13 @@ def _checkpoint_case(root: str, kind: str) -> None:
     model, opt = zs.initialize(model, _make(kind)(model), _config(2))
     _train(model, opt, batches, range(2), clip=True)
     zs.save_checkpoint(model, opt, Path(root) / kind, step=2)
+    at_save = zs.full_state_dict(model)
+    if dist.get_rank() == 0:
+        # Consolidation needs no optimizer: the weights are those the ranks hold.
+        out = Path(root) / f"{kind}.safetensors"
+        consolidate(Path(root) / kind, out)
+        for name, value in load_file(str(out)).items():
+            assert torch.equal(value, at_save[name]), f"{name}: consolidated differs"
     # The optimizer's own state dict (same world size) round-trips both optimizers too.
     saved = copy.deepcopy(opt.state_dict())
     _train(model, opt, batches, range(2, 4), clip=True)
@@ -234,7 +248,8 @@ def _world3(root: str) -> None:
 
 def _world4(root: str) -> None:
     """Hybrid sharding (shard groups of 2) at stages 2 and 3; the world-3 checkpoints
-    loaded into it at stage 3; a declared optimizer on a process group of its own refused."""
+    loaded into it at stage 3; Muon on a parameter with a process group of its own (an
+    expert's); a declared optimizer there refused."""
     world, rank = dist.get_world_size(), dist.get_rank()
 
     def hybrid(stage: int) -> None:
@@ -256,10 +271,27 @@ def _world4(root: str) -> None:
         _train(model, opt, saved, range(2, 4), clip=True)
         _compare(model, ref, {}, "fp32")
 
-    run_each([{"stage": 2}, {"stage": 3}], hybrid)
-    run_each([{"kind": "muon"}, {"kind": "declared"}], resharded)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     own = Group(pairs[rank // 2])
+
+    def experts(stage: int) -> None:
+        # l1 data-parallel over a pair of ranks (as experts are), its matrix owned by one
+        # rank of the pair. Every rank trains on the same batch, so the pairs' average is
+        # the world's and the reference is one process on that batch.
+        model = make_model(seed=8)
+        batches = global_batches(STEPS, 1, 1, MICRO)
+        ref = _reference(model, _make("muon"), batches, range(STEPS), False, False)
+        cfg = _config(stage)
+        model, opt = zs.initialize(model, _make("muon")(model), cfg, process_groups={"l1": own})
+        for step in range(STEPS):
+            loss_fn(model, batches[step].reshape(-1, batches.shape[-1])).backward()
+            opt.step()
+            opt.zero_grad()
+        _compare(model, ref, {}, "fp32")
+
+    run_each([{"stage": 2}, {"stage": 3}], hybrid)
+    run_each([{"kind": "muon"}, {"kind": "declared"}], resharded)
+    run_each([{"stage": 2}, {"stage": 3}], experts)
     model = make_model(seed=1)
     with pytest.raises(ValueError, match=r"DeclaredMuon steps whole parameters by name"):
         zs.initialize(model, _make("declared")(model), _config(2), process_groups={"l1": own})
