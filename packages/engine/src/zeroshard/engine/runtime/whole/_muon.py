@@ -25,7 +25,7 @@ import torch
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import StepOutcome
 from zeroshard.engine.runtime.whole._declare import _newton_schulz
-from zeroshard.engine.runtime.whole._exchange import ExchangingStep
+from zeroshard.engine.runtime.whole._exchange import ExchangingStep, ShardPiece
 
 
 def _torch_adjusted_lr() -> Callable[[float, str | None, torch.Size], float]:
@@ -51,51 +51,46 @@ class MuonStep(ExchangingStep):
 
     def step(self) -> StepOutcome:
         """Every group's momentum and update on its shard, each exchanged update to its
-        owner and back orthogonalized, then weight decay and the add ([Note: Muon's step,
-        split]): all sends first, so the collectives overlap the orthogonalizations."""
-        todo = [g for g in self.groups if g.master.grad is not None]
-        sent = []
-        for g in todo:
+        owner and back orthogonalized, weight decay and the add ([Note: Muon's step,
+        split]). Each group's sends start before its own matrices are orthogonalized, and
+        every group's before any owner waits, so the collectives overlap the work."""
+        arriving = []
+        for g in (g for g in self.groups if g.master.grad is not None):
             pg = self.optimizer.param_groups[g.key.param_group - self.offset]
             update = self._update(g, pg)
             ex = self.exchanges[g.index]
-            owned = (
-                ex.to_owners(update, label=f"Muon updates of group {g.index}")
-                if ex.active
-                else None
-            )
-            sent.append((g, pg, update, owned))
-        back = []
-        for g, pg, update, owned in sent:
-            ex = self.exchanges[g.index]
-            lr = float(pg["lr"])
+            if ex.active:
+                # The pieces are copied into the send buffer: `update` may go after this.
+                label = f"Muon updates of group {g.index}"
+                arriving.append((g, pg, ex.to_owners(update, label=label)))
             # The weight decay before any add, as torch's Muon orders them per matrix.
-            g.master.mul_(1 - lr * pg["weight_decay"])
+            g.master.mul_(1 - float(pg["lr"]) * pg["weight_decay"])
             for piece, view in zip(ex.local, ex.local_views(update), strict=True):
-                ortho = self._orthogonalize(view, pg)
-                alpha = -self.adjusted_lr(lr, pg["adjust_lr_fn"], torch.Size(piece.slot.shape))
-                g.master[piece.start : piece.start + piece.numel].view(piece.slot.shape).add_(
-                    ortho, alpha=alpha
-                )
-            returned = None
-            if owned is not None:
-                buffer, handle = owned
-                handle.wait()
-                for view in ex.views(buffer):
-                    # In place: `buffer` is ours, and NS casts (a no-op on bf16) first.
-                    view.copy_(self._orthogonalize(view, pg))
-                returned = ex.from_owners(buffer, label=f"Muon orthogonalized of group {g.index}")
-            back.append((g, pg, returned))
-        for g, pg, returned in back:
-            if returned is None:
-                continue
-            buffer, handle = returned
+                self._add(g, piece, self._orthogonalize(view, pg), pg)
+        returning = []
+        for g, pg, (owned, handle) in arriving:
             handle.wait()
-            lr = float(pg["lr"])
-            for piece, chunk in self.exchanges[g.index].split_back(buffer):
-                alpha = -self.adjusted_lr(lr, pg["adjust_lr_fn"], torch.Size(piece.slot.shape))
-                g.master[piece.start : piece.start + piece.numel].add_(chunk, alpha=alpha)
+            ex = self.exchanges[g.index]
+            for view in ex.views(owned):
+                # In place: the owner's buffer is ours, and NS casts (a no-op on bf16) first.
+                view.copy_(self._orthogonalize(view, pg))
+            label = f"Muon orthogonalized updates of group {g.index}"
+            returning.append((g, pg, ex.from_owners(owned, label=label)))
+        for g, pg, (back, handle) in returning:
+            handle.wait()
+            for piece, chunk in self.exchanges[g.index].split_back(back):
+                self._add(g, piece, chunk, pg)
         return StepOutcome.PUBLISH
+
+    def _add(
+        self, g: FlatParamGroup, piece: ShardPiece, update: torch.Tensor, pg: Mapping[str, Any]
+    ) -> None:
+        """`g`'s master piece minus its matrix's adjusted lr times `update` (the piece's
+        orthogonalized elements, or the whole matrix for a local one)."""
+        shape = torch.Size(piece.slot.shape)
+        alpha = -self.adjusted_lr(float(pg["lr"]), pg["adjust_lr_fn"], shape)
+        target = g.master[piece.start : piece.start + piece.numel]
+        target.view_as(update).add_(update, alpha=alpha)
 
     def _update(self, g: FlatParamGroup, pg: Mapping[str, Any]) -> torch.Tensor:
         """Momentum and Nesterov blend of `g`'s shard; the update cast to bf16."""
