@@ -6,7 +6,8 @@ not mind. Muon, Shampoo, SOAP and Dion update a weight matrix as a whole, so eac
 matrix of theirs is stepped by one rank of its flat group's process group, its owner
 (`_owners.py`), and its pieces travel between the shards and the owner (`_exchange.py`).
 
-- `torch.optim.Muon` itself (by exact type) is stepped by `MuonStep` (`_muon.py`):
+- `torch.optim.Muon` itself (by exact type, where torch has the functions behind its
+  step that `MuonStep` calls; else as a declared one) is stepped by `MuonStep` (`_muon.py`):
   momentum, the Nesterov blend, weight decay and the add run on every rank's shard,
   elementwise, and only the blended update goes to the owner, in bf16 (the dtype
   Newton-Schulz starts with), which orthogonalizes it and sends the result back.
@@ -20,21 +21,30 @@ matrix of theirs is stepped by one rank of its flat group's process group, its o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 WHOLE_PARAMS = "zeroshard_whole_params"
 
 
-def _newton_schulz() -> Callable[..., torch.Tensor] | None:
-    """torch's own orthogonalization, so `MuonStep` gives torch.optim.Muon's bits."""
+class MuonFunctions(NamedTuple):
+    """torch.optim.Muon's own Newton-Schulz and learning-rate adjustment."""
+
+    newton_schulz: Callable[..., torch.Tensor]
+    adjusted_lr: Callable[..., float]
+
+
+def muon_functions() -> MuonFunctions | None:
+    """torch's functions behind torch.optim.Muon's step (private to torch: `MuonStep`
+    calls them so that its bits are torch's), or None where this torch lacks one."""
     try:
         from torch.optim import _muon
     except ImportError:
         return None
-    fn: Any = getattr(_muon, "_zeropower_via_newtonschulz", None)
-    return fn if callable(fn) else None
+    ns: Any = getattr(_muon, "_zeropower_via_newtonschulz", None)
+    lr: Any = getattr(_muon, "_adjust_lr", None)
+    return MuonFunctions(ns, lr) if callable(ns) and callable(lr) else None
 
 
 def torch_muon() -> type[torch.optim.Optimizer] | None:
@@ -58,5 +68,5 @@ def split_muon(optimizer: torch.optim.Optimizer) -> bool:
         muon is not None
         and type(optimizer) is muon
         and not getattr(optimizer, WHOLE_PARAMS, False)
-        and _newton_schulz() is not None
+        and muon_functions() is not None
     )

@@ -17,22 +17,15 @@ Once per `step()`: the gradient it reads is the window's accumulated, reduced on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import StepOutcome
-from zeroshard.engine.runtime.whole._declare import _newton_schulz
+from zeroshard.engine.runtime.whole._declare import muon_functions
 from zeroshard.engine.runtime.whole._exchange import ExchangingStep, ShardPiece
-
-
-def _torch_adjusted_lr() -> Callable[[float, str | None, torch.Size], float]:
-    from torch.optim import _muon
-
-    fn: Any = _muon._adjust_lr
-    return fn  # type: ignore[no-any-return]
 
 
 class MuonStep(ExchangingStep):
@@ -41,10 +34,9 @@ class MuonStep(ExchangingStep):
 
     def bind(self) -> None:
         """torch's own Newton-Schulz and learning-rate adjustment, so the bits are its."""
-        ns = _newton_schulz()
-        assert ns is not None  # split_muon() checked it
-        self.newton_schulz = ns
-        self.adjusted_lr = _torch_adjusted_lr()
+        functions = muon_functions()
+        assert functions is not None  # split_muon() checked it
+        self.newton_schulz, self.adjusted_lr = functions
 
     def _orthogonalize(self, update: torch.Tensor, pg: Mapping[str, Any]) -> torch.Tensor:
         return self.newton_schulz(update, pg["ns_coefficients"], pg["ns_steps"], pg["eps"])
