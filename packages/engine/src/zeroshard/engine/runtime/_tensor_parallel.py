@@ -132,10 +132,12 @@ def local_piece(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
     return value.narrow(dim, p.device_mesh.get_local_rank() * n, n)
 
 
-def full_runs(p: torch.Tensor, start: int, numel: int) -> Iterator[tuple[int, int, int]]:
-    """Local elements [start, start + numel) of DTensor `p`'s piece as runs of its full
-    tensor's flattened elements: (full start, local start, length) for each run (one for
-    a parameter not split)."""
+def full_runs(
+    p: torch.Tensor, shape: Sequence[int], start: int, numel: int
+) -> Iterator[tuple[int, int, int]]:
+    """Local elements [start, start + numel) of `p`'s piece (of shape `shape`, its slot's)
+    as runs of its full tensor's flattened elements: (full start, local start, length)
+    for each run (one for a parameter not split)."""
     dim = split_dim(p)
     if dim is None:
         yield start, start, numel
@@ -144,7 +146,7 @@ def full_runs(p: torch.Tensor, start: int, numel: int) -> Iterator[tuple[int, in
     parts, piece = p.device_mesh.size(), p.device_mesh.get_local_rank()
     # Each index before `dim` holds one contiguous run of the piece: its extent along dim
     # times everything after it.
-    inner = math.prod(local_shape(p)[dim:])
+    inner = math.prod(shape[dim:])
     at, end = start, start + numel
     while at < end:
         outer, within = divmod(at, inner)

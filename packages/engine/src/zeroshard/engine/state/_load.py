@@ -258,7 +258,7 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
             master = g.master.detach()
             params = dict(zip(g.names, g.params, strict=True))
             for slot, piece in g.layout.slots_in_shard(g.process_group.rank):
-                runs = full_runs(params[slot.name], piece.slot_start, piece.numel)
+                runs = full_runs(params[slot.name], slot.shape, piece.slot_start, piece.numel)
                 for start, local, numel in runs:
                     for lo, chunk in reader.chunks(plan[slot.name], start, numel):
                         at = piece.shard_start + local - piece.slot_start + lo
