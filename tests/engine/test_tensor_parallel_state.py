@@ -7,7 +7,8 @@ tensors are `full_state_dict`'s, and `load_state_dict` of the whole tensors or
 loads at dp 4 without tensor parallelism (stages 1 and 3), at dp 1 x tp 2 and in one
 process, and one more step from there matches the 2 x 2 run's (fp32, rtol 1e-5); and
 `zeroshard-ckpt consolidate` writes the unsplit model's names, shapes and dtypes with the
-values `full_state_dict` had, bit for bit.
+values `full_state_dict` had, bit for bit. The planner's `--tp` model states (masters and
+AdamW state per rank) are the engine's, to the byte.
 """
 
 from __future__ import annotations
@@ -64,6 +65,42 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
 
 
+def _planned_states_match(model: Any) -> None:
+    from zeroshard.engine.planner._cluster import Cluster
+    from zeroshard.engine.planner._tensor_parallel import (
+        COLWISE,
+        EMBEDDING,
+        GATHERED,
+        ROWWISE,
+        plan_tensor_parallel,
+    )
+
+    state = zs.engine_state(model)
+    with torch.device("meta"):
+        meta = _tp.TPModel()
+    groups = {
+        id(p): k for k, pg in enumerate(_tp.make_optimizer(meta).param_groups) for p in pg["params"]
+    }
+    styles = {"emb": EMBEDDING, "head": GATHERED}
+    for i in range(2):
+        styles.update({f"blocks.{i}.up": COLWISE, f"blocks.{i}.down": ROWWISE})
+    plan = plan_tensor_parallel(
+        meta,
+        state.config,
+        world_size=4,
+        tp=2,
+        micro_batch=2,
+        seq_len=_tp.SEQ,
+        sequence_parallel=True,
+        cluster=Cluster(),
+        styles=styles,
+        param_group_of=groups,
+    )
+    shards = sum(g.master.numel() for g in state.groups)
+    assert plan.states["master"] == 4 * shards, (plan.states, shards)
+    assert plan.states["optimizer"] == 8 * shards, (plan.states, shards)
+
+
 def _save_and_reload(root: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -71,6 +108,7 @@ def _save_and_reload(root: str, out: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model, opt = _split(mesh)
+    _planned_states_match(model)
     _train(model, opt, range(2), 2, dp_rank)
     zs.save_checkpoint(model, opt, root, step=2)
     saved = zs.full_state_dict(model)
