@@ -13,7 +13,6 @@ the weights `full_state_dict` had.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -42,24 +41,6 @@ def _config() -> Any:
     )
 
 
-def _expanded(model: Any) -> dict[str, str]:
-    """The model's `tp_plan` with its `*` spelled out: each parameter a rule names and
-    each module, the parameters first (what `from_pretrained(tp_plan=...)` applies)."""
-    rules = [
-        (re.compile(k.replace(".", r"\.").replace("*", r"\d+")), v)
-        for k, v in model.tp_plan.items()
-    ]
-    plan = {}
-    for name, module in model.named_modules():
-        style = next((v for k, v in rules if k.fullmatch(name)), None)
-        if style is None:
-            continue
-        for param, _ in module.named_parameters(recurse=False):
-            plan[f"{name}.{param}"] = style
-        plan[name] = style
-    return plan
-
-
 def _train_and_export(root: str) -> None:
     import torch
     import torch.distributed as dist
@@ -69,6 +50,7 @@ def _train_and_export(root: str) -> None:
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     import zeroshard.engine as zs
+    from benchmarks.train_step._tensor_parallel_engines import hf_plan
     from zeroshard.ckpt import consolidate
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -76,7 +58,8 @@ def _train_and_export(root: str) -> None:
     model = transformers.LlamaForCausalLM(_config())
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(_config())
-    apply_tensor_parallelism(model, mesh["tp"], _expanded(model))
+    # The model's own tp_plan, as benchmarks/train_step's hf-llama applies it.
+    apply_tensor_parallelism(model, mesh["tp"], hf_plan(model))
     assert isinstance(model.model.layers[0].self_attn.o_proj.weight, DTensor)
     config = {"stage": 3, "min_unit_params": 1, "persistence_threshold": 0}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
