@@ -6,6 +6,7 @@ tensors are `full_state_dict`'s, and `load_state_dict` of the whole tensors or
 `load_safetensors` of the consolidated file give the same weights back; the checkpoint
 loads at dp 4 without tensor parallelism (stages 1 and 3), at dp 1 x tp 2 and in one
 process, and one more step from there matches the 2 x 2 run's (fp32, rtol 1e-5); and
+`gathered_parameters` shows each rank's pieces whole over dp (edits refused);
 `zeroshard-ckpt consolidate` writes the unsplit model's names, shapes and dtypes with the
 values `full_state_dict` had, bit for bit. The planner's `--tp` model states (masters and
 AdamW state per rank) are the engine's, to the byte.
@@ -17,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -118,6 +120,14 @@ def _save_and_reload(root: str, out: str) -> None:
     _equal(
         {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}, saved, "sd"
     )
+    # gathered_parameters: each rank's pieces whole over dp, DTensors still; no edits.
+    with zs.gathered_parameters(model):
+        weight = model.blocks[0].up.weight
+        assert isinstance(weight, DTensor)
+        assert torch.equal(weight.full_tensor(), saved["blocks.0.up.weight"])
+    edits = zs.gathered_parameters(model, modifier_rank=0)
+    with pytest.raises(ValueError, match=r"modifier_rank .* not supported under tensor"), edits:
+        pass
     _train(model, opt, range(2, 3), 2, dp_rank)
     after = zs.full_state_dict(model)
 
