@@ -18,21 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.engine._models import Block
+
 VOCAB = 32
 SEQ = 8  # tokens per sequence (inputs; one more for the targets)
-
-
-class TPBlock(nn.Module):
-    """x + down(gelu(up(norm(x))))."""
-
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
 class TPModel(nn.Module):
@@ -41,7 +30,8 @@ class TPModel(nn.Module):
     def __init__(self, d: int = 10, hidden: int = 18) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList([TPBlock(d, hidden), TPBlock(d, hidden + 4)])
+        # test_parity's residual MLP block: x + down(gelu(up(norm(x)))).
+        self.blocks = nn.ModuleList([Block(d, hidden), Block(d, hidden + 4)])
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, d))

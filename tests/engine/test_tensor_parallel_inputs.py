@@ -1,6 +1,7 @@
 """What `initialize(..., device_mesh=...)` refuses, on every rank, before it changes
 anything: DTensor parameters without a mesh, a mesh of other dims (the hybrid 3-D one
-included), combinations not supported yet, a split that does not divide; and
+included), combinations not supported yet, a split that does not divide, one rank
+without the mesh (the same error on both, no hang); and
 `zeroshard.compile` of a tensor-parallel model, naming the mode that works."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
@@ -60,6 +62,11 @@ def _refusals() -> None:
             r"'0.weight' of shape \(5, 4\) is split along dim 0 over tp 2", model, device_mesh=mesh
         )
 
+    def one_rank_without_mesh() -> None:
+        # The same error on both ranks, from the initialize digest, before anything else.
+        given = mesh if dist.get_rank() == 0 else None
+        refused(r"device_mesh", split(), device_mesh=given)
+
     def compiled() -> None:
         import zeroshard.compile as zc
 
@@ -68,7 +75,16 @@ def _refusals() -> None:
         with pytest.raises(ValueError, match=r"does not support tensor parallelism.*eagerly"):
             zc.compile(model)
 
-    checks = [no_mesh, other_dims, hybrid, offload, shard_group_size, uneven, compiled]
+    checks = [
+        no_mesh,
+        other_dims,
+        hybrid,
+        offload,
+        shard_group_size,
+        uneven,
+        one_rank_without_mesh,
+        compiled,
+    ]
     run_each([{"check": c} for c in checks], lambda check: check())
 
 

@@ -99,6 +99,18 @@ def state_bytes(
     return out
 
 
+def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:
+    """The memory table's rows of the model states: the header, each kind held, their
+    sum, and the gradient shards a step adds."""
+    rows = ["| per rank | GiB |", "|---|---|"]
+    rows += [f"| {k.replace('_', ' ')} | {n / 2**30:.2f} |" for k, n in states.items() if n]
+    return [
+        *rows,
+        f"| = model states between steps | {sum(states.values()) / 2**30:.2f} |",
+        f"| fp32 gradient shards (in a step) | {grad_shards / 2**30:.2f} |",
+    ]
+
+
 def grad_shard_bytes(plan: GroupPlan) -> int:
     """Device bytes of the fp32 gradient shards during a step (offloaded ones live on the host)."""
     return sum(g.layout.shard_numel * 4 for g in plan.groups if g.trainable and not g.offloaded)

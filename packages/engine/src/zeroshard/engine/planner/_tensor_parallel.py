@@ -33,7 +33,12 @@ from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
-from zeroshard.engine.planner._groups import grad_shard_bytes, plan_groups, state_bytes
+from zeroshard.engine.planner._groups import (
+    grad_shard_bytes,
+    plan_groups,
+    state_bytes,
+    state_rows,
+)
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 
 GIB = 2**30
@@ -117,16 +122,7 @@ class TensorParallelPlan:
             f"{self.config.stage}: {self.split / 1e9:.2f}B split over tp, each rank holds "
             f"{self.per_rank / 1e9:.2f}B, sharded over dp {self.dp}",
             "",
-            "| per rank | GiB |",
-            "|---|---|",
-        ]
-        for kind, nbytes in self.states.items():
-            if nbytes:
-                lines.append(f"| {kind.replace('_', ' ')} | {nbytes / GIB:.2f} |")
-        total = sum(self.states.values())
-        lines += [
-            f"| = model states between steps | {total / GIB:.2f} |",
-            f"| fp32 gradient shards (in a step) | {self.grad_shards / GIB:.2f} |",
+            *state_rows(self.states, self.grad_shards),
             "",
             "| tensor-parallel collectives of a micro-batch | per micro-batch | MiB each | ms |",
             "|---|---|---|---|",

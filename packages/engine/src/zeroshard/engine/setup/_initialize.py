@@ -171,7 +171,6 @@ def initialize(
     """
     cfg = as_config(config)
     check_model(model, cfg)
-    check_mesh_inputs(model, cfg, device_mesh, group=group, process_groups=process_groups)
     refusal = delayed_step_refusal(optimizer) if cfg.offload.delay_param_update else ""
     if cfg.offload.compiled_step and not refusal:
         what = "offload.compiled_step compiles torch's Adam/AdamW update"
@@ -181,7 +180,10 @@ def initialize(
     check_module_paths(model, process_groups or {})
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
-    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer, device_mesh))
+    # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
+    # alone while the others wait for it in the agreement's collective.
+    check_mesh_inputs(model, cfg, device_mesh, group=group, process_groups=process_groups)
     mesh = None
     if device_mesh is not None:
         mesh = mesh_groups(device_mesh, everyone, timeout)
