@@ -27,7 +27,7 @@ from zeroshard.comm import Group, Handle, completed_handle
 from zeroshard.engine.runtime._gather_source import GatherSource
 from zeroshard.engine.runtime._grad_destination import GradDestination
 from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
-from zeroshard.engine.runtime._tensor_parallel import as_grad, data_of, local_shape, point_at
+from zeroshard.engine.runtime._tensor_parallel import data_of, like_param, local_shape, point_at
 from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
@@ -294,7 +294,7 @@ def build_flat_group(
     group.expose()
     if storage.grad_buffer is not None:
         for p, g in zip(params, slot_views(storage.grad_buffer, layout), strict=True):
-            p.grad = as_grad(p, g)
+            p.grad = like_param(p, g)
     return group
 
 

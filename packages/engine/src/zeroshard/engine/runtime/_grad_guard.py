@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
-from zeroshard.engine.runtime._tensor_parallel import as_grad, is_dtensor, local_grad
+from zeroshard.engine.runtime._tensor_parallel import is_dtensor, like_param, local_grad
 
 GUIDANCE = (
     "zeroshard keeps gradients as reduced fp32 shards, not in parameter.grad; to clip by "
@@ -102,7 +102,7 @@ def _before_accumulate(
         p = param()
         if p is not None and is_guard(p.grad):
             # Stage 1 accumulates into its buffer view again; stages 2/3 start empty.
-            p.grad = None if view is None else as_grad(p, view.view(shape))
+            p.grad = None if view is None else like_param(p, view.view(shape))
 
     return hook
 

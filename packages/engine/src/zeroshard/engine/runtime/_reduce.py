@@ -44,7 +44,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._stats import EngineStats
-from zeroshard.engine.runtime._tensor_parallel import as_grad, local_grad
+from zeroshard.engine.runtime._tensor_parallel import like_param, local_grad
 
 
 class BackwardEvents(Protocol):
@@ -299,7 +299,7 @@ class GradReducer:
             if grad is None or grad.data_ptr() != view.data_ptr():
                 if grad is not None:
                     view.add_(grad.reshape(-1))
-                p.grad = as_grad(p, view.view(slot.shape))
+                p.grad = like_param(p, view.view(slot.shape))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients; `set_to_none` frees the shards until the next backward."""

@@ -95,15 +95,10 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     return grad
 
 
-def as_grad(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's part of a gradient of `p`) as a value for `p.grad`: a DTensor
-    of `p`'s mesh and placement when `p` is one (autograd accumulates into it in place)."""
-    return like_param(p, local)
-
-
 def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's values of `p`) as `p` holds them: a DTensor of its mesh,
-    placement and shape when `p` is one, else `local` itself."""
+    """`local` (this rank's values of `p`, or of its gradient) as `p` holds them: a
+    DTensor of its mesh, placement and shape when `p` is one, else `local` itself (as
+    `p.grad`, autograd accumulates into it in place)."""
     if not isinstance(p, DTensor):
         return local
     return DTensor.from_local(
@@ -198,21 +193,15 @@ def placement_problem(name: str, p: nn.Parameter, mesh: DeviceMesh) -> str | Non
 @dataclass(frozen=True)
 class TensorParallel:
     """The tensor-parallel dim of `initialize`'s device mesh, as the runtime sees it:
-    `mesh` (1-D), its process `group`, and every rank of the job (`world`)."""
+    `mesh` (1-D) and its process `group`."""
 
     mesh: DeviceMesh
     group: Group
-    world: Group
 
     @property
     def size(self) -> int:
         """Ranks a split parameter is cut over."""
         return self.group.size
-
-    @property
-    def rank(self) -> int:
-        """This rank's piece of every split parameter."""
-        return self.group.rank
 
     @staticmethod
     def is_split_group(label: str) -> bool:

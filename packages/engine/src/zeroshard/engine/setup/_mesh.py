@@ -69,7 +69,7 @@ def mesh_groups(mesh: DeviceMesh, everyone: Group, timeout: timedelta) -> MeshGr
         )
     dp = Group(mesh.get_group("dp")).with_timeout(timeout)
     tp = Group(mesh.get_group("tp")).with_timeout(timeout)
-    return MeshGroups(dp, TensorParallel(mesh["tp"], tp, everyone))
+    return MeshGroups(dp, TensorParallel(mesh["tp"], tp))
 
 
 def check_mesh_inputs(
