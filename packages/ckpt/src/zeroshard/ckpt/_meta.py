@@ -8,7 +8,9 @@ code: the layouts, dtypes, optimizer hyperparameters, tied aliases and per-file 
 Format version 2 added `GroupMeta.rank_sets` (groups sharded over a process group of
 their own, such as experts); version 1 checkpoints, which have none, are still read.
 Version 3 added the checksum of `metadata.json` itself (see [Note: the metadata's own
-checksum]); versions 1 and 2, which have none, are read unchecked.
+checksum]); versions 1 and 2, which have none, are read unchecked. Version 4 added
+`GroupMeta.tensor_split` (tensor parallelism: a group's instances are the pieces of one
+model); a checkpoint without it is still written as version 3, which earlier builds read.
 
 [Note: the metadata's own checksum]
 The last field of `metadata.json` is `"checksum": "crc32:{digest}"`, the crc32 of the
@@ -22,6 +24,7 @@ whose line is damaged) is a `ChecksumError` too.
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,15 +39,18 @@ from zeroshard.ckpt._errors import (
     FormatVersionError,
     ModelMismatchError,
 )
-from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
+from zeroshard.partition import FlatLayout, Slot, dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
-# 2 is 3 without the metadata's own checksum.
-READABLE_VERSIONS = (1, 2, 3)
+# 2 is 3 without the metadata's own checksum, 3 is 4 without `tensor_split`.
+READABLE_VERSIONS = (1, 2, 3, 4)
 # The first version whose metadata.json carries its own checksum.
 CHECKSUMMED_VERSION = 3
+# The first version with `tensor_split`, and the one written without it.
+TENSOR_SPLIT_VERSION = 4
+PLAIN_VERSION = 3
 _BLANK_DIGEST = b"00000000"
 _CHECKSUM_TAIL = re.compile(rb'\n "checksum": "crc32:([0-9a-f]{8})"\n\}\n\Z')
 MASTER = "master"
@@ -98,6 +104,30 @@ class FileMeta:
 
 
 @dataclass(frozen=True)
+class TensorSplit:
+    """How the instances of a group make one model under tensor parallelism.
+
+    Instance k is tensor-parallel rank k. A slot named in `dims` holds piece k of its
+    full tensor, cut into `instances` equal pieces along dim `dims[name]` (its slot shape
+    is the piece's); every other slot holds the same values on every instance.
+    """
+
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", {str(k): int(v) for k, v in self.dims.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"dims": dict(self.dims)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> TensorSplit:
+        """Read `to_dict()` output."""
+        return TensorSplit({str(k): int(v) for k, v in d["dims"].items()})
+
+
+@dataclass(frozen=True)
 class GroupMeta:
     """One flat parameter group: its layout and what each rank stores of it.
 
@@ -112,6 +142,10 @@ class GroupMeta:
     expert parallelism) holds different values on different sets of ranks: one tuple per
     such set (an *instance*, ordered by its first rank), listing the rank files that hold
     its shards 0, 1, ... (`layout.world_size` of them).
+
+    `tensor_split` (tensor parallelism) says that the instances are the tensor-parallel
+    ranks of one model, and which slots are pieces of a bigger tensor (see `TensorSplit`):
+    a full state dict then holds one tensor per name, made from every instance.
     """
 
     name: str
@@ -121,6 +155,7 @@ class GroupMeta:
     requires_grad: bool = True
     scalars: Mapping[str, Any] = field(default_factory=dict)
     rank_sets: tuple[tuple[int, ...], ...] | None = None
+    tensor_split: TensorSplit | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -157,6 +192,19 @@ class GroupMeta:
                 )
             if [s[0] for s in sets] != sorted(s[0] for s in sets):
                 raise CheckpointError(f"group {self.name!r}: rank sets not ordered by first rank")
+        if self.tensor_split is not None:
+            self._check_split(self.tensor_split)
+
+    def _check_split(self, split: TensorSplit) -> None:
+        shapes = {s.name: s.shape for s in self.layout.slots}
+        for name, dim in split.dims.items():
+            if name not in shapes:
+                raise CheckpointError(f"group {self.name!r}: tensor_split names unknown {name!r}")
+            if not 0 <= dim < len(shapes[name]):
+                raise CheckpointError(
+                    f"group {self.name!r}: {name!r} of shape {shapes[name]} cannot be split "
+                    f"along dim {dim}"
+                )
 
     @property
     def instances(self) -> int:
@@ -170,6 +218,18 @@ class GroupMeta:
                 f"group {self.name!r} has {self.instances} instance(s), not instance {instance}"
             )
         return shard if self.rank_sets is None else self.rank_sets[instance][shard]
+
+    def split_dim(self, name: str) -> int | None:
+        """The dim slot `name` is split along over the instances (tensor parallelism), or
+        None when each instance holds it whole."""
+        return None if self.tensor_split is None else self.tensor_split.dims.get(name)
+
+    def full_shape(self, slot: Slot) -> tuple[int, ...]:
+        """The shape of the whole tensor of `slot` (its pieces joined, when split)."""
+        dim = self.split_dim(slot.name)
+        if dim is None:
+            return slot.shape
+        return tuple(n * self.instances if d == dim else n for d, n in enumerate(slot.shape))
 
     @property
     def value_kind(self) -> str:
@@ -191,6 +251,7 @@ class GroupMeta:
             "shards": {k: dtype_name(d) for k, d in self.shards.items()},
             "scalars": dict(self.scalars),
             **({} if self.rank_sets is None else {"rank_sets": [list(s) for s in self.rank_sets]}),
+            **({} if self.tensor_split is None else {"tensor_split": self.tensor_split.to_dict()}),
         }
 
     @staticmethod
@@ -198,6 +259,7 @@ class GroupMeta:
         """Read `to_dict()` output."""
         pg = d["param_group"]
         sets = d.get("rank_sets")
+        split = d.get("tensor_split")
         return GroupMeta(
             name=str(d["name"]),
             layout=FlatLayout.from_dict(dict(d["layout"])),
@@ -206,6 +268,7 @@ class GroupMeta:
             requires_grad=bool(d["requires_grad"]),
             scalars=dict(d.get("scalars", {})),
             rank_sets=None if sets is None else tuple(tuple(s) for s in sets),
+            tensor_split=None if split is None else TensorSplit.from_dict(split),
         )
 
 
@@ -218,7 +281,8 @@ class CheckpointMeta:
     parameter to its canonical name (the one in a layout); `buffers` names the module
     buffers stored in rank 0's file and `buffer_shapes` their shapes (`save` fills it;
     empty in checkpoints written before it existed); `extra` is free JSON for the caller
-    (scheduler state, engine config).
+    (scheduler state, engine config). `version` is the format version (0: the lowest that
+    holds the groups, `PLAIN_VERSION` unless one has a `tensor_split`).
     """
 
     world_size: int
@@ -231,7 +295,7 @@ class CheckpointMeta:
     buffers: tuple[str, ...] = ()
     files: Mapping[str, FileMeta] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 0
     buffer_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -243,6 +307,9 @@ class CheckpointMeta:
         set_(self, "files", dict(self.files))
         set_(self, "extra", dict(self.extra))
         set_(self, "buffer_shapes", {k: tuple(v) for k, v in self.buffer_shapes.items()})
+        split = any(g.tensor_split is not None for g in self.groups)
+        if self.version == 0:
+            set_(self, "version", TENSOR_SPLIT_VERSION if split else PLAIN_VERSION)
         if self.version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
@@ -250,6 +317,10 @@ class CheckpointMeta:
             )
         if self.version == 1 and any(g.rank_sets is not None for g in self.groups):
             raise CheckpointError("format version 1 has no rank sets: metadata is malformed")
+        if self.version < TENSOR_SPLIT_VERSION and split:
+            raise CheckpointError(
+                f"format version {self.version} has no tensor splits: metadata is malformed"
+            )
         if self.world_size < 1:
             raise CheckpointError(f"world_size must be >= 1, got {self.world_size}")
         if self.stage not in (0, 1, 2, 3):
@@ -315,8 +386,9 @@ class CheckpointMeta:
 
     @property
     def num_params(self) -> int:
-        """Number of parameter elements (aliases counted once, padding not counted)."""
-        return sum(s.numel for g in self.groups for s in g.layout.slots)
+        """Number of parameter elements (aliases counted once, padding not counted, a
+        tensor-parallel parameter whole)."""
+        return sum(math.prod(g.full_shape(s)) for g in self.groups for s in g.layout.slots)
 
     def group(self, name: str) -> GroupMeta:
         """A group by name."""
