@@ -138,8 +138,9 @@ class _Family:
 _SMOKE_LLAMA = llama.LlamaConfig(
     vocab_size=512, d_model=128, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=344, seq_len=64
 )
+# Heads and widths that 2 tensor-parallel ranks split (zs3tp's untimed first set-up).
 _TINY_LLAMA = llama.LlamaConfig(
-    vocab_size=64, d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_hidden=64, seq_len=8
+    vocab_size=64, d_model=32, n_layer=1, n_head=4, n_kv_head=2, ffn_hidden=64, seq_len=8
 )
 FAMILIES: dict[str, _Family] = {
     "gpt": _Family(

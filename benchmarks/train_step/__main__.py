@@ -8,6 +8,8 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
     torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --model hf-llama \
         --engines floor,floor32,floorc,fsdp2,fsdp2c,zs2,zs3,zs3c --rounds 3 --compile-time
     torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 -m benchmarks.train_step \
+        --model llama --engines zs3,zs3tp,fsdp2,fsdp2tp --tp 2
     torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --optimizer muon \
         --engines floor32,floor32-adamw,zs2,zs3,ds2,ds3
 
@@ -35,8 +37,12 @@ when named: `floorw` (the floor compiled whole), `floorr` (that, with every bloc
 re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fsdp2c`
 (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c` (compiled whole),
 `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
-(DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
-`--shard-group-size` ranks, replicate across the rest). Each gets the same freshly built
+(DeepSpeed, always run last), the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
+`--shard-group-size` ranks, replicate across the rest) and, run only when named, the
+tensor-parallel `zs3tp` and `fsdp2tp` (`llama` and `hf-llama` split over `--tp`
+consecutive ranks by torch's tensor parallelism, sharded over the rest; at `--tp 1`,
+`zs3tp` is `zs3` through `initialize(device_mesh=...)` with DTensor layers) and `zs3m`
+(`zs3` through a (world, 1) mesh, the model not split). Each gets the same freshly built
 model (`--activation-checkpointing` recomputes every block in backward, for every
 engine), the same random tokens and torch.optim.AdamW (`--optimizer muon`: torch's
 recipe, torch.optim.Muon on the hidden matrices and AdamW on the rest, DeepSpeed's own
@@ -126,6 +132,13 @@ def parse_args() -> argparse.Namespace:
         help="hybrid engines (zs2h, zs3h, fsdp2h): shard within this many ranks (default 2)",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel engines (zs3tp, fsdp2tp): split each layer over this many "
+        "consecutive ranks, shard over the rest (default 1)",
+    )
+    p.add_argument(
         "--activation-checkpointing",
         action="store_true",
         help="recompute each block in backward (non-reentrant torch.utils.checkpoint), all engines",
@@ -176,6 +189,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--compile-probe takes ENGINE=PATH, got {args.compile_probe!r}")
     if args.shard_group_size < 1:
         p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
+    if args.tp < 1:
+        p.error(f"--tp must be a positive integer, got {args.tp}")
     return args
 
 
@@ -238,6 +253,7 @@ def main() -> None:
         args.micro_batch,
         json.loads(args.zs_config),
         args.shard_group_size,
+        args.tp,
         args.optimizer,
     )
     names = args.engines.split(",") if args.engines else default_engines()

@@ -18,6 +18,11 @@ from torch import nn
 from benchmarks.train_step import _torch_engines as tch
 from benchmarks.train_step._deepspeed_engines import setup_ds
 from benchmarks.train_step._settings import Settings, Stepper
+from benchmarks.train_step._tensor_parallel_engines import (
+    setup_fsdp2tp,
+    setup_zs3m,
+    setup_zs3tp,
+)
 from benchmarks.train_step._zeroshard_engines import setup_zs, setup_zs3b, setup_zs3c
 
 
@@ -25,7 +30,8 @@ from benchmarks.train_step._zeroshard_engines import setup_zs, setup_zs3b, setup
 class Engine:
     """A name, a one-line description, a setup function and whether it can be imported.
 
-    `what` may name `{shard}` and `{replicate}`: the hybrid group sizes of the run.
+    `what` may name `{shard}` and `{replicate}`: the hybrid group sizes of the run, and
+    `{tp}`: its `--tp`.
     """
 
     name: str
@@ -42,6 +48,8 @@ class Engine:
     # Runs only where `--engines` names it: a diagnostic whose cold compile alone takes
     # about a minute on a GPU, of no use to a run that compares the engines' steps.
     on_request: bool = False
+    # Splits the model over `--tp` consecutive ranks: each GPU computes 1/tp of the tokens.
+    tensor_parallel: bool = False
 
     @property
     def floor(self) -> str:
@@ -170,6 +178,31 @@ ENGINES: dict[str, Engine] = {
             setup_zs3b,
             _ZEROSHARD,
             compiled=True,
+        ),
+        # Tensor parallelism (`--tp`) under each sharder; at --tp 1 zs3tp is zs3 through
+        # initialize(device_mesh=...) with DTensor layers, zs3m without them.
+        Engine(
+            "zs3m",
+            "zeroshard stage 3 through device_mesh (dp = world, tp 1), the model not split",
+            setup_zs3m,
+            _ZEROSHARD,
+            on_request=True,
+        ),
+        Engine(
+            "zs3tp",
+            "zeroshard stage 3 over dp, the model split over tp {tp} (device_mesh)",
+            setup_zs3tp,
+            _ZEROSHARD,
+            on_request=True,
+            tensor_parallel=True,
+        ),
+        Engine(
+            "fsdp2tp",
+            "FSDP2 fully_shard per block over dp, the model split over tp {tp}",
+            setup_fsdp2tp,
+            _always,
+            on_request=True,
+            tensor_parallel=True,
         ),
         Engine(
             "fsdp2c",

@@ -45,7 +45,8 @@ def report(
             rows.append([f"`{r.engine}`", r.what, *["-"] * 7, status])
             continue
         assert r.step_ms is not None
-        tps = tokens / (r.step_ms / 1000)
+        tps = r.tokens_per_s_per_gpu(tokens)
+        assert tps is not None
         mfu = 100 * bm.flops_per_token * tps / (args.peak_tflops * 1e12) if on_gpu else None
         vs = _fmt(r.step_ms / floor.step_ms, ".3f") if floor and floor.step_ms else "-"
         spread = " / ".join(f"{t:.1f}" for t in r.rounds_ms)

@@ -36,6 +36,7 @@ class Settings:
     micro_batch: int
     zs_config: dict[str, Any]
     shard_group_size: int = 2  # hybrid engines: shard within this many ranks
+    tp: int = 1  # tensor-parallel engines: consecutive ranks sharing each layer
     optimizer: str = "adamw"  # `--optimizer`: adamw, or muon (torch's Muon recipe)
 
 

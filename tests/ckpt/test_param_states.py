@@ -1,4 +1,4 @@
-"""Whole-parameter optimizer state (format version 4): saved in its owner's rank file by
+"""Whole-parameter optimizer state (format version 5): saved in its owner's rank file by
 parameter name, read back bit for bit by any rank at any world size; a checkpoint without
 any stays version 3, and what does not match the metadata is refused."""
 
@@ -39,7 +39,8 @@ def _with_state(tmp_path: Path) -> tuple[Path, CheckpointMeta]:
         )
         for name, st in STATE.items()
     }
-    meta = dataclasses.replace(b.meta, param_states=states)
+    # version 0: the lowest that holds them, as a meta built afresh gets.
+    meta = dataclasses.replace(b.meta, param_states=states, version=0)
     tensors = dict(b.ranks[0])
     tensors.update({param_state_key(n, k): t for n, st in STATE.items() for k, t in st.items()})
     save(tmp_path, 10, meta=meta, tensors=tensors)
@@ -49,7 +50,7 @@ def _with_state(tmp_path: Path) -> tuple[Path, CheckpointMeta]:
 @pytest.mark.parametrize("world", [1, 3])
 def test_param_states_round_trip_at_any_world_size(tmp_path: Path, world: int) -> None:
     root, meta = _with_state(tmp_path)
-    assert meta.version == 4
+    assert meta.version == 5
     for rank in range(world):
         got = load(root, rank=rank, world_size=world, param_states=["block.0.weight"])
         saved = got.meta.param_states["block.0.weight"]
@@ -72,10 +73,10 @@ def test_missing_or_malformed_param_states_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"no whole-parameter optimizer state for \['l2.w"):
         load(root, rank=0, world_size=1, param_states=["l2.weight"])
     d = json.loads((root / "step-10" / "metadata.json").read_text())
-    d["version"] = 3
-    with pytest.raises(CheckpointError, match="version 3 has no param states"):
-        CheckpointMeta.from_dict(d)
     d["version"] = 4
+    with pytest.raises(CheckpointError, match="version 4 has no param states"):
+        CheckpointMeta.from_dict(d)
+    d["version"] = 5
     d["param_states"]["frozen.weight"] = d["param_states"].pop("block.0.weight")
     with pytest.raises(CheckpointError, match=r"'frozen\.weight', which is no trainable"):
         CheckpointMeta.from_dict(d)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests
@@ -315,6 +316,10 @@ def _refusals() -> None:
     with pytest.raises(ValueError, match="offload_optimizer steps one optimizer"):
         sgd = torch.optim.SGD(muon.param_groups[0]["params"], lr=0.1)
         zs.initialize(model, [sgd, adamw], _config(2, offload_optimizer=True))
+    # Tensor parallelism splits matrices: orthogonalizing pieces is not Muon (DeepSpeed #8437).
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"device_mesh: Muon steps whole matrices"):
+        zs.initialize(model, [muon, adamw], _config(3), device_mesh=mesh)
 
 
 def test_bad_optimizer_sets_are_refused() -> None:

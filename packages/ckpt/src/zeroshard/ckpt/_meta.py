@@ -9,10 +9,12 @@ Format version 2 added `GroupMeta.rank_sets` (groups sharded over a process grou
 their own, such as experts); version 1 checkpoints, which have none, are still read.
 Version 3 added the checksum of `metadata.json` itself (see [Note: the metadata's own
 checksum]); versions 1 and 2, which have none, are read unchecked. Version 4 added
-`param_states`: optimizer state kept whole per parameter (a whole-matrix optimizer's,
-such as Shampoo's preconditioners), stored in the rank file of the rank that owned the
-parameter under `"pstate.{param}/{state}"`; a checkpoint without any is written as
-version 3, so older readers still read it.
+`GroupMeta.tensor_split` (tensor parallelism: a group's instances are the pieces of one
+model). Version 5 added `param_states`: optimizer state kept whole per parameter (a
+whole-matrix optimizer's, such as Shampoo's preconditioners), stored in the rank file of
+the rank that owned the parameter under `"pstate.{param}/{state}"`. A checkpoint is
+written as the lowest version that holds what it has (version 3 without either), so
+earlier builds read what they can.
 
 [Note: the metadata's own checksum]
 The last field of `metadata.json` is `"checksum": "crc32:{digest}"`, the crc32 of the
@@ -26,6 +28,7 @@ whose line is damaged) is a `ChecksumError` too.
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,17 +43,21 @@ from zeroshard.ckpt._errors import (
     FormatVersionError,
     ModelMismatchError,
 )
-from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
+from zeroshard.partition import FlatLayout, Slot, dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 3
-# The version of a checkpoint with `param_states` (written only then).
-PARAM_STATES_VERSION = 4
+FORMAT_VERSION = 5
 # Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
-# 2 is 3 without the metadata's own checksum, 3 is 4 without `param_states`.
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 2 is 3 without the metadata's own checksum, 3 is 4 without `tensor_split`, 4 is 5
+# without `param_states`.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # The first version whose metadata.json carries its own checksum.
 CHECKSUMMED_VERSION = 3
+# The first version with `tensor_split`, the first with `param_states`, and the one
+# written without either.
+TENSOR_SPLIT_VERSION = 4
+PARAM_STATES_VERSION = 5
+PLAIN_VERSION = 3
 _BLANK_DIGEST = b"00000000"
 _CHECKSUM_TAIL = re.compile(rb'\n "checksum": "crc32:([0-9a-f]{8})"\n\}\n\Z')
 MASTER = "master"
@@ -110,6 +117,30 @@ class FileMeta:
 
 
 @dataclass(frozen=True)
+class TensorSplit:
+    """How the instances of a group make one model under tensor parallelism.
+
+    Instance k is tensor-parallel rank k. A slot named in `dims` holds piece k of its
+    full tensor, cut into `instances` equal pieces along dim `dims[name]` (its slot shape
+    is the piece's); every other slot holds the same values on every instance.
+    """
+
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", {str(k): int(v) for k, v in self.dims.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"dims": dict(self.dims)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> TensorSplit:
+        """Read `to_dict()` output."""
+        return TensorSplit({str(k): int(v) for k, v in d["dims"].items()})
+
+
+@dataclass(frozen=True)
 class GroupMeta:
     """One flat parameter group: its layout and what each rank stores of it.
 
@@ -124,6 +155,10 @@ class GroupMeta:
     expert parallelism) holds different values on different sets of ranks: one tuple per
     such set (an *instance*, ordered by its first rank), listing the rank files that hold
     its shards 0, 1, ... (`layout.world_size` of them).
+
+    `tensor_split` (tensor parallelism) says that the instances are the tensor-parallel
+    ranks of one model, and which slots are pieces of a bigger tensor (see `TensorSplit`):
+    a full state dict then holds one tensor per name, made from every instance.
     """
 
     name: str
@@ -133,6 +168,7 @@ class GroupMeta:
     requires_grad: bool = True
     scalars: Mapping[str, Any] = field(default_factory=dict)
     rank_sets: tuple[tuple[int, ...], ...] | None = None
+    tensor_split: TensorSplit | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -169,6 +205,19 @@ class GroupMeta:
                 )
             if [s[0] for s in sets] != sorted(s[0] for s in sets):
                 raise CheckpointError(f"group {self.name!r}: rank sets not ordered by first rank")
+        if self.tensor_split is not None:
+            self._check_split(self.tensor_split)
+
+    def _check_split(self, split: TensorSplit) -> None:
+        shapes = {s.name: s.shape for s in self.layout.slots}
+        for name, dim in split.dims.items():
+            if name not in shapes:
+                raise CheckpointError(f"group {self.name!r}: tensor_split names unknown {name!r}")
+            if not 0 <= dim < len(shapes[name]):
+                raise CheckpointError(
+                    f"group {self.name!r}: {name!r} of shape {shapes[name]} cannot be split "
+                    f"along dim {dim}"
+                )
 
     @property
     def instances(self) -> int:
@@ -182,6 +231,18 @@ class GroupMeta:
                 f"group {self.name!r} has {self.instances} instance(s), not instance {instance}"
             )
         return shard if self.rank_sets is None else self.rank_sets[instance][shard]
+
+    def split_dim(self, name: str) -> int | None:
+        """The dim slot `name` is split along over the instances (tensor parallelism), or
+        None when each instance holds it whole."""
+        return None if self.tensor_split is None else self.tensor_split.dims.get(name)
+
+    def full_shape(self, slot: Slot) -> tuple[int, ...]:
+        """The shape of the whole tensor of `slot` (its pieces joined, when split)."""
+        dim = self.split_dim(slot.name)
+        if dim is None:
+            return slot.shape
+        return tuple(n * self.instances if d == dim else n for d, n in enumerate(slot.shape))
 
     @property
     def value_kind(self) -> str:
@@ -203,6 +264,7 @@ class GroupMeta:
             "shards": {k: dtype_name(d) for k, d in self.shards.items()},
             "scalars": dict(self.scalars),
             **({} if self.rank_sets is None else {"rank_sets": [list(s) for s in self.rank_sets]}),
+            **({} if self.tensor_split is None else {"tensor_split": self.tensor_split.to_dict()}),
         }
 
     @staticmethod
@@ -210,6 +272,7 @@ class GroupMeta:
         """Read `to_dict()` output."""
         pg = d["param_group"]
         sets = d.get("rank_sets")
+        split = d.get("tensor_split")
         return GroupMeta(
             name=str(d["name"]),
             layout=FlatLayout.from_dict(dict(d["layout"])),
@@ -218,6 +281,7 @@ class GroupMeta:
             requires_grad=bool(d["requires_grad"]),
             scalars=dict(d.get("scalars", {})),
             rank_sets=None if sets is None else tuple(tuple(s) for s in sets),
+            tensor_split=None if split is None else TensorSplit.from_dict(split),
         )
 
 
@@ -281,7 +345,9 @@ class CheckpointMeta:
     buffers stored in rank 0's file and `buffer_shapes` their shapes (`save` fills it;
     empty in checkpoints written before it existed); `extra` is free JSON for the caller
     (scheduler state, engine config). `param_states` holds, by parameter name, the
-    optimizer state kept whole (a whole-matrix optimizer's), version 4.
+    optimizer state kept whole (a whole-matrix optimizer's). `version` is the format
+    version (0: the lowest that holds them: `PARAM_STATES_VERSION` with param states,
+    else `TENSOR_SPLIT_VERSION` with a `tensor_split`, else `PLAIN_VERSION`).
     """
 
     world_size: int
@@ -294,15 +360,13 @@ class CheckpointMeta:
     buffers: tuple[str, ...] = ()
     files: Mapping[str, FileMeta] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 0
     buffer_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     param_states: Mapping[str, ParamState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "param_states", dict(self.param_states))
-        if self.param_states and self.version == FORMAT_VERSION:
-            set_(self, "version", PARAM_STATES_VERSION)
         set_(self, "groups", tuple(self.groups))
         set_(self, "param_groups", tuple(dict(p) for p in self.param_groups))
         set_(self, "tied", dict(self.tied))
@@ -310,6 +374,10 @@ class CheckpointMeta:
         set_(self, "files", dict(self.files))
         set_(self, "extra", dict(self.extra))
         set_(self, "buffer_shapes", {k: tuple(v) for k, v in self.buffer_shapes.items()})
+        split = any(g.tensor_split is not None for g in self.groups)
+        if self.version == 0:
+            lowest = TENSOR_SPLIT_VERSION if split else PLAIN_VERSION
+            set_(self, "version", PARAM_STATES_VERSION if self.param_states else lowest)
         if self.version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
@@ -317,6 +385,10 @@ class CheckpointMeta:
             )
         if self.version == 1 and any(g.rank_sets is not None for g in self.groups):
             raise CheckpointError("format version 1 has no rank sets: metadata is malformed")
+        if self.version < TENSOR_SPLIT_VERSION and split:
+            raise CheckpointError(
+                f"format version {self.version} has no tensor splits: metadata is malformed"
+            )
         if self.param_states and self.version < PARAM_STATES_VERSION:
             raise CheckpointError(
                 f"format version {self.version} has no param states: metadata is malformed"
@@ -394,8 +466,9 @@ class CheckpointMeta:
 
     @property
     def num_params(self) -> int:
-        """Number of parameter elements (aliases counted once, padding not counted)."""
-        return sum(s.numel for g in self.groups for s in g.layout.slots)
+        """Number of parameter elements (aliases counted once, padding not counted, a
+        tensor-parallel parameter whole)."""
+        return sum(math.prod(g.full_shape(s)) for g in self.groups for s in g.layout.slots)
 
     def group(self, name: str) -> GroupMeta:
         """A group by name."""

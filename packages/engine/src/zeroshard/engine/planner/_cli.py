@@ -22,6 +22,7 @@ from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, build
 from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.planner._tensor_parallel import plan_tensor_parallel
 from zeroshard.engine.planner._whole import muon_recipe
 
 
@@ -54,6 +55,18 @@ def _parser() -> argparse.ArgumentParser:
         "--shard-group-size",
         type=int,
         help="hybrid: shard within groups of this many GPUs, replicate across (default: all)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism over this many consecutive GPUs (Megatron's split, or a "
+        "Hugging Face model's tp_plan); zeroshard shards over the rest (default 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: activations between layers split along the sequence",
     )
     p.add_argument(
         "--offload",
@@ -186,6 +199,23 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("give --step-ms or --achieved-tflops with --flops-per-token, not both")
     if a.layers is not None and (a.layers < 1 or a.model not in PRESETS):
         raise ValueError("--layers takes a count >= 1 and a preset (not a config.json)")
+    if a.tp < 1 or a.world % a.tp:
+        raise ValueError(f"--tp {a.tp} does not divide --world {a.world}")
+    if a.sequence_parallel and a.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp above 1")
+    if a.tp > 1:
+        # What initialize(device_mesh=...) refuses, and what the planner does not price.
+        taken = [
+            flag
+            for flag, given in (
+                ("--shard-group-size", a.shard_group_size is not None),
+                ("--offload", a.offload != "none"),
+                ("--memory-limit-gib", a.memory_limit_gib is not None),
+            )
+            if given
+        ]
+        if taken:
+            raise ValueError(f"--tp cannot be combined with {', '.join(taken)} yet")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,6 +242,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizers = muon_recipe(model) if a.optimizer == "muon" else None
         if optimizers is not None and a.offload != "none":
             raise ValueError("--optimizer muon steps each matrix on a device: no --offload")
+        if optimizers is not None and a.tp > 1:
+            raise ValueError("--optimizer muon needs whole matrices: no --tp")
+        if a.tp > 1:
+            split = plan_tensor_parallel(
+                model,
+                cfg,
+                world_size=a.world,
+                tp=a.tp,
+                micro_batch=a.micro_batch,
+                seq_len=seq,
+                sequence_parallel=a.sequence_parallel,
+                cluster=cluster,
+            )
+            print(split.table())
+            return 0
 
         # One forward and backward on meta per compute dtype, whatever the configs compared.
         traces: dict[torch.dtype, OperatorTrace] = {}

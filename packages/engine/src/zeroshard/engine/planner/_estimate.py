@@ -27,7 +27,13 @@ from zeroshard.engine.planner._activations import (
     trace_operators,
 )
 from zeroshard.engine.planner._cluster import Cluster
-from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
+from zeroshard.engine.planner._groups import (
+    GroupPlan,
+    grad_shard_bytes,
+    plan_groups,
+    state_bytes,
+    state_rows,
+)
 from zeroshard.engine.planner._step_time import (
     Compute,
     StepTime,
@@ -107,15 +113,7 @@ class Estimate:
             f"{hybrid}{off}, micro-batch {self.micro_batch} x {self.seq_len}, "
             f"{str(cfg.precision.compute_dtype).removeprefix('torch.')}",
             "",
-            "| per rank | GiB |",
-            "|---|---|",
-        ]
-        for kind, nbytes in self.states.items():
-            if nbytes:
-                lines.append(f"| {kind.replace('_', ' ')} | {nbytes / GIB:.2f} |")
-        lines += [
-            f"| = model states between steps | {self.states_total / GIB:.2f} |",
-            f"| fp32 gradient shards (in a step) | {self.grad_shards / GIB:.2f} |",
+            *state_rows(self.states, self.grad_shards),
         ]
         if cfg.stage == 3:
             lines.append(f"| gathered units in flight | {self.gathered / GIB:.2f} |")

@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.runtime._group_plan import PlannedFlatGroup, plan_flat_groups
+from zeroshard.engine.runtime._group_plan import (
+    PlannedFlatGroup,
+    ProcessGroupOf,
+    plan_flat_groups,
+)
 from zeroshard.engine.runtime._unit_plan import is_persistent
 from zeroshard.engine.runtime.offload._plan import OffloadSizes
 
@@ -46,12 +50,14 @@ def plan_groups(
     shard_size: int,
     param_group_of: Mapping[int, int] | None = None,
     blocked_step: bool = False,
+    process_group_of: ProcessGroupOf | None = None,
 ) -> GroupPlan:
     """The flat groups one rank holds when `model` is sharded over `shard_size` ranks.
 
     `param_group_of` maps id(parameter) to its optimizer param group (None: all in one);
     `blocked_step`: the optimizer steps offloaded groups in blocks (torch's fused
-    Adam/AdamW), so the host needs one block's fp32 upcast, not one group's.
+    Adam/AdamW), so the host needs one block's fp32 upcast, not one group's;
+    `process_group_of` labels a parameter's flat groups (tensor parallelism: split or not).
     """
     plan = plan_flat_groups(
         model,
@@ -59,6 +65,7 @@ def plan_groups(
         shard_size=shard_size,
         size_of=lambda _: shard_size,
         param_group_of=param_group_of,
+        process_group_of=process_group_of,
         blocked_step=blocked_step,
     )
     itemsize = cfg.precision.compute_dtype.itemsize
@@ -97,6 +104,18 @@ def state_bytes(
     if plan.offload is not None:
         out["offload_compute"] = plan.offload.device_bytes
     return out
+
+
+def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:
+    """The memory table's rows of the model states: the header, each kind held, their
+    sum, and the gradient shards a step adds."""
+    rows = ["| per rank | GiB |", "|---|---|"]
+    rows += [f"| {k.replace('_', ' ')} | {n / 2**30:.2f} |" for k, n in states.items() if n]
+    return [
+        *rows,
+        f"| = model states between steps | {sum(states.values()) / 2**30:.2f} |",
+        f"| fp32 gradient shards (in a step) | {grad_shards / 2**30:.2f} |",
+    ]
 
 
 def grad_shard_bytes(plan: GroupPlan) -> int:

@@ -24,6 +24,7 @@ from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel, squares_counted_once
 
 
 class StepHooks(Protocol):
@@ -52,7 +53,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     `stepper` (chosen by `initialize`) steps the masters: on the device, or with CPU
     offload some of them, and so their optimizer state, on the host. `inner` (its
     param groups bound by `bind_masters`) is the user's optimizer, or several of them
-    combined (`_optimizers.CombinedOptimizer`).
+    combined (`_optimizers.CombinedOptimizer`). `tensor_parallel` (a device mesh's tp
+    dim) makes the clip norm count each element once.
     """
 
     def __init__(
@@ -66,8 +68,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         stepper: Stepper,
         hooks: StepHooks | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         self.inner = inner
+        self.tensor_parallel = tensor_parallel
         self.stepper = stepper
         self.hooks = hooks
         self.flat_groups = list(groups)
@@ -138,11 +142,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
         norms: list[torch.Tensor] = []
+        ordered: list[FlatParamGroup] = []
         for destination, groups in by_destination(self._trainable()):
             norms += destination.norms(groups)
-        # One sum per device the norms are on.
-        for same in by_device(norms).values():
-            local += torch.stack(same).square().sum().to(local.device)
+            ordered += groups
+        if self.tensor_parallel is not None:
+            local += squares_counted_once(norms, ordered, self.tensor_parallel.size).to(
+                local.device
+            )
+        else:
+            # One sum per device the norms are on.
+            for same in by_device(norms).values():
+                local += torch.stack(same).square().sum().to(local.device)
         self.shard_group.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.

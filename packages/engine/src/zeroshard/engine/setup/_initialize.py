@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig, as_config
@@ -27,6 +28,7 @@ from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stepper import DeviceStep, Stepper
+from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, split_dim
 from zeroshard.engine.runtime._unit_plan import UnitPlan
 from zeroshard.engine.runtime.offload._compiled_step import compile_variants
 from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
@@ -51,7 +53,17 @@ from zeroshard.engine.setup._materialize import (
     materialize_unit,
     reset_parameters,
 )
-from zeroshard.engine.setup._whole import check_whole_optimizers, whole_matrix_steppers
+from zeroshard.engine.setup._mesh import (
+    MeshGroups,
+    check_dtensor_params,
+    check_mesh_inputs,
+    mesh_groups,
+)
+from zeroshard.engine.setup._whole import (
+    check_whole_mesh,
+    check_whole_optimizers,
+    whole_matrix_steppers,
+)
 from zeroshard.engine.state._module_state import install_state_dict_hooks
 from zeroshard.partition import FlattenTier, GroupKey
 
@@ -60,13 +72,18 @@ log = logging.getLogger("zeroshard.engine")
 
 @dataclass(frozen=True)
 class _Placement:
-    """Which process group each parameter is sharded and reduced over."""
+    """Which process group each parameter is sharded and reduced over: with a device mesh
+    its `dp` group (the parameters split over `tp` in flat groups of their own)."""
 
     shard_group: Group
     own: Mapping[str, Group]  # module path -> the data-parallel group of its parameters
+    mesh: MeshGroups | None = None
 
     def label(self, name: str, param: nn.Parameter) -> str:
-        """The longest module path of `own` that contains parameter `name`, or 'default'."""
+        """The longest module path of `own` that contains parameter `name`, or 'default'
+        (with a mesh: whether `param` is split over tp)."""
+        if self.mesh is not None:
+            return SPLIT_LABEL if split_dim(param) is not None else "default"
         best = "default"
         for path in self.own:
             inside = name.startswith(canonical_name(path) + ".")
@@ -76,6 +93,8 @@ class _Placement:
 
     def process_group(self, key: GroupKey) -> Group:
         """The process group of a GroupKey."""
+        if self.mesh is not None:
+            return self.mesh.data_parallel
         return self.shard_group if key.process_group == "default" else self.own[key.process_group]
 
 
@@ -137,6 +156,7 @@ def initialize(
     process_groups: Mapping[str, Group] | None = None,
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
+    device_mesh: DeviceMesh | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state over `group` (default: the world) per `config`.
 
@@ -155,6 +175,11 @@ def initialize(
     when it is not the world (experts under expert parallelism: the ranks holding the
     same experts): those parameters get flat groups of their own, sharded over and
     reduced (averaged) within that group.
+
+    `device_mesh` (dims `dp` and `tp`) takes a model that torch's tensor parallelism split
+    over `device_mesh["tp"]` (`parallelize_module`): each rank's local pieces are sharded
+    over `dp` and their gradients reduced over `dp`; torch's tensor-parallel collectives
+    run as they are (see [Note: DTensor parameters] in runtime/_tensor_parallel.py).
     """
     cfg = as_config(config)
     check_model(model, cfg)
@@ -170,7 +195,15 @@ def initialize(
     check_module_paths(model, process_groups or {})
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
-    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer, device_mesh))
+    # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
+    # alone while the others wait for it in the agreement's collective.
+    check_mesh_inputs(model, cfg, device_mesh, group=group, process_groups=process_groups)
+    check_whole_mesh(optimizers, device_mesh)
+    mesh = None
+    if device_mesh is not None:
+        mesh = mesh_groups(device_mesh, everyone, timeout)
+        check_dtensor_params(model, mesh.tensor_parallel)
     shard_group, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -189,11 +222,15 @@ def initialize(
         # After the checks above, which fail at once; this may take a minute.
         _compile_host_step(everyone, optimizer, cfg)
     place = _Placement(
-        shard_group, {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
+        shard_group,
+        {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()},
+        mesh,
     )
     param_group_of = param_group_index(model, optimizer)
     # Before anything is flattened: [Note: one set of initial weights].
-    broadcast_initial_state(model, everyone, place.own)
+    broadcast_initial_state(
+        model, everyone, place.own, None if mesh is None else mesh.data_parallel
+    )
     start = time.perf_counter()
     plan = plan_flat_groups(
         model,
@@ -262,9 +299,20 @@ def initialize(
         cfg.comm.allgather_bucket_bytes,
         stepper=stepper,
         hooks=stage3,
+        tensor_parallel=None if mesh is None else mesh.tensor_parallel,
     )
     seconds = time.perf_counter() - start
-    state = EngineState(cfg, shard_group, replicate, groups, zopt, stage3, offload, whole)
+    state = EngineState(
+        cfg,
+        shard_group,
+        replicate,
+        groups,
+        zopt,
+        stage3,
+        offload,
+        tensor_parallel=None if mesh is None else mesh.tensor_parallel,
+        whole_params=whole,
+    )
     attach_state(model, state)
     install_state_dict_hooks(model, state)
     if everyone.rank == 0:

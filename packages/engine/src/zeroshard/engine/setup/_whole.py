@@ -34,6 +34,18 @@ def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: Zer
         )
 
 
+def check_whole_mesh(optimizers: Sequence[torch.optim.Optimizer], mesh: object | None) -> None:
+    """Refuse a whole-matrix optimizer under tensor parallelism (`initialize`'s
+    `device_mesh`): each rank holds a piece of a split matrix, and orthogonalizing the
+    pieces is not orthogonalizing the matrix (DeepSpeed's issue #8437)."""
+    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
+    if whole and mesh is not None:
+        raise ValueError(
+            f"device_mesh: {', '.join(whole)} steps whole matrices, which tensor parallelism "
+            "splits over tp; give the split matrices another optimizer, or train without tp"
+        )
+
+
 def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, int]:
     """Each whole-matrix optimizer's param groups, by their index among all optimizers'
     param groups in turn (`GroupKey.param_group`) -> its Newton-Schulz iterations."""
