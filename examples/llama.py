@@ -128,13 +128,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model); cos/sin are (seq, head_dim)."""
-        b, t, d = x.shape
-        q = self.q(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        b, t, _ = x.shape
+        # The heads this rank computes: all of them, or its part under tensor parallelism
+        # (q, k and v split by heads, benchmarks/train_step's zs3tp).
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return out
 
 

@@ -32,6 +32,26 @@ def adamw(params: Any, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR = 0.02
+
+
+def optimizers(
+    params: list[Any], hidden: list[bool], device: torch.device, kind: str
+) -> list[torch.optim.Optimizer]:
+    """The engines' optimizers over `params`: AdamW on all (`adamw`), or torch's recipe
+    (`muon`): torch.optim.Muon on the hidden matrices (`hidden`, as the planner's
+    `hidden_matrices` says of a model's parameters), AdamW on the rest."""
+    if kind == "adamw":
+        return [adamw(params, device)]
+    if kind != "muon":
+        raise ValueError(f"unknown optimizer {kind!r}; valid: {', '.join(OPTIMIZERS)}")
+    matrices = [p for p, h in zip(params, hidden, strict=True) if h]
+    rest = [p for p, h in zip(params, hidden, strict=True) if not h]
+    muon = torch.optim.Muon(matrices, lr=MUON_LR, adjust_lr_fn="match_rms_adamw")
+    return [muon, adamw(rest, device)]
+
+
 @dataclass(frozen=True)
 class BenchModel:
     """One benchmarked model: how to build it, its size, its FLOPs and a one-line shape."""
@@ -118,8 +138,9 @@ class _Family:
 _SMOKE_LLAMA = llama.LlamaConfig(
     vocab_size=512, d_model=128, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=344, seq_len=64
 )
+# Heads and widths that 2 tensor-parallel ranks split (zs3tp's untimed first set-up).
 _TINY_LLAMA = llama.LlamaConfig(
-    vocab_size=64, d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_hidden=64, seq_len=8
+    vocab_size=64, d_model=32, n_layer=1, n_head=4, n_kv_head=2, ffn_hidden=64, seq_len=8
 )
 FAMILIES: dict[str, _Family] = {
     "gpt": _Family(

@@ -8,6 +8,10 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
     torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --model hf-llama \
         --engines floor,floor32,floorc,fsdp2,fsdp2c,zs2,zs3,zs3c --rounds 3 --compile-time
     torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step --smoke --model hf-llama
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 -m benchmarks.train_step \
+        --model llama --engines zs3,zs3tp,fsdp2,fsdp2tp --tp 2
+    torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --optimizer muon \
+        --engines floor32,floor32-adamw,zs2,zs3,ds2,ds3
 
 Models (`--model`, see `_models.py`): `gpt` (examples/gpt.py), `llama`
 (examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
@@ -33,17 +37,25 @@ when named: `floorw` (the floor compiled whole), `floorr` (that, with every bloc
 re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fsdp2c`
 (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c` (compiled whole),
 `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
-(DeepSpeed, always run last) and the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
-`--shard-group-size` ranks, replicate across the rest). The fp8 engines, run only when
+(DeepSpeed, always run last), the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
+`--shard-group-size` ranks, replicate across the rest) and, run only when named, the
+tensor-parallel `zs3tp` and `fsdp2tp` (`llama` and `hf-llama` split over `--tp`
+consecutive ranks by torch's tensor parallelism, sharded over the rest; at `--tp 1`,
+`zs3tp` is `zs3` through `initialize(device_mesh=...)` with DTensor layers) and `zs3m`
+(`zs3` through a (world, 1) mesh, the model not split). The fp8 engines, run only when
 named (torchao's float8 training of every block's linears, by the `--fp8` recipe:
 `_float8.py`): the floors `floor8` and `floorc8`, `zs3-fp8`, `zs3c-fp8`, `fsdp2-fp8`,
 `fsdp2c-fp8`, and with those weights gathered in fp8 (torchao's
 `enable_fsdp_float8_all_gather`: zeroshard's fp8 gather, FSDP2's fp8 all-gather)
 `zs3-fp8g`, `zs3c-fp8g`, `fsdp2-fp8g`, `fsdp2c-fp8g`; each against its fp8 floor, and
 issue 61's goals table compares them with the bf16 engines of the same run. The preset
-`wide` (gpt: d 4096, 8 layers, seq 4096) is where fp8 pays most. Each gets the same freshly built
+`wide` (gpt: d 4096, 8 layers, seq 4096) is where fp8 pays most. Each gets the same
+freshly built
 model (`--activation-checkpointing` recomputes every block in backward, for every
-engine), the same random tokens and torch.optim.AdamW. Per engine:
+engine), the same random tokens and torch.optim.AdamW (`--optimizer muon`: torch's
+recipe, torch.optim.Muon on the hidden matrices and AdamW on the rest, DeepSpeed's own
+Muon for `ds*`; `floor32-adamw`, run only when named, is `floor32` with AdamW alone, so a
+Muon run shows what Muon's step costs). Per engine:
 init time (wrapping, model construction excluded), median step time over `--steps` after
 `--warmup` (CUDA-synchronized; the slowest rank), tokens/s/GPU, MFU, peak memory and the
 memory kept between steps. An engine that fails gets a row saying why and the run goes on.
@@ -58,7 +70,8 @@ slowed by the collectives overlapping them (`_trace.py`).
 Every run saves its results and settings to bench-out/<section>.json (what
 benchmarks/scaling reads); full runs also write the "<section>" section of
 docs/benchmarks.md (default `train_step`, `_<model>` added for llama and hf-llama,
-`_<preset>` for any preset but 1.3b, `_1gpu` in a world of one) and docs/<section>.png,
+`_<preset>` for any preset but 1.3b, `_muon` with `--optimizer muon`, `_1gpu` in a world
+of one) and docs/<section>.png,
 `--smoke` and `--no-write` only bench-out/.
 """
 
@@ -77,7 +90,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._common import ROOT, SMOKE_OUT, join, place_torchrun_ranks, write_section
-from benchmarks._common._models import MODELS, BenchModel, bench_model
+from benchmarks._common._models import MODELS, OPTIMIZERS, BenchModel, bench_model
 from benchmarks.train_step._compile import CompileTime, cache_dir, measure, probe
 from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._plots import plot, plot_split
@@ -107,6 +120,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="bf16 (fp32 in --smoke)")
     p.add_argument("--clip", type=float, default=0.0, help="grad-norm clip in every engine")
     p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="every engine's optimizer: AdamW (default), or muon: torch.optim.Muon on the "
+        "hidden matrices and AdamW on the rest (DeepSpeed: its own Muon)",
+    )
+    p.add_argument(
         "--peak-tflops",
         type=float,
         default=989.0,
@@ -124,6 +144,13 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=2,
         help="hybrid engines (zs2h, zs3h, fsdp2h): shard within this many ranks (default 2)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel engines (zs3tp, fsdp2tp): split each layer over this many "
+        "consecutive ranks, shard over the rest (default 1)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -168,13 +195,16 @@ def parse_args() -> argparse.Namespace:
         preset = "" if args.preset == "1.3b" else f"_{args.preset}"
         # One GPU has sections of its own: the 2-GPU ones (no suffix) stay as measured.
         one = "_1gpu" if os.environ.get("WORLD_SIZE", "1") == "1" else ""
-        args.section = f"train_step{model}{preset}{one}".replace("-", "_").replace(".", "_")
+        muon = "_muon" if args.optimizer == "muon" else ""
+        args.section = f"train_step{model}{preset}{muon}{one}".replace("-", "_").replace(".", "_")
     if args.rounds < 1:
         p.error(f"--rounds must be a positive integer, got {args.rounds}")
     if args.compile_probe is not None and "=" not in args.compile_probe:
         p.error(f"--compile-probe takes ENGINE=PATH, got {args.compile_probe!r}")
     if args.shard_group_size < 1:
         p.error(f"--shard-group-size must be a positive integer, got {args.shard_group_size}")
+    if args.tp < 1:
+        p.error(f"--tp must be a positive integer, got {args.tp}")
     return args
 
 
@@ -238,6 +268,8 @@ def main() -> None:
         json.loads(args.zs_config),
         args.shard_group_size,
         args.fp8,
+        args.tp,
+        args.optimizer,
     )
     names = args.engines.split(",") if args.engines else default_engines()
     # DeepSpeed last (a stable sort keeps the order otherwise): see `Engine.runs_last`.

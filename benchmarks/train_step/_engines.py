@@ -19,6 +19,11 @@ from benchmarks.train_step import _torch_engines as tch
 from benchmarks.train_step._deepspeed_engines import setup_ds
 from benchmarks.train_step._float8 import in_float8
 from benchmarks.train_step._settings import Settings, Stepper
+from benchmarks.train_step._tensor_parallel_engines import (
+    setup_fsdp2tp,
+    setup_zs3m,
+    setup_zs3tp,
+)
 from benchmarks.train_step._zeroshard_engines import (
     setup_zs,
     setup_zs3_noted,
@@ -31,7 +36,8 @@ from benchmarks.train_step._zeroshard_engines import (
 class Engine:
     """A name, a one-line description, a setup function and whether it can be imported.
 
-    `what` may name `{shard}` and `{replicate}`: the hybrid group sizes of the run.
+    `what` may name `{shard}` and `{replicate}`: the hybrid group sizes of the run, and
+    `{tp}`: its `--tp`.
     """
 
     name: str
@@ -51,6 +57,8 @@ class Engine:
     on_request: bool = False
     # Its blocks' linears train in fp8 (torchao, `--fp8`): its floor is `floor8`/`floorc8`.
     fp8: bool = False
+    # Splits the model over `--tp` consecutive ranks: each GPU computes 1/tp of the tokens.
+    tensor_parallel: bool = False
 
     @property
     def floor(self) -> str:
@@ -129,6 +137,14 @@ ENGINES: dict[str, Engine] = {
             rank0_only=True,
         ),
         Engine(
+            "floor32-adamw",
+            "floor32 stepped by AdamW alone (in a --optimizer muon run: Muon's cost)",
+            tch.setup_floor32_adamw,
+            _always,
+            rank0_only=True,
+            on_request=True,
+        ),
+        Engine(
             "floorc",
             "the floor with every block torch.compile'd",
             tch.setup_floorc,
@@ -189,6 +205,31 @@ ENGINES: dict[str, Engine] = {
             setup_zs3b,
             _ZEROSHARD,
             compiled=True,
+        ),
+        # Tensor parallelism (`--tp`) under each sharder; at --tp 1 zs3tp is zs3 through
+        # initialize(device_mesh=...) with DTensor layers, zs3m without them.
+        Engine(
+            "zs3m",
+            "zeroshard stage 3 through device_mesh (dp = world, tp 1), the model not split",
+            setup_zs3m,
+            _ZEROSHARD,
+            on_request=True,
+        ),
+        Engine(
+            "zs3tp",
+            "zeroshard stage 3 over dp, the model split over tp {tp} (device_mesh)",
+            setup_zs3tp,
+            _ZEROSHARD,
+            on_request=True,
+            tensor_parallel=True,
+        ),
+        Engine(
+            "fsdp2tp",
+            "FSDP2 fully_shard per block over dp, the model split over tp {tp}",
+            setup_fsdp2tp,
+            _always,
+            on_request=True,
+            tensor_parallel=True,
         ),
         Engine(
             "fsdp2c",

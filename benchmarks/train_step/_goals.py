@@ -1,4 +1,5 @@
-"""The one-GPU goals of issue 25 and the compile-time table, as markdown for the report.
+"""The one-GPU goals of issue 25 (issue 60's with `--optimizer muon`) and the compile-time
+table, as markdown for the report.
 
 Each goal is a row: the figure measured in this run, its target, met or missed; a goal
 whose engines were not run (or failed) says "not measured", never "met". A run of none of
@@ -214,3 +215,49 @@ def one_gpu_goals(by: dict[str, Result], times: list[CompileTime]) -> list[str]:
         "",
         markdown_table(["goal", "figure", "target", "status", "at the floor"], rows),
     ]
+
+
+def muon_goals(by: dict[str, Result]) -> list[str]:
+    """Issue 60's one-GPU goals of a `--optimizer muon` run: zs2 and zs3 at least 0.97 of
+    `floor32`'s speed (the same Muon and AdamW on fp32 masters, by hand), and what Muon's
+    step costs over AdamW's (`floor32` against `floor32-adamw`), DeepSpeed's where it ran."""
+    if not any(e in by for e in ("zs2", "zs3")):
+        return []
+    rows: list[list[str]] = []
+    for engine in ("zs2", "zs3"):
+        speed = _speed(by, engine, "floor32")
+        if speed is None:
+            rows.append(
+                [f"`{engine}` speed / `floor32`", "not measured", ">= 0.97", "not measured"]
+            )
+        else:
+            rows.append(
+                [
+                    f"`{engine}` speed / `floor32`",
+                    f"{speed:.3f}",
+                    ">= 0.97",
+                    "met" if speed >= 0.97 else "MISSED",
+                ]
+            )
+    lines = [
+        "Goals of issue 60 (one GPU, Muon; speed: tokens/s ratio, > 1 is faster):",
+        "",
+        markdown_table(["goal", "figure", "target", "status"], rows),
+    ]
+    muon, adamw = by.get("floor32"), by.get("floor32-adamw")
+    if muon and adamw and muon.step_ms and adamw.step_ms:
+        lines += [
+            "",
+            f"Muon's step over AdamW's (`floor32` - `floor32-adamw`): "
+            f"{muon.step_ms - adamw.step_ms:+.1f} ms per step "
+            f"({muon.step_ms / adamw.step_ms:.3f}x).",
+        ]
+    for ds in ("ds1", "ds2", "ds3"):
+        r = by.get(ds)
+        zs = by.get(f"zs{ds[-1]}")
+        if r is not None and r.step_ms and zs is not None and zs.step_ms:
+            lines.append(
+                f"- `{zs.engine}`: {r.step_ms / zs.step_ms:.3f}x the speed of `{ds}` "
+                "(DeepSpeed's Muon)."
+            )
+    return lines

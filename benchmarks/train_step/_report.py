@@ -15,7 +15,7 @@ from benchmarks._common._models import BenchModel
 from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._float8_goals import float8_goals
-from benchmarks.train_step._goals import compile_table, one_gpu_goals
+from benchmarks.train_step._goals import compile_table, muon_goals, one_gpu_goals
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings
 
@@ -46,7 +46,8 @@ def report(
             rows.append([f"`{r.engine}`", r.what, *["-"] * 7, status])
             continue
         assert r.step_ms is not None
-        tps = tokens / (r.step_ms / 1000)
+        tps = r.tokens_per_s_per_gpu(tokens)
+        assert tps is not None
         mfu = 100 * bm.flops_per_token * tps / (args.peak_tflops * 1e12) if on_gpu else None
         vs = _fmt(r.step_ms / floor.step_ms, ".3f") if floor and floor.step_ms else "-"
         spread = " / ".join(f"{t:.1f}" for t in r.rounds_ms)
@@ -79,12 +80,18 @@ def report(
         if bm.name.startswith("hf-")
         else ""
     )
+    optimizers = (
+        "torch.optim.Muon on the hidden matrices (lr 0.02, match_rms_adamw) and torch AdamW "
+        "(fused on CUDA) on the rest; DeepSpeed its own Muon"
+        if settings.optimizer == "muon"
+        else "torch AdamW (fused on CUDA)"
+    )
     head = (
         f"`{bm.name}` `{bm.preset}`: {bm.parameters / 1e6:,.1f} M parameters ({bm.shape}); "
         f"micro-batch {args.micro_batch} "
         f"per rank, {ranks}, compute "
-        f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), torch AdamW "
-        f"(fused on CUDA), clip {args.clip or 'off'}, random tokens.\n\n{versions}"
+        f"{str(settings.dtype).removeprefix('torch.')} (fp32 master weights), {optimizers}, "
+        f"clip {args.clip or 'off'}, random tokens.\n\n{versions}"
         f"- step: median of {args.steps} steps after {args.warmup} warm-up, each "
         "synchronized, on the slowest rank; the floors (`floor`, `floor32`, `floorc`, "
         "`floor8`, `floorc8`) run alone on rank 0."
@@ -128,7 +135,11 @@ def report(
     ]
     body = [head, "", markdown_table(header, rows), "", ratios(by)]
     # Every engine run, failed ones too: the goals tell a failed engine from one not asked for.
-    goals = one_gpu_goals({r.engine: r for r in results}, compile_times) if world == 1 else []
+    every = {r.engine: r for r in results}
+    if settings.optimizer == "muon":
+        goals = muon_goals(every) if world == 1 else []
+    else:
+        goals = one_gpu_goals(every, compile_times) if world == 1 else []
     if goals:
         body += ["", *goals]
     fp8 = float8_goals(by)

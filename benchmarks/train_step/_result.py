@@ -33,6 +33,11 @@ class Result:
     states_gib: float | None = None  # kept allocated between steps (model states)
     skipped: str | None = None
     rounds_ms: tuple[float, ...] = ()  # each round's median step, in the order run
+    tp: int = 1  # GPUs computing each token together (a tensor-parallel engine's --tp)
+
+    def tokens_per_s_per_gpu(self, tokens_per_step: int) -> float | None:
+        """Tokens a second per GPU, of `tokens_per_step` per rank and step."""
+        return tokens_per_step / self.tp / (self.step_ms / 1000) if self.step_ms else None
 
 
 def save_json(
@@ -63,6 +68,7 @@ def save_json(
         "activation_checkpointing": args.activation_checkpointing,
         "shard_group_size": settings.shard_group_size,
         "clip": args.clip,
+        "optimizer": settings.optimizer,
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -76,7 +82,7 @@ def save_json(
     rows = []
     for r in results:
         row = asdict(r)
-        row["tokens_per_s_per_gpu"] = tokens / (r.step_ms / 1000) if r.step_ms else None
+        row["tokens_per_s_per_gpu"] = r.tokens_per_s_per_gpu(tokens)
         rows.append(row)
     SMOKE_OUT.mkdir(exist_ok=True)
     path = SMOKE_OUT / f"{args.section}.json"

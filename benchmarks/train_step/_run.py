@@ -120,7 +120,7 @@ def run_engine(
     engine = ENGINES[name]
     world = dist.get_world_size()
     shard = settings.shard_group_size
-    what = engine.what.format(shard=shard, replicate=max(world // shard, 1))
+    what = engine.what.format(shard=shard, replicate=max(world // shard, 1), tp=settings.tp)
     rank = dist.get_rank()
     m = Measured(0.0, 0.0, [], 0.0, 0.0, None)
     error: str | None = None
@@ -159,6 +159,7 @@ def run_engine(
         left,
         build_s=build_s,
         states_gib=states or None,
+        tp=settings.tp if engine.tensor_parallel else 1,
     )
 
 

@@ -2,9 +2,10 @@
 
 A setup takes a freshly built fp32 model on the benchmark device and returns a `Stepper`:
 one call is one full training step (forward, backward, optimizer step, zero grad) on a
-micro-batch. All engines use `benchmarks._common.adamw` (torch's AdamW, fused on CUDA)
-with the same hyperparameters; what differs is only how parameters, gradients and
-optimizer state are distributed and cast.
+micro-batch. All engines use the same optimizers with the same hyperparameters
+(`make_optimizers`: `--optimizer adamw`, torch's AdamW, fused on CUDA; or `muon`, torch's
+recipe of torch.optim.Muon on the hidden matrices and that AdamW on the rest); what
+differs is only how parameters, gradients and optimizer state are distributed and cast.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from benchmarks._common._models import optimizers
 
 Stepper = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -33,6 +37,19 @@ class Settings:
     zs_config: dict[str, Any]
     shard_group_size: int = 2  # hybrid engines: shard within this many ranks
     fp8: str = "tensorwise"  # the fp8 engines' torchao recipe
+    tp: int = 1  # tensor-parallel engines: consecutive ranks sharing each layer
+    optimizer: str = "adamw"  # `--optimizer`: adamw, or muon (torch's Muon recipe)
+
+
+def make_optimizers(
+    model: nn.Module, s: Settings, params: list[Any] | None = None
+) -> list[torch.optim.Optimizer]:
+    """The run's optimizers (`s.optimizer`) over `model`'s parameters, or over `params`,
+    tensors that stand for them in the same order (floor32's fp32 masters)."""
+    from zeroshard.engine.planner._whole import hidden_matrices
+
+    chosen = list(model.parameters()) if params is None else params
+    return optimizers(chosen, hidden_matrices(model), s.device, s.optimizer)
 
 
 class Skipped(Exception):

@@ -4,6 +4,7 @@ hybrid, with compiled blocks)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,8 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks._common import adamw
-from benchmarks.train_step._settings import Settings, Stepper, hybrid_shape
+from benchmarks.train_step._settings import Settings, Stepper, hybrid_shape, make_optimizers
 
 
 def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
@@ -21,13 +21,13 @@ def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
 
 def plain_step(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opts: list[torch.optim.Optimizer],
     s: Settings,
     autocast: bool,
     after_step: Callable[[], None] | None = None,
 ) -> Stepper:
-    """forward (under autocast if asked), backward, optional clip, step, `after_step`,
-    zero_grad."""
+    """forward (under autocast if asked), backward, optional clip, each optimizer's step,
+    `after_step`, zero_grad."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with _autocast(s) if autocast else contextlib.nullcontext():
@@ -35,29 +35,33 @@ def plain_step(
         loss.backward()
         if s.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
-        opt.step()
+        for opt in opts:
+            opt.step()
         if after_step is not None:
             after_step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
 
     return step
 
 
 def setup_floor(model: nn.Module, s: Settings) -> Stepper:
-    """One device, no communication: the model in the compute dtype, AdamW on it directly.
+    """One device, no communication: the model in the compute dtype, the run's optimizers
+    on it directly.
 
     This is the least work any engine can do per step: the same matmuls in the compute
     dtype as the sharded engines, no casts of fp32 weights (autocast would add them), no
     master copy and no collectives.
     """
     model.to(s.dtype)
-    return plain_step(model, adamw(model.parameters(), s.device), s, autocast=False)
+    return plain_step(model, make_optimizers(model, s), s, autocast=False)
 
 
 def setup_floor32(model: nn.Module, s: Settings) -> Stepper:
     """One device, no communication, mixed precision as a user writes it by hand: the model
-    in the compute dtype, fp32 master weights that AdamW (fused on CUDA) steps, and the
-    compute weights refreshed from them by one foreach copy. No hooks, no flat buffers.
+    in the compute dtype, fp32 master weights that the run's optimizers (AdamW, fused on
+    CUDA; with `--optimizer muon`, torch.optim.Muon on the hidden matrices too) step, and
+    the compute weights refreshed from them by one foreach copy. No hooks, no flat buffers.
 
     The like-for-like floor of zs1-zs3 at one GPU: the same fp32 optimizer work, so their
     gap to it is the engine's own overhead. fp32 gradients are made per step (one foreach
@@ -67,8 +71,8 @@ def setup_floor32(model: nn.Module, s: Settings) -> Stepper:
     # Deduplicated: a tied head is one parameter.
     weights: list[torch.Tensor] = list(model.parameters())
     masters: list[torch.Tensor] = [nn.Parameter(p.detach().clone()) for p in weights]
+    opts = make_optimizers(model, s, masters)
     model.to(s.dtype)
-    opt = adamw(masters, s.device)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         model(x, y).backward()
@@ -82,12 +86,19 @@ def setup_floor32(model: nn.Module, s: Settings) -> Stepper:
         model.zero_grad(set_to_none=True)  # the compute-dtype gradients are spent
         if s.clip > 0:
             torch.nn.utils.clip_grad_norm_(masters, s.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             torch._foreach_copy_(weights, masters)
 
     return step
+
+
+def setup_floor32_adamw(model: nn.Module, s: Settings) -> Stepper:
+    """`floor32` stepped by AdamW alone whatever `--optimizer` says: beside `floor32` in a
+    Muon run, what Muon's step costs over AdamW's."""
+    return setup_floor32(model, dataclasses.replace(s, optimizer="adamw"))
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -189,7 +200,7 @@ def setup_ddp(model: nn.Module, s: Settings) -> Stepper:
 
     ids = [s.device.index] if s.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=ids)
-    return plain_step(ddp, adamw(ddp.parameters(), s.device), s, autocast=True)
+    return plain_step(ddp, make_optimizers(ddp, s), s, autocast=True)
 
 
 def _fully_shard() -> tuple[Any, Any]:
@@ -228,8 +239,7 @@ def _setup_fsdp2(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's parameters (embeddings, final norm) are needed last in backward anyway.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    opt = adamw(model.parameters(), s.device)
-    return plain_step(model, opt, s, autocast=False, after_step=after_step)
+    return plain_step(model, make_optimizers(model, s), s, autocast=False, after_step=after_step)
 
 
 def setup_fsdp2(model: nn.Module, s: Settings) -> Stepper:

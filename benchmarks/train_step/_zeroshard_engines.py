@@ -10,22 +10,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks._common import adamw
 from benchmarks.train_step._settings import (
     NOTES,
     Settings,
     Stepper,
     dtype_name,
     hybrid_shape,
+    make_optimizers,
 )
 
 
 def _initialize(model: nn.Module, s: Settings, stage: int, **extra: Any) -> tuple[Any, Any]:
-    """`zs.initialize` with the run's dtype, AdamW and `--zs-config` (plus `extra`)."""
+    """`zs.initialize` with the run's dtype, optimizers and `--zs-config` (plus `extra`)."""
     import zeroshard.engine as zs
 
     config = {"stage": stage, "compute_dtype": dtype_name(s.dtype), **s.zs_config, **extra}
-    return zs.initialize(model, adamw(model.parameters(), s.device), config)
+    return zs.initialize(model, make_optimizers(model, s), config)
 
 
 def _train_step(forward: Callable[..., Any], opt: Any, s: Settings, x: Any, y: Any) -> None:

@@ -66,6 +66,25 @@ def _broadcast(group: Group, dtype: torch.dtype, numel: int, seed: int) -> None:
         assert torch.equal(t.cpu(), rank_data(src, seed + src, numel, dtype)), f"src {src}"
 
 
+def _all_to_all(group: Group, dtype: torch.dtype, numel: int, seed: int) -> None:
+    world, me, dev = group.size, group.rank, rank_device()
+
+    def part(src: int, dst: int) -> int:  # uneven parts, some of them empty
+        return (numel + 2 * src + dst) % 4 * numel // 4
+
+    def sent(src: int) -> torch.Tensor:
+        return rank_data(src, seed, sum(part(src, d) for d in range(world)), dtype)
+
+    out = torch.full((sum(part(s, me) for s in range(world)),), 99, dtype=dtype, device=dev)
+    splits_in = [part(me, d) for d in range(world)]
+    splits_out = [part(s, me) for s in range(world)]
+    h = group.all_to_all(out, sent(me).to(dev), splits_out, splits_in, label="a2a")
+    assert h.op == "all_to_all"
+    h.wait()
+    expected = [sent(s).split([part(s, d) for d in range(world)])[me] for s in range(world)]
+    assert torch.equal(out.cpu(), torch.cat(expected))
+
+
 def _case(group: Group, collective: str, dtype: torch.dtype, numel: int, seed: int) -> None:
     name, _, op = collective.partition(":")
     if name == "all_gather":
@@ -74,6 +93,8 @@ def _case(group: Group, collective: str, dtype: torch.dtype, numel: int, seed: i
         _reduce_scatter(group, op, dtype, numel, seed)
     elif name == "all_reduce":
         _all_reduce(group, op, dtype, numel, seed)
+    elif name == "all_to_all":
+        _all_to_all(group, dtype, numel, seed)
     else:
         _broadcast(group, dtype, numel, seed)
 
@@ -112,10 +133,12 @@ def _bad_inputs(group: Group) -> None:
         group.all_reduce(x, op="min")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside a group"):
         group.broadcast(x, group.size)
+    with pytest.raises(ValueError, match=r"all_to_all 'a': input splits"):
+        group.all_to_all(x, x, [4] + [0] * (group.size - 1), [5] * group.size, label="a")
 
 
 def _body() -> None:
-    collectives = ["all_gather", "broadcast"]
+    collectives = ["all_gather", "broadcast", "all_to_all"]
     collectives += [f"{c}:{op}" for c in ("reduce_scatter", "all_reduce") for op in OPS]
     cases = subtests({"collective": collectives, "dtype": DTYPES, "numel": NUMELS})
     cases = [dict(c, seed=i) for i, c in enumerate(cases)]

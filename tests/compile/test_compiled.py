@@ -5,9 +5,10 @@ plain single-process reference (which sees the global batch) at rtol 1e-5 / atol
 and the eager zeroshard losses at the same tolerance. bf16 compute: losses within 2e-2 of
 eager zeroshard bf16, and the fused downcast halves the bytes gathered (no fp32 gather).
 Recompilation: one capture over all steps, for each of several models compiled in one
-process (no Dynamo reset between the cases). The fp32 case runs inductor; the others use
-backend="aot_eager" (the same graphs and passes, without C++ compilation on 2 shared
-cores).
+process (no Dynamo reset between the cases). torch.optim.Muon with AdamW (torch's recipe)
+trains a compiled model as it does an eager one and the reference, at the fp32 tolerance.
+The fp32 case runs inductor; the others use backend="aot_eager" (the same graphs and
+passes, without C++ compilation on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from torch import fx, nn
 import zeroshard.compile as zc
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, world_fits
-from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer, reference_run
+from tests.engine._models import (
+    global_batches,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    muon_and_adamw,
+    reference_run,
+)
 
 STEPS = 3
 MICRO = 2
@@ -60,18 +68,20 @@ def _train(
     return losses, norms
 
 
-def _fp32_case(device: str, accum: int, clip: bool, backend: str) -> None:
+def _fp32_case(
+    device: str, accum: int, clip: bool, backend: str, make_opt: Any = make_optimizer
+) -> None:
     world = dist.get_world_size()
     base = make_model(seed=3 + accum).to(device)
     batches = global_batches(STEPS, accum, world, MICRO)
     ref_losses, ref_norms, ref_state = reference_run(
-        base.cpu(), make_optimizer, batches, 0.5 if clip else None
+        base.cpu(), make_opt, batches, 0.5 if clip else None
     )
     eager = copy.deepcopy(base).to(device)
-    eager, eager_opt = zs.initialize(eager, make_optimizer(eager), CONFIG)
+    eager, eager_opt = zs.initialize(eager, make_opt(eager), CONFIG)
     eager_losses, _ = _train(eager, eager_opt, batches, accum, clip, device)
     model = copy.deepcopy(base).to(device)
-    model, opt = zs.initialize(model, make_optimizer(model), CONFIG)
+    model, opt = zs.initialize(model, make_opt(model), CONFIG)
     compiled = zc.compile(model, backend=backend)
     losses, norms = _train(compiled, opt, batches, accum, clip, device)
     assert not compiled.eager
@@ -252,6 +262,8 @@ def _async_case(device: str, fuse_bytes: int) -> None:
 def _cases(device: str) -> None:
     cases = [
         {"case": "fp32", "accum": 2, "clip": True},
+        # torch.optim.Muon on the hidden matrices, AdamW on the rest (its step is eager).
+        {"case": "muon", "accum": 2, "clip": True},
         {"case": "bf16"},
         {"case": "fallback"},
         {"case": "async", "fuse_bytes": 0},
@@ -261,6 +273,8 @@ def _cases(device: str) -> None:
     def body(case: str, **kw: Any) -> None:
         if case == "fp32":
             _fp32_case(device, backend="inductor", **kw)
+        elif case == "muon":
+            _fp32_case(device, backend="aot_eager", make_opt=muon_and_adamw, **kw)
         elif case == "bf16":
             _bf16_case(device)
         elif case == "async":

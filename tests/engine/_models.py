@@ -75,6 +75,22 @@ def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), foreach=True)
 
 
+def muon_and_adamw(
+    model: nn.Module, muon: type[torch.optim.Optimizer] | None = None
+) -> list[torch.optim.Optimizer]:
+    """torch's recipe: Muon on the hidden matrices (2-D weights but the tied embedding),
+    AdamW on the rest; `muon` another class of Muon's signature."""
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    hidden = [p for p in params if p.dim() == 2 and id(p) not in emb]
+    rest = [p for p in params if p.dim() != 2 or id(p) in emb]
+    cls = muon or torch.optim.Muon
+    return [
+        cls(hidden, lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(rest, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True),
+    ]
+
+
 def global_batches(steps: int, accum: int, world: int, micro: int, seq: int = 7) -> torch.Tensor:
     """[steps, accum, world, micro, seq+1] token ids, identical on every rank."""
     g = torch.Generator().manual_seed(1234)
@@ -89,13 +105,15 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def reference_run(
     model: nn.Module,
-    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer | list[torch.optim.Optimizer]],
     batches: torch.Tensor,
     clip: float | None,
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """Train a copy of `model` in one process on the global batch: losses, norms, state dict."""
+    """Train a copy of `model` in one process on the global batch: losses, norms, state
+    dict. `make_opt` may give several optimizers (over disjoint parameters)."""
     ref = copy.deepcopy(model)
-    opt = make_opt(ref)
+    made = make_opt(ref)
+    opts = made if isinstance(made, list) else [made]
     losses, norms = [], []
     for step in batches:
         flat = step.reshape(-1, step.shape[-1])  # the whole global batch at once
@@ -103,7 +121,8 @@ def reference_run(
         loss.backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from zeroshard.engine.planner._cluster import NVLINK_GBPS_FIT, NVLINK_LATENCY_US
 from zeroshard.engine.planner._estimate import estimate, estimate_on_trace, trace_micro_batch
 from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, PresetModel, build
+from zeroshard.engine.planner._whole import muon_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,6 +65,10 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
             "not both",
         ),
         (["/some/config.json", "--world", "2", "--layers", "2"], "--layers takes"),
+        (
+            ["tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"],
+            "--optimizer muon steps each matrix on a device",
+        ),
     ],
 )
 def test_cli_refuses(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,6 +108,37 @@ def test_without_compute_figures_the_recommendation_says_why(
     best = [ln for ln in out.splitlines() if ln.startswith(" * ")]
     assert len(best) == 1 and best[0].startswith(" * stage 2, shard 16, offload off"), out
     assert "   * speed not priced (no --step-ms, nor --achieved-tflops with" in out
+
+
+def test_muon_prices_its_state_and_its_step() -> None:
+    """Muon's matrices keep 4 bytes of state per element (AdamW 8), and its step adds the
+    exchange with the owners and, given FLOP/s, the busiest rank's Newton-Schulz."""
+    model = build("tiny", activation_checkpointing=False)
+    compute = cli.Compute(flops_per_step=1e12, flops_per_s=1e14)
+    plans = {
+        kind: estimate(
+            model,
+            {"stage": 3, "compute_dtype": "bf16"},
+            4,
+            1,
+            64,
+            compute=compute,
+            optimizer=None if kind == "adamw" else muon_recipe(model),
+        )
+        for kind in ("adamw", "muon")
+    }
+    adamw, muon = plans["adamw"], plans["muon"]
+    assert adamw.whole_matrix is None and muon.whole_matrix is not None
+    w = muon.whole_matrix
+    matrices = sum(math.prod(m.shape) for m in w.owners.matrices)
+    # 4 bytes less per element of the matrices, a quarter of them per rank (plus padding).
+    saved = adamw.states["optimizer"] - muon.states["optimizer"]
+    assert matrices <= saved <= matrices * 1.01, (saved, matrices)
+    assert w.sent_bytes > 0 and w.max_flops > 0 and w.balance >= 1.0
+    assert adamw.step is not None and muon.step is not None
+    extra = muon.step.total_s - adamw.step.total_s
+    assert extra >= w.max_flops / 1e14, (extra, w.max_flops)
+    assert "whole-matrix step: Newton-Schulz" in muon.table()
 
 
 def test_every_option_has_help_and_names_its_default() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ def describe(
                 GroupSummary(
                     g.name,
                     len(g.layout.slots),
-                    sum(s.numel for s in g.layout.slots),
+                    sum(math.prod(g.full_shape(s)) for s in g.layout.slots),
                     dtype_name(g.shards[g.value_kind]),
                     tuple(g.shards),
                     not g.requires_grad,

@@ -5,7 +5,10 @@ the padded flat buffer (offsets do not depend on the world size), so it reads ex
 that range from the one or two source rank files that hold it. With target layouts
 whose offsets differ (another alignment), each slot is copied on its own instead.
 A group on a process group of its own (experts) is read for the instance and the rank
-in that group that `placements` names (see `GroupMeta.rank_sets`).
+in that group that `placements` names (see `GroupMeta.rank_sets`). Tensor-parallel groups
+(`GroupMeta.tensor_split`) load at any tensor-parallel size, or none: where the target
+cuts a parameter as the checkpoint does, its instance is read as above, else its piece
+is cut from the full tensor ([Note: recutting tensor-parallel pieces] in _tensor_split).
 
 [Note: names and shapes are the contract]
 Target layouts may also group the parameters differently from the checkpoint (saved at
@@ -32,22 +35,43 @@ from zeroshard.ckpt._meta import (
     BUFFER_PREFIX,
     CheckpointMeta,
     GroupMeta,
+    TensorSplit,
     buffer_key,
     check_names_shapes,
     shard_key,
 )
 from zeroshard.ckpt._reader import CheckpointReader
-from zeroshard.partition import FlatLayout
+from zeroshard.ckpt._tensor_split import read_region
+from zeroshard.partition import FlatLayout, Slot
 
 
 class GroupPlacement(NamedTuple):
     """Where the loading rank sits in a group sharded over a process group of its own:
     it holds instance `instance` of `instances` (e.g. its expert-parallel index), as
-    rank `rank` of that group (whose size is the target layout's world size)."""
+    rank `rank` of that group (whose size is the target layout's world size). `split`:
+    the instances are tensor-parallel ranks, whose pieces of the parameters it names are
+    cut as it says (see `TensorSplit`; the target layout's slots are the pieces)."""
 
     instance: int
     instances: int
     rank: int
+    split: TensorSplit | None = None
+
+    def full_shape(self, slot: Slot) -> tuple[int, ...]:
+        """The shape of the whole tensor whose piece target slot `slot` is."""
+        dim = None if self.split is None else self.split.dims.get(slot.name)
+        if dim is None:
+            return slot.shape
+        return tuple(n * self.instances if d == dim else n for d, n in enumerate(slot.shape))
+
+    def cut(self, slot: Slot) -> tuple[int | None, int, int]:
+        """The dim target slot `slot` is cut along, and its piece's [lo, hi) of the full
+        tensor along it (None, 0, 0 when it holds the whole tensor)."""
+        dim = None if self.split is None else self.split.dims.get(slot.name)
+        if dim is None:
+            return None, 0, 0
+        n = slot.shape[dim]
+        return dim, self.instance * n, (self.instance + 1) * n
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,8 @@ class LoadedShards:
     sources: Mapping[str, GroupMeta] = field(default_factory=dict)
     # Rank file number -> its extra state, for the `extras` asked for that have one.
     extras: Mapping[int, RankExtra] = field(default_factory=dict)
+    # Parameter name -> its whole-parameter state tensors, for the `param_states` asked for.
+    param_states: Mapping[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
 
     def shard(self, group: str, kind: str) -> torch.Tensor:
         """This rank's shard of `group` of one kind ('master', 'param', 'optim.exp_avg')."""
@@ -86,7 +112,7 @@ class LoadedShards:
 def checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
     """Every name a model's state_dict() would hold (params, tied aliases, buffers) -> shape."""
     meta = reader.meta
-    shapes = {s.name: s.shape for g in meta.groups for s in g.layout.slots}
+    shapes = {s.name: g.full_shape(s) for g in meta.groups for s in g.layout.slots}
     shapes.update({alias: shapes[c] for alias, c in meta.tied.items() if c in shapes})
     shapes.update({b: reader.buffer_entry(b).shape for b in meta.buffers})
     return shapes
@@ -103,7 +129,17 @@ def _placements(
     out = {}
     for name, groups in sources.items():
         place = given.get(name, GroupPlacement(0, 1, rank))
+        # Tensor-parallel pieces are one model at any tensor-parallel size; independent
+        # instances (experts) load only as many of them.
+        independent = place.instances > 1 and place.split is None
         for g in groups:
+            if g.tensor_split is not None and not independent:
+                continue
+            if g.instances > 1 and place.split is not None:
+                raise ModelMismatchError(
+                    f"group {g.name!r} was saved with {g.instances} instances holding "
+                    "different values (e.g. experts), this run splits it by tensor parallelism"
+                )
             if g.instances != place.instances:
                 raise ModelMismatchError(
                     f"group {g.name!r} was saved with {g.instances} instance(s) (sets of ranks "
@@ -119,12 +155,22 @@ def _target_layouts(
     meta: CheckpointMeta,
     world_size: int,
     layouts: Mapping[str, FlatLayout] | None,
-    placed: Collection[str],
+    placed: Mapping[str, GroupPlacement],
 ) -> dict[str, FlatLayout]:
     if layouts is None:
         if placed:
             raise ValueError("placements need the target layouts (layouts=...)")
+        if any(g.tensor_split is not None and g.instances > 1 for g in meta.groups):
+            raise CheckpointError(
+                "the checkpoint's parameters are split by tensor parallelism: give the "
+                "target layouts (layouts=...), or consolidate it"
+            )
         return {g.name: g.layout.resharded(world_size) for g in meta.groups}
+
+    def full(name: str, dst: FlatLayout) -> dict[str, tuple[int, ...]]:
+        place = placed.get(name, GroupPlacement(0, 1, 0))
+        return {s.name: place.full_shape(s) for s in dst.slots}
+
     for name, dst in layouts.items():
         if name not in placed and dst.world_size != world_size:
             raise CheckpointError(
@@ -134,20 +180,55 @@ def _target_layouts(
     if have.keys() == layouts.keys():
         for g in meta.groups:
             check_names_shapes(
-                {s.name: s.shape for s in g.layout.slots},
-                {s.name: s.shape for s in layouts[g.name].slots},
+                {s.name: g.full_shape(s) for s in g.layout.slots},
+                full(g.name, layouts[g.name]),
                 f"group {g.name!r} of the checkpoint",
             )
     else:  # grouped differently: see [Note: names and shapes are the contract]
+        wanted: dict[str, tuple[int, ...]] = {}
+        for name, dst in layouts.items():
+            wanted.update(full(name, dst))
         check_names_shapes(
-            {s.name: s.shape for g in meta.groups for s in g.layout.slots},
-            {s.name: s.shape for dst in layouts.values() for s in dst.slots},
+            {s.name: g.full_shape(s) for g in meta.groups for s in g.layout.slots},
+            wanted,
             "the checkpoint's parameters",
         )
     return dict(layouts)
 
 
 _Copy = tuple[GroupMeta, int, int, int]  # source group, src_lo, src_hi, dst_start
+# A piece of a target slot cut from a tensor-parallel source: source group, its slot, the
+# target's cut (dim, lo, hi), the piece's start and length in the target slot, dst_start.
+_Recut = tuple[GroupMeta, Slot, tuple[int | None, int, int], int, int, int]
+
+
+def _cut_alike(sources: Sequence[GroupMeta], dst: FlatLayout, place: GroupPlacement) -> bool:
+    """Whether `dst`'s slots are the sources' own slots of instance `place.instance`: no
+    tensor parallelism on either side, or the same on both."""
+    for g in sources:
+        if g.tensor_split is None and place.split is None:
+            continue
+        if g.tensor_split is None or place.split is None or g.instances != place.instances:
+            return False
+        names = {s.name for s in g.layout.slots}
+        if any(
+            g.split_dim(s.name) != place.split.dims.get(s.name)
+            for s in dst.slots
+            if s.name in names
+        ):
+            return False
+    return True
+
+
+def _recuts(sources: Sequence[GroupMeta], dst: FlatLayout, place: GroupPlacement) -> list[_Recut]:
+    """The pieces of `dst`'s shard of `place.rank`, each cut from its full tensor."""
+    owner = {s.name: g for g in sources for s in g.layout.slots}
+    out = []
+    for slot, piece in dst.slots_in_shard(place.rank):
+        g = owner[slot.name]
+        src = g.layout.slot(slot.name)
+        out.append((g, src, place.cut(slot), piece.slot_start, piece.numel, piece.shard_start))
+    return out
 
 
 def _sources(meta: CheckpointMeta, targets: Mapping[str, FlatLayout]) -> dict[str, list[GroupMeta]]:
@@ -205,6 +286,7 @@ def load(
     verify: bool = True,
     workers: int = 4,
     extras: Collection[int] = (),
+    param_states: Collection[str] = (),
 ) -> LoadedShards:
     """Read rank `rank`'s shards for `world_size` ranks (any world size) and the buffers.
 
@@ -216,7 +298,9 @@ def load(
     size). `kinds` limits which shard kinds are read. `verify` checks the size and
     checksum of every file read. `extras` names the rank files whose extra state
     (`RankExtra`) is read too, of those the checkpoint has (`LoadedShards.extras` holds
-    the ones with an extra). No collectives.
+    the ones with an extra). `param_states` names the parameters whose whole-parameter
+    optimizer state is read (`CheckpointMeta.param_states`; a name it lacks is a
+    CheckpointError). No collectives.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world size {world_size}")
@@ -229,42 +313,67 @@ def load(
             reader.verify({0}, workers)
         if expected is not None:
             check_names_shapes(checkpoint_shapes(reader), expected, f"checkpoint {reader.path}")
-        targets = _target_layouts(meta, world_size, layouts, set(placements or {}))
+        targets = _target_layouts(meta, world_size, layouts, placements or {})
         if kinds is not None:
             unknown = set(kinds) - {k for g in meta.groups for k in g.shards}
             if unknown:
                 raise CheckpointError(f"no group stores shard kind(s) {sorted(unknown)}")
         sources = _sources(meta, targets)
         places = _placements(sources, rank, placements or {})
-        plan: list[tuple[str, GroupMeta, str, list[_Copy]]] = []
+        plan: list[tuple[str, GroupMeta, str, list[_Copy], list[_Recut]]] = []
         extra_ranks = sorted(r for r in set(extras) if 0 <= r < meta.world_size)
-        needed = {0, *extra_ranks}
+        lacking = sorted(set(param_states) - set(meta.param_states))
+        if lacking:
+            raise CheckpointError(
+                f"checkpoint {reader.path} keeps no whole-parameter optimizer state for "
+                f"{lacking[:5]}: was it saved with another optimizer for them?"
+            )
+        needed = {0, *extra_ranks, *(meta.param_states[n].rank for n in param_states)}
         for name, groups in sources.items():
             place = places[name]
-            copies = _copies(groups, targets[name], place.rank)
-            for g, lo, hi, _ in copies:
-                n = g.layout.shard_numel
-                pieces = range(lo // n, (hi - 1) // n + 1)
-                needed.update(g.file_rank(place.instance, r) for r in pieces)
+            copies: list[_Copy] = []
+            recuts: list[_Recut] = []
+            if _cut_alike(groups, targets[name], place):
+                copies = _copies(groups, targets[name], place.rank)
+                for g, lo, hi, _ in copies:
+                    n = g.layout.shard_numel
+                    pieces = range(lo // n, (hi - 1) // n + 1)
+                    needed.update(g.file_rank(place.instance, r) for r in pieces)
+            else:
+                recuts = _recuts(groups, targets[name], place)
+                needed.update(
+                    g.file_rank(i, r)
+                    for g in groups
+                    for i in range(g.instances)
+                    for r in range(g.layout.world_size)
+                )
             first = groups[0]
-            plan += [(name, first, k, copies) for k in first.shards if kinds is None or k in kinds]
+            plan += [
+                (name, first, k, copies, recuts)
+                for k in first.shards
+                if kinds is None or k in kinds
+            ]
         if verify:
             reader.verify(needed, workers)
 
-        def read(item: tuple[str, GroupMeta, str, list[_Copy]]) -> torch.Tensor:
-            name, first, kind, copies = item
+        def read(item: tuple[str, GroupMeta, str, list[_Copy], list[_Recut]]) -> torch.Tensor:
+            name, first, kind, copies, recuts = item
             out = torch.zeros(targets[name].shard_numel, dtype=first.shards[kind])
             for g, lo, hi, at in copies:
                 reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo], places[name].instance)
+            for g, src, (dim, a, b), start, n, at in recuts:
+                region = read_region(reader, g, kind, src, dim, a, b)
+                out[at : at + n] = region.reshape(-1)[start : start + n]
             return out
 
         with ThreadPoolExecutor(max(1, workers)) as pool:
             shards = list(pool.map(read, plan))
-        tensors = {shard_key(n, k): t for (n, _, k, _), t in zip(plan, shards, strict=True)}
+        tensors = {shard_key(n, k): t for (n, _, k, _, _), t in zip(plan, shards, strict=True)}
         tensors.update({buffer_key(b): reader.read_buffer(b) for b in meta.buffers})
         found = {r: read_extra(reader, r) for r in extra_ranks}
+        whole = {n: reader.read_param_state(n) for n in sorted(set(param_states))}
     if torch.device(device).type != "cpu":
         tensors = {k: t.to(device) for k, t in tensors.items()}
     firsts = {name: groups[0] for name, groups in sources.items()}
     kept = {r: e for r, e in found.items() if e is not None}
-    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts, kept)
+    return LoadedShards(meta, reader.path, rank, world_size, targets, tensors, firsts, kept, whole)

@@ -8,7 +8,13 @@ code: the layouts, dtypes, optimizer hyperparameters, tied aliases and per-file 
 Format version 2 added `GroupMeta.rank_sets` (groups sharded over a process group of
 their own, such as experts); version 1 checkpoints, which have none, are still read.
 Version 3 added the checksum of `metadata.json` itself (see [Note: the metadata's own
-checksum]); versions 1 and 2, which have none, are read unchecked.
+checksum]); versions 1 and 2, which have none, are read unchecked. Version 4 added
+`GroupMeta.tensor_split` (tensor parallelism: a group's instances are the pieces of one
+model). Version 5 added `param_states`: optimizer state kept whole per parameter (a
+whole-matrix optimizer's, such as Shampoo's preconditioners), stored in the rank file of
+the rank that owned the parameter under `"pstate.{param}/{state}"`. A checkpoint is
+written as the lowest version that holds what it has (version 3 without either), so
+earlier builds read what they can.
 
 [Note: the metadata's own checksum]
 The last field of `metadata.json` is `"checksum": "crc32:{digest}"`, the crc32 of the
@@ -22,6 +28,7 @@ whose line is damaged) is a `ChecksumError` too.
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,21 +43,28 @@ from zeroshard.ckpt._errors import (
     FormatVersionError,
     ModelMismatchError,
 )
-from zeroshard.partition import FlatLayout, dtype_from_name, dtype_name
+from zeroshard.partition import FlatLayout, Slot, dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 5
 # Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
-# 2 is 3 without the metadata's own checksum.
-READABLE_VERSIONS = (1, 2, 3)
+# 2 is 3 without the metadata's own checksum, 3 is 4 without `tensor_split`, 4 is 5
+# without `param_states`.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # The first version whose metadata.json carries its own checksum.
 CHECKSUMMED_VERSION = 3
+# The first version with `tensor_split`, the first with `param_states`, and the one
+# written without either.
+TENSOR_SPLIT_VERSION = 4
+PARAM_STATES_VERSION = 5
+PLAIN_VERSION = 3
 _BLANK_DIGEST = b"00000000"
 _CHECKSUM_TAIL = re.compile(rb'\n "checksum": "crc32:([0-9a-f]{8})"\n\}\n\Z')
 MASTER = "master"
 PARAM = "param"
 OPTIM_PREFIX = "optim."
 BUFFER_PREFIX = "buffer."
+PARAM_STATE_PREFIX = "pstate."
 # A rank's own extra tensors (the caller's state beside the shards: see `RankExtra`).
 EXTRA_PREFIX = "extra."
 # The rank file's safetensors `__metadata__` entry holding the extra's JSON text.
@@ -66,6 +80,11 @@ def shard_key(group: str, kind: str) -> str:
 def buffer_key(name: str) -> str:
     """The key of a module buffer in rank 0's file."""
     return BUFFER_PREFIX + name
+
+
+def param_state_key(param: str, state: str) -> str:
+    """The key of one whole-parameter optimizer state tensor in its owner's rank file."""
+    return f"{PARAM_STATE_PREFIX}{param}/{state}"
 
 
 def extra_key(name: str) -> str:
@@ -98,6 +117,30 @@ class FileMeta:
 
 
 @dataclass(frozen=True)
+class TensorSplit:
+    """How the instances of a group make one model under tensor parallelism.
+
+    Instance k is tensor-parallel rank k. A slot named in `dims` holds piece k of its
+    full tensor, cut into `instances` equal pieces along dim `dims[name]` (its slot shape
+    is the piece's); every other slot holds the same values on every instance.
+    """
+
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", {str(k): int(v) for k, v in self.dims.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"dims": dict(self.dims)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> TensorSplit:
+        """Read `to_dict()` output."""
+        return TensorSplit({str(k): int(v) for k, v in d["dims"].items()})
+
+
+@dataclass(frozen=True)
 class GroupMeta:
     """One flat parameter group: its layout and what each rank stores of it.
 
@@ -112,6 +155,10 @@ class GroupMeta:
     expert parallelism) holds different values on different sets of ranks: one tuple per
     such set (an *instance*, ordered by its first rank), listing the rank files that hold
     its shards 0, 1, ... (`layout.world_size` of them).
+
+    `tensor_split` (tensor parallelism) says that the instances are the tensor-parallel
+    ranks of one model, and which slots are pieces of a bigger tensor (see `TensorSplit`):
+    a full state dict then holds one tensor per name, made from every instance.
     """
 
     name: str
@@ -121,6 +168,7 @@ class GroupMeta:
     requires_grad: bool = True
     scalars: Mapping[str, Any] = field(default_factory=dict)
     rank_sets: tuple[tuple[int, ...], ...] | None = None
+    tensor_split: TensorSplit | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -157,6 +205,19 @@ class GroupMeta:
                 )
             if [s[0] for s in sets] != sorted(s[0] for s in sets):
                 raise CheckpointError(f"group {self.name!r}: rank sets not ordered by first rank")
+        if self.tensor_split is not None:
+            self._check_split(self.tensor_split)
+
+    def _check_split(self, split: TensorSplit) -> None:
+        shapes = {s.name: s.shape for s in self.layout.slots}
+        for name, dim in split.dims.items():
+            if name not in shapes:
+                raise CheckpointError(f"group {self.name!r}: tensor_split names unknown {name!r}")
+            if not 0 <= dim < len(shapes[name]):
+                raise CheckpointError(
+                    f"group {self.name!r}: {name!r} of shape {shapes[name]} cannot be split "
+                    f"along dim {dim}"
+                )
 
     @property
     def instances(self) -> int:
@@ -170,6 +231,18 @@ class GroupMeta:
                 f"group {self.name!r} has {self.instances} instance(s), not instance {instance}"
             )
         return shard if self.rank_sets is None else self.rank_sets[instance][shard]
+
+    def split_dim(self, name: str) -> int | None:
+        """The dim slot `name` is split along over the instances (tensor parallelism), or
+        None when each instance holds it whole."""
+        return None if self.tensor_split is None else self.tensor_split.dims.get(name)
+
+    def full_shape(self, slot: Slot) -> tuple[int, ...]:
+        """The shape of the whole tensor of `slot` (its pieces joined, when split)."""
+        dim = self.split_dim(slot.name)
+        if dim is None:
+            return slot.shape
+        return tuple(n * self.instances if d == dim else n for d, n in enumerate(slot.shape))
 
     @property
     def value_kind(self) -> str:
@@ -191,6 +264,7 @@ class GroupMeta:
             "shards": {k: dtype_name(d) for k, d in self.shards.items()},
             "scalars": dict(self.scalars),
             **({} if self.rank_sets is None else {"rank_sets": [list(s) for s in self.rank_sets]}),
+            **({} if self.tensor_split is None else {"tensor_split": self.tensor_split.to_dict()}),
         }
 
     @staticmethod
@@ -198,6 +272,7 @@ class GroupMeta:
         """Read `to_dict()` output."""
         pg = d["param_group"]
         sets = d.get("rank_sets")
+        split = d.get("tensor_split")
         return GroupMeta(
             name=str(d["name"]),
             layout=FlatLayout.from_dict(dict(d["layout"])),
@@ -206,6 +281,57 @@ class GroupMeta:
             requires_grad=bool(d["requires_grad"]),
             scalars=dict(d.get("scalars", {})),
             rank_sets=None if sets is None else tuple(tuple(s) for s in sets),
+            tensor_split=None if split is None else TensorSplit.from_dict(split),
+        )
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """One parameter's optimizer state kept whole (version 4): its tensors, stored in rank
+    file `rank` under `param_state_key(param, state)`, each with its dtype, shape and
+    whether it lived on the device (else on the host, as torch keeps Adam's `step`); and
+    its scalars (JSON values)."""
+
+    rank: int
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], bool]] = field(default_factory=dict)
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "tensors",
+            {
+                str(k): (d, tuple(int(x) for x in shape), bool(dev))
+                for k, (d, shape, dev) in self.tensors.items()
+            },
+        )
+        object.__setattr__(self, "scalars", dict(self.scalars))
+        _check_json("param state scalars", self.scalars)
+        for key, (dtype, _, _) in self.tensors.items():
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"param state {key!r}: dtype {dtype!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "rank": self.rank,
+            "tensors": {
+                k: [dtype_name(d), list(shape), on_device]
+                for k, (d, shape, on_device) in self.tensors.items()
+            },
+            "scalars": dict(self.scalars),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ParamState:
+        """Read `to_dict()` output."""
+        return ParamState(
+            rank=int(d["rank"]),
+            tensors={
+                str(k): (dtype_from_name(str(t[0])), tuple(int(x) for x in t[1]), bool(t[2]))
+                for k, t in d["tensors"].items()
+            },
+            scalars=dict(d.get("scalars", {})),
         )
 
 
@@ -218,7 +344,10 @@ class CheckpointMeta:
     parameter to its canonical name (the one in a layout); `buffers` names the module
     buffers stored in rank 0's file and `buffer_shapes` their shapes (`save` fills it;
     empty in checkpoints written before it existed); `extra` is free JSON for the caller
-    (scheduler state, engine config).
+    (scheduler state, engine config). `param_states` holds, by parameter name, the
+    optimizer state kept whole (a whole-matrix optimizer's). `version` is the format
+    version (0: the lowest that holds them: `PARAM_STATES_VERSION` with param states,
+    else `TENSOR_SPLIT_VERSION` with a `tensor_split`, else `PLAIN_VERSION`).
     """
 
     world_size: int
@@ -231,11 +360,13 @@ class CheckpointMeta:
     buffers: tuple[str, ...] = ()
     files: Mapping[str, FileMeta] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 0
     buffer_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    param_states: Mapping[str, ParamState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "param_states", dict(self.param_states))
         set_(self, "groups", tuple(self.groups))
         set_(self, "param_groups", tuple(dict(p) for p in self.param_groups))
         set_(self, "tied", dict(self.tied))
@@ -243,6 +374,10 @@ class CheckpointMeta:
         set_(self, "files", dict(self.files))
         set_(self, "extra", dict(self.extra))
         set_(self, "buffer_shapes", {k: tuple(v) for k, v in self.buffer_shapes.items()})
+        split = any(g.tensor_split is not None for g in self.groups)
+        if self.version == 0:
+            lowest = TENSOR_SPLIT_VERSION if split else PLAIN_VERSION
+            set_(self, "version", PARAM_STATES_VERSION if self.param_states else lowest)
         if self.version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
@@ -250,6 +385,14 @@ class CheckpointMeta:
             )
         if self.version == 1 and any(g.rank_sets is not None for g in self.groups):
             raise CheckpointError("format version 1 has no rank sets: metadata is malformed")
+        if self.version < TENSOR_SPLIT_VERSION and split:
+            raise CheckpointError(
+                f"format version {self.version} has no tensor splits: metadata is malformed"
+            )
+        if self.param_states and self.version < PARAM_STATES_VERSION:
+            raise CheckpointError(
+                f"format version {self.version} has no param states: metadata is malformed"
+            )
         if self.world_size < 1:
             raise CheckpointError(f"world_size must be >= 1, got {self.world_size}")
         if self.stage not in (0, 1, 2, 3):
@@ -302,6 +445,14 @@ class CheckpointMeta:
                 raise CheckpointError(f"tied alias {alias!r} is also a stored name")
             if canonical not in names:
                 raise CheckpointError(f"tied alias {alias!r} points at unknown {canonical!r}")
+        trainable = {s.name for g in self.groups if g.requires_grad for s in g.layout.slots}
+        for name, ps in self.param_states.items():
+            if name not in trainable:
+                raise CheckpointError(f"param state of {name!r}, which is no trainable parameter")
+            if not 0 <= ps.rank < self.world_size:
+                raise CheckpointError(
+                    f"param state of {name!r} is in rank file {ps.rank}, of {self.world_size}"
+                )
 
     @property
     def frozen(self) -> tuple[str, ...]:
@@ -315,8 +466,9 @@ class CheckpointMeta:
 
     @property
     def num_params(self) -> int:
-        """Number of parameter elements (aliases counted once, padding not counted)."""
-        return sum(s.numel for g in self.groups for s in g.layout.slots)
+        """Number of parameter elements (aliases counted once, padding not counted, a
+        tensor-parallel parameter whole)."""
+        return sum(math.prod(g.full_shape(s)) for g in self.groups for s in g.layout.slots)
 
     def group(self, name: str) -> GroupMeta:
         """A group by name."""
@@ -360,6 +512,11 @@ class CheckpointMeta:
                 for n, f in sorted(self.files.items())
             },
             "extra": dict(self.extra),
+            **(
+                {"param_states": {n: ps.to_dict() for n, ps in self.param_states.items()}}
+                if self.param_states
+                else {}
+            ),
         }
 
     def to_json(self) -> str:
@@ -392,6 +549,11 @@ class CheckpointMeta:
                 f"(this build of zeroshard-ckpt reads versions {READABLE_VERSIONS}); "
                 "upgrade zeroshard-ckpt to read it"
             )
+        if d.get("param_states") and version < PARAM_STATES_VERSION:
+            # Read as written: a version 3 file with param states is malformed, not new.
+            raise CheckpointError(
+                f"format version {version} has no param states: metadata is malformed"
+            )
         try:
             meta = CheckpointMeta(
                 world_size=int(d["world_size"]),
@@ -412,6 +574,9 @@ class CheckpointMeta:
                 },
                 extra=dict(d.get("extra", {})),
                 version=int(version),
+                param_states={
+                    str(n): ParamState.from_dict(ps) for n, ps in d.get("param_states", {}).items()
+                },
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed checkpoint metadata: missing or bad {e}") from e
@@ -459,6 +624,18 @@ class CheckpointMeta:
 def expected_shard_keys(meta: CheckpointMeta) -> dict[str, tuple[torch.dtype, int]]:
     """Key -> (dtype, numel) of the shard tensors every rank file stores (buffers excluded)."""
     return {key: (g.shards[kind], g.layout.shard_numel) for g, kind, key in meta.shard_keys()}
+
+
+def param_state_keys(
+    meta: CheckpointMeta, rank: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Key -> (dtype, shape) of the whole-parameter state tensors rank file `rank` stores."""
+    return {
+        param_state_key(name, key): (dtype, shape)
+        for name, ps in meta.param_states.items()
+        if ps.rank == rank
+        for key, (dtype, shape, _) in ps.tensors.items()
+    }
 
 
 def check_names_shapes(

@@ -23,6 +23,8 @@ from zeroshard.ckpt._meta import (
     GroupMeta,
     buffer_key,
     expected_shard_keys,
+    param_state_key,
+    param_state_keys,
     rank_file,
     shard_key,
 )
@@ -134,6 +136,12 @@ class CheckpointReader:
                 problems.append(f"no tensor {key!r}")
             elif e.dtype != dtype or e.shape != (numel,):
                 problems.append(f"{key!r} is {e.dtype} {e.shape}, expected {dtype} ({numel},)")
+        for key, (dtype, shape) in param_state_keys(self.meta, rank).items():
+            e = header.entries.get(key)
+            if e is None:
+                problems.append(f"no tensor {key!r}")
+            elif e.dtype != dtype or tuple(e.shape) != shape:
+                problems.append(f"{key!r} is {e.dtype} {e.shape}, expected {dtype} {shape}")
         if rank == 0:
             problems += [
                 f"no buffer {b!r}" for b in self.meta.buffers if buffer_key(b) not in header.entries
@@ -179,6 +187,16 @@ class CheckpointReader:
         for r in range(lo // n, (hi - 1) // n + 1):
             a, b = max(lo, r * n), min(hi, (r + 1) * n)
             self.read_entry(group.file_rank(instance, r), key, a - r * n, out[a - lo : b - lo])
+
+    def read_param_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Parameter `name`'s whole-parameter state tensors (`CheckpointMeta.param_states`)."""
+        ps = self.meta.param_states[name]
+        out = {}
+        for key, (dtype, shape, _) in ps.tensors.items():
+            t = torch.empty(shape, dtype=dtype)
+            self.read_entry(ps.rank, param_state_key(name, key), 0, t.view(-1))
+            out[key] = t
+        return out
 
     def read_buffer(self, name: str) -> torch.Tensor:
         """A module buffer, whole."""

@@ -46,6 +46,7 @@ from zeroshard.ckpt._meta import (
     FileMeta,
     buffer_key,
     expected_shard_keys,
+    param_state_keys,
     rank_file,
 )
 from zeroshard.ckpt._paths import (
@@ -232,6 +233,16 @@ def _check_tensors(
             )
         else:
             out[key] = t
+    for key, (dtype, shape) in param_state_keys(meta, rank).items():
+        t = tensors.get(key)
+        if t is None:
+            problems.append(f"missing param state {key!r}")
+        elif t.dtype != dtype or tuple(t.shape) != shape:
+            problems.append(
+                f"param state {key!r} is {t.dtype} {tuple(t.shape)}, metadata says {dtype} {shape}"
+            )
+        else:
+            out[key] = t
     buffer_keys = {buffer_key(b) for b in meta.buffers}
     if rank == 0:
         for b in meta.buffers:
@@ -301,7 +312,9 @@ def save(
     """Save this rank's shards (call on every rank) as `root/step-{step}` (or `root/{tag}`).
 
     `tensors` maps `shard_key(group, kind)` to this rank's 1-D shard for every group and
-    kind in `meta`, plus `buffer_key(name)` for each buffer on rank 0. `group` None means
+    kind in `meta`, plus `buffer_key(name)` for each buffer on rank 0, and
+    `param_state_key(param, state)` for each whole-parameter state `meta.param_states`
+    puts in this rank's file. `group` None means
     the default process group if one is initialized, else a single process. Returns a
     handle; with `async_save` the write runs in the background and `wait()` commits.
     `extra` is this rank's own state, stored in its file (see [Note: extra state in the

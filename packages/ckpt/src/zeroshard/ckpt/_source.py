@@ -4,7 +4,8 @@ A parameter's values come from its group's `master` shards when saved, else `par
 each spec reads its slot's pieces straight from the rank files that hold them. Groups on
 a process group of their own (experts) hold several instances under the same names: one
 full state dict is one instance of each (`instance`), as `full_state_dict` gives on the
-ranks holding it.
+ranks holding it. The instances of a tensor-parallel group (`tensor_split`) are one model:
+each split parameter's spec joins its pieces, the others read instance 0.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import GroupMeta, buffer_key
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._tensor_split import read_full_range
 from zeroshard.ckpt._writer import RangeSpec
 from zeroshard.partition import Slot
 
 
 def _param_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot, instance: int) -> RangeSpec:
     kind = group.value_kind
+    if group.tensor_split is not None:
+        return _split_spec(reader, group, slot, kind)
 
     def read_range(start: int, out: torch.Tensor) -> None:
         lo = slot.offset + start
@@ -30,6 +34,16 @@ def _param_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot, instance
         read_range(0, out)
 
     return RangeSpec(slot.name, slot.shape, group.shards[kind], read, read_range)
+
+
+def _split_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str) -> RangeSpec:
+    def read_range(start: int, out: torch.Tensor) -> None:
+        read_full_range(reader, group, kind, slot, start, out)
+
+    def read(out: torch.Tensor) -> None:
+        read_range(0, out)
+
+    return RangeSpec(slot.name, group.full_shape(slot), group.shards[kind], read, read_range)
 
 
 def _buffer_spec(reader: CheckpointReader, name: str) -> RangeSpec:
@@ -52,7 +66,9 @@ def checkpoint_specs(
     tied aliases {alias: canonical}; aliases are not specs (their tensor is written once).
     `instance` picks one instance of the groups that have several (required then)."""
     meta = reader.meta
-    several = {g.name: g.instances for g in meta.groups if g.instances > 1}
+    several = {
+        g.name: g.instances for g in meta.groups if g.instances > 1 and g.tensor_split is None
+    }
     if several and instance is None:
         raise CheckpointError(
             f"groups {sorted(several)} hold {max(several.values())} instances each (parameters "

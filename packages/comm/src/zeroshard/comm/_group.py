@@ -45,7 +45,7 @@ import dataclasses
 import datetime
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -273,6 +273,39 @@ class Group:
                 avg()
 
         return self._handle(work, "reduce_scatter", label, (output, summed), copy_out, given=given)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        label: str = "",
+    ) -> Handle:
+        """Send `input`'s r-th part (`input_splits[r]` elements, in rank order) to rank r;
+        receive rank r's part for this rank as `output`'s r-th part (`output_splits[r]`)."""
+        _check_contiguous("all_to_all", label, output, input)
+        for name, t, splits in (("input", input, input_splits), ("output", output, output_splits)):
+            if len(splits) != self.size or sum(splits) != t.numel() or min(splits) < 0:
+                raise ValueError(
+                    f"all_to_all {label!r}: {name} splits {list(splits)} do not cut its "
+                    f"{t.numel()} elements into {self.size} parts"
+                )
+        if output.dtype != input.dtype:
+            raise ValueError(
+                f"all_to_all {label!r}: output dtype {output.dtype} != input {input.dtype}"
+            )
+        given = self._give(output, input)
+        work = dist.all_to_all_single(
+            given[0],
+            given[1],
+            list(output_splits),
+            list(input_splits),
+            group=self.pg,
+            async_op=True,
+        )
+        return self._handle(work, "all_to_all", label, (output, input), given=given)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", label: str = "") -> Handle:
         """Reduce `tensor` in place over ranks."""

@@ -22,6 +22,8 @@ from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, build, convert_float8
 from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.planner._tensor_parallel import plan_tensor_parallel
+from zeroshard.engine.planner._whole import muon_recipe
 
 
 def _count(n: int) -> str:
@@ -55,6 +57,18 @@ def _parser() -> argparse.ArgumentParser:
         help="hybrid: shard within groups of this many GPUs, replicate across (default: all)",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism over this many consecutive GPUs (Megatron's split, or a "
+        "Hugging Face model's tp_plan); zeroshard shards over the rest (default 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: activations between layers split along the sequence",
+    )
+    p.add_argument(
         "--offload",
         choices=("none", "optimizer", "params"),
         default="none",
@@ -86,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --fp8 tensorwise: stage 3 gathers those weights in fp8 "
         "(torchao's enable_fsdp_float8_all_gather)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="AdamW on every parameter, or torch's Muon recipe: torch.optim.Muon on the "
+        "hidden matrices, AdamW on the rest (prices Muon's step: default adamw)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -193,6 +214,23 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("--fp8-all-gather needs --fp8 tensorwise (torchao's only recipe for it)")
     if a.layers is not None and (a.layers < 1 or a.model not in PRESETS):
         raise ValueError("--layers takes a count >= 1 and a preset (not a config.json)")
+    if a.tp < 1 or a.world % a.tp:
+        raise ValueError(f"--tp {a.tp} does not divide --world {a.world}")
+    if a.sequence_parallel and a.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp above 1")
+    if a.tp > 1:
+        # What initialize(device_mesh=...) refuses, and what the planner does not price.
+        taken = [
+            flag
+            for flag, given in (
+                ("--shard-group-size", a.shard_group_size is not None),
+                ("--offload", a.offload != "none"),
+                ("--memory-limit-gib", a.memory_limit_gib is not None),
+            )
+            if given
+        ]
+        if taken:
+            raise ValueError(f"--tp cannot be combined with {', '.join(taken)} yet")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,6 +256,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.gpus_per_node,
             internode=Link(a.internode_gbps, a.internode_latency_us),
         )
+        optimizers = muon_recipe(model) if a.optimizer == "muon" else None
+        if optimizers is not None and a.offload != "none":
+            raise ValueError("--optimizer muon steps each matrix on a device: no --offload")
+        if optimizers is not None and a.tp > 1:
+            raise ValueError("--optimizer muon needs whole matrices: no --tp")
+        if a.tp > 1:
+            split = plan_tensor_parallel(
+                model,
+                cfg,
+                world_size=a.world,
+                tp=a.tp,
+                micro_batch=a.micro_batch,
+                seq_len=seq,
+                sequence_parallel=a.sequence_parallel,
+                cluster=cluster,
+            )
+            print(split.table())
+            return 0
 
         # One forward and backward on meta per compute dtype, whatever the configs compared.
         traces: dict[torch.dtype, OperatorTrace] = {}
@@ -237,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a.world,
                 compute=comp,
                 cluster=cluster,
+                optimizer=optimizers,
                 step_in_backward=in_backward,
             )
 
@@ -246,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             units = plan_groups(model, stage3, 1).units
             largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
             configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
-            if compute is not None and compute.cpu_adam_params_per_s is None:
+            if optimizers is not None or (
+                compute is not None and compute.cpu_adam_params_per_s is None
+            ):
                 configs = [c for c in configs if not c.offload.optimizer]
             rec = recommend(configs, run, int(a.memory_limit_gib * GIB))
             print(f"\nrecommendation within {a.memory_limit_gib:g} GiB per GPU:")

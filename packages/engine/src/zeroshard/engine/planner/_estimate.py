@@ -11,7 +11,7 @@ shards, and stages 1/2's parameter all-gather in flight).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +27,33 @@ from zeroshard.engine.planner._activations import (
     trace_operators,
 )
 from zeroshard.engine.planner._cluster import Cluster
-from zeroshard.engine.planner._groups import GroupPlan, grad_shard_bytes, plan_groups, state_bytes
+from zeroshard.engine.planner._groups import (
+    GroupPlan,
+    grad_shard_bytes,
+    plan_groups,
+    state_bytes,
+    state_rows,
+)
 from zeroshard.engine.planner._step_time import (
     Compute,
     StepTime,
     check_step_in_backward,
     project_step,
 )
+from zeroshard.engine.planner._whole import (
+    WholeMatrixCost,
+    param_group_optimizers,
+    whole_matrix_cost,
+)
 from zeroshard.engine.runtime._float8 import unwrap_float8_weights
+from zeroshard.engine.runtime._optimizers import as_optimizers
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime.offload._fused_adam import steps_in_blocks
+from zeroshard.engine.runtime.whole._declare import split_muon
 
 GIB = 2**30
+# torch.optim.Muon's state per master element: its fp32 momentum.
+MUON_BYTES_PER_ELEMENT = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,8 @@ class Estimate:
     pinned: int
     step: StepTime | None
     float8: int = 0  # stage 3: parameters gathered in fp8 (torchao's fp8 weights)
+    # Whole-matrix optimizers (Muon): owners, Newton-Schulz FLOPs, bytes exchanged.
+    whole_matrix: WholeMatrixCost | None = None
 
     @property
     def states_total(self) -> int:
@@ -98,15 +115,7 @@ class Estimate:
             f"{hybrid}{off}, micro-batch {self.micro_batch} x {self.seq_len}, "
             f"{str(cfg.precision.compute_dtype).removeprefix('torch.')}",
             "",
-            "| per rank | GiB |",
-            "|---|---|",
-        ]
-        for kind, nbytes in self.states.items():
-            if nbytes:
-                lines.append(f"| {kind.replace('_', ' ')} | {nbytes / GIB:.2f} |")
-        lines += [
-            f"| = model states between steps | {self.states_total / GIB:.2f} |",
-            f"| fp32 gradient shards (in a step) | {self.grad_shards / GIB:.2f} |",
+            *state_rows(self.states, self.grad_shards),
         ]
         if cfg.stage == 3:
             fp8 = f" (fp8 for {self.float8 / 1e9:.2f}B parameters)" if self.float8 else ""
@@ -119,6 +128,17 @@ class Estimate:
             lines.append(
                 f"| host (offload), of it pinned | {self.host / GIB:.2f}, {self.pinned / GIB:.2f} |"
             )
+        w = self.whole_matrix
+        if w is not None:
+            mib = 2**20
+            lines += [
+                "",
+                f"whole-matrix step: Newton-Schulz {w.max_flops / 1e9:.1f} GFLOP on the busiest "
+                f"of {w.owners.size} ranks (max/mean {w.balance:.3f}), its exchange with the "
+                f"owners {w.sent_bytes / mib:.0f} MiB sent and {w.received_bytes / mib:.0f} MiB "
+                f"received per rank, beside {w.other_bytes / mib:.0f} MiB the step's other "
+                "collectives send",
+            ]
         if self.step is not None:
             s = self.step
             cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
@@ -186,17 +206,20 @@ def estimate(
     *,
     compute: Compute | None = None,
     cluster: Cluster | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     loss_fn: LossFn = default_loss,
     optimizer_bytes_per_element: int = 8,
     step_in_backward: bool = False,
 ) -> Estimate:
     """Per-rank memory and (given `compute`) step time of `model` trained under `config`.
 
-    `model` must be on the meta device (nothing is allocated). `optimizer_bytes_per_element`
-    is the optimizer state per fp32 master element (AdamW: m and v, 8); `loss_fn(model,
-    idx)` runs one micro-batch of token ids (default: next-token cross entropy);
-    `step_in_backward`: each backward runs under the optimizer's `step_in_backward()`.
+    `model` must be on the meta device (nothing is allocated). `optimizer` (one, or
+    several as `initialize` takes them) decides the param groups and prices a
+    whole-matrix optimizer's step (`Estimate.whole_matrix`); `optimizer_bytes_per_element`
+    is the optimizer state per fp32 master element (AdamW: m and v, 8; torch.optim.Muon
+    keeps 4, its momentum); `loss_fn(model, idx)` runs one micro-batch of token ids
+    (default: next-token cross entropy); `step_in_backward`: each backward runs under the
+    optimizer's `step_in_backward()`.
     """
     cfg = as_config(config)
     check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
@@ -221,7 +244,7 @@ def estimate_on_trace(
     *,
     compute: Compute | None = None,
     cluster: Cluster | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     optimizer_bytes_per_element: int = 8,
     step_in_backward: bool = False,
 ) -> Estimate:
@@ -232,12 +255,23 @@ def estimate_on_trace(
     micro_batch, seq_len = trace.micro_batch, trace.seq_len
     check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
     shard = cfg.shard_group_size or world_size
+    optimizers = [] if optimizer is None else as_optimizers(optimizer)
+    per_group = param_group_optimizers(optimizers)
     groups_of = None
-    if optimizer is not None:
-        groups_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
+    if optimizers:
+        groups_of = {
+            id(p): k
+            for k, pg in enumerate(pg for o in optimizers for pg in o.param_groups)
+            for p in pg["params"]
+        }
     # Without the optimizer, the host counts one group's fp32 upcast (the larger case).
-    blocked = optimizer is not None and steps_in_blocks(optimizer)
+    blocked = len(optimizers) == 1 and steps_in_blocks(optimizers[0])
     plan = plan_groups(model, cfg, shard, groups_of, blocked)
+    whole = whole_matrix_cost(plan.groups, cfg, optimizers)
+    state_per_element = {
+        k: MUON_BYTES_PER_ELEMENT if split_muon(o) else optimizer_bytes_per_element
+        for k, o in enumerate(per_group)
+    }
     host = pinned = 0
     if plan.offload is not None:
         moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
@@ -246,7 +280,13 @@ def estimate_on_trace(
     step = None
     if compute is not None:
         step = project_step(
-            plan, cfg, world_size, cluster or Cluster(), compute, step_in_backward=step_in_backward
+            plan,
+            cfg,
+            world_size,
+            cluster or Cluster(),
+            compute,
+            step_in_backward=step_in_backward,
+            whole=whole,
         )
     return Estimate(
         world_size=world_size,
@@ -255,7 +295,7 @@ def estimate_on_trace(
         micro_batch=micro_batch,
         seq_len=seq_len,
         parameters=sum(p.numel() for p in model.parameters()),
-        states=state_bytes(plan, cfg, optimizer_bytes_per_element),
+        states=state_bytes(plan, cfg, state_per_element),
         grad_shards=grad_shard_bytes(plan),
         gathered=_gathered(plan, cfg),
         activations_peak=GradPath(plan, cfg).peak(trace),
@@ -263,4 +303,5 @@ def estimate_on_trace(
         pinned=pinned,
         step=step,
         float8=sum(g.layout.numel for g in plan.groups if g.float8),
+        whole_matrix=whole,
     )

@@ -17,7 +17,11 @@ from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._float8 import gathered_in_float8
-from zeroshard.engine.runtime._group_plan import PlannedFlatGroup, plan_flat_groups
+from zeroshard.engine.runtime._group_plan import (
+    PlannedFlatGroup,
+    ProcessGroupOf,
+    plan_flat_groups,
+)
 from zeroshard.engine.runtime._unit_plan import is_persistent
 from zeroshard.engine.runtime.offload._plan import OffloadSizes
 
@@ -47,12 +51,14 @@ def plan_groups(
     shard_size: int,
     param_group_of: Mapping[int, int] | None = None,
     blocked_step: bool = False,
+    process_group_of: ProcessGroupOf | None = None,
 ) -> GroupPlan:
     """The flat groups one rank holds when `model` is sharded over `shard_size` ranks.
 
     `param_group_of` maps id(parameter) to its optimizer param group (None: all in one);
     `blocked_step`: the optimizer steps offloaded groups in blocks (torch's fused
-    Adam/AdamW), so the host needs one block's fp32 upcast, not one group's.
+    Adam/AdamW), so the host needs one block's fp32 upcast, not one group's;
+    `process_group_of` labels a parameter's flat groups (tensor parallelism: split or not).
     """
     plan = plan_flat_groups(
         model,
@@ -60,6 +66,7 @@ def plan_groups(
         shard_size=shard_size,
         size_of=lambda _: shard_size,
         param_group_of=param_group_of,
+        process_group_of=process_group_of,
         blocked_step=blocked_step,
         float8=gathered_in_float8(model, cfg),
     )
@@ -76,9 +83,11 @@ def plan_groups(
 
 
 def state_bytes(
-    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
 ) -> dict[str, int]:
-    """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad)."""
+    """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad).
+    `optimizer_bytes_per_element`: one figure for every param group, or one per param
+    group index (those missing: 8, AdamW's)."""
     compute = cfg.precision.compute_dtype.itemsize
     out = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0, "offload_compute": 0}
     for g in plan.groups:
@@ -89,10 +98,27 @@ def state_bytes(
         if not g.offloaded:
             out["master"] += g.layout.shard_numel * 4
             if g.trainable:
-                out["optimizer"] += g.layout.shard_numel * optimizer_bytes_per_element
+                per = (
+                    optimizer_bytes_per_element.get(g.key.param_group, 8)
+                    if isinstance(optimizer_bytes_per_element, Mapping)
+                    else optimizer_bytes_per_element
+                )
+                out["optimizer"] += g.layout.shard_numel * per
     if plan.offload is not None:
         out["offload_compute"] = plan.offload.device_bytes
     return out
+
+
+def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:
+    """The memory table's rows of the model states: the header, each kind held, their
+    sum, and the gradient shards a step adds."""
+    rows = ["| per rank | GiB |", "|---|---|"]
+    rows += [f"| {k.replace('_', ' ')} | {n / 2**30:.2f} |" for k, n in states.items() if n]
+    return [
+        *rows,
+        f"| = model states between steps | {sum(states.values()) / 2**30:.2f} |",
+        f"| fp32 gradient shards (in a step) | {grad_shards / 2**30:.2f} |",
+    ]
 
 
 def grad_shard_bytes(plan: GroupPlan) -> int:

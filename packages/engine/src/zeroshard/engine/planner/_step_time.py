@@ -27,6 +27,14 @@ offload-goal1-again, the record of six runs). The serial step adds that CPU time
 `step_in_backward()` the CPU steps groups as backward hands them over, so backward and
 the CPU overlap and the next forward waits; with `offload.delay_param_update` the CPU
 step runs beside the next forward and backward, so the step is the longer of the two.
+
+[Note: the whole-matrix step]
+A whole-matrix optimizer (torch.optim.Muon) steps after backward and before the publish:
+its exchange with each matrix's owners (`WholeMatrixCost`: the busiest rank's bytes over
+the shard group's link, and the latency of each all-to-all) is exposed, and so is the
+busiest rank's Newton-Schulz work when compute is given in FLOPs (its FLOPs over the
+achieved rate). A measured one-GPU `step_s` already holds the orthogonalization of
+every matrix, so it is not added again (an overestimate of the busiest rank's share).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
+from zeroshard.engine.planner._whole import WholeMatrixCost
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime._stepper import step_in_backward_refusal
 
@@ -115,10 +124,11 @@ def project_step(
     compute: Compute,
     *,
     step_in_backward: bool = False,
+    whole: WholeMatrixCost | None = None,
 ) -> StepTime:
     """The step time of one rank of `world` under `cfg` (backward under the optimizer's
     `step_in_backward()` if so, as `check_step_in_backward` allows); see [Note: the overlap
-    model]."""
+    model] and, for a whole-matrix optimizer (`whole`), [Note: the whole-matrix step]."""
     shard, replicas = plan.shard_size, world // plan.shard_size
     c = compute.seconds()
     fwd = c / (4 if compute.recompute else 3)
@@ -177,7 +187,17 @@ def project_step(
     # What the CPU step runs beside ([Note: the offload model]); the rest of it shows.
     hidden = f + b if cfg.offload.delay_param_update else (b if step_in_backward else 0.0)
     shown = max(cpu - hidden, 0.0)
-    total = f + b + publish + shown
+    matrix = 0.0
+    if whole is not None:
+        exchange = whole.exchanges * cluster.latency_s(shard) + max(
+            whole.sent_bytes, whole.received_bytes
+        ) / (cluster.link(shard).gbps * 1e9)
+        latency += whole.exchanges * cluster.latency_s(shard)
+        comm += exchange
+        matrix = exchange
+        if compute.step_s is None and compute.flops_per_s:
+            matrix += whole.max_flops / compute.flops_per_s
+    total = f + b + matrix + publish + shown
     exposed = total - c
     return StepTime(total, c, comm, exposed, _bound(total, exposed, shown, latency, comm), cpu)
 

@@ -29,6 +29,7 @@ from zeroshard.comm import Group, Handle, completed_handle
 from zeroshard.engine.runtime._gather_source import GatherSource
 from zeroshard.engine.runtime._grad_destination import GradDestination
 from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
+from zeroshard.engine.runtime._tensor_parallel import data_of, like_param, local_shape, point_at
 from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
@@ -179,9 +180,10 @@ class FlatParamGroup:
         return self.source.start_gather(self, buffer, label=label)
 
     def expose(self) -> None:
-        """Point the parameters at their views of `param_buffer` (after a gather's wait)."""
+        """Point the parameters at their views of `param_buffer` (after a gather's wait);
+        a DTensor parameter's local tensor ([Note: DTensor parameters])."""
         for p, v in zip(self.params, self.storage.views, strict=True):
-            p.data = v
+            point_at(p, v)
 
     def release(self) -> None:
         """Stage 3: free the gathered buffer's memory (see [Note: released storage])."""
@@ -190,7 +192,7 @@ class FlatParamGroup:
         # In the parameters' own dtype (the buffer's may be another: fp8).
         empty = storage.views[0].new_empty(0)
         for p in self.params:
-            p.data = empty
+            point_at(p, empty)
 
     def publish(self) -> Handle:
         """After a step, make the updated master shard what forward computes with.
@@ -225,11 +227,12 @@ def _check_params(named: Sequence[tuple[str, nn.Parameter]], group: Group) -> No
 def flat_layout(
     named: Sequence[tuple[str, nn.Parameter]], key: GroupKey, world_size: int, compute: torch.dtype
 ) -> FlatLayout:
-    """The layout of a flat group of `named` sharded over `world_size` ranks."""
+    """The layout of a flat group of `named` sharded over `world_size` ranks (a DTensor
+    parameter's slot holds its local tensor)."""
     # 16-byte aligned slots in the compute dtype keep vectorized kernels on their fast path.
     alignment = max(1, 16 // compute.itemsize)
     return FlatLayout.build(
-        [(n, tuple(p.shape)) for n, p in named], key.dtype, world_size, alignment
+        [(n, local_shape(p)) for n, p in named], key.dtype, world_size, alignment
     )
 
 
@@ -254,13 +257,15 @@ def build_flat_group(
     """
     _check_params(named, process_group)
     params = tuple(p for _, p in named)
+    # What is flattened: each parameter's values on this rank ([Note: DTensor parameters]).
+    values = tuple(data_of(p) for p in params)
     start = time.perf_counter()
     storage: ReplicatedStorage | ShardedStorage
     if stage == 3:
-        master, storage, used = _shard(params, layout, process_group, compute_dtype, home)
+        master, storage, used = _shard(values, layout, process_group, compute_dtype, home)
     else:
         master, storage, used = _replicate(
-            params,
+            values,
             layout,
             process_group,
             compute_dtype,
@@ -297,12 +302,12 @@ def build_flat_group(
     group.expose()
     if storage.grad_buffer is not None:
         for p, g in zip(params, slot_views(storage.grad_buffer, layout), strict=True):
-            p.grad = g
+            p.grad = like_param(p, g)
     return group
 
 
 def _replicate(
-    params: tuple[nn.Parameter, ...],
+    params: tuple[torch.Tensor, ...],
     layout: FlatLayout,
     process_group: Group,
     compute_dtype: torch.dtype,
@@ -330,7 +335,7 @@ def _replicate(
 
 
 def _shard(
-    params: tuple[nn.Parameter, ...],
+    params: tuple[torch.Tensor, ...],
     layout: FlatLayout,
     process_group: Group,
     compute_dtype: torch.dtype,

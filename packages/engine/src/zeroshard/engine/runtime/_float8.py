@@ -19,7 +19,7 @@ objects are `Any` here.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,9 +63,11 @@ def _is_wrapped(p: Any) -> bool:
     return utils is not None and isinstance(p, utils.WeightWithDynamicFloat8CastTensor)
 
 
-def unwrap_float8_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Replace every torchao fp8-gather weight subclass in `model` (and in `optimizer`'s
-    param groups) by the plain parameter it wraps."""
+def unwrap_float8_weights(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> None:
+    """Replace every torchao fp8-gather weight subclass in `model` (and in the param groups
+    of `optimizers`) by the plain parameter it wraps."""
     swapped: dict[int, nn.Parameter] = {}
     for _, module in _float8_linears(model):
         wrapped: Any = module._parameters.get("weight")
@@ -82,9 +84,7 @@ def unwrap_float8_weights(model: nn.Module, optimizer: torch.optim.Optimizer | N
             plain.requires_grad_(wrapped.requires_grad)
             swapped[id(wrapped)] = plain
         module._parameters["weight"] = plain
-    if not swapped or optimizer is None:
-        return
-    for pg in optimizer.param_groups:
+    for pg in (pg for o in optimizers for pg in o.param_groups):
         pg["params"] = [swapped.get(id(p), p) for p in pg["params"]]
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
+from zeroshard.engine.runtime._tensor_parallel import is_dtensor, like_param, local_grad
 
 GUIDANCE = (
     "zeroshard keeps gradients as reduced fp32 shards, not in parameter.grad; to clip by "
@@ -83,23 +84,25 @@ def install_grad_guards(groups: Sequence[FlatParamGroup], stage: int) -> None:
             # Weakly, as the reducer's hooks: the hooks live in C++ where the cycle
             # collector cannot see a parameter -> hook -> view -> buffer cycle.
             # A leaf's tensor hook runs before autograd accumulates into `.grad`.
-            before = _before_accumulate(weakref.ref(p), view)
+            before = _before_accumulate(weakref.ref(p), view, slot.shape)
             p.register_hook(before)  # type: ignore[no-untyped-call]  # untyped in torch
             register = p.register_post_accumulate_grad_hook  # untyped in torch
             # One guard per parameter for its whole life: it holds no memory and no
-            # state, and making one costs more than the rest of the hook.
-            guard = GradGuard(torch.Size(slot.shape), p.dtype, p.device)
+            # state, and making one costs more than the rest of the hook. A DTensor's
+            # `.grad` takes its full shape, which its releases leave as it is.
+            shape = p.shape if is_dtensor(p) else torch.Size(slot.shape)
+            guard = GradGuard(shape, p.dtype, p.device)
             register(_after_accumulate(view, guard))  # type: ignore[no-untyped-call]
 
 
 def _before_accumulate(
-    param: weakref.ref[nn.Parameter], view: torch.Tensor | None
+    param: weakref.ref[nn.Parameter], view: torch.Tensor | None, shape: tuple[int, ...]
 ) -> Callable[[torch.Tensor], None]:
     def hook(grad: torch.Tensor) -> None:
         p = param()
         if p is not None and is_guard(p.grad):
             # Stage 1 accumulates into its buffer view again; stages 2/3 start empty.
-            p.grad = None if view is None else view.view(p.shape)
+            p.grad = None if view is None else like_param(p, view.view(shape))
 
     return hook
 
@@ -108,7 +111,7 @@ def _after_accumulate(
     view: torch.Tensor | None, guard: GradGuard
 ) -> Callable[[torch.Tensor], None]:
     def hook(p: torch.Tensor) -> None:
-        grad = p.grad
+        grad = None if view is None else local_grad(p)
         if view is not None and grad is not None and grad.data_ptr() != view.data_ptr():
             # Stage 1 after `model.zero_grad()`: autograd made a fresh gradient outside
             # the buffer; fold it in before the slot is guarded.

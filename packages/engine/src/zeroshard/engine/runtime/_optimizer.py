@@ -2,7 +2,8 @@
 
 It is a `torch.optim.Optimizer` (LR schedulers and optimizer hooks work) that shares
 `param_groups` and `state` with the wrapped optimizer, whose `params` lists now hold
-the master shards instead of the model's parameters.
+the master shards instead of the model's parameters (a whole-matrix optimizer's: the
+whole parameters this rank owns).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel, squares_counted_once
 
 
 class StepHooks(Protocol):
@@ -37,11 +39,22 @@ class StepHooks(Protocol):
         ...
 
 
+def bind_masters(inner: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]) -> None:
+    """Make `inner`'s param group k step the master shards of the trainable flat groups
+    built from its parameters (it keeps its hyperparameters); before the stepper is built,
+    which may bind its own (whole parameters: `whole/_whole_step.py`)."""
+    for k, pg in enumerate(inner.param_groups):
+        pg["params"] = [g.master for g in groups if g.trainable and g.key.param_group == k]
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
 
     `stepper` (chosen by `initialize`) steps the masters: on the device, or with CPU
-    offload some of them, and so their optimizer state, on the host.
+    offload some of them, and so their optimizer state, on the host. `inner` (its
+    param groups bound by `bind_masters`) is the user's optimizer, or several of them
+    combined (`_optimizers.CombinedOptimizer`). `tensor_parallel` (a device mesh's tp
+    dim) makes the clip norm count each element once.
     """
 
     def __init__(
@@ -55,8 +68,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         stepper: Stepper,
         hooks: StepHooks | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         self.inner = inner
+        self.tensor_parallel = tensor_parallel
         self.stepper = stepper
         self.hooks = hooks
         self.flat_groups = list(groups)
@@ -67,12 +82,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._overflow = False
         masters = [g.master for g in self.flat_groups if g.trainable]
-        # The wrapped optimizer keeps its param groups (hyperparameters) but steps the
-        # master shards of the flat groups built from each group's parameters.
-        for k, pg in enumerate(inner.param_groups):
-            pg["params"] = [
-                g.master for g in self.flat_groups if g.trainable and g.key.param_group == k
-            ]
         # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
         # replaced by the inner optimizer's own, so both see the same objects.
         super().__init__(masters, dict(inner.defaults))
@@ -133,11 +142,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return torch.tensor(math.inf)
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
         norms: list[torch.Tensor] = []
+        ordered: list[FlatParamGroup] = []
         for destination, groups in by_destination(self._trainable()):
             norms += destination.norms(groups)
-        # One sum per device the norms are on.
-        for same in by_device(norms).values():
-            local += torch.stack(same).square().sum().to(local.device)
+            ordered += groups
+        if self.tensor_parallel is not None:
+            local += squares_counted_once(norms, ordered, self.tensor_parallel.size).to(
+                local.device
+            )
+        else:
+            # One sum per device the norms are on.
+            for same in by_device(norms).values():
+                local += torch.stack(same).square().sum().to(local.device)
         self.shard_group.all_reduce(local, label="grad norm").wait()
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.

@@ -44,6 +44,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._tensor_parallel import like_param, local_grad
 
 
 class BackwardEvents(Protocol):
@@ -130,14 +131,15 @@ class GradReducer:
             self._stage1_dirty = True
             return
         g, i = self._slot_of[p]  # type: ignore[index]
-        assert p.grad is not None
+        local = local_grad(p)  # a DTensor's: [Note: DTensor parameters]
+        assert local is not None
         bucket = self._buckets.get(g.index)
         if bucket is None:
             bucket = self._new_bucket(g, p.device)
         slot = g.layout.slots[i]
         # The average's 1/size, in the copy ([Note: averaging in the copy]).
         scale = 1.0 / g.process_group.size
-        grad, dst = p.grad.reshape(-1), bucket[slot.offset : slot.end]
+        grad, dst = local.reshape(-1), bucket[slot.offset : slot.end]
         if grad.dtype == dst.dtype:
             torch.mul(grad, scale, out=dst)
         else:
@@ -292,11 +294,12 @@ class GradReducer:
         # gradients outside the buffer: fold them in so nothing is lost, and re-point.
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             view = buf[slot.offset : slot.end]
-            grad = None if is_guard(p.grad) else p.grad  # guarded: its values are in `view`
+            # Guarded: its values are in `view`.
+            grad = None if is_guard(p.grad) else local_grad(p)
             if grad is None or grad.data_ptr() != view.data_ptr():
                 if grad is not None:
                     view.add_(grad.reshape(-1))
-                p.grad = view.view(p.shape)
+                p.grad = like_param(p, view.view(slot.shape))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients; `set_to_none` frees the shards until the next backward."""

@@ -13,7 +13,9 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.offload._host_offload import HostOffload
+from zeroshard.engine.runtime.whole._whole_step import WholeParams
 
 _ATTR = "_zeroshard_engine"
 
@@ -24,6 +26,11 @@ class EngineState:
 
     `shard_group` is the process group the flat groups are sharded over (the world, or
     under hybrid sharding one shard group); `replicate` averages across shard groups.
+    With a device mesh (`tensor_parallel`) the flat groups are sharded over its dp dim
+    and `shard_group` is every rank of the job, as with groups on process groups of
+    their own (each tensor-parallel rank's pieces are one instance of them).
+    `whole_params`: what whole-matrix optimizers that keep their state per parameter
+    step whole (`whole/_whole_step.py`); None where no optimizer does.
     """
 
     config: ZeroConfig
@@ -33,6 +40,8 @@ class EngineState:
     optimizer: ZeroOptimizer
     stage3: Stage3Runtime | None
     offload: HostOffload | None = None
+    tensor_parallel: TensorParallel | None = None
+    whole_params: WholeParams | None = None
 
 
 @runtime_checkable

@@ -4,7 +4,9 @@
 The optimizer prepares the gradients (reduced, fp16-unscaled, clipped) and publishes the
 masters; what happens between is the stepper's: `DeviceStep` here (the wrapped optimizer
 on the device, in one call), the host steps of CPU offload in `offload/_steppers.py`
-(serial, in backward, delayed). A stepper holds the flat groups and the wrapped optimizer
+(serial, in backward, delayed), the whole-matrix steps in `whole/` (Muon's, and any
+optimizer's on whole parameters), and `StepEach` for several optimizers at once. A
+stepper holds the flat groups and the wrapped optimizer
 it steps them with, so it may step some groups one way and others another, and run
 collectives over a group's `process_group` inside its step; `step()` says whether the
 masters are final (publish now) or still stepping (published at the next `step()`).
@@ -12,6 +14,7 @@ masters are final (publish now) or still stepping (published at the next `step()
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from enum import Enum
 from typing import Protocol
@@ -72,16 +75,9 @@ def step_in_backward_refusal(
     return ""
 
 
-class DeviceStep:
-    """Every master on the device, stepped by the wrapped optimizer in one call."""
-
-    def __init__(self, inner: torch.optim.Optimizer) -> None:
-        self.inner = inner
-
-    def step(self) -> StepOutcome:
-        """One step of the wrapped optimizer; the masters are final."""
-        self.inner.step()
-        return StepOutcome.PUBLISH
+class OnDevice:
+    """What the steppers that step on the device after backward share: nothing runs after
+    `step()`, so nothing is deferred or settled, and no step in backward."""
 
     def settle(self) -> None:
         """Nothing runs after `step()` returned."""
@@ -103,3 +99,57 @@ class DeviceStep:
     def clip_refusal(self) -> str:
         """Clipping is always right before the step."""
         return ""
+
+
+class DeviceStep(OnDevice):
+    """Every master on the device, stepped by the wrapped optimizer in one call."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+    def step(self) -> StepOutcome:
+        """One step of the wrapped optimizer; the masters are final."""
+        self.inner.step()
+        return StepOutcome.PUBLISH
+
+
+class StepEach:
+    """Several steppers over disjoint flat groups (one per optimizer of a combined one),
+    stepped in turn."""
+
+    def __init__(self, steppers: Sequence[Stepper]) -> None:
+        self.steppers = list(steppers)
+
+    def step(self) -> StepOutcome:
+        """Each in turn; the masters are final once every one's are."""
+        outcomes = [s.step() for s in self.steppers]
+        return (
+            StepOutcome.PUBLISH
+            if all(o is StepOutcome.PUBLISH for o in outcomes)
+            else StepOutcome.DEFERRED
+        )
+
+    def settle(self) -> None:
+        """Wait for each."""
+        for s in self.steppers:
+            s.settle()
+
+    def deferred(self) -> bool:
+        """Whether any holds a step not yet published."""
+        return any(s.deferred() for s in self.steppers)
+
+    def published(self) -> None:
+        """Tell each."""
+        for s in self.steppers:
+            s.published()
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """Refused: several optimizers step on the device (offload takes one)."""
+        why = step_in_backward_refusal(
+            offloaded=False, stage=stage, loss_scaled=loss_scaled, delayed=False
+        )
+        raise ValueError(f"step_in_backward(): {why}")
+
+    def clip_refusal(self) -> str:
+        """The first refusal of any."""
+        return next((why for s in self.steppers if (why := s.clip_refusal())), "")

@@ -13,7 +13,11 @@ of the ranks that hold replicas of it, before anything is flattened:
   each other), so they come from its rank 0;
 - a module given a process group of its own (`process_groups=`, experts) is replicated
   on that group only: its tensors come from that group's first rank, and other groups'
-  ranks keep theirs (they hold other experts under the same names).
+  ranks keep theirs (they hold other experts under the same names);
+- a DTensor parameter (tensor parallelism) holds another piece on each tensor-parallel
+  rank: its local tensor is replicated on the device mesh's `dp` group only and comes
+  from that group's first rank (torch's `distribute_tensor` made the pieces of one
+  tensor-parallel group agree).
 
 Parameters still on the meta device are not sent: stage 3 materializes them unit by
 unit from a generator seeded alike on every rank (`_materialize`), so they start equal.
@@ -32,16 +36,20 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group
+from zeroshard.engine.runtime._tensor_parallel import data_of, is_dtensor
 
 BUCKET_BYTES = 64 * 2**20
 _LABEL = "initialize: the first rank's weights to every replica"
 
 
 def _replica_groups(
-    model: nn.Module, everyone: Group, own: Mapping[str, Group]
+    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Group | None
 ) -> list[tuple[Group, list[torch.Tensor]]]:
-    """The tensors to send over each group, in an order every rank shares."""
+    """The tensors to send over each group, in an order every rank shares (DTensors'
+    local tensors over `pieces`, last)."""
     groups = [everyone, *(own[path] for path in sorted(own))]
+    if pieces is not None:
+        groups.append(pieces)
     where: dict[int, int] = {}
     # Shorter paths first: a module inside another's own group takes its innermost one.
     for path in sorted(own, key=lambda p: (len(p.split(".")), p)):
@@ -50,16 +58,24 @@ def _replica_groups(
         where.update({id(t): index for t in (*module.parameters(), *module.buffers())})
     tensors: list[list[torch.Tensor]] = [[] for _ in groups]
     for _, t in (*model.named_parameters(), *model.named_buffers()):
-        if not t.is_meta:
+        if t.is_meta:
+            continue
+        if is_dtensor(t):
+            assert pieces is not None  # initialize refuses DTensors without a mesh
+            tensors[-1].append(data_of(t))
+        else:
             tensors[where.get(id(t), 0)].append(t)
     return list(zip(groups, tensors, strict=True))
 
 
 @torch.no_grad()
-def broadcast_initial_state(model: nn.Module, everyone: Group, own: Mapping[str, Group]) -> None:
+def broadcast_initial_state(
+    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Group | None = None
+) -> None:
     """Copy every parameter and buffer from the first rank of its replicas, through one
-    bounded buffer. See [Note: one set of initial weights]."""
-    for group, tensors in _replica_groups(model, everyone, own):
+    bounded buffer; DTensor parameters' local tensors over `pieces` (the mesh's `dp`
+    group). See [Note: one set of initial weights]."""
+    for group, tensors in _replica_groups(model, everyone, own, pieces):
         if group.size > 1 and tensors:
             _broadcast(group, tensors)
 

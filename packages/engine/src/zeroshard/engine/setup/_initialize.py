@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.comm import Group, make_hybrid_groups, warn_on_rank0
 from zeroshard.engine.config._config import ZeroConfig, as_config
@@ -26,12 +27,14 @@ from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
 from zeroshard.engine.runtime._group_plan import FlatGroupPlan, PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._names import canonical_name
-from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer, bind_masters
+from zeroshard.engine.runtime._optimizers import as_optimizers, combine
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stepper import DeviceStep, Stepper
+from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, split_dim
 from zeroshard.engine.runtime._unit_plan import UnitPlan
 from zeroshard.engine.runtime.offload._compiled_step import compile_variants
 from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
@@ -40,6 +43,8 @@ from zeroshard.engine.runtime.offload._plan import OffloadSizes
 from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
 from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
 from zeroshard.engine.runtime.offload._threads import stepping_threads
+from zeroshard.engine.runtime.whole._declare import steps_whole
+from zeroshard.engine.runtime.whole._whole_step import WholeParams
 from zeroshard.engine.setup._agreement import (
     check_ranks_agree,
     describe_rank,
@@ -54,6 +59,17 @@ from zeroshard.engine.setup._materialize import (
     materialize_unit,
     reset_parameters,
 )
+from zeroshard.engine.setup._mesh import (
+    MeshGroups,
+    check_dtensor_params,
+    check_mesh_inputs,
+    mesh_groups,
+)
+from zeroshard.engine.setup._whole import (
+    check_whole_mesh,
+    check_whole_optimizers,
+    whole_matrix_steppers,
+)
 from zeroshard.engine.state._module_state import install_state_dict_hooks
 from zeroshard.partition import FlattenTier, GroupKey
 
@@ -62,13 +78,18 @@ log = logging.getLogger("zeroshard.engine")
 
 @dataclass(frozen=True)
 class _Placement:
-    """Which process group each parameter is sharded and reduced over."""
+    """Which process group each parameter is sharded and reduced over: with a device mesh
+    its `dp` group (the parameters split over `tp` in flat groups of their own)."""
 
     shard_group: Group
     own: Mapping[str, Group]  # module path -> the data-parallel group of its parameters
+    mesh: MeshGroups | None = None
 
     def label(self, name: str, param: nn.Parameter) -> str:
-        """The longest module path of `own` that contains parameter `name`, or 'default'."""
+        """The longest module path of `own` that contains parameter `name`, or 'default'
+        (with a mesh: whether `param` is split over tp)."""
+        if self.mesh is not None:
+            return SPLIT_LABEL if split_dim(param) is not None else "default"
         best = "default"
         for path in self.own:
             inside = name.startswith(canonical_name(path) + ".")
@@ -78,6 +99,8 @@ class _Placement:
 
     def process_group(self, key: GroupKey) -> Group:
         """The process group of a GroupKey."""
+        if self.mesh is not None:
+            return self.mesh.data_parallel
         return self.shard_group if key.process_group == "default" else self.own[key.process_group]
 
 
@@ -143,20 +166,25 @@ def _shard_stage3(
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     config: ZeroConfig | Mapping[str, Any] | None = None,
     *,
     group: Group | None = None,
     process_groups: Mapping[str, Group] | None = None,
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
+    device_mesh: DeviceMesh | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard `model`'s training state over `group` (default: the world) per `config`.
 
     Returns the same module (its parameters now views of flat compute-dtype buffers,
     with hooks installed) and a `ZeroOptimizer` that wraps `optimizer`, which must be
-    freshly built on the model's parameters (no state yet). At stage 3 the model may be
-    built on the meta device: each unit is then materialized and initialized by
+    freshly built on the model's parameters (no state yet): one torch optimizer, or a
+    sequence of them over disjoint parameters (torch.optim.Muon on the hidden matrices
+    and AdamW on the rest), stepped, clipped, scheduled and saved as one. Whole-matrix
+    optimizers (torch.optim.Muon, or one that declares `zeroshard_whole_params = True`)
+    step each matrix whole, on one rank ([Note: whole-matrix optimizers]). At stage 3
+    the model may be built on the meta device: each unit is then materialized and initialized by
     `param_init(module)` (default: `reset_parameters()`) with the generator seeded from
     `init_seed`, sharded and freed before the next, so no rank holds the whole model.
 
@@ -164,11 +192,19 @@ def initialize(
     when it is not the world (experts under expert parallelism: the ranks holding the
     same experts): those parameters get flat groups of their own, sharded over and
     reduced (averaged) within that group.
+
+    `device_mesh` (dims `dp` and `tp`) takes a model that torch's tensor parallelism split
+    over `device_mesh["tp"]` (`parallelize_module`): each rank's local pieces are sharded
+    over `dp` and their gradients reduced over `dp`; torch's tensor-parallel collectives
+    run as they are (see [Note: DTensor parameters] in runtime/_tensor_parallel.py).
     """
     cfg = as_config(config)
     check_model(model, cfg)
+    optimizers = as_optimizers(optimizer)
     # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
-    unwrap_float8_weights(model, optimizer)
+    unwrap_float8_weights(model, optimizers)
+    check_whole_optimizers(optimizers, cfg)
+    optimizer = combine(optimizers)
     refusal = delayed_step_refusal(optimizer) if cfg.offload.delay_param_update else ""
     if cfg.offload.compiled_step and not refusal:
         what = "offload.compiled_step compiles torch's Adam/AdamW update"
@@ -178,7 +214,15 @@ def initialize(
     check_module_paths(model, process_groups or {})
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
-    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer))
+    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, optimizer, device_mesh))
+    # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
+    # alone while the others wait for it in the agreement's collective.
+    check_mesh_inputs(model, cfg, device_mesh, group=group, process_groups=process_groups)
+    check_whole_mesh(optimizers, device_mesh)
+    mesh = None
+    if device_mesh is not None:
+        mesh = mesh_groups(device_mesh, everyone, timeout)
+        check_dtensor_params(model, mesh.tensor_parallel)
     shard_group, replicate = everyone, None
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
@@ -197,11 +241,15 @@ def initialize(
         # After the checks above, which fail at once; this may take a minute.
         _compile_host_step(everyone, optimizer, cfg)
     place = _Placement(
-        shard_group, {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
+        shard_group,
+        {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()},
+        mesh,
     )
     param_group_of = param_group_index(model, optimizer)
     # Before anything is flattened: [Note: one set of initial weights].
-    broadcast_initial_state(model, everyone, place.own)
+    broadcast_initial_state(
+        model, everyone, place.own, None if mesh is None else mesh.data_parallel
+    )
     start = time.perf_counter()
     fp8 = gathered_in_float8(model, cfg)
     if not fp8 and everyone.rank == 0 and float8_weights(model):
@@ -272,6 +320,8 @@ def initialize(
         stats=None if stage3 is None else stage3.stats,
     )
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
+    bind_masters(optimizer, groups)
+    stepper, whole = _stepper(optimizers, optimizer, groups, offload, cfg)
     zopt = ZeroOptimizer(
         optimizer,
         groups,
@@ -279,11 +329,22 @@ def initialize(
         shard_group,
         scaler,
         cfg.comm.allgather_bucket_bytes,
-        stepper=_stepper(optimizer, groups, offload, cfg),
+        stepper=stepper,
         hooks=stage3,
+        tensor_parallel=None if mesh is None else mesh.tensor_parallel,
     )
     seconds = time.perf_counter() - start
-    state = EngineState(cfg, shard_group, replicate, groups, zopt, stage3, offload)
+    state = EngineState(
+        cfg,
+        shard_group,
+        replicate,
+        groups,
+        zopt,
+        stage3,
+        offload,
+        tensor_parallel=None if mesh is None else mesh.tensor_parallel,
+        whole_params=whole,
+    )
     attach_state(model, state)
     install_state_dict_hooks(model, state)
     if everyone.rank == 0:
@@ -303,18 +364,23 @@ def initialize(
 
 
 def _stepper(
+    optimizers: Sequence[torch.optim.Optimizer],
     optimizer: torch.optim.Optimizer,
     groups: Sequence[FlatParamGroup],
     offload: HostOffload | None,
     cfg: ZeroConfig,
-) -> Stepper:
+) -> tuple[Stepper, WholeParams | None]:
     """How the masters are stepped: on the device, or with offload on the host after
-    backward (or in it), or beside the next window (delay_param_update)."""
+    backward (or in it), or beside the next window (delay_param_update); several
+    optimizers (`optimizer` combines them) each by its own stepper, whole-matrix ones by
+    theirs (and the whole parameters this rank steps, by name)."""
+    if len(optimizers) > 1 or steps_whole(optimizer):
+        return whole_matrix_steppers(optimizers, groups)
     if offload is None:
-        return DeviceStep(optimizer)
+        return DeviceStep(optimizer), None
     if cfg.offload.delay_param_update:
-        return DelayedHostStep(optimizer, offload, groups)
-    return HostStep(optimizer, offload, groups)
+        return DelayedHostStep(optimizer, offload, groups), None
+    return HostStep(optimizer, offload, groups), None
 
 
 # fp32 state tensors per parameter element of torch's optimizers that keep a fixed number.

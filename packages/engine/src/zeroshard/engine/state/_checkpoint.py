@@ -36,6 +36,7 @@ from zeroshard.engine.state._checkpoint_layout import (
     aliases,
     checkpoint_contents,
     checkpoint_group_name,
+    full_shapes,
     module_buffers,
     placements,
 )
@@ -256,6 +257,12 @@ def load_checkpoint(
                 "DeepSpeed (named) checkpoints keep their client state in pickles, which "
                 "zeroshard does not load: pass neither client_state nor rank_state"
             )
+        if state.tensor_parallel is not None:
+            raise ValueError(
+                "a DeepSpeed (named) checkpoint does not load under tensor parallelism "
+                "(device_mesh): load it without a mesh, save a zeroshard checkpoint, and load "
+                "that one"
+            )
         own = sorted(
             {
                 n
@@ -273,11 +280,7 @@ def load_checkpoint(
         return load_named(model, state, Path(directory), tag, step, aliases(model, state))
     shard_group = state.shard_group
     places = placements(state)
-    expected = {
-        n: tuple(int(d) for d in slot.shape)
-        for g in state.groups
-        for n, slot in zip(g.names, g.layout.slots, strict=True)
-    }
+    expected = full_shapes(state)
     expected.update({alias: expected[name] for alias, name in aliases(model, state).items()})
     buffers = module_buffers(model)
     expected.update({k: tuple(v.shape) for k, v in buffers.items()})
@@ -298,6 +301,7 @@ def load_checkpoint(
             placements=places,
             device=shard_group.device,
             extras=extras,
+            param_states=sorted(state.whole_params.owned) if state.whole_params else (),
         )
         check_optimizer_structure(state, got)
         return (got, *_user_state(got, me, size, client_state, rank_state))

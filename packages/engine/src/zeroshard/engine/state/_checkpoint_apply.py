@@ -57,6 +57,13 @@ def check_optimizer_structure(state: EngineState, loaded: LoadedShards) -> None:
     if moved:
         shown = ", ".join(moved[:5]) + (f", ... ({len(moved)} in all)" if len(moved) > 5 else "")
         raise CheckpointError(f"{where} puts parameters in other param groups: {shown}")
+    whole = frozenset() if state.whole_params is None else state.whole_params.names
+    sharded = sorted(set(loaded.meta.param_states) - whole)
+    if sharded:
+        raise CheckpointError(
+            f"{where} keeps whole-parameter optimizer state for {sharded[:5]}, which this "
+            "run's optimizer keeps in shards: load it with the optimizer it was saved with"
+        )
 
 
 def restore_user_state(
@@ -132,11 +139,22 @@ def apply_loaded(
                 float(value), dtype=torch.float32, device=g.master.device if on_device else "cpu"
             )
         states.append((g, opt_state))
+    owned = {} if state.whole_params is None else state.whole_params.owned
+    whole_states = []
+    for name, p in owned.items():
+        saved_state = loaded.meta.param_states[name]
+        kept: dict[str, Any] = dict(saved_state.scalars)
+        for key, t in loaded.param_states[name].items():
+            on_device = saved_state.tensors[key][2]
+            kept[key] = t.to(p.device if on_device else "cpu", copy=True)
+        whole_states.append((p, kept))
     # Every new tensor exists now (an allocation that fails has changed nothing): copy.
     for g in state.groups:
         g.master.copy_(loaded.shard(checkpoint_group_name(g), MASTER))
     for g, opt_state in states:
         inner.state[g.master] = opt_state
+    for p, kept in whole_states:
+        inner.state[p] = kept
     for pg, saved in zip(inner.param_groups, meta.param_groups, strict=True):
         for key, value in saved.items():
             pg[key] = tuple(value) if isinstance(pg.get(key), tuple) else value

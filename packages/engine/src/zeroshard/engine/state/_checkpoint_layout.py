@@ -8,6 +8,11 @@ Parameters on a process group of their own (`initialize(..., process_groups=...)
 experts) hold different values on different sets of ranks: their groups record those
 sets (`GroupMeta.rank_sets`, ordered by first rank), and a rank loads the instance whose
 place its own group has in the same order, at any size of that group.
+
+Under tensor parallelism (`initialize(..., device_mesh=...)`) every group is such a
+group, sharded over the mesh's `dp` ranks: instance k is tensor-parallel rank k, and
+its `tensor_split` names the parameters whose pieces it holds (their dims), so the
+checkpoint consolidates to the whole model and loads at another tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -25,12 +30,16 @@ from zeroshard.ckpt import (
     CheckpointMeta,
     GroupMeta,
     GroupPlacement,
+    ParamState,
+    TensorSplit,
     buffer_key,
+    param_state_key,
     shard_key,
 )
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_parameters
 from zeroshard.engine.runtime._state import EngineState
+from zeroshard.engine.runtime._tensor_parallel import split_dim
 
 
 def checkpoint_group_name(g: FlatParamGroup) -> str:
@@ -64,6 +73,24 @@ def rank_sets(state: EngineState) -> dict[int, RankSets]:
     return {g.index: tuple(sorted({m[g.index] for m in everyone if m})) for g in own}
 
 
+def tensor_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
+    """How `g`'s instances cut its parameters under tensor parallelism (None without)."""
+    if state.tensor_parallel is None:
+        return None
+    dims = {n: split_dim(p) for n, p in zip(g.names, g.params, strict=True)}
+    return TensorSplit({n: d for n, d in dims.items() if d is not None})
+
+
+def full_shapes(state: EngineState) -> dict[str, tuple[int, ...]]:
+    """Every flat group's parameter name -> the shape of its whole tensor (a DTensor's
+    global shape, not the local piece its slot holds)."""
+    return {
+        n: tuple(int(d) for d in (p.shape if split_dim(p) is not None else slot.shape))
+        for g in state.groups
+        for n, p, slot in zip(g.names, g.params, g.layout.slots, strict=True)
+    }
+
+
 def placements(state: EngineState) -> dict[str, GroupPlacement]:
     """Where this rank sits in each group on a process group of its own (collective)."""
     me = state.shard_group.rank
@@ -72,7 +99,9 @@ def placements(state: EngineState) -> dict[str, GroupPlacement]:
     for index, sets in rank_sets(state).items():
         g = by_index[index]
         (instance,) = [i for i, ranks in enumerate(sets) if me in ranks]
-        out[checkpoint_group_name(g)] = GroupPlacement(instance, len(sets), g.process_group.rank)
+        out[checkpoint_group_name(g)] = GroupPlacement(
+            instance, len(sets), g.process_group.rank, tensor_split(state, g)
+        )
     return out
 
 
@@ -103,6 +132,40 @@ def _split_state(
                 "that is neither shaped like the shard nor a scalar: cannot checkpoint it"
             )
     return tensors, scalars
+
+
+def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
+    """The whole-parameter optimizer state of every parameter a whole-matrix optimizer
+    keeps it for (`EngineState.whole_params`): by name, each at the rank that owns it, and
+    this rank's tensors of it. Collective over the shard group when there are any."""
+    whole = state.whole_params
+    if whole is None:
+        return {}, {}
+    inner = state.optimizer.inner
+    tensors: dict[str, torch.Tensor] = {}
+    mine: dict[str, dict[str, Any]] = {}
+    for name, p in whole.owned.items():
+        kept: dict[str, Any] = {"tensors": {}, "scalars": {}}
+        for key, value in inner.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                kept["tensors"][key] = (value.dtype, tuple(value.shape), value.device.type != "cpu")
+                tensors[param_state_key(name, key)] = value.detach()
+            elif isinstance(value, (int, float, bool)):
+                kept["scalars"][key] = value
+            else:
+                raise ValueError(
+                    f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, neither "
+                    "a tensor nor a number: cannot checkpoint it"
+                )
+        mine[name] = kept
+    everyone: list[dict[str, dict[str, Any]] | None] = [None] * state.shard_group.size
+    dist.all_gather_object(everyone, mine, group=state.shard_group.pg)
+    states = {
+        name: ParamState(rank, kept["tensors"], kept["scalars"])
+        for rank, owned in enumerate(everyone)
+        for name, kept in (owned or {}).items()
+    }
+    return states, tensors
 
 
 def aliases(model: nn.Module, state: EngineState) -> dict[str, str]:
@@ -151,8 +214,11 @@ def checkpoint_contents(
                 requires_grad=g.trainable,
                 scalars=scalars,
                 rank_sets=sets.get(g.index),
+                tensor_split=tensor_split(state, g),
             )
         )
+    whole, whole_tensors = param_states(state)
+    tensors.update(whole_tensors)
     buffers = module_buffers(model)
     if state.shard_group.rank == 0:
         tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
@@ -168,5 +234,6 @@ def checkpoint_contents(
         tied=aliases(model, state),
         buffers=tuple(buffers),
         extra={"loss_scaler": None if scaler is None else scaler.state_dict()},
+        param_states=whole,
     )
     return meta, tensors

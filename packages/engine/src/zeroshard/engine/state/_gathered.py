@@ -37,6 +37,7 @@ from zeroshard.engine.runtime._state import (
     engine_module,
     engine_state,
 )
+from zeroshard.engine.runtime._tensor_parallel import point_at
 from zeroshard.engine.runtime._unit import UnitState
 from zeroshard.engine.state._masters import gather_masters
 
@@ -135,7 +136,7 @@ def _release_units(sel: _Selection) -> None:
 
 def _expose(g: FlatParamGroup, full: torch.Tensor) -> None:
     for p, v in zip(g.params, slot_views(full, g.layout), strict=True):
-        p.data = v
+        point_at(p, v)  # a DTensor parameter: its local tensor, whole over dp
 
 
 def _restore(sel: _Selection) -> None:
@@ -187,6 +188,11 @@ def gathered_parameters(
     # The masters of every step() so far, a delayed one (delay_param_update) included.
     state.optimizer.settle()
     size = state.shard_group.size
+    if modifier_rank is not None and state.tensor_parallel is not None:
+        raise ValueError(
+            "gathered_parameters: modifier_rank (edits) is not supported under tensor "
+            "parallelism; read the parameters inside the block, or load_state_dict edits"
+        )
     if modifier_rank is not None and not 0 <= modifier_rank < size:
         raise ValueError(
             f"gathered_parameters: modifier_rank {modifier_rank} is outside the "

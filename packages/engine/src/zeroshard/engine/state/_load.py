@@ -6,7 +6,10 @@ dtype, shape, [begin, end) byte offsets into the data that follows) and the raw
 little-endian data, row-major. A flat group's slot piece on this rank is a contiguous run
 of its parameter's flattened elements, hence a contiguous byte range of the file: we read
 exactly that range (positioned reads, no seek-and-read-all) into the fp32 master shard,
-in chunks so a huge piece never needs a second full-size host copy. Every rank reads its
+in chunks so a huge piece never needs a second full-size host copy. A parameter split by
+tensor parallelism holds a piece of the file's tensor: its elements are contiguous runs
+of the tensor's (one per index before the split dim, `full_runs`), each read as above.
+Every rank reads its
 own pieces only; stages 1/2 then all-gather the compute-dtype parameters (`publish`),
 stage 3 refreshes the compute shard. Buffers are small and read whole on every rank.
 
@@ -36,6 +39,7 @@ from zeroshard.ckpt import (
 )
 from zeroshard.engine.runtime._names import named_buffers, named_parameters
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
+from zeroshard.engine.runtime._tensor_parallel import full_runs, is_dtensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -216,12 +220,14 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
     for g in state.groups:
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             entry = _find(entries, aliases.get(id(p), [slot.name]))
+            # A DTensor parameter's slot holds its piece of the full tensor in the file.
+            shape = tuple(p.shape) if is_dtensor(p) else slot.shape
             if entry is None:
                 missing.append(slot.name)
-            elif entry.shape != slot.shape:
+            elif entry.shape != shape:
                 problems.append(
                     f"{slot.name}: the file has {entry.name!r} of shape {list(entry.shape)}, "
-                    f"the model's is {list(slot.shape)}"
+                    f"the model's is {list(shape)}"
                 )
             elif not entry.torch_dtype.is_floating_point:
                 problems.append(f"{slot.name}: dtype {entry.dtype} is not floating point")
@@ -250,12 +256,16 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
     try:
         for g in state.groups:
             master = g.master.detach()
+            params = dict(zip(g.names, g.params, strict=True))
             for slot, piece in g.layout.slots_in_shard(g.process_group.rank):
-                for lo, chunk in reader.chunks(plan[slot.name], piece.slot_start, piece.numel):
-                    at = piece.shard_start + lo
-                    # From pageable host memory copy_ returns once the bytes are staged,
-                    # so the chunk's buffer may be dropped right after, even on CUDA.
-                    master[at : at + chunk.numel()].copy_(chunk)
+                runs = full_runs(params[slot.name], slot.shape, piece.slot_start, piece.numel)
+                for start, local, numel in runs:
+                    for lo, chunk in reader.chunks(plan[slot.name], start, numel):
+                        at = piece.shard_start + local - piece.slot_start + lo
+                        # From pageable host memory copy_ returns once the bytes are
+                        # staged, so the chunk's buffer may be dropped right after, even
+                        # on CUDA.
+                        master[at : at + chunk.numel()].copy_(chunk)
                 pieces += 1
         param_bytes = reader.bytes_read
         for b, entry in found_buffers:

@@ -36,7 +36,8 @@ def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.T
 def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     """The full fp32 state dict on CPU, keyed like `model.state_dict()` before wrapping.
 
-    Collective: call it on every rank; every rank gets the whole dict. Tied parameters
+    Collective: call it on every rank; every rank gets the whole dict (parameters split by
+    tensor parallelism whole, their pieces joined). Tied parameters
     appear under each of their names, as in `state_dict()`; buffers keep their dtype. Names
     under a block compiled before `initialize` lose torch.compile's `_orig_mod.` (_names.py).
     """
@@ -45,9 +46,15 @@ def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     # The masters of every step() so far, a delayed one (delay_param_update) included.
     state.optimizer.settle()
     full: dict[int, torch.Tensor] = {}
+    tp = state.tensor_parallel
     for g in state.groups:
         # One group at a time: at most one full fp32 group lives on the device.
         (out,) = gather_masters([g], "full_state_dict")
+        if tp is not None and tp.is_split_group(g.key.process_group):
+            # Pieces of parameters split over tp: joined into their full tensors.
+            for p, value in zip(g.params, tp.full_values(out, g.layout, g.params), strict=True):
+                full[id(p)] = value.cpu()
+            continue
         for p, slot in zip(g.params, g.layout.slots, strict=True):
             full[id(p)] = out[slot.offset : slot.end].view(slot.shape).cpu().clone()
     result: dict[str, torch.Tensor] = {}

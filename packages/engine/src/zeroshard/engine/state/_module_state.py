@@ -40,6 +40,7 @@ from torch import nn
 from zeroshard.comm import is_rank0
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module
+from zeroshard.engine.runtime._tensor_parallel import is_dtensor, like_param, local_piece
 from zeroshard.engine.state._masters import gather_masters
 from zeroshard.partition import Slot
 
@@ -152,19 +153,26 @@ def _fill_full(
         return  # keep_vars=True asks for the live parameters themselves
     # Rank 0 of the job (under hybrid sharding every shard group has a rank 0 of its own).
     keep = not mode.rank0_only or is_rank0()
-    if not _parameters_hold_masters(state):
+    tp = state.tensor_parallel
+    # On rank 0 alone, a parameter split by tensor parallelism is joined whole.
+    join = tp is not None and mode.rank0_only
+    if join or not _parameters_hold_masters(state):
         state.optimizer.settle()  # the masters of every step() so far
         for g in state.groups:  # the same order on every rank keeps the gathers matched
             (full,) = gather_masters([g], "state_dict")
+            values = [full[s.offset : s.end].view(s.shape) for s in g.layout.slots]
+            if join and tp is not None and tp.is_split_group(g.key.process_group):
+                values = tp.full_values(full, g.layout, g.params)
             if keep:
-                for p, slot in zip(g.params, g.layout.slots, strict=True):
-                    value = full[slot.offset : slot.end].view(slot.shape)
+                for p, value in zip(g.params, values, strict=True):
                     value = value.to(
                         "cpu" if mode.rank0_only else value.device, g.key.dtype, copy=True
                     )
+                    if not join:  # a DTensor parameter's value is a DTensor, as before
+                        value = like_param(p, value)
                     for n in names.get(id(p), []):
                         state_dict[n] = value
-            del full  # one group's full buffer at a time
+            del full, values  # one group's full buffer at a time
     if not keep:
         state_dict.clear()
     elif mode.rank0_only:
@@ -207,14 +215,17 @@ def _scatter(
             taken.update(keys)
             for k in present:
                 del state_dict[k]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != slot.shape:
+            # A DTensor parameter takes its own piece of a full or DTensor value.
+            local = local_piece(p, value) if isinstance(value, torch.Tensor) else None
+            if local is None or tuple(local.shape) != slot.shape:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                want = tuple(p.shape) if is_dtensor(p) else slot.shape
                 error_msgs.append(
                     f"size mismatch for {present[0]}: copying a param with shape {shape} "
-                    f"from checkpoint, the shape in current model is {slot.shape}."
+                    f"from checkpoint, the shape in current model is {want}."
                 )
                 continue
-            copies.append((g, slot, value))
+            copies.append((g, slot, local))
     # Before any master changes: a refused load leaves every rank as it was.
     _check_same_on_every_rank(state, len(taken))
     for g, slot, value in copies:

@@ -1,0 +1,307 @@
+"""`zeroshard-plan --tp N`: what tensor parallelism splits, what zeroshard then shards over
+the data-parallel ranks, and the tensor-parallel collectives of one micro-batch.
+
+The split is Megatron-LM's (torchtitan's plan; a Hugging Face model's own `tp_plan`):
+the embedding by vocabulary, attention's q/k/v (or qkv) and the MLP's up/gate colwise,
+their output projections rowwise, the head colwise with its output gathered; norms and
+rowwise biases stay whole on every tensor-parallel rank. Model states are the flat
+groups `initialize()` builds from each rank's pieces (`plan_groups` on a meta model
+whose split parameters have their local shapes), sharded over world / N ranks.
+
+[Note: tensor-parallel collectives]
+Priced as Megatron-LM issues them (torchtitan's plan does the same): one collective per
+region, a region being the colwise layers that read one input (attention's q, k, v; the
+MLP's gate and up) or one rowwise layer. Without sequence parallelism a colwise region
+all-reduces its input's gradient in backward, a rowwise layer all-reduces its output in
+forward. With it the activations between regions are split along the sequence: a
+colwise region all-gathers its input in forward and reduce-scatters its gradient in
+backward, a rowwise layer reduce-scatters its output in forward and all-gathers its
+gradient in backward, and each norm's weight gradient (`Partial` over tp) is all-reduced
+once per backward. Sizes are the full activation, [micro-batch, seq, width], in the
+compute dtype; times are the cluster model's ring collectives over N consecutive GPUs.
+They are on the step's critical path (torch's eager TP waits for each).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._cluster import Cluster
+from zeroshard.engine.planner._groups import (
+    grad_shard_bytes,
+    plan_groups,
+    state_bytes,
+    state_rows,
+)
+from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
+
+GIB = 2**30
+COLWISE, ROWWISE, EMBEDDING, GATHERED = "colwise", "rowwise", "embedding", "colwise, gathered"
+# The presets' (and examples/') modules, by name: gpt and llama alike.
+PRESET_PLAN = {
+    "tok_emb": EMBEDDING,
+    "blocks.*.attn.qkv": COLWISE,
+    "blocks.*.attn.q": COLWISE,
+    "blocks.*.attn.k": COLWISE,
+    "blocks.*.attn.v": COLWISE,
+    "blocks.*.attn.kv": COLWISE,
+    "blocks.*.attn.proj": ROWWISE,
+    "blocks.*.mlp.gate": COLWISE,
+    "blocks.*.mlp.fc": COLWISE,
+    "blocks.*.mlp.up": COLWISE,
+    "blocks.*.mlp.proj": ROWWISE,
+    "head": GATHERED,
+}
+# Hugging Face's `tp_plan` styles, as priced here.
+HF_STYLES = {
+    "colwise": COLWISE,
+    "rowwise": ROWWISE,
+    "embedding_rowwise": EMBEDDING,
+    "colwise_gather_output": GATHERED,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One tensor-parallel collective of a micro-batch (see [Note: tensor-parallel
+    collectives]): where, when, which, how many times per micro-batch and its size."""
+
+    layer: str
+    phase: str  # forward / backward
+    op: str  # all-reduce / all-gather / reduce-scatter
+    count: int
+    nbytes: int  # each one's full tensor
+
+    def seconds(self, cluster: Cluster, tp: int) -> float:
+        """The ring time of all `count` of them over `tp` consecutive GPUs."""
+        time = {
+            "all-reduce": cluster.all_reduce_s,
+            "all-gather": cluster.all_gather_s,
+            "reduce-scatter": cluster.reduce_scatter_s,
+        }[self.op]
+        return self.count * time(self.nbytes, tp)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A run under tensor parallelism: `tp` x dp = `world_size` GPUs."""
+
+    tp: int
+    world_size: int
+    sequence_parallel: bool
+    config: ZeroConfig
+    parameters: int
+    split: int  # parameters cut over tp (whole count)
+    per_rank: int  # parameters one rank holds (its pieces, and the whole of the rest)
+    states: Mapping[str, int]  # model states per rank, zeroshard over dp
+    grad_shards: int
+    collectives: tuple[Collective, ...]
+    cluster: Cluster
+
+    @property
+    def dp(self) -> int:
+        """Ranks each flat group is sharded over."""
+        return self.world_size // self.tp
+
+    @property
+    def tp_seconds(self) -> float:
+        """Tensor-parallel collective time of one micro-batch."""
+        return sum(c.seconds(self.cluster, self.tp) for c in self.collectives)
+
+    def table(self) -> str:
+        """A readable table of the plan."""
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        lines = [
+            f"{self.parameters / 1e9:.2f}B parameters, tp {self.tp}{sp} x dp {self.dp}, stage "
+            f"{self.config.stage}: {self.split / 1e9:.2f}B split over tp, each rank holds "
+            f"{self.per_rank / 1e9:.2f}B, sharded over dp {self.dp}",
+            "",
+            *state_rows(self.states, self.grad_shards),
+            "",
+            "| tensor-parallel collectives of a micro-batch | per micro-batch | MiB each | ms |",
+            "|---|---|---|---|",
+        ]
+        for c in self.collectives:
+            lines.append(
+                f"| {c.layer}: {c.phase} {c.op} | {c.count} | {c.nbytes / 2**20:.1f} | "
+                f"{c.seconds(self.cluster, self.tp) * 1e3:.2f} |"
+            )
+        lines.append(
+            f"| = on the critical path | {sum(c.count for c in self.collectives)} | | "
+            f"{self.tp_seconds * 1e3:.2f} |"
+        )
+        lines.append(
+            "(activations and the step time are not projected with --tp: they are the "
+            "split model's, which the meta trace does not run)"
+        )
+        return "\n".join(lines)
+
+
+def _styles(model: nn.Module) -> dict[str, str]:
+    """Module path -> how the plan splits it: the model's own `tp_plan` (Hugging Face), or
+    the presets' names."""
+    rules = getattr(model, "tp_plan", None)
+    plan = (
+        {k: HF_STYLES[v] for k, v in rules.items() if v in HF_STYLES}
+        if isinstance(rules, Mapping)
+        else PRESET_PLAN
+    )
+    patterns = [
+        (re.compile(k.replace(".", r"\.").replace("*", r"\d+")), v) for k, v in plan.items()
+    ]
+    out = {}
+    for name, _ in model.named_modules():
+        style = next((v for p, v in patterns if p.fullmatch(name)), None)
+        if style is not None:
+            out[name] = style
+    return out
+
+
+def _split_dim(style: str, param: str, ndim: int) -> int | None:
+    """The dim a parameter of a module split by `style` is cut along (None: whole)."""
+    if style == ROWWISE:
+        return 1 if param == "weight" and ndim == 2 else None
+    return 0  # colwise weight and bias, the embedding's vocabulary
+
+
+def localize(model: nn.Module, styles: Mapping[str, str], tp: int) -> dict[int, nn.Parameter]:
+    """Give `model`'s (meta) split parameters their local shapes, in place: id of each
+    split parameter -> its piece. ValueError where tp does not divide a split dim."""
+    modules = dict(model.named_modules())
+    local: dict[int, nn.Parameter] = {}
+    for path, style in styles.items():
+        module = modules[path]
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in local:  # a tied parameter: cut once
+                setattr(module, name, local[id(p)])
+                continue
+            dim = _split_dim(style, name, p.dim())
+            if dim is None:
+                continue
+            if p.shape[dim] % tp:
+                raise ValueError(
+                    f"--tp {tp} does not divide {path}.{name}'s dim {dim} ({p.shape[dim]})"
+                )
+            shape = list(p.shape)
+            shape[dim] //= tp
+            new = nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype), p.requires_grad)
+            local[id(p)] = new
+            setattr(module, name, new)
+    return local
+
+
+def _width(module: nn.Module, which: str) -> int:
+    """A layer's input or output width (a Linear's features, an Embedding's dim)."""
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    features = getattr(module, f"{which}_features", None)
+    if not isinstance(features, int):
+        raise ValueError(f"cannot price tensor parallelism of a {type(module).__name__}")
+    return features
+
+
+def collectives(
+    model: nn.Module, styles: Mapping[str, str], tokens: int, itemsize: int, sp: bool
+) -> tuple[Collective, ...]:
+    """The collectives of one micro-batch of `tokens` tokens (see [Note: tensor-parallel
+    collectives]), per kind of layer (`blocks.*` for every block alike)."""
+    modules = dict(model.named_modules())
+    counts: dict[tuple[str, str, str, int], int] = {}
+
+    def add(layer: str, phase: str, op: str, width: int, rows: int = tokens) -> None:
+        key = (re.sub(r"\.\d+\.", ".*.", layer), phase, op, rows * width * itemsize)
+        counts[key] = counts.get(key, 0) + 1
+
+    regions: dict[str, int] = {}  # colwise layers reading one input: one per parent
+    for path, style in styles.items():
+        module = modules[path]
+        if style in (COLWISE, GATHERED):
+            parent = path.rpartition(".")[0] if style == COLWISE else path
+            regions.setdefault(parent, _width(module, "in"))
+            if style == GATHERED:
+                add(path, "forward", "all-gather", _width(module, "out"))
+        elif style in (ROWWISE, EMBEDDING):
+            width = _width(module, "out")
+            add(path, "forward", "reduce-scatter" if sp else "all-reduce", width)
+            if sp:
+                add(path, "backward", "all-gather", width)
+    for parent, width in regions.items():
+        if sp:
+            add(parent, "forward", "all-gather", width)
+        add(parent, "backward", "reduce-scatter" if sp else "all-reduce", width)
+    if sp:
+        for name, module in modules.items():
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                for p in module.parameters(recurse=False):
+                    add(name, "backward", "all-reduce", p.numel(), rows=1)
+    return tuple(
+        Collective(layer, phase, op, n, size) for (layer, phase, op, size), n in counts.items()
+    )
+
+
+def plan_tensor_parallel(
+    model: nn.Module,
+    cfg: ZeroConfig,
+    *,
+    world_size: int,
+    tp: int,
+    micro_batch: int,
+    seq_len: int,
+    sequence_parallel: bool,
+    cluster: Cluster,
+    optimizer_bytes_per_element: int = 8,
+    styles: Mapping[str, str] | None = None,
+    param_group_of: Mapping[int, int] | None = None,
+) -> TensorParallelPlan:
+    """Split `model` (meta, changed in place) over `tp` and plan zeroshard over the rest.
+
+    `styles` (module path -> `COLWISE`, `ROWWISE`, `EMBEDDING` or `GATHERED`) defaults
+    to the model's own `tp_plan` or the presets' names; `param_group_of` maps id(param)
+    of `model` as given to its optimizer param group (None: all in one).
+    """
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"--tp {tp} does not divide --world {world_size}")
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"sequence parallelism needs --seq divisible by --tp, got {seq_len}")
+    styles = _styles(model) if styles is None else styles
+    if not styles:
+        raise ValueError("no layer of this model matches a tensor-parallel plan")
+    parameters = sum(p.numel() for p in model.parameters())
+    tokens = micro_batch * seq_len
+    itemsize = cfg.precision.compute_dtype.itemsize
+    ops = collectives(model, styles, tokens, itemsize, sequence_parallel)
+    before = {id(p): p for p in model.parameters()}
+    pieces = localize(model, styles, tp)
+    split = sum(before[i].numel() for i in pieces)
+    per_rank = sum(p.numel() for p in model.parameters())
+    cut = {id(p) for p in pieces.values()}
+    groups_of = None
+    if param_group_of is not None:
+        groups_of = {id(pieces.get(i, p)): param_group_of[i] for i, p in before.items()}
+    # Flat groups as initialize() forms them: the split parameters apart.
+    plan = plan_groups(
+        model,
+        cfg,
+        world_size // tp,
+        groups_of,
+        process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else "default",
+    )
+    return TensorParallelPlan(
+        tp,
+        world_size,
+        sequence_parallel,
+        cfg,
+        parameters,
+        split,
+        per_rank,
+        state_bytes(plan, cfg, optimizer_bytes_per_element),
+        grad_shard_bytes(plan),
+        ops,
+        cluster,
+    )

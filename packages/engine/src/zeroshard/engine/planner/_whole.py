@@ -1,0 +1,154 @@
+"""What a whole-matrix optimizer's step costs (torch.optim.Muon, or one stepping whole
+parameters): the owners `initialize` would choose (`plan_owners`, the runtime's own),
+the Newton-Schulz FLOPs each rank runs, and the bytes each rank sends and receives to
+and from the owners per step, beside what the step's other collectives move.
+
+Per exchanged element (a matrix not whole in its owner's shard; a rank's own piece does
+not travel): Muon sends its update to the owner in bf16 and gets it back orthogonalized
+in bf16, 2 + 2 bytes; an optimizer on whole parameters sends the fp32 gradient and
+master (8) and gets the master back (4). AdamW moves nothing at the step beyond the
+all-gather of the parameters (stages 1/2) that every optimizer does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
+from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
+from zeroshard.engine.runtime.whole._owners import MatrixOwners, plan_owners
+
+# Bytes per exchanged element, to the owner and back ([module docstring]).
+SPLIT_BYTES = (2, 2)
+WHOLE_BYTES = (8, 4)
+
+
+@dataclass(frozen=True)
+class WholeMatrixCost:
+    """One rank's view of the whole-matrix step of a run (the default process group).
+
+    Attributes:
+        owners: each matrix's owner and Newton-Schulz FLOPs (`balance`: max / mean).
+        sent_bytes / received_bytes: the busiest rank's bytes per step to and from
+            the other ranks in the exchange with the owners.
+        other_bytes: what one rank sends per step in the step's other collectives
+            (reduce-scatters and gathers), for comparison.
+        exchanges: all-to-alls per step (per flat group with a matrix to move: Muon's
+            update there and back, or a gradient, a master and the master back).
+    """
+
+    owners: MatrixOwners
+    sent_bytes: int
+    received_bytes: int
+    other_bytes: int
+    exchanges: int
+
+    @property
+    def balance(self) -> float:
+        """The busiest rank's Newton-Schulz FLOPs over the mean."""
+        return self.owners.balance
+
+    @property
+    def max_flops(self) -> int:
+        """Newton-Schulz FLOPs of the busiest rank per step."""
+        return max(self.owners.loads(), default=0)
+
+
+def hidden_matrices(model: nn.Module) -> list[bool]:
+    """For each of `model.parameters()`: whether it is a hidden matrix, the parameters
+    torch.optim.Muon's documentation gives Muon (2-D weights, but the embeddings and the
+    output head: a Linear as wide as the vocabulary)."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # The token embedding's (position embeddings are narrower).
+    vocab = max((m.num_embeddings for m in embeddings), default=0)
+    outer = {id(m.weight) for m in embeddings}
+    outer |= {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m.out_features == vocab
+    }
+    return [p.dim() == 2 and id(p) not in outer for p in model.parameters()]
+
+
+def muon_recipe(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's recipe, for planning: torch.optim.Muon on the hidden matrices, AdamW on the
+    rest (default settings; a plan needs only which parameters each steps)."""
+    params = list(model.parameters())
+    hidden = hidden_matrices(model)
+    matrices = [p for p, h in zip(params, hidden, strict=True) if h]
+    rest = [p for p, h in zip(params, hidden, strict=True) if not h]
+    muon: Any = torch_muon()
+    if muon is None:
+        raise ValueError(f"this torch ({torch.__version__}) has no torch.optim.Muon")
+    return [muon(matrices), torch.optim.AdamW(rest)]
+
+
+def param_group_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> list[torch.optim.Optimizer]:
+    """The optimizer of each param group, in the order of all param groups in turn."""
+    return [o for o in optimizers for _ in o.param_groups]
+
+
+def whole_matrix_cost(
+    groups: Sequence[PlannedFlatGroup],
+    cfg: ZeroConfig,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> WholeMatrixCost | None:
+    """The whole-matrix step of the planned `groups` (None: no optimizer steps whole)."""
+    of = param_group_optimizers(optimizers)
+    ns = {
+        k: int(o.param_groups[k - of.index(o)].get("ns_steps", 5))
+        for k, o in enumerate(of)
+        if steps_whole(o)
+    }
+    if not ns:
+        return None
+    owners = plan_owners(((g.key, g.layout) for g in groups), ns).get("default")
+    if owners is None:
+        return None
+    size = owners.size
+    sent, received = [0] * size, [0] * size
+    exchanges = 0
+    for g in groups:
+        if not g.trainable or g.key.param_group not in ns or g.key.process_group != "default":
+            continue
+        split = split_muon(of[g.key.param_group])
+        out, back = SPLIT_BYTES if split else WHOLE_BYTES
+        moved = False
+        for s in g.layout.slots:
+            o = owners.owner[s.name]
+            for piece in g.layout.pieces(s):
+                if piece.rank == o:
+                    continue
+                moved = True
+                sent[piece.rank] += piece.numel * out
+                received[o] += piece.numel * out
+                sent[o] += piece.numel * back
+                received[piece.rank] += piece.numel * back
+        # Muon sends one update; whole parameters a gradient and a master: 2 or 3 in all.
+        exchanges += (2 if split else 3) if moved else 0
+    other = _other_bytes(groups, cfg, size)
+    return WholeMatrixCost(owners, max(sent), max(received), other, exchanges)
+
+
+def _other_bytes(groups: Sequence[PlannedFlatGroup], cfg: ZeroConfig, size: int) -> int:
+    """Bytes one rank sends per step in the reduce-scatters and gathers (ring: (n-1)/n of
+    each buffer): stages 1/2 reduce and publish the trainable groups, stage 3 gathers
+    every group twice and reduces the trainable ones."""
+    compute = cfg.precision.compute_dtype.itemsize
+    reduce = torch.empty(0, dtype=cfg.precision.grad_reduce_dtype).element_size()
+    total = 0
+    for g in groups:
+        if cfg.stage == 3:
+            per = 2 * compute + (reduce if g.trainable else 0)
+        else:  # only the trainable groups are reduced and published
+            per = compute + reduce if g.trainable else 0
+        total += g.layout.padded_numel * per * (size - 1) // size
+    return total

@@ -1,0 +1,130 @@
+"""Several torch optimizers over disjoint parameters, seen as one (`CombinedOptimizer`).
+
+torch's own recipe for Muon is two optimizers: Muon on the hidden matrices, AdamW on
+the rest. `initialize` takes such a sequence and wraps one optimizer, so it combines
+them: the combined optimizer's `param_groups` list every optimizer's param groups in
+turn (the same dicts, so an LR scheduler's writes reach them), and its param group k is
+what `GroupKey.param_group` k names. All of them share one `state` dict (their keys are
+disjoint tensors), so what the engine reads and writes through `state` reaches each.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """`optimizers` as one: their param groups in turn, one shared `state`, each stepped
+    in turn by `step()`; `state_dict()` holds one state dict per optimizer."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        # Optimizer.__init__ sets up the hook tables; its own param groups are replaced.
+        super().__init__(
+            [p for o in self.optimizers for pg in o.param_groups for p in pg["params"]], {}
+        )
+        self._share()
+
+    def _share(self) -> None:
+        """One state dict for all (after construction, and after each one's load)."""
+        shared: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        for o in self.optimizers:
+            shared.update(o.state)
+        for o in self.optimizers:
+            o.state = shared
+        self.state = shared
+        self.param_groups = [pg for o in self.optimizers for pg in o.param_groups]
+
+    def offsets(self) -> list[int]:
+        """The index in `param_groups` of each optimizer's first param group."""
+        out, k = [], 0
+        for o in self.optimizers:
+            out.append(k)
+            k += len(o.param_groups)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step every optimizer in turn."""
+        if closure is not None:
+            raise ValueError("CombinedOptimizer.step does not take a closure")
+        for o in self.optimizers:
+            o.step()
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """One torch state dict per optimizer, in order."""
+        return {"optimizers": [_own_state_dict(o) for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load `state_dict()` output, one optimizer at a time, with this optimizer's own
+        load hooks around it as torch's load runs them."""
+        saved = state_dict.get("optimizers")
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            got = len(saved) if isinstance(saved, list) else "no"
+            raise ValueError(
+                f"the state dict holds {got} optimizer state(s), this combines "
+                f"{len(self.optimizers)}: was it saved with other optimizers?"
+            )
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            changed = pre(self, state_dict)
+            state_dict = changed if changed is not None else state_dict
+        for o, s in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            o.load_state_dict(s)
+        self._share()
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+
+def _own_params(o: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for pg in o.param_groups for p in pg["params"]}
+
+
+def _own_state(o: torch.optim.Optimizer) -> defaultdict[torch.Tensor, Any]:
+    """The entries of the shared state that are `o`'s own."""
+    mine = _own_params(o)
+    return defaultdict(dict, {k: v for k, v in o.state.items() if id(k) in mine})
+
+
+def _own_state_dict(o: torch.optim.Optimizer) -> dict[str, Any]:
+    """`o.state_dict()`, which torch builds only from the state of `o`'s own parameters."""
+    shared = o.state
+    o.state = _own_state(o)
+    try:
+        return o.state_dict()
+    finally:
+        o.state = shared
+
+
+def as_optimizers(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+) -> list[torch.optim.Optimizer]:
+    """The optimizers `initialize` was given, checked: at least one, each a torch
+    optimizer, no parameter in two of them."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    optimizers = list(optimizer)
+    if not optimizers:
+        raise ValueError("initialize() needs an optimizer (or a sequence of them), got none")
+    for i, o in enumerate(optimizers):
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"optimizer {i} is a {type(o).__name__}, not a torch.optim.Optimizer")
+    seen: dict[int, int] = {}
+    for i, o in enumerate(optimizers):
+        for p in (p for pg in o.param_groups for p in pg["params"]):
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is in optimizer {seen[id(p)]} "
+                    f"({type(optimizers[seen[id(p)]]).__name__}) and in optimizer {i} "
+                    f"({type(o).__name__}): each parameter belongs to one optimizer"
+                )
+    return optimizers
+
+
+def combine(optimizers: Sequence[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The one optimizer itself, or several as a `CombinedOptimizer`."""
+    return optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
