@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from zeroshard.ckpt import CheckpointError, CheckpointMeta, consolidate, describe, load
-from zeroshard.ckpt._meta import MASTER
+from zeroshard.ckpt._keys import MASTER
 from zeroshard.ckpt._reader import CheckpointReader
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zeroshard_v1"

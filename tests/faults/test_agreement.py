@@ -15,7 +15,7 @@ from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._models import make_model, make_optimizer
 from tests.faults._engine import TIMEOUT_S, assert_same_bits, build, train_step
 from zeroshard.ckpt import CheckpointError, ChecksumError
-from zeroshard.ckpt._meta import rank_file
+from zeroshard.ckpt._keys import rank_file
 from zeroshard.comm import Group
 from zeroshard.engine import DivergentRanksError
 from zeroshard.engine.runtime._stage3 import Stage3Runtime

@@ -33,20 +33,11 @@ from zeroshard.ckpt._errors import (
     OutputExistsError,
 )
 from zeroshard.ckpt._extra import RankExtra
+from zeroshard.ckpt._group_meta import GroupMeta, ParamState, TensorSplit
 from zeroshard.ckpt._inspect import Summary, describe
+from zeroshard.ckpt._keys import MASTER, OPTIM_PREFIX, buffer_key, param_state_key, shard_key
 from zeroshard.ckpt._load import GroupPlacement, LoadedShards, load
-from zeroshard.ckpt._meta import (
-    MASTER,
-    OPTIM_PREFIX,
-    CheckpointMeta,
-    GroupMeta,
-    ParamState,
-    TensorSplit,
-    buffer_key,
-    check_names_shapes,
-    param_state_key,
-    shard_key,
-)
+from zeroshard.ckpt._meta import CheckpointMeta, check_names_shapes
 from zeroshard.ckpt._named_reader import is_converted_checkpoint, read_named_state
 from zeroshard.ckpt._named_state import LossScaleState, NamedParamGroup, NamedTrainingState
 from zeroshard.ckpt._names import canonical_name

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._meta import EXTRA_METADATA, EXTRA_PREFIX, extra_key
+from zeroshard.ckpt._keys import EXTRA_METADATA, EXTRA_PREFIX, extra_key
 from zeroshard.ckpt._reader import CheckpointReader
 
 

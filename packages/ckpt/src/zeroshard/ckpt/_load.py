@@ -31,15 +31,9 @@ import torch
 
 from zeroshard.ckpt._errors import CheckpointError, ModelMismatchError
 from zeroshard.ckpt._extra import RankExtra, read_extra
-from zeroshard.ckpt._meta import (
-    BUFFER_PREFIX,
-    CheckpointMeta,
-    GroupMeta,
-    TensorSplit,
-    buffer_key,
-    check_names_shapes,
-    shard_key,
-)
+from zeroshard.ckpt._group_meta import GroupMeta, TensorSplit
+from zeroshard.ckpt._keys import BUFFER_PREFIX, buffer_key, shard_key
+from zeroshard.ckpt._meta import CheckpointMeta, check_names_shapes
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._tensor_split import read_region
 from zeroshard.partition import FlatLayout, Slot

@@ -18,16 +18,9 @@ from types import TracebackType
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError, ChecksumError, MissingShardError
-from zeroshard.ckpt._meta import (
-    CheckpointMeta,
-    GroupMeta,
-    buffer_key,
-    expected_shard_keys,
-    param_state_key,
-    param_state_keys,
-    rank_file,
-    shard_key,
-)
+from zeroshard.ckpt._group_meta import GroupMeta
+from zeroshard.ckpt._keys import buffer_key, param_state_key, rank_file, shard_key
+from zeroshard.ckpt._meta import CheckpointMeta, expected_shard_keys, param_state_keys
 from zeroshard.ckpt._paths import METADATA, resolve
 from zeroshard.ckpt._stfile import Entry, Header, file_digest, pread_into, read_header
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroshard.ckpt._errors import CheckpointError, ChecksumError, MissingShardError
-from zeroshard.ckpt._meta import RANK_FILE_GLOB
+from zeroshard.ckpt._keys import RANK_FILE_GLOB
 from zeroshard.ckpt._paths import LATEST, METADATA, old_dir, read_latest, step_of_name
 from zeroshard.ckpt._reader import read_meta
 

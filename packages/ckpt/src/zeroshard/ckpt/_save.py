@@ -40,15 +40,9 @@ import torch
 
 from zeroshard.ckpt._errors import CHECKPOINT_ERRORS, CheckpointError, OutputExistsError
 from zeroshard.ckpt._extra import RankExtra, extra_entries
-from zeroshard.ckpt._meta import (
-    EXTRA_METADATA,
-    CheckpointMeta,
-    FileMeta,
-    buffer_key,
-    expected_shard_keys,
-    param_state_keys,
-    rank_file,
-)
+from zeroshard.ckpt._group_meta import FileMeta
+from zeroshard.ckpt._keys import EXTRA_METADATA, buffer_key, rank_file
+from zeroshard.ckpt._meta import CheckpointMeta, expected_shard_keys, param_state_keys
 from zeroshard.ckpt._paths import (
     LATEST,
     METADATA,

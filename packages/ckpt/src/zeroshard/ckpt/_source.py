@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._meta import GroupMeta, buffer_key
+from zeroshard.ckpt._group_meta import GroupMeta
+from zeroshard.ckpt._keys import buffer_key
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._tensor_split import read_full_range

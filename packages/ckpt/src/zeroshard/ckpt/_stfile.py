@@ -23,7 +23,8 @@ from typing import cast
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._meta import CHECKSUM_ALGORITHM, FileMeta
+from zeroshard.ckpt._group_meta import FileMeta
+from zeroshard.ckpt._keys import CHECKSUM_ALGORITHM
 
 _CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from zeroshard.ckpt._meta import GroupMeta
+from zeroshard.ckpt._group_meta import GroupMeta
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.partition import Slot
 
