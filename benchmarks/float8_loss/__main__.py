@@ -8,9 +8,9 @@ seeds, and compare the losses (issue 61: the final loss within 1% of bf16's).
 Each run is examples/train_gpt.py under torchrun, as a user launches it: zeroshard stage
 3, bf16 compute, the same schedule; each `--seeds` seed (init and data order) runs bf16
 then fp8, since one run's held-out loss moves by more than the goal from seed to seed at
-this size. The fp8 run converts every
-block's linears with torchao's `--recipe` (emulated on CPU ranks), with tensorwise
-gathering those weights in fp8 too (`--fp8-all-gather`). What is compared: the held-out
+this size. The fp8 run converts every block's linears with torchao's `--recipe`
+(emulated on CPU ranks), with tensorwise gathering those weights in fp8 too
+(`--fp8-all-gather`). What is compared: the held-out
 loss at the end (`--eval-batches` batches of the corpus the training does not draw
 from), its mean over the seeds, the training loss of rank 0 at every step (the curves of
 the first seed), and each run's wall time.
@@ -39,8 +39,8 @@ HELD_OUT = re.compile(r"step (\d+): held-out loss ([\d.]+) \(train")
 
 @dataclass(frozen=True)
 class Run:
-    """One training run: its label, held-out loss at the end, rank 0's loss per step and
-    wall time."""
+    """One training run: its label, seed, held-out loss at the end, rank 0's loss per step
+    and wall time."""
 
     label: str
     seed: int

@@ -133,7 +133,9 @@ class ZeroShardFabricStrategy(DDPStrategy):
         """Shard `module` with its one optimizer (built on its parameters, no state yet)."""
         if len(optimizers) != 1:
             raise ValueError(
-                f"zeroshard: fabric.setup got {len(optimizers)} optimizers; the engine shards one"
+                f"zeroshard: fabric.setup got {len(optimizers)} optimizers; the engine shards one "
+                "here (several, such as torch's Muon recipe: zs.initialize(model, [muon, "
+                "adamw], config) without Fabric)"
             )
         if reuse_engine(module, self.zero_config(), training=True) is not None:
             raise ValueError("zeroshard: this module was set up already; set it up once")

@@ -170,7 +170,9 @@ class ZeroShardStrategy(DDPStrategy):
                 if len(optimizers) != 1:
                     raise ValueError(
                         f"zeroshard: configure_optimizers returned {len(optimizers)} "
-                        "optimizers; the engine shards one"
+                        "optimizers; the engine shards one here (several, such as torch's "
+                        "Muon recipe: zs.initialize(model, [muon, adamw], config) without "
+                        "Lightning)"
                     )
                 optimizer = optimizers[0]
             root = build_engine(module, optimizer, config)
