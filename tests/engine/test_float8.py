@@ -107,6 +107,53 @@ def _parity(device: str) -> None:
     run_each(cases, lambda **c: _parity_case(device, **c))
 
 
+def _muon_pair(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's Muon recipe: Muon on the blocks' matrices (fp8 weights), AdamW on the rest."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.ndim == 2]
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    muon = torch.optim.Muon(hidden, lr=1e-2, adjust_lr_fn="match_rms_adamw")
+    return [muon, torch.optim.AdamW(rest, lr=1e-2, betas=(0.9, 0.95))]
+
+
+class _StepBoth:
+    """The reference's two optimizers stepped as one."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+
+def _with_muon(device: str) -> None:
+    """fp8 weights gathered in fp8 and stepped by Muon beside AdamW (initialize given both,
+    as torch's recipe): the same as torch DDP with torchao and the same two optimizers."""
+    data = batches(STEPS, 2, dist.get_world_size())
+    ref = make_net(1, "tensorwise", False, device)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    ref_opt: Any = _StepBoth(_muon_pair(ref))
+
+    def ref_clip(max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+
+    ref_losses = train(ddp, ref_opt, data, 0.5, ref_clip, device)
+    net = make_net(1, "tensorwise", True, device)
+    model, opt = zs.initialize(net, _muon_pair(net), {"stage": 3, **STAGE3})
+    losses = train(model, opt, data, 0.5, opt.clip_grad_norm_, device)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    full = zs.full_state_dict(model)
+    for name, want in ref.state_dict().items():
+        assert type(full[name]) is torch.Tensor, name
+        torch.testing.assert_close(
+            full[name], want.detach().cpu(), rtol=0, atol=2e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def _two_fp8_dtypes(device: str) -> None:
     """Weights of two fp8 dtypes to gather in fp8: refused by name, on every rank."""
     import dataclasses
@@ -167,6 +214,7 @@ def _same_as_compute_dtype_gather(device: str) -> None:
 def _all(device: str) -> None:
     run_each([{}], lambda: _same_as_compute_dtype_gather(device))
     run_each([{}], lambda: _two_fp8_dtypes(device))
+    run_each([{}], lambda: _with_muon(device))
     _parity(device)
 
 
