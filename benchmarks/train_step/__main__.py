@@ -31,7 +31,8 @@ Engines (`--engines`, default: every one that can be imported, but those run onl
 named): `floor` (the model on ONE device with no communication, on rank 0 while the
 others wait), `floor32` (the same with fp32 master weights, the like-for-like floor of
 zs1-zs3 at one GPU), `floorc` (the floor with every block under `torch.compile`, the
-reference of the compiled engines), the compile-time peers of zs3c's one graph, run only
+reference of the compiled engines), `floor32c` (run only when named: `floor32` with its
+blocks compiled, zs3c's like-for-like floor), the compile-time peers of zs3c's one graph, run only
 when named: `floorw` (the floor compiled whole), `floorr` (that, with every block a
 `torch.compiler.nested_compile_region`) and `floorr-memo` (that, with torch's per-call
 re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fsdp2c`
@@ -44,7 +45,7 @@ consecutive ranks by torch's tensor parallelism, sharded over the rest; at `--tp
 `zs3tp` is `zs3` through `initialize(device_mesh=...)` with DTensor layers) and `zs3m`
 (`zs3` through a (world, 1) mesh, the model not split). The fp8 engines, run only when
 named (torchao's float8 training of every block's linears, by the `--fp8` recipe:
-`_float8.py`): the floors `floor8` and `floorc8`, `zs3-fp8`, `zs3c-fp8`, `fsdp2-fp8`,
+`_float8.py`): the floors `floor8`, `floorc8` and `floor32c8`, `zs3-fp8`, `zs3c-fp8`, `fsdp2-fp8`,
 `fsdp2c-fp8`, and with those weights gathered in fp8 (torchao's
 `enable_fsdp_float8_all_gather`: zeroshard's fp8 gather, FSDP2's fp8 all-gather)
 `zs3-fp8g`, `zs3c-fp8g`, `fsdp2-fp8g`, `fsdp2c-fp8g`; each against its fp8 floor, and

@@ -152,6 +152,15 @@ ENGINES: dict[str, Engine] = {
             rank0_only=True,
             compiled=True,
         ),
+        Engine(
+            "floor32c",
+            "`floor32` with every block torch.compile'd (zs3c's like-for-like floor)",
+            tch.setup_floor32c,
+            _always,
+            rank0_only=True,
+            compiled=True,
+            on_request=True,
+        ),
         # Compile-time peers of zs3c's one graph (see their setups): the floor compiled
         # whole, with its blocks as regions, and with torch's per-call region re-trace
         # memoized.
@@ -245,6 +254,14 @@ ENGINES: dict[str, Engine] = {
             for name, what, setup, gather, available, flags in (
                 ("floor8", "`floor`, blocks in fp8", tch.setup_floor, False, _always, _FLOOR),
                 ("floorc8", "`floorc`, blocks in fp8", tch.setup_floorc, False, _always, _FLOORC),
+                (
+                    "floor32c8",
+                    "`floor32c`, blocks in fp8",
+                    tch.setup_floor32c,
+                    False,
+                    _always,
+                    _FLOORC,
+                ),
                 ("zs3-fp8", "`zs3`, blocks in fp8", _zs3("zs3-fp8"), False, _ZEROSHARD, _FP8),
                 (
                     "zs3-fp8g",

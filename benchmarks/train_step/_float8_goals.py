@@ -43,6 +43,14 @@ def float8_goals(by: dict[str, Result]) -> list[str]:
             0.98,
         )
     goal("`floorc8` speed / `floorc` (the floor's fp8 gain)", _speed(by, "floorc8", "floorc"), None)
+    # fp32 masters by hand, compiled: what of the gap to `floorc8` the masters' work is.
+    goal(
+        "`floor32c8` speed / `floorc8` (the fp32 masters' cost)",
+        _speed(by, "floor32c8", "floorc8"),
+        None,
+    )
+    for engine in ("zs3c-fp8", "zs3c-fp8g"):
+        goal(f"`{engine}` speed / `floor32c8`", _speed(by, engine, "floor32c8"), None)
     goal("`floor8` speed / `floor` (the floor's fp8 gain)", _speed(by, "floor8", "floor"), None)
     for engine in ("fsdp2c-fp8", "fsdp2c-fp8g"):
         goal(f"`{engine}` speed / `floorc8`", _speed(by, engine, "floorc8"), None)

@@ -115,6 +115,14 @@ def setup_floorc(model: nn.Module, s: Settings) -> Stepper:
     return setup_floor(model, s)
 
 
+def setup_floor32c(model: nn.Module, s: Settings) -> Stepper:
+    """`floor32` with every block under torch.compile: the like-for-like floor of `zs3c`
+    (the same fp32 optimizer work, inductor's kernels), so its gap to `floorc` is what the
+    masters cost and zs3c's gap to it the engine's own."""
+    compile_blocks(model)
+    return setup_floor32(model, s)
+
+
 def setup_floorw(model: nn.Module, s: Settings) -> Stepper:
     """The floor compiled whole (`torch.compile(model, fullgraph=True)`): every block is
     traced and lowered again, as zeroshard.compile's one graph is (its compile-time peer)."""

@@ -19,7 +19,10 @@ compute-dtype gather, then torchao's own cast with the same scales; unclipped, a
 fp8 weights' groups of their own change the order the global norm is summed in, to the
 last bit); it gathers at most
 0.55x the bytes for those weights, and takes its scales with one all-reduce per step.
-Weights of two fp8 dtypes to gather are refused by name. On the CPU torchao emulates
+Where the shards' process group has one rank (one GPU, or hybrid with shard groups of
+one) the option gathers in the compute dtype: the same bytes and bits as without it.
+Hybrid with the fp8 gather runs on 4 ranks (shard groups of 2). Weights of two fp8
+dtypes to gather are refused by name. On the CPU torchao emulates
 the fp8 matmuls; `--device cuda` runs the real kernels.
 """
 
@@ -54,6 +57,7 @@ def _parity_case(
     clip: bool,
     hybrid: bool,
     offload: bool = False,
+    shard_group_size: int = 1,
 ) -> None:
     data = batches(STEPS, accum, dist.get_world_size())
     max_norm = 0.5 if clip else None
@@ -63,7 +67,7 @@ def _parity_case(
     net = make_net(1, recipe, gather, device)
     config: dict[str, Any] = {"stage": stage, **STAGE3}
     if hybrid:
-        config["shard_group_size"] = 1
+        config["shard_group_size"] = shard_group_size
     if offload:  # the fp8 weights then gather in the compute dtype (docs/fp8.md)
         config["offload_optimizer"] = True
     model, opt = zs.initialize(net, make_optimizer(net), config)
@@ -211,11 +215,45 @@ def _same_as_compute_dtype_gather(device: str) -> None:
     assert 0 < ratio <= 0.55, f"fp8 weights gathered {ratio:.3f}x the bf16 bytes"
 
 
+def _one_rank_gathers_in_compute_dtype(device: str) -> None:
+    """Where the shards' process group has one rank (hybrid with shard groups of one, or
+    one GPU), a gather moves nothing: the option then gathers in the compute dtype, as
+    without it (the same bytes and bits, no scale all-reduce)."""
+    config: dict[str, Any] = {"stage": 3, "compute_dtype": "bf16", **STAGE3}
+    if dist.get_world_size() > 1:
+        config["shard_group_size"] = 1
+    data = batches(STEPS, 1, dist.get_world_size())
+    runs = {}
+    for gather in (False, True):
+        net = make_net(2, "tensorwise", gather, device)
+        model, opt = zs.initialize(net, make_optimizer(net), config)
+        stats = zs.engine_stats(model)
+        stats.reset()
+        losses = train(model, opt, data, 0.5, opt.clip_grad_norm_, device)
+        runs[gather] = (losses, zs.full_state_dict(model), stats.bytes_gathered, stats.gathers)
+        assert stats.scale_reductions == 0
+    (losses, state, *moved), (losses8, state8, *moved8) = runs[False], runs[True]
+    assert losses8 == losses
+    assert moved8 == moved
+    for name, value in state.items():
+        assert torch.equal(state8[name], value), name
+
+
 def _all(device: str) -> None:
-    run_each([{}], lambda: _same_as_compute_dtype_gather(device))
+    if dist.get_world_size() > 1:
+        run_each([{}], lambda: _same_as_compute_dtype_gather(device))
+    run_each([{}], lambda: _one_rank_gathers_in_compute_dtype(device))
     run_each([{}], lambda: _two_fp8_dtypes(device))
     run_each([{}], lambda: _with_muon(device))
     _parity(device)
+
+
+def _hybrid(device: str) -> None:
+    """Shard groups of two, replicated twice: the fp8 gather within each shard group."""
+    run_each(
+        [dict(stage=3, recipe="tensorwise", gather=True, accum=2, clip=True, hybrid=True)],
+        lambda **c: _parity_case(device, **c, shard_group_size=2),
+    )
 
 
 @pytest.mark.gpu
@@ -224,3 +262,5 @@ def test_float8_training(device: str) -> None:
     # Two ranks, or one on a machine of one GPU (the real fp8 kernels need a GPU each).
     world = 2 if device == "cpu" or torch.cuda.device_count() >= 2 else 1
     run_ranks(_all, world, device, device=device)
+    if device == "cpu" or torch.cuda.device_count() >= 4:
+        run_ranks(_hybrid, 4, device, device=device)

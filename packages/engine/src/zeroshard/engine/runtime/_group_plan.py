@@ -3,10 +3,10 @@
 Shapes are enough (a model on the meta device will do): which parameters make up each
 flat group (`plan_buckets` at stages 1/2, one group per `GroupKey` of each unit of
 `plan_units` at stage 3, where torchao's fp8 weights that gather in fp8 get groups of
-their own), its layout (`flat_layout`), which groups CPU offload takes
-(`choose_offloaded`) and what the host then allocates (`offload_sizes`). `initialize()`
-allocates the host storage from it first and builds each group into its home; the
-planner counts it. One plan, so neither can drift from the other.
+their own where their process group has several ranks), its layout (`flat_layout`),
+which groups CPU offload takes (`choose_offloaded`) and what the host then allocates
+(`offload_sizes`). `initialize()` allocates the host storage from it first and builds
+each group into its home; the planner counts it. One plan, so neither can drift from the other.
 """
 
 from __future__ import annotations
@@ -79,7 +79,11 @@ def plan_flat_groups(
     `process_group_of` names a parameter's process group (None: the default one for all);
     offloaded shards are laid out over `shard_size` ranks; `blocked_step`: the optimizer
     steps offloaded groups in blocks (torch's fused Adam/AdamW: one block's fp32 upcast);
-    `float8`: the ids of the weights gathered in fp8 (stage 3: groups of their own).
+    `float8`: the ids of the weights to gather in fp8 (stage 3: groups of their own).
+    Where a key's process group has one rank they gather in the compute dtype, as the
+    rest: a gather of one rank moves no bytes, so fp8 would save nothing and cost a
+    group and a gather of its own per unit, and the `Float8Linear` casting the weight
+    itself computes the same bits ([Note: the fp8 gather]).
     """
     compute = cfg.precision.compute_dtype
     planned: list[tuple[GroupKey, list[tuple[str, nn.Parameter]], int | None]] = []
@@ -92,8 +96,9 @@ def plan_flat_groups(
                 unit.params, param_group_of=param_group_of, process_group_of=process_group_of
             )
             for key, named in grouped.items():
-                wide = [(n, p) for n, p in named if id(p) not in float8]
-                narrow = [(n, p) for n, p in named if id(p) in float8]
+                gathers = size_of(key) > 1
+                narrow = [(n, p) for n, p in named if gathers and id(p) in float8]
+                wide = [(n, p) for n, p in named if not (gathers and id(p) in float8)]
                 if wide:
                     planned.append((key, wide, ui))
                 if narrow:

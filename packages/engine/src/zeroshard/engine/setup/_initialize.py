@@ -289,6 +289,14 @@ def initialize(
             cfg.loss_scale.min_scale,
             log_skips=everyone.rank == 0,
         )
+    if fp8 and not any(g.float8 for g in plan.groups):
+        fp8 = {}
+        if everyone.rank == 0:
+            log.info(
+                "zeroshard: enable_fsdp_float8_all_gather: a process group of one rank "
+                "gathers nothing, so the fp8 weights gather in the compute dtype (their "
+                "Float8Linears cast them: the same bits, one gather less per unit)"
+            )
     stage3 = None
     homes = _Homes(offload, Float8Gather(fp8, cfg.precision.compute_dtype) if fp8 else None)
     if cfg.stage == 3:
