@@ -120,3 +120,25 @@ def test_split_plot(tmp_path: Path) -> None:
     png = tmp_path / "split.png"
     assert plot_split([floor, zs3], png, "test")
     assert png.stat().st_size > 1000
+
+
+def test_kernels_side_by_side(tmp_path: Path) -> None:
+    """`benchmarks.train_step.kernels`: ms per step by name and by kind, the optimizer
+    step's kernels apart (found through their launch inside `Optimizer.step`)."""
+    from benchmarks.train_step.kernels import kind, per_step
+
+    path = _trace(tmp_path)
+    by_name, total, opt = per_step(path, steps=1)
+    assert by_name == {
+        "gemm_bf16": 0.23,
+        "ncclDevKernel_AllGather_RING_LL": 0.2,
+        "multi_tensor_apply_kernel<adam>": 0.04,
+    }
+    assert total == pytest.approx(0.47) and opt == pytest.approx(0.04)
+    by_kind, _, _ = per_step(path, steps=2, by_kind=True)
+    assert by_kind == {"matmul, bf16": 0.115, "other": 0.1, "optimizer step": 0.02}
+    assert kind("nvjet_sm90_qqtst_192x192_128x4_1x2_h_bz_coopB_TNN") == "matmul, fp8"
+    assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul, bf16"
+    assert kind("triton_red_fused_abs_add_gelu_max_view_6") == "inductor, amax / scale / cast"
+    assert kind("triton_poi_fused_add_gelu_3") == "inductor, other"
+    assert kind("multi_tensor_apply_kernel<adam>") == "foreach (outside the optimizer step)"

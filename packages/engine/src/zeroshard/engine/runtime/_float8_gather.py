@@ -8,6 +8,9 @@ keeps its gathered buffer in fp8. A gather casts this rank's fp32 master shard t
 each weight's part with that weight's scale, straight into this rank's part of the
 buffer and all-gathers in place ([Note: in-place gather]): one byte per element travels,
 and the cast is the downcast a compute-dtype gather makes anyway, so nothing is added.
+Where the group's process group has one rank nothing travels, so nothing would be saved:
+`plan_flat_groups` then leaves those weights in the compute-dtype groups and their
+`Float8Linear`s cast them (the same bits, below).
 
 A weight's scale is torchao's tensorwise one, `finfo(fp8).max / amax`, from the amax of
 the whole weight: each rank takes the amax of each weight's piece of its shard, and one
