@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from benchmarks._common import bench_model, join, place_ranks, publish
 from benchmarks.lightning._report import report
-from benchmarks.lightning._runs import Run, fit, zs3_steps
+from benchmarks.lightning._runs import Precision, Run, fit, zs3_steps
 
 PRECISIONS = {"bf16-mixed": "bf16", "32-true": "fp32"}
 
@@ -58,7 +58,7 @@ def main() -> None:
     placement = place_ranks(1, smoke=args.smoke)
     device = join(placement)
     print(f"[lightning] ranks: {placement.describe()}", flush=True)
-    precision = "32-true" if args.smoke else "bf16-mixed"
+    precision: Precision = "32-true" if args.smoke else "bf16-mixed"
     bm = bench_model(
         "gpt", args.preset, smoke=args.smoke, seq_len=None, activation_checkpointing=False
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 import zeroshard.engine as zs
 import zeroshard.engine.lightning  # noqa: F401  (registers "zeroshard_stage_3")
 from benchmarks._common import BenchModel, adamw, free, sync
+
+# The Trainer's precision flags the benchmark runs (`--smoke`: fp32 on CPU).
+Precision = Literal["32-true", "bf16-mixed"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -110,7 +113,7 @@ def fit(
     batch: Batch,
     device: torch.device,
     *,
-    precision: str,
+    precision: Precision,
     warmup: int,
     steps: int,
 ) -> Run:

@@ -38,7 +38,12 @@ def setup_ds(model: nn.Module, s: Settings, stage: int) -> Stepper:
     if s.optimizer == "muon":
         # torch.optim.Muon's defaults and the benchmark's AdamW, in DeepSpeed's keys (its
         # weight decay is one for both halves: Muon's, where the others' AdamW has torch's).
-        params = {"muon_lr": MUON_LR, "adam_lr": LR, "momentum": 0.95, "weight_decay": 0.1}
+        params: dict[str, object] = {
+            "muon_lr": MUON_LR,
+            "adam_lr": LR,
+            "momentum": 0.95,
+            "weight_decay": 0.1,
+        }
         # torch's AdamW for the rest (as the other engines), not DeepSpeed's FusedAdam,
         # which is built (JIT) on first use where its ops are not prebuilt.
         params |= {"betas": [0.9, 0.95], "torch_adam": True}
