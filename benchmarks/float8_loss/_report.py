@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,17 +23,13 @@ def _tail(losses: list[float]) -> float:
     return sum(losses[-n:]) / n
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
 def report(runs: list[Run], args: argparse.Namespace, torch_version: str, png: str | None) -> str:
     """The settings, one row per seed and the goal, judged on the mean over the seeds."""
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
-    bf16_mean = _mean([b.held_out for b, _ in pairs])
-    fp8_mean = _mean([f.held_out for _, f in pairs])
-    gap = (fp8_mean - bf16_mean) / bf16_mean
     bf16s = [b.held_out for b, _ in pairs]
+    bf16_mean = statistics.fmean(bf16s)
+    fp8_mean = statistics.fmean(f.held_out for _, f in pairs)
+    gap = (fp8_mean - bf16_mean) / bf16_mean
     spread = (max(bf16s) - min(bf16s)) / bf16_mean
     rows = [
         [

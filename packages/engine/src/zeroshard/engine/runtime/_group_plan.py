@@ -96,9 +96,9 @@ def plan_flat_groups(
                 unit.params, param_group_of=param_group_of, process_group_of=process_group_of
             )
             for key, named in grouped.items():
-                gathers = size_of(key) > 1
-                narrow = [(n, p) for n, p in named if gathers and id(p) in float8]
-                wide = [(n, p) for n, p in named if not (gathers and id(p) in float8)]
+                moves_bytes = size_of(key) > 1  # a gather of one rank moves nothing
+                narrow = [(n, p) for n, p in named if moves_bytes and id(p) in float8]
+                wide = [(n, p) for n, p in named if not (moves_bytes and id(p) in float8)]
                 if wide:
                     planned.append((key, wide, ui))
                 if narrow:
