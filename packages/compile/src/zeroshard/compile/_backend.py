@@ -42,6 +42,9 @@ from zeroshard.compile._ops import group_name, rank_of, replicate_of
 from zeroshard.compile._pipeline import PassContext, Phase, Pipeline
 
 INNER_BACKENDS = ("inductor", "aot_eager")
+# Inductor options set unless the user's `options` say otherwise (see [Note: inductor
+# keeps the passes' order]).
+INDUCTOR_DEFAULTS: Mapping[str, Any] = {"reorder_for_peak_memory": False}
 
 
 @dataclass
@@ -90,7 +93,7 @@ def make_backend(
                 apply(g, Phase.BACKWARD if kwargs.get("is_backward") else Phase.FORWARD)
                 return compile_fx_inner(g, inputs, **kwargs)
 
-            patches = dict(options or {})
+            patches = {**INDUCTOR_DEFAULTS, **(options or {})}
             if "joint_custom_pre_pass" in patches:
                 raise ValueError(
                     "options['joint_custom_pre_pass'] is taken by zeroshard.compile; "
