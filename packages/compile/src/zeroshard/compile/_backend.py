@@ -23,6 +23,18 @@ torch keeps every backend given to `torch.compile` in a module-level table
 backend refers to nothing of its model: only the pipeline, the budgets and a `Captures`
 counter. What Dynamo compiled (guards, graphs, inductor code) hangs off the forward's
 own code object (see `gathered_forward`) and is freed with the `CompiledModel`.
+
+[Note: inductor keeps the passes' order]
+The FORWARD and BACKWARD passes order the graph for memory: each gather at its first use,
+hoisted only within the prefetch budget, each release just after its buffer's last use.
+Inductor's own `reorder_for_peak_memory` then reorders the scheduled kernels by an
+estimate of buffer lifetimes that does not follow the in-place collectives (an `empty`
+that `all_gather_into_tensor_out` fills), so it may judge hoisting a gather free. With
+torchao's fp8 linears it did (one H200, a 24-block gpt): every block's gather, wait,
+release and weight casts moved to the start of forward, so the whole model's weights were
+gathered at once, the releases counted before the uses, and some 300 small kernels ran at
+the host's pace while the GPU idled (docs/fp8.md). So it is off unless `options` turn it
+on; the order within what the passes leave free is still inductor's.
 """
 
 from __future__ import annotations
