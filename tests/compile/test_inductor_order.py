@@ -7,7 +7,8 @@ moved every wait (with the weights' casts) ahead of the first matmul on an H200 
 inductor keeps the passes' order] in zeroshard.compile). So: the passes see that option
 off, and in the generated forward, every block after the first waits for its weights
 after a matmul of an earlier block. CPU ranks emulate fp8 (inductor lowers them to plain
-matmuls); the `gpu` run is where the reordering was seen.
+matmuls); the `gpu` run is where the reordering was seen. A user's `options` that turn
+the reordering back on reach inductor.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def _forward_calls(code: str) -> list[str]:
     return [line.strip() for line in body.splitlines() if "(" in line]
 
 
+def _record_reorder_flag(seen: list[bool]) -> zc.Pipeline:
+    """The default pipeline, and a forward pass noting inductor's reorder flag in `seen`."""
+
+    def record(graph: torch.fx.Graph, context: zc.PassContext) -> None:
+        seen.append(torch._inductor.config.reorder_for_peak_memory)
+
+    return zc.default_pipeline().append(record, {zc.Phase.FORWARD})
+
+
 def _case(device: str) -> None:
     from torchao.float8 import convert_to_float8_training
 
@@ -47,12 +57,7 @@ def _case(device: str) -> None:
     )
     model, _ = zs.initialize(net, make_optimizer(net), CONFIG)
     seen: list[bool] = []
-
-    def record(graph: torch.fx.Graph, context: zc.PassContext) -> None:
-        seen.append(torch._inductor.config.reorder_for_peak_memory)
-
-    pipeline = zc.default_pipeline().append(record, {zc.Phase.FORWARD})
-    compiled = zc.compile(model, pipeline=pipeline, fuse_bytes=0)
+    compiled = zc.compile(model, pipeline=_record_reorder_flag(seen), fuse_bytes=0)
     tokens = batches(1, 1, dist.get_world_size())[0, 0, 0].to(device)
     _, codes = run_and_get_code(lambda: loss_of(compiled, tokens).backward())
     assert not compiled.eager
@@ -72,3 +77,21 @@ def _case(device: str) -> None:
 def test_inductor_keeps_the_passes_order(device: str) -> None:
     pytest.importorskip("torchao")
     run_ranks(_case, 1, device, device=device, timeout_s=400)
+
+
+def _override_case(device: str) -> None:
+    torch.manual_seed(0)
+    net = Net().to(device)
+    model, _ = zs.initialize(net, make_optimizer(net), CONFIG)
+    seen: list[bool] = []
+    options = {"reorder_for_peak_memory": True}
+    compiled = zc.compile(model, pipeline=_record_reorder_flag(seen), options=options)
+    tokens = batches(1, 1, dist.get_world_size())[0, 0, 0].to(device)
+    loss_of(compiled, tokens).backward()
+    assert not compiled.eager
+    assert seen == [True]
+
+
+@pytest.mark.gpu
+def test_user_options_turn_the_reordering_back_on(device: str) -> None:
+    run_ranks(_override_case, 1, device, device=device, timeout_s=300)

@@ -264,3 +264,10 @@ def test_float8_training(device: str) -> None:
     run_ranks(_all, world, device, device=device)
     if device == "cpu" or torch.cuda.device_count() >= 4:
         run_ranks(_hybrid, 4, device, device=device)
+
+
+@pytest.mark.gpu
+def test_two_fp8_dtypes_refused_on_one_rank(device: str) -> None:
+    """One rank gathers in the compute dtype, but refuses what more ranks would refuse."""
+    pytest.importorskip("torchao")
+    run_ranks(_two_fp8_dtypes, 1, device, device=device)

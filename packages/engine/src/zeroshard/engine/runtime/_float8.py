@@ -19,7 +19,7 @@ objects are `Any` here.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,11 +115,29 @@ def float8_weights(model: nn.Module) -> dict[int, Float8Weight]:
     return {k: w for k, w in found.items() if holders.get(k) == 1}
 
 
+def one_float8_dtype(weights: Mapping[int, Float8Weight]) -> torch.dtype:
+    """The one fp8 dtype of `weights` (non-empty); two or more are refused by name, as
+    torchao's own scale precomputation takes one."""
+    dtypes = {w.dtype for w in weights.values()}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"enable_fsdp_float8_all_gather: the fp8 weights use {len(dtypes)} fp8 dtypes "
+            f"({sorted(map(str, dtypes))}); zeroshard gathers them in one"
+        )
+    (dtype,) = dtypes
+    return dtype
+
+
 def gathered_in_float8(model: nn.Module, cfg: ZeroConfig) -> dict[int, Float8Weight]:
     """The fp8 weights of `model` that `cfg` gathers in fp8: at stage 3, on the device.
     Stages 1/2 keep the weights whole in the compute dtype between steps (each
     `Float8Linear` casts its own, as without the option), and CPU offload's groups gather
-    the compute shards the host keeps."""
+    the compute shards the host keeps. Their dtypes are checked here, at any world size:
+    a model refused on eight GPUs is refused on one, where it would gather in the
+    compute dtype."""
     if cfg.stage != 3 or cfg.offload.optimizer:
         return {}
-    return float8_weights(model)
+    weights = float8_weights(model)
+    if weights:
+        one_float8_dtype(weights)
+    return weights

@@ -43,7 +43,7 @@ from torch import nn
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, ShardedStorage
-from zeroshard.engine.runtime._float8 import Float8Weight
+from zeroshard.engine.runtime._float8 import Float8Weight, one_float8_dtype
 from zeroshard.engine.runtime._group_home import DeviceHome
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.partition import FlatLayout
@@ -133,13 +133,7 @@ class Float8Gather:
     """
 
     def __init__(self, weights: Mapping[int, Float8Weight], compute_dtype: torch.dtype) -> None:
-        dtypes = {w.dtype for w in weights.values()}
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"enable_fsdp_float8_all_gather: the fp8 weights use {len(dtypes)} fp8 dtypes "
-                f"({sorted(map(str, dtypes))}); zeroshard gathers them in one"
-            )
-        (self.dtype,) = dtypes
+        self.dtype = one_float8_dtype(weights)
         self.compute_dtype = compute_dtype
         self._weights = dict(weights)
         self._stats = EngineStats()
