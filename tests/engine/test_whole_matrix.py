@@ -170,7 +170,11 @@ def _fp16_case(stage: int) -> None:
 
 def _meta_case(kind: str) -> None:
     """Stage 3 on a meta-device model, each unit materialized by `init`: Muon trains it
-    as the reference trains the same weights built on the CPU."""
+    bit for bit as the engine trains the same weights built on the CPU. (Not against one
+    process at fp32's tolerance: Newton-Schulz's bf16 cast turns a gradient's last-bit
+    difference from the ranks' summation order into a different bf16 value now and then,
+    which its iterations amplify to a few percent of a matrix's update; seen on an AVX2
+    host.)"""
     world = dist.get_world_size()
     cpu_model = make_model(0)
     with torch.no_grad():
@@ -188,10 +192,14 @@ def _meta_case(kind: str) -> None:
             _fill(f"{prefix}.{pname}" if prefix else pname, p)
 
     batches = global_batches(STEPS, 2, world, MICRO)
-    ref = _reference(cpu_model, _make(kind), batches, range(STEPS), True, False)
+    built, built_opt = zs.initialize(cpu_model, _make(kind)(cpu_model), _config(3))
+    _train(built, built_opt, batches, range(STEPS), clip=True)
     model, opt = zs.initialize(model, _make(kind)(model), _config(3), param_init=init)
     _train(model, opt, batches, range(STEPS), clip=True)
-    _compare(model, ref, {}, "fp32")
+    want, full = zs.full_state_dict(built), zs.full_state_dict(model)
+    assert full.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(full[name], value), f"{name}: differs from the CPU-built run"
 
 
 # The checkpointed run's global batches: 12 sequences, which 3 and 4 ranks split evenly.
