@@ -37,6 +37,8 @@ def test_every_flat_key_lands_in_its_policy() -> None:
         "flatten_tier": "cpu",
         "compute_dtype": "fp16",
         "reduce_dtype": "fp32",
+        # The default: bf16 masters need bf16 compute and no offload (test_bf16_masters.py).
+        "master_dtype": "fp32",
         "initial_loss_scale": 1024.0,
         "loss_scale_window": 50,
         "min_loss_scale": 2.0,

@@ -1,10 +1,11 @@
 """The planned model states equal what the engine really allocates, rank by rank.
 
 World 1-4 on gloo ranks, stages 1-3, with and without offload (and a hybrid run): the
-flat layouts, the stage-3 units, and the bytes of parameter buffers, masters, stage-1
-grad buffers, AdamW state after a step and the offload host buffers. The planner calls
-the engine's own rules (which groups, units, persistence, offload); this checks the bytes
-it counts from them, and (world 1) that it counts the prefetch the engine makes.
+flat layouts, the stage-3 units, and the bytes of parameter buffers, masters (bf16 ones
+too), stage-1 grad buffers, AdamW state after a step and the offload host buffers. The
+planner calls the engine's own rules (which groups, units, persistence, offload); this
+checks the bytes it counts from them, and (world 1) that it counts the prefetch the
+engine makes.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ MORE: list[dict[str, Any]] = [
     {"stage": 2, "dtype": "fp32"},
     {"stage": 3, "dtype": "bf16"},
     {"stage": 1, "dtype": "fp32", "offload_optimizer": True, "offload_ratio": 0.5},
+    # bf16 masters: masters, gradient shards and AdamW's state at half the bytes.
+    {"stage": 1, "dtype": "bf16", "master_dtype": "bf16"},
+    {"stage": 3, "dtype": "bf16", "master_dtype": "bf16"},
 ]
 HYBRID: list[dict[str, Any]] = [
     {"stage": 3, "dtype": "bf16", "shard": 2},

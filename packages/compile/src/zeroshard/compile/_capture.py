@@ -131,10 +131,13 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
                         spec.slots,
                     )
                 else:
+                    # Gathered in the master's dtype, then cast: the fused-downcast
+                    # pass moves the cast before the collective (nothing to move when
+                    # the masters are in the compute dtype).
                     full = torch.ops.zeroshard.gather(
-                        shard, spec.key, spec.world, torch.float32, spec.reduce_dtype
+                        shard, spec.key, spec.world, shard.dtype, spec.reduce_dtype
                     )
-                    if spec.compute_dtype != torch.float32:
+                    if spec.compute_dtype != shard.dtype:
                         full = full.to(spec.compute_dtype)
                     split = full.split(spec.pieces)
                     views = tuple(split[piece].view(shape) for _, piece, shape in spec_places)

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from zeroshard.engine.config._deepspeed_translate import (
     DEEPSPEED_ZERO_KEYS,
     PRECISION_BLOCKS,
@@ -48,6 +50,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{key: ("", key) for key in _TOP_LEVEL},
     "compute_dtype": ("precision", "compute_dtype"),
     "reduce_dtype": ("precision", "reduce_dtype"),
+    "master_dtype": ("precision", "master_dtype"),
     "initial_loss_scale": ("loss_scale", "initial_scale"),
     "loss_scale_window": ("loss_scale", "window"),
     "min_loss_scale": ("loss_scale", "min_scale"),
@@ -75,7 +78,7 @@ class ZeroConfig:
     """Where parameters are flattened: 'auto', 'device', 'distributed' or 'cpu'."""
 
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
-    """Compute and gradient-reduce dtypes."""
+    """Compute, gradient-reduce and master dtypes."""
 
     loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
     """fp16 dynamic loss scaling."""
@@ -108,6 +111,12 @@ class ZeroConfig:
                 f"offload.params (offload_params) needs stage 3 (parameters are whole on every "
                 f"rank at stage {self.stage}); use offload_optimizer to offload optimizer state"
             )
+        if self.offload.optimizer and self.precision.master_dtype != torch.float32:
+            raise ValueError(
+                "precision.master_dtype (master_dtype) bf16 cannot be offloaded "
+                "(offload.optimizer): the host keeps and steps fp32 masters; keep bf16 "
+                "masters on the device or offload fp32 ones"
+            )
         if self.offload.delay_param_update and self.stage == 3:
             raise ValueError(
                 "offload.delay_param_update (offload_delay_param_update) needs stage 1 or 2: "
@@ -130,7 +139,7 @@ class ZeroConfig:
         out: dict[str, Any] = {}
         for key, (policy, name) in FLAT_KEYS.items():
             value = getattr(getattr(self, policy) if policy else self, name)
-            if key in ("compute_dtype", "reduce_dtype") and value is not None:
+            if key in ("compute_dtype", "reduce_dtype", "master_dtype") and value is not None:
                 value = dtype_name(value)
             out[key] = list(value) if isinstance(value, tuple) else value
         return out

@@ -118,6 +118,7 @@ _HIDDEN_SIZE_RULES: dict[str, Callable[[int], int]] = {
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "stage3_param_persistence_threshold": lambda h: 10 * h,
 }
+_BF16_KEYS = ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states")
 _FP16_KEYS = (
     "enabled",
     "loss_scale",
@@ -199,14 +200,16 @@ def _translate_precision(
     fp16 = _enabled("fp16", d, auto.fp16)
     if bf16 and fp16:
         raise ValueError("DeepSpeed config enables both bf16 and fp16; choose one")
-    bad = sorted(set(_block(d, "bf16")) - {"enabled"})
+    bad = sorted(set(_block(d, "bf16")) - set(_BF16_KEYS))
     if bad:
-        raise unknown_keys_error("bf16 keys", bad, ["enabled"], path="bf16.")
+        raise unknown_keys_error("bf16 keys", bad, _BF16_KEYS, path="bf16.")
     out: dict[str, Any] = {}
     if "communication_data_type" in d:
         out["reduce_dtype"] = parse_dtype(d["communication_data_type"], "communication_data_type")
     if bf16:
         out["compute_dtype"] = torch.bfloat16
+    if _bf16_masters(_block(d, "bf16"), bf16):
+        out["master_dtype"] = torch.bfloat16
     unknown = sorted(set(_block(d, "fp16")) - set(_FP16_KEYS))
     if unknown:
         raise unknown_keys_error("fp16 keys", unknown, _FP16_KEYS, path="fp16.")
@@ -214,6 +217,28 @@ def _translate_precision(
         out["compute_dtype"] = torch.float16
         out.update(_translate_fp16(_block(d, "fp16"), notes))
     return out
+
+
+def _bf16_masters(b: Mapping[str, Any], bf16: bool) -> bool:
+    """Whether DeepSpeed's bf16 block keeps masters, gradients and optimizer state in bf16
+    (zeroshard's optimizer state follows the masters' dtype, so both keys or neither)."""
+    masters = check_bool(
+        "bf16.bf16_master_weights_and_grads", b.get("bf16_master_weights_and_grads", False)
+    )
+    states = check_bool("bf16.bf16_optimizer_states", b.get("bf16_optimizer_states", False))
+    if states and not masters:
+        raise ValueError(
+            "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads (as DeepSpeed)"
+        )
+    if masters and not states:
+        raise ValueError(
+            "bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states keeps fp32 "
+            "optimizer state beside bf16 masters, which DeepSpeed does only with its CPU Adam; "
+            "zeroshard's optimizer state follows the masters: set bf16_optimizer_states too"
+        )
+    if masters and not bf16:
+        raise ValueError("bf16.bf16_master_weights_and_grads needs bf16.enabled")
+    return masters
 
 
 def _translate_fp16(f: Mapping[str, Any], notes: list[str] | None) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from zeroshard.engine.config._validate import (
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Which dtypes parameters compute in and gradients travel in (masters stay fp32)."""
+    """Which dtypes parameters compute in, gradients travel in and the masters (with their
+    gradients and the optimizer's state) are kept in."""
 
     compute_dtype: torch.dtype = torch.float32
     """dtype of parameters in forward and backward: fp32, bf16 or fp16 (flat key
@@ -30,6 +31,13 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     """dtype gradients are reduced in; None means `compute_dtype` (flat key `reduce_dtype`)."""
 
+    master_dtype: torch.dtype = torch.float32
+    """dtype of the master weights, their gradient shards and so the optimizer's state
+    (torch's optimizers keep it in the parameter's dtype): fp32, or bf16 with bf16 compute,
+    which halves those bytes and steps in bf16 as a pure-bf16 run does (DeepSpeed's
+    `bf16.bf16_master_weights_and_grads` with `bf16_optimizer_states`; flat key
+    `master_dtype`)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "compute_dtype", parse_dtype(self.compute_dtype, "precision.compute_dtype")
@@ -37,6 +45,14 @@ class PrecisionPolicy:
         if self.reduce_dtype is not None:
             object.__setattr__(
                 self, "reduce_dtype", parse_dtype(self.reduce_dtype, "precision.reduce_dtype")
+            )
+        master = parse_dtype(self.master_dtype, "precision.master_dtype (master_dtype)")
+        object.__setattr__(self, "master_dtype", master)
+        if master not in (torch.float32, self.compute_dtype) or master == torch.float16:
+            raise ValueError(
+                f"precision.master_dtype (master_dtype) {master} needs compute_dtype bf16 "
+                f"(got {self.compute_dtype}); masters are fp32, or bf16 with bf16 compute "
+                "(fp16 masters would lose small updates and overflow)"
             )
 
     @property

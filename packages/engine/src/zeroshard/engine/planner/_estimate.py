@@ -67,7 +67,7 @@ class Estimate:
     seq_len: int
     parameters: int
     states: Mapping[str, int]  # device bytes kept between steps, by kind
-    grad_shards: int  # fp32 gradient shards on the device during a step
+    grad_shards: int  # gradient shards (master dtype) on the device during a step
     gathered: int  # stage 3: bytes of units gathered at once (persistent + prefetched)
     activations_peak: int  # measured on meta, the gradient path included
     host: int  # offload: host bytes per rank (master, gradient, optimizer state, staging)
@@ -296,7 +296,7 @@ def estimate_on_trace(
         seq_len=seq_len,
         parameters=sum(p.numel() for p in model.parameters()),
         states=state_bytes(plan, cfg, state_per_element),
-        grad_shards=grad_shard_bytes(plan),
+        grad_shards=grad_shard_bytes(plan, cfg),
         gathered=_gathered(plan, cfg),
         activations_peak=GradPath(plan, cfg).peak(trace),
         host=host,

@@ -87,8 +87,10 @@ def state_bytes(
 ) -> dict[str, int]:
     """Device bytes one rank keeps between steps, by kind (gradients freed by zero_grad).
     `optimizer_bytes_per_element`: one figure for every param group, or one per param
-    group index (those missing: 8, AdamW's)."""
+    group index (those missing: 8, AdamW's), for fp32 masters: torch's optimizers keep
+    their state in the master's dtype, so bf16 masters (`precision.master_dtype`) halve it."""
     compute = cfg.precision.compute_dtype.itemsize
+    master = cfg.precision.master_dtype.itemsize
     out = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0, "offload_compute": 0}
     for g in plan.groups:
         if cfg.stage != 3:
@@ -96,14 +98,14 @@ def state_bytes(
             if cfg.stage == 1 and g.trainable:
                 out["grad_buffer"] += g.layout.padded_numel * compute
         if not g.offloaded:
-            out["master"] += g.layout.shard_numel * 4
+            out["master"] += g.layout.shard_numel * master
             if g.trainable:
                 per = (
                     optimizer_bytes_per_element.get(g.key.param_group, 8)
                     if isinstance(optimizer_bytes_per_element, Mapping)
                     else optimizer_bytes_per_element
                 )
-                out["optimizer"] += g.layout.shard_numel * per
+                out["optimizer"] += g.layout.shard_numel * per * master // 4
     if plan.offload is not None:
         out["offload_compute"] = plan.offload.device_bytes
     return out
@@ -117,13 +119,17 @@ def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:
     return [
         *rows,
         f"| = model states between steps | {sum(states.values()) / 2**30:.2f} |",
-        f"| fp32 gradient shards (in a step) | {grad_shards / 2**30:.2f} |",
+        f"| gradient shards (in a step) | {grad_shards / 2**30:.2f} |",
     ]
 
 
-def grad_shard_bytes(plan: GroupPlan) -> int:
-    """Device bytes of the fp32 gradient shards during a step (offloaded ones live on the host)."""
-    return sum(g.layout.shard_numel * 4 for g in plan.groups if g.trainable and not g.offloaded)
+def grad_shard_bytes(plan: GroupPlan, cfg: ZeroConfig) -> int:
+    """Device bytes of the gradient shards (in the master dtype) during a step (offloaded
+    ones live on the host)."""
+    master = cfg.precision.master_dtype.itemsize
+    return sum(
+        g.layout.shard_numel * master for g in plan.groups if g.trainable and not g.offloaded
+    )
 
 
 def reduce_dtype_bytes(cfg: ZeroConfig) -> int:

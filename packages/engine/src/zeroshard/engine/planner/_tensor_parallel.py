@@ -301,7 +301,7 @@ def plan_tensor_parallel(
         split,
         per_rank,
         state_bytes(plan, cfg, optimizer_bytes_per_element),
-        grad_shard_bytes(plan),
+        grad_shard_bytes(plan, cfg),
         ops,
         cluster,
     )

@@ -276,7 +276,8 @@ class Float8Home(DeviceHome):
     """The `GroupHome` of an fp8 weights' group: the master and its gradient on the
     device, as `DEVICE_HOME`'s; gathers in fp8."""
 
-    def __init__(self, source: Float8Gather) -> None:
+    def __init__(self, source: Float8Gather, master_dtype: torch.dtype) -> None:
+        super().__init__(master_dtype)
         self.source = source
 
 

@@ -23,7 +23,7 @@ from zeroshard.engine.runtime._float8 import (
 )
 from zeroshard.engine.runtime._float8_gather import Float8Gather, Float8Home
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
-from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
+from zeroshard.engine.runtime._group_home import DeviceHome, GroupHome
 from zeroshard.engine.runtime._group_plan import FlatGroupPlan, PlannedFlatGroup, plan_flat_groups
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._names import canonical_name
@@ -109,6 +109,7 @@ class _Homes:
     """Where the planned groups are built: CPU offload's host storage, the fp8 weights'
     gather, or the device."""
 
+    master_dtype: torch.dtype
     offload: HostOffload | None = None
     float8: Float8Gather | None = None
 
@@ -119,8 +120,8 @@ class _Homes:
             return self.offload.home(g.index)
         if g.float8:
             assert self.float8 is not None
-            return Float8Home(self.float8)
-        return DEVICE_HOME
+            return Float8Home(self.float8, self.master_dtype)
+        return DeviceHome(self.master_dtype)
 
 
 def _build(
@@ -298,7 +299,11 @@ def initialize(
                 "Float8Linears cast them: the same bits, one gather less per unit)"
             )
     stage3 = None
-    homes = _Homes(offload, Float8Gather(fp8, cfg.precision.compute_dtype) if fp8 else None)
+    homes = _Homes(
+        cfg.precision.master_dtype,
+        offload,
+        Float8Gather(fp8, cfg.precision.compute_dtype) if fp8 else None,
+    )
     if cfg.stage == 3:
         units = _shard_stage3(plan, cfg, place, homes, param_init, init_seed)
         groups = tuple(g for _, unit_groups in units for g in unit_groups)

@@ -125,10 +125,18 @@ def apply_loaded(
             continue
         name = checkpoint_group_name(g)
         gm = loaded.sources[name]  # its kinds and scalars (the groups may be regrouped)
+        # State saved in the saved masters' dtype follows the masters into this run's
+        # (a checkpoint of fp32 masters resumed with bf16 ones, or back): torch's
+        # optimizers keep it in the parameter's dtype. Other state keeps its own.
+        saved_master = gm.shards.get(MASTER)
         opt_state: dict[str, Any] = {
             # Offloaded groups keep their optimizer state beside their master, on the host.
-            k[len(OPTIM_PREFIX) :]: loaded.shard(name, k).to(g.master.device, copy=True)
-            for k in gm.shards
+            k[len(OPTIM_PREFIX) :]: loaded.shard(name, k).to(
+                g.master.device,
+                g.master.dtype if dtype == saved_master else dtype,
+                copy=True,
+            )
+            for k, dtype in gm.shards.items()
             if k.startswith(OPTIM_PREFIX)
         }
         pg = inner.param_groups[g.key.param_group]

@@ -200,7 +200,7 @@ def checkpoint_contents(
     for g in state.groups:
         name = checkpoint_group_name(g)
         shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
-        kinds = {MASTER: torch.float32}
+        kinds = {MASTER: g.master.dtype}
         tensors[shard_key(name, MASTER)] = g.master.detach()
         for key, t in shard_tensors.items():
             kinds[OPTIM_PREFIX + key] = t.dtype

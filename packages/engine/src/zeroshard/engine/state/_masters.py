@@ -1,5 +1,5 @@
-"""The full fp32 masters: one all-gather per flat group, for `full_state_dict` and
-`gathered_parameters`."""
+"""The full masters (in their dtype: fp32 unless `precision.master_dtype`), one all-gather
+per flat group, for `full_state_dict` and `gathered_parameters`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_s
 
 
 def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.Tensor]:
-    """Every rank's fp32 master shard of each group, all-gathered into one full buffer
+    """Every rank's master shard of each group, all-gathered into one full buffer
     per group on the group's device (collective; the groups in the same order everywhere)."""
     handles: list[Handle] = []
     fulls: list[torch.Tensor] = []
     for g in groups:
         device = g.process_group.device
-        full = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=device)
+        full = torch.empty(g.layout.padded_numel, dtype=g.master.dtype, device=device)
         # Offloaded masters are on the host: they travel from the group's device.
         send = g.master.detach().to(device)
         handles.append(
@@ -34,7 +34,8 @@ def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.T
 
 @torch.no_grad()
 def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict on CPU, keyed like `model.state_dict()` before wrapping.
+    """The full state dict on CPU, keyed like `model.state_dict()` before wrapping: the
+    masters in their dtype (fp32 unless `precision.master_dtype`).
 
     Collective: call it on every rank; every rank gets the whole dict (parameters split by
     tensor parallelism whole, their pieces joined). Tied parameters

@@ -159,14 +159,16 @@ def read_named_shards(
     canonical = dict(named.aliases)
     out = NamedShards(mapping=_group_of(state, named, canonical))
     for g in state.groups:
-        host = torch.empty(g.master.numel(), dtype=torch.float32)
+        # The masters and their optimizer state in the run's master dtype, as saved
+        # in fp32 or not (torch's optimizers keep their state in the parameter's dtype).
+        host = torch.empty(g.master.numel(), dtype=g.master.dtype)
         _fill(g, {n: named.masters[canonical.get(n, n)] for n in g.names}, host)
         out.masters[g.index] = host
         if not g.trainable:
             continue
         opt_state = {}
         for key, specs in named.optimizer_state.items():
-            host = torch.empty(g.master.numel(), dtype=torch.float32)
+            host = torch.empty(g.master.numel(), dtype=g.master.dtype)
             _fill(g, {n: specs[canonical.get(n, n)] for n in g.names}, host)
             opt_state[key] = host
         out.optimizer_state[g.index] = opt_state

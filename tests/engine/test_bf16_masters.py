@@ -1,0 +1,306 @@
+"""bf16 masters (`precision.master_dtype`): masters, gradient shards and optimizer state
+in bf16, against a plain single-process bf16 run (every parameter bf16, the same AdamW).
+
+One rank: bit for bit with the reference at stages 1-3, eager and compiled (the same
+ops on the same bf16 values; no accumulation or clipping, whose sums the reference
+orders otherwise). Two ranks, with accumulation and clipping: losses and norms within
+rtol 2e-2 and the whole update within 10% in norm of the reference's (the test_parity.py
+bf16 tolerances; the ranks' bf16 gradient sums round otherwise than one process's). The
+fp8 gather with bf16 masters gathers the same bits as the bf16 gather. Checkpoints keep
+bf16 masters and state, resume bit for bit, and cross-load with fp32 masters both ways.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import zeroshard.compile as zc
+import zeroshard.engine as zs
+from tests._dist import run_each, run_ranks, subtests
+from tests.engine._models import (
+    global_batches,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    muon_and_adamw,
+    reference_run,
+)
+
+STEPS = 3
+MICRO = 2
+BF16 = {"compute_dtype": "bf16", "master_dtype": "bf16"}
+STAGE3 = {"min_unit_params": 1, "persistence_threshold": 0}
+
+
+def _bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose parameters are bf16 (buffers keep their dtype, as the engine's do)."""
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return ref
+
+
+def _train(
+    model: Any, opt: zs.ZeroOptimizer, batches: torch.Tensor, clip: bool, device: str = "cpu"
+) -> list[float]:
+    """This rank's part of `batches`; the global mean loss (and grad norm) of each step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for step in batches:
+        total = torch.zeros(1, device=device)
+        for micro in step:
+            loss = loss_fn(model, micro[rank].to(device)) / len(step)
+            loss.backward()
+            total += loss.detach()
+        if clip:
+            out.append(float(opt.clip_grad_norm_(0.5)))
+        _check_bf16_state(opt)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        out.append(float(total) / world)
+    return out
+
+
+def _check_bf16_state(opt: zs.ZeroOptimizer, grads: bool = True) -> None:
+    """Masters, their gradients and (after a first step) AdamW's moments are all bf16."""
+    for g in opt.flat_groups:
+        assert g.master.dtype == torch.bfloat16, g.index
+        if g.trainable:
+            # Stage 1 reduces its gradients in the step: no shard before it.
+            if grads and g.master.grad is not None:
+                assert g.master.grad.dtype == torch.bfloat16, g.index
+            for key, value in opt.inner.state.get(g.master, {}).items():
+                if key != "step":
+                    assert value.dtype == torch.bfloat16, (g.index, key)
+
+
+def _reference(
+    model: torch.nn.Module, batches: torch.Tensor, clip: bool, make_opt: Any = make_optimizer
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The bf16 reference's losses (each step's norm first, when clipped) and state."""
+    losses, norms, state = reference_run(
+        _bf16_copy(model), make_opt, batches, 0.5 if clip else None
+    )
+    out = [x for pair in zip(norms, losses, strict=True) for x in pair] if clip else losses
+    return out, state
+
+
+def _bf16_run(model: torch.nn.Module, batches: torch.Tensor, device: str) -> list[float]:
+    """The plain bf16 run of a copy of `model` on `device`, one process: its losses."""
+    ref = _bf16_copy(model).to(device)
+    opt = make_optimizer(ref)
+    losses = []
+    for step in batches:
+        loss = loss_fn(ref, step.reshape(-1, step.shape[-1]).to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    model.load_state_dict(ref.state_dict())  # `model` now holds the reference's result
+    return losses
+
+
+def _one_rank_case(device: str, stage: int, compiled: bool) -> None:
+    base = make_model(seed=stage).to(device)
+    batches = global_batches(STEPS, 1, 1, MICRO)
+    result = copy.deepcopy(base)
+    ref = _bf16_run(result, batches, device)
+    config = {"stage": stage, **BF16, **(STAGE3 if stage == 3 else {})}
+    model, opt = zs.initialize(base, make_optimizer(base), config)
+    run = zc.compile(model, backend="aot_eager") if compiled else model
+    assert _train(run, opt, batches, False, device) == ref
+    if compiled:
+        assert not run.eager and run.compiles == 1
+    full = zs.full_state_dict(model)
+    for name, value in result.state_dict().items():
+        if name != "offset":  # the buffer: fp32 in both
+            assert full[name].dtype == torch.bfloat16, name
+        # `result`'s parameters are fp32 again; they hold the reference's bf16 values.
+        assert torch.equal(full[name].float(), value.cpu().float()), name
+
+
+def _one_rank(device: str) -> None:
+    cases = [dict(stage=s, compiled=False) for s in (1, 2, 3)] + [dict(stage=3, compiled=True)]
+    run_each(cases, lambda **c: _one_rank_case(device, **c))
+
+
+@pytest.mark.gpu
+def test_one_rank_bit_for_bit(device: str) -> None:
+    run_ranks(_one_rank, 1, device, device=device)
+
+
+def _two_rank_case(stage: int, accum: int, clip: bool, muon: bool = False) -> None:
+    world = dist.get_world_size()
+    base = make_model(seed=10 + stage)
+    batches = global_batches(STEPS, accum, world, MICRO)
+    make_opt = muon_and_adamw if muon else make_optimizer
+    ref, ref_state = _reference(base, batches, clip, make_opt)
+    initial = {k: v.detach().float().clone() for k, v in base.state_dict().items()}
+    config = {"stage": stage, **BF16, "reduce_bucket_bytes": 1500, **(STAGE3 if stage == 3 else {})}
+    model, opt = zs.initialize(base, make_opt(base), config)
+    torch.testing.assert_close(_train(model, opt, batches, clip), ref, rtol=2e-2, atol=1e-2)
+    full = zs.full_state_dict(model)
+    trained = [k for k in initial if k not in ("frozen.weight", "frozen.bias", "offset")]
+    ours = torch.cat([(full[k].float() - initial[k]).reshape(-1) for k in trained])
+    theirs = torch.cat([(ref_state[k].float() - initial[k]).reshape(-1) for k in trained])
+    err = float((ours - theirs).norm() / theirs.norm())
+    assert err < 0.10, f"the update differs from the reference's by {err:.1%}"
+    assert torch.equal(full["frozen.weight"], ref_state["frozen.weight"])
+
+
+def _fp8_gather_same_bits() -> None:
+    """Stage 3 with bf16 masters: torchao's fp8 weights gathered in fp8 and in bf16 train
+    the same bits (the fp8 gather casts the bf16 master as Float8Linear casts the weight)."""
+    from tests.engine._float8 import batches as fp8_batches
+    from tests.engine._float8 import make_net, train
+    from tests.engine._float8 import make_optimizer as fp8_optimizer
+
+    data = fp8_batches(STEPS, 1, dist.get_world_size())
+    runs = []
+    for gather in (False, True):
+        net = make_net(2, "tensorwise", gather, "cpu")
+        model, opt = zs.initialize(net, fp8_optimizer(net), {"stage": 3, **BF16, **STAGE3})
+        stats = zs.engine_stats(model)
+        losses = train(model, opt, data, None, opt.clip_grad_norm_, "cpu")
+        assert (stats.scale_reductions > 0) == gather
+        runs.append((losses, zs.full_state_dict(model)))
+    (losses, state), (losses8, state8) = runs
+    assert losses8 == losses
+    for name, value in state.items():
+        assert torch.equal(state8[name], value), name
+
+
+def _two_ranks() -> None:
+    cases = subtests({"stage": [1, 2, 3], "accum": [2], "clip": [True]})
+    cases += [dict(stage=3, accum=1, clip=False), dict(stage=3, accum=1, clip=True, muon=True)]
+    run_each(cases, _two_rank_case)
+    pytest.importorskip("torchao")
+    run_each([{}], _fp8_gather_same_bits)
+
+
+def test_two_ranks_match_one_bf16_process() -> None:
+    run_ranks(_two_ranks, 2)
+
+
+def _engine(stage: int, masters: str) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
+    base = make_model(seed=7)
+    config = {"stage": stage, "compute_dtype": "bf16", "master_dtype": masters, **STAGE3}
+    return zs.initialize(base, make_optimizer(base), config)
+
+
+def _steps(model: torch.nn.Module, opt: zs.ZeroOptimizer, first: int, n: int) -> None:
+    """Steps first .. first + n - 1 of one batch sequence, clipped."""
+    rank = dist.get_rank()
+    for step in global_batches(first + n, 1, dist.get_world_size(), MICRO)[first:]:
+        loss_fn(model, step[0, rank]).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def _masters(opt: zs.ZeroOptimizer) -> list[torch.Tensor]:
+    return [g.master.detach().clone() for g in opt.flat_groups]
+
+
+def _moments(opt: zs.ZeroOptimizer) -> list[torch.Tensor]:
+    return [opt.inner.state[g.master]["exp_avg"].clone() for g in opt.flat_groups if g.trainable]
+
+
+def _checkpoint_case(root: str) -> None:
+    from zeroshard.ckpt import consolidate
+
+    model, opt = _engine(3, "bf16")
+    _steps(model, opt, 0, 2)
+    zs.save_checkpoint(model, opt, f"{root}/bf16", step=2)
+    saved, saved_full = _masters(opt), zs.full_state_dict(model)
+    with safe_open(f"{root}/bf16/step-2/rank{dist.get_rank():05d}.safetensors", "pt") as f:
+        keys = [k for k in f.keys() if ".master" in k or ".optim." in k]  # noqa: SIM118
+        kinds = {k: f.get_slice(k).get_dtype() for k in keys}
+    assert kinds and set(kinds.values()) == {"BF16"}, kinds
+    _steps(model, opt, 2, 2)
+    # Resumed on a fresh engine: the same bits.
+    again, again_opt = _engine(3, "bf16")
+    assert zs.load_checkpoint(again, again_opt, f"{root}/bf16") == 2
+    _check_bf16_state(again_opt, grads=False)
+    _steps(again, again_opt, 2, 2)
+    full, resumed = zs.full_state_dict(model), zs.full_state_dict(again)
+    for name, value in full.items():
+        assert torch.equal(resumed[name], value), name
+    # The bf16 checkpoint into fp32 masters: upcast exactly.
+    wide, wide_opt = _engine(3, "fp32")
+    zs.load_checkpoint(wide, wide_opt, f"{root}/bf16")
+    for a, b in zip(_masters(wide_opt), saved, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float())
+    # An fp32-master checkpoint into bf16 masters: masters and moments rounded to bf16.
+    _steps(wide, wide_opt, 2, 1)
+    zs.save_checkpoint(wide, wide_opt, f"{root}/fp32", step=3)
+    narrow, narrow_opt = _engine(3, "bf16")
+    zs.load_checkpoint(narrow, narrow_opt, f"{root}/fp32")
+    _check_bf16_state(narrow_opt, grads=False)
+    for a, b in zip(_masters(narrow_opt), _masters(wide_opt), strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16))
+    for a, b in zip(_moments(narrow_opt), _moments(wide_opt), strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16))
+    _steps(narrow, narrow_opt, 3, 1)  # and trains on from there
+    # Consolidated: the bf16 masters exactly (written in fp32), loadable into the model.
+    if dist.get_rank() == 0:
+        consolidate(f"{root}/bf16", f"{root}/out.safetensors")
+        plain = make_model(seed=0)
+        # The tied head is written once, under the embedding's name (as Hugging Face does).
+        missing, unexpected = plain.load_state_dict(
+            load_file(f"{root}/out.safetensors"), strict=False
+        )
+        assert (missing, unexpected) == (["head.weight"], [])
+        for name, value in plain.state_dict().items():
+            assert torch.equal(value, saved_full[name].float()), name
+    dist.barrier()
+
+
+def test_checkpoints(tmp_path: Path) -> None:
+    run_ranks(_checkpoint_case, 2, str(tmp_path))
+
+
+def test_config_spellings_and_refusals() -> None:
+    cfg = zs.ZeroConfig.from_dict(BF16)
+    assert cfg.precision.master_dtype == torch.bfloat16
+    assert cfg.to_dict()["master_dtype"] == "bf16"
+    assert zs.ZeroConfig.from_dict(cfg.to_dict()) == cfg
+    nested = {"precision": {"compute_dtype": "bf16", "master_dtype": torch.bfloat16}}
+    assert zs.ZeroConfig.from_dict(nested) == cfg
+    assert zs.ZeroConfig().precision.master_dtype == torch.float32
+    for bad, match in (
+        ({"master_dtype": "bf16"}, "needs compute_dtype bf16"),
+        ({"compute_dtype": "fp16", "master_dtype": "fp16"}, "needs compute_dtype bf16"),
+        ({"compute_dtype": "bf16", "master_dtype": "int8"}, "not a dtype"),
+        ({**BF16, "offload_optimizer": True}, "cannot be offloaded"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            zs.ZeroConfig.from_dict(bad)
+
+
+def test_deepspeed_bf16_master_keys() -> None:
+    def ds(**bf16: Any) -> dict[str, Any]:
+        return {"bf16": {"enabled": True, **bf16}, "zero_optimization": {"stage": 3}}
+
+    both = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    cfg = zs.ZeroConfig.from_dict(ds(**both))
+    assert cfg.precision.master_dtype == torch.bfloat16 and cfg.stage == 3
+    assert zs.ZeroConfig.from_dict(ds()).precision.master_dtype == torch.float32
+    for bad, match in (
+        (ds(bf16_master_weights_and_grads=True), "set bf16_optimizer_states too"),
+        (ds(bf16_optimizer_states=True), "needs bf16.bf16_master_weights_and_grads"),
+        ({**ds(**both), "bf16": {"enabled": False, **both}}, "needs bf16.enabled"),
+        (ds(bf16_master_weights_and_grads="yes", bf16_optimizer_states=True), "true or false"),
+        (ds(immediate_grad_update=True), "unknown bf16 keys"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            zs.ZeroConfig.from_dict(bad)
