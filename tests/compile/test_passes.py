@@ -26,20 +26,26 @@ def _val(node: fx.Node, shape: tuple[int, ...], dtype: torch.dtype = torch.float
 
 
 def mlp_graph(
-    n: int = 3, d: int = 4, cast: torch.dtype | None = None, gathers_first: bool = True
+    n: int = 3,
+    d: int = 4,
+    cast: torch.dtype | None = None,
+    gathers_first: bool = True,
+    master: torch.dtype = torch.float32,
 ) -> fx.Graph:
-    """x -> mm(w0) -> relu -> mm(w1) -> ... with each w a view of its own gathered shard;
-    with `cast`, each weight view is cast to that dtype before use. Gathers (and views)
-    all at the top when `gathers_first`, as capture leaves them."""
+    """x -> mm(w0) -> relu -> mm(w1) -> ... with each w a view of its own gathered shard
+    (of `master` dtype); with `cast`, each weight view is cast to that dtype before use.
+    Gathers (and views) all at the top when `gathers_first`, as capture leaves them."""
     g = fx.Graph()
-    shards = [_val(g.placeholder(f"shard{i}"), (d * d // WORLD,)) for i in range(n)]
-    h = _val(g.placeholder("x"), (d, d), cast or torch.float32)
+    shards = [_val(g.placeholder(f"shard{i}"), (d * d // WORLD,), master) for i in range(n)]
+    h = _val(g.placeholder("x"), (d, d), cast or master)
     weights = []
     for i in range(n):
         full = _val(
-            g.call_function(GATHER, (shards[i], i, WORLD, torch.float32, torch.float32)), (d * d,)
+            g.call_function(GATHER, (shards[i], i, WORLD, master, torch.float32)),
+            (d * d,),
+            master,
         )
-        w = _val(g.call_function(aten.view.default, (full, [d, d])), (d, d))
+        w = _val(g.call_function(aten.view.default, (full, [d, d])), (d, d), master)
         if cast is not None:
             w = _val(
                 g.call_function(torch.ops.prims.convert_element_type.default, (w, cast)),
@@ -48,8 +54,8 @@ def mlp_graph(
             )
         weights.append(w)
     for i in range(n):
-        h = _val(g.call_function(aten.mm.default, (h, weights[i])), (d, d), cast or torch.float32)
-        h = _val(g.call_function(aten.relu.default, (h,)), (d, d), cast or torch.float32)
+        h = _val(g.call_function(aten.mm.default, (h, weights[i])), (d, d), cast or master)
+        h = _val(g.call_function(aten.relu.default, (h,)), (d, d), cast or master)
     g.output((h,))
     if not gathers_first:
         zc.gather_at_first_use(g, ctx())
@@ -87,6 +93,15 @@ def test_fuse_downcast_gathers_in_the_compute_dtype() -> None:
     assert "convert_element_type" not in kinds(g)  # no fp32 copy, no cast left
     mm = [n for n in g.nodes if n.target is aten.mm.default]
     assert all(m.args[1].meta["val"].dtype == torch.bfloat16 for m in mm)
+
+
+def test_fuse_downcast_leaves_an_upcast_after_the_gather() -> None:
+    # bf16 masters whose every use is an fp32 upcast (torchao's fp8 scaling): gathering
+    # in fp32 would move twice the bytes, so the gather stays bf16 and the casts stay.
+    g = mlp_graph(cast=torch.float32, master=torch.bfloat16)
+    zc.fuse_downcast(g, ctx())
+    assert [n.args[3] for n in gather_nodes(g)] == [torch.bfloat16] * 3
+    assert kinds(g).count("convert_element_type") == 3
 
 
 def test_fuse_downcast_keeps_full_precision_when_some_use_needs_it() -> None:

@@ -87,9 +87,11 @@ def mark_recompute(graph: fx.Graph, context: PassContext) -> None:
 
 def fuse_downcast(graph: fx.Graph, context: PassContext) -> None:
     """Gather in the dtype the parameters are used in: when every use of a gathered buffer
-    (through views) is a cast to one dtype, the gather casts the shard instead, so fewer
-    bytes travel and no full-precision copy of the parameters is ever made. An fp8 gather
-    is fused already (its buffer's casts are torchao's dequantization, not a downcast)."""
+    (through views) is a cast to one narrower dtype, the gather casts the shard instead, so
+    fewer bytes travel and no full-precision copy of the parameters is ever made. A wider
+    cast stays after the gather (bf16 masters upcast by torchao's fp8 scaling: gathering
+    fp32 would move twice the bytes). An fp8 gather is fused already (its buffer's casts
+    are torchao's dequantization, not a downcast)."""
     for gather in gathers(graph):
         if is_float8_gather(gather):
             continue
@@ -99,7 +101,9 @@ def fuse_downcast(graph: fx.Graph, context: PassContext) -> None:
         if not leaves or len(dtypes) != 1:
             continue
         (target,) = dtypes
-        if target is None or target == gather.args[3]:
+        gathered = gather.args[3]
+        assert isinstance(gathered, torch.dtype)
+        if target is None or target.itemsize >= gathered.itemsize:
             continue
         gather.update_arg(3, target)
         for node in views:
