@@ -107,6 +107,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=32 * 2**20, help="elements per CPU tensor")
     p.add_argument("--adam-steps", type=int, default=3)
     p.add_argument("--section", default="", help="docs/benchmarks.md section to write")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here (JSON)")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall time for all parts")
     p.add_argument(
         "--rounds", type=int, default=1, help="runs of each train part, in alternating order"
@@ -274,6 +275,9 @@ def main() -> None:
     placement = place_ranks(1, smoke=args.smoke)  # what each part's process joins as
     print(f"[offload] ranks: {placement.describe()}", flush=True)
     results = search(args, shared) if args.search_layers else run_parts(args, shared)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
     body = report(args, results)
     print(body)
     title = "CPU offload (one GPU)" + (f" ({args.section})" if args.section != "offload" else "")

@@ -332,7 +332,7 @@ def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
     groups = [g for g in zopt.flat_groups if g.trainable]
     for g in groups:
         # The reduced gradient as it lands on the host (bf16); the step never clears it.
-        g.claim_grad_shard().fill_(1e-3)
+        g.home.claim_grad_shard().fill_(1e-3)
 
     def step() -> None:
         step_offloaded(zopt.inner, offload, [], groups)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer
+from zeroshard.engine import HomeKind
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
@@ -56,7 +57,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
     def offloaded(g: FlatParamGroup) -> bool:
         return host is not None and host.holds(g)
 
-    assert [offloaded(g) for g in state.groups] == [g.offloaded for g in plan.groups]
+    assert [offloaded(g) for g in state.groups] == [g.home is HomeKind.HOST for g in plan.groups]
     if stage == 3:
         assert state.stage3 is not None
         real_units = [(u.name, u.nbytes, u.persistent) for u in state.stage3.units]

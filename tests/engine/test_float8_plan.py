@@ -20,6 +20,7 @@ import torch.distributed as dist
 import zeroshard.engine as zs
 from tests._dist import run_ranks
 from tests.engine._float8 import make_net, make_optimizer
+from zeroshard.engine import WireKind
 from zeroshard.engine.planner._cli import main
 from zeroshard.engine.planner._groups import plan_groups
 
@@ -38,7 +39,7 @@ def _planned_as_built() -> None:
         state = zs.engine_state(model)
         assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
         built = [zs.float8_wire(g) is not None for g in state.groups]
-        assert built == [g.float8 for g in plan.groups] and any(built) == gather
+        assert built == [g.wire is WireKind.FLOAT8 for g in plan.groups] and any(built) == gather
         assert state.stage3 is not None
         assert [u.nbytes for u in state.stage3.units] == [u.gathered_bytes for u in plan.units]
         plans[gather] = zs.estimate(meta, cfg, world, 2, 8), meta

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import zeroshard.engine as zs
 from tests._dist import run_ranks
 from tests.engine._models import make_model, make_optimizer
-from zeroshard.engine.setup import _host_memory
-from zeroshard.engine.setup._host_memory import read_host_memory
+from zeroshard.engine.runtime import _host_memory
+from zeroshard.engine.runtime._host_memory import read_host_memory
 
 GIB = 1024**3
 

@@ -19,6 +19,7 @@ from zeroshard.ckpt._keys import rank_file
 from zeroshard.comm import Group
 from zeroshard.engine import DivergentRanksError
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
+from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime._unit_plan import UnitPlan
 
 
@@ -96,6 +97,7 @@ def _unit_counts_differ() -> None:
         prefetch_bytes=0,
         max_live_bytes=2**40,
         persistence_threshold=0,
+        stats=EngineStats(),
     )
     units = runtime.units  # rank 1 has one unit more
     with pytest.raises(DivergentRanksError) as info:

@@ -109,6 +109,40 @@ def engine_violations(engine: Path) -> list[str]:
     return out
 
 
+# The runtime's feature folders: the rest of the engine reaches each through its face (its
+# `__init__.py`) alone, and the runtime's core (the modules directly in runtime/) never
+# imports them: they build on the core's seams (docs/design.md, "The engine's folders").
+FEATURES = ("offload", "whole")
+
+
+def feature_violations(engine: Path) -> list[str]:
+    """Imports of a feature folder's private modules from outside it, and imports of a
+    feature folder from the runtime's core."""
+    src = engine.parents[1]
+    runtime = engine / "runtime"
+    out = []
+    for path in sorted(engine.rglob("*.py")):
+        inside = path.relative_to(runtime).parts if path.is_relative_to(runtime) else ()
+        home = inside[0] if len(inside) > 1 else None
+        core = len(inside) == 1
+        for line, imported in _imports(path, _module_name(path, src)):
+            names = imported.split(".")
+            if names[:3] != ["zeroshard", "engine", "runtime"] or len(names) < 4:
+                continue
+            feature = names[3]
+            if feature not in FEATURES or feature == home:
+                continue
+            where = f"{path.relative_to(src)}:{line}"
+            if core:
+                out.append(f"{where}: the runtime's core imports {imported}, a feature folder")
+            elif len(names) > 4:
+                out.append(
+                    f"{where}: {imported} is private to runtime/{feature}/; import its face "
+                    f"zeroshard.engine.runtime.{feature}"
+                )
+    return out
+
+
 def public_names(engine: Path) -> set[str]:
     """The names in the public face's `__all__` (parsed, not imported)."""
     tree = ast.parse((engine / "__init__.py").read_text())
@@ -153,6 +187,34 @@ def test_packages_import_downward_only() -> None:
 
 def test_engine_parts_import_in_order() -> None:
     assert engine_violations(ENGINE) == []
+
+
+def test_feature_folders_are_reached_through_their_faces() -> None:
+    assert feature_violations(ENGINE) == []
+
+
+def test_a_feature_import_is_reported(tmp_path: Path) -> None:
+    """The core importing a feature's face, the planner a feature's private module, and a
+    feature another's private module are reported; a feature's own modules and the faces
+    from setup are not."""
+    runtime = tmp_path / "zeroshard" / "engine" / "runtime"
+    for folder, text in {
+        runtime: "from zeroshard.engine.runtime.offload import HostOffload\n",
+        runtime / "offload": "from zeroshard.engine.runtime.offload._io import host_tensor\n",
+        runtime / "whole": "from zeroshard.engine.runtime.offload._plan import GRAD_STAGING\n",
+        runtime.parent / "planner": "from zeroshard.engine.runtime.whole._owners import x\n",
+        runtime.parent / "setup": "from zeroshard.engine.runtime.whole import WholeMatrices\n",
+    }.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "_x.py").write_text(text)
+    assert feature_violations(runtime.parent) == [
+        "zeroshard/engine/planner/_x.py:1: zeroshard.engine.runtime.whole._owners is private "
+        "to runtime/whole/; import its face zeroshard.engine.runtime.whole",
+        "zeroshard/engine/runtime/_x.py:1: the runtime's core imports "
+        "zeroshard.engine.runtime.offload, a feature folder",
+        "zeroshard/engine/runtime/whole/_x.py:1: zeroshard.engine.runtime.offload._plan is "
+        "private to runtime/offload/; import its face zeroshard.engine.runtime.offload",
+    ]
 
 
 def test_integrations_use_public_names_only() -> None:

@@ -191,6 +191,6 @@ def _grad_shard_hook(group: weakref.ref[Any]) -> Callable[[torch.Tensor], None]:
     def hook(master: torch.Tensor) -> None:
         owner = group()
         if owner is not None:
-            owner.take_master_grad()
+            owner.home.take_master_grad()
 
     return hook

@@ -16,7 +16,7 @@ from zeroshard.compile._capture import flat_specs, gathered_forward, graph_scale
 from zeroshard.compile._ops import unregister_target
 from zeroshard.compile._passes import default_pipeline
 from zeroshard.compile._pipeline import Pipeline
-from zeroshard.engine import EngineState, EngineStats, engine_state
+from zeroshard.engine import EngineState, EngineStats, HomeKind, engine_state
 
 log = logging.getLogger("zeroshard.compile")
 
@@ -50,7 +50,7 @@ class CompiledModel:
         self.eager = False
         state = engine_state(model)
         self._state = state
-        self._shards = [g.master for g in state.groups]
+        self._shards: list[torch.Tensor] = [g.master for g in state.groups]
         self._scales = graph_scales(state)
         kwargs = dict(torch_compile_kwargs)
         inner = kwargs.pop("backend", "inductor")
@@ -208,7 +208,7 @@ def compile(
             "device_mesh): run the model eagerly; zeroshard's stage 3 with torch's "
             "tensor-parallel collectives works as it is"
         )
-    if state.offload is not None:
+    if any(g.home.kind is not HomeKind.DEVICE for g in state.groups):
         raise ValueError(
             "zeroshard.compile does not support offload_optimizer: the compiled graph "
             "gathers the masters on the device; compile without offload, or run eagerly"

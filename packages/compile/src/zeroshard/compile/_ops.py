@@ -19,6 +19,7 @@ is then averaged over (the ranks holding the same shard).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,14 @@ from typing import Any
 import torch
 
 from zeroshard.comm import Group
-from zeroshard.engine import EngineStats, Float8Wire
+from zeroshard.engine import (
+    ComputeCast,
+    EngineStats,
+    Float8Wire,
+    average_replicas,
+    gather_shards,
+    reduce_scatter_grads,
+)
 
 
 @dataclass(frozen=True)
@@ -75,14 +83,13 @@ def _target(key: int) -> _Target:
 def gather(
     shard: torch.Tensor, key: int, world: int, dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> torch.Tensor:
-    """All-gather `shard`, cast to `dtype` first, into a new flat buffer of world x its size."""
+    """All-gather `shard`, cast to `dtype` first, into a new flat buffer of world x its
+    size, in place as the eager gather (the engine's `gather_shards`)."""
     target = _target(key)
-    # The cast before the collective: only `dtype` bytes travel (the fused downcast).
-    send = shard.detach().to(dtype).contiguous()
-    out = torch.empty(send.numel() * world, dtype=dtype, device=shard.device)
-    target.process_group.all_gather_into(
-        out, send, label=f"compiled gather of {target.label}"
-    ).wait()
+    out = torch.empty(shard.numel() * world, dtype=dtype, device=shard.device)
+    # The cast writes this rank's part: only `dtype` bytes travel (the fused downcast).
+    label = f"compiled gather of {target.label}"
+    gather_shards(target.process_group, ComputeCast(dtype), shard.detach(), out, label=label).wait()
     target.stats.gathered(out.nbytes)
     return out
 
@@ -102,14 +109,11 @@ def gather_fp8(
     `scales`) into a new flat buffer of world x its size; in place, as the eager gather."""
     target = _target(key)
     wire = wire_of(key)
-    n = shard.numel()
-    out = torch.empty(n * world, dtype=dtype, device=shard.device)
-    rank = target.process_group.rank
-    own = out[rank * n : (rank + 1) * n]
-    wire.cast_into(own, shard.detach(), scales)
-    target.process_group.all_gather_into(
-        out, own, label=f"compiled fp8 gather of {target.label}"
-    ).wait()
+    if scales is not wire.scales:  # the graph's input may be a copy of them
+        wire = dataclasses.replace(wire, scales=scales)
+    out = torch.empty(shard.numel() * world, dtype=dtype, device=shard.device)
+    label = f"compiled fp8 gather of {target.label}"
+    gather_shards(target.process_group, wire, shard.detach(), out, label=label).wait()
     target.stats.gathered(out.nbytes)
     return out
 
@@ -135,15 +139,18 @@ def reduce_scatter(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
     over the replicas under hybrid sharding)."""
     target = _target(key)
     send = full.contiguous()
-    out = torch.empty(send.numel() // world, dtype=send.dtype, device=send.device)
-    target.process_group.reduce_scatter(
-        out, send, op="avg", label=f"compiled reduce-scatter of {target.label}"
-    ).wait()
+    out, handle = reduce_scatter_grads(
+        target.process_group,
+        send,
+        op="avg",
+        in_place=False,
+        label=f"compiled reduce-scatter of {target.label}",
+    )
+    handle.wait()
     target.stats.reduced(send.nbytes)
     if target.replicate is not None:
-        target.replicate.all_reduce(
-            out, op="avg", label=f"compiled replica average of {target.label}"
-        ).wait()
+        label = f"compiled replica average of {target.label}"
+        average_replicas(target.replicate, out, label=label)
     return out
 
 

@@ -25,7 +25,13 @@ from zeroshard.engine.config._policies import (
 from zeroshard.engine.planner._cluster import Cluster, Link
 from zeroshard.engine.planner._estimate import Estimate, estimate
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.runtime._collectives import (
+    average_replicas,
+    gather_shards,
+    reduce_scatter_grads,
+)
 from zeroshard.engine.runtime._float8_gather import Float8Wire, float8_wire
+from zeroshard.engine.runtime._home import Home, HomeKind
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import DivergentRanksError
 from zeroshard.engine.runtime._state import (
@@ -36,6 +42,7 @@ from zeroshard.engine.runtime._state import (
     engine_stats,
 )
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._wire import ComputeCast, Wire, WireKind
 from zeroshard.engine.setup._initialize import initialize
 from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine.state._gathered import gathered_parameters
@@ -51,6 +58,7 @@ __all__ = [
     "Cluster",
     "CommPolicy",
     "Compute",
+    "ComputeCast",
     "DeepSpeedSettings",
     "DivergentRanksError",
     "EngineModel",
@@ -58,6 +66,8 @@ __all__ = [
     "EngineStats",
     "Estimate",
     "Float8Wire",
+    "Home",
+    "HomeKind",
     "Link",
     "LoadReport",
     "LossScalePolicy",
@@ -67,20 +77,25 @@ __all__ = [
     "SafetensorsLoadError",
     "Stage3Policy",
     "Stateful",
+    "Wire",
+    "WireKind",
     "WrapsEngineModel",
     "ZeroConfig",
     "ZeroOptimizer",
+    "average_replicas",
     "engine_state",
     "engine_stats",
     "estimate",
     "float8_wire",
     "full_state_dict",
+    "gather_shards",
     "gathered_parameters",
     "hidden_size_of",
     "initialize",
     "load_checkpoint",
     "load_safetensors",
     "read_deepspeed_config",
+    "reduce_scatter_grads",
     "resume_checkpoint",
     "save_checkpoint",
     "state_dict_on_rank0",

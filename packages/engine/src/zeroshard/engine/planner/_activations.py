@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._names import named_parameters
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -131,7 +132,7 @@ class GradPath:
             out.append(g.layout.padded_numel * self.bucket_bytes)
         self.remaining[g.index] -= 1
         if self.remaining[g.index] == 0:
-            if not g.offloaded:
+            if g.home is HomeKind.DEVICE:
                 out.append(g.layout.shard_numel * 4)
             self.inflight.append(g.index)
             while len(self.inflight) > self.limit:

@@ -42,18 +42,18 @@ from zeroshard.engine.planner._step_time import (
 )
 from zeroshard.engine.planner._whole import (
     WholeMatrixCost,
-    param_group_optimizers,
     whole_matrix_cost,
 )
 from zeroshard.engine.runtime._float8 import unwrap_float8_weights
+from zeroshard.engine.runtime._home import HomeKind
+from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._optimizers import as_optimizers
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
-from zeroshard.engine.runtime.offload._fused_adam import steps_in_blocks
-from zeroshard.engine.runtime.whole._declare import split_muon
+from zeroshard.engine.runtime._wire import WireKind
+from zeroshard.engine.runtime.offload import steps_in_blocks
 
 GIB = 2**30
 # torch.optim.Muon's state per master element: its fp32 momentum.
-MUON_BYTES_PER_ELEMENT = 4
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,6 @@ def estimate_on_trace(
     check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
     shard = cfg.shard_group_size or world_size
     optimizers = [] if optimizer is None else as_optimizers(optimizer)
-    per_group = param_group_optimizers(optimizers)
     groups_of = None
     if optimizers:
         groups_of = {
@@ -268,14 +267,17 @@ def estimate_on_trace(
     blocked = len(optimizers) == 1 and steps_in_blocks(optimizers[0])
     plan = plan_groups(model, cfg, shard, groups_of, blocked)
     whole = whole_matrix_cost(plan.groups, cfg, optimizers)
-    state_per_element = {
-        k: MUON_BYTES_PER_ELEMENT if split_muon(o) else optimizer_bytes_per_element
-        for k, o in enumerate(per_group)
-    }
+    # The engine's own rule where the optimizers are known (`state_floats`), else the
+    # figure given for every param group.
+    state_per_element = {k: 4 * n for k, n in state_floats_by_param_group(optimizers).items()}
     host = pinned = 0
     if plan.offload is not None:
-        moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
-        host = plan.offload.host_bytes + moved * optimizer_bytes_per_element
+        host = plan.offload.host_bytes + sum(
+            g.layout.shard_numel
+            * state_per_element.get(g.key.param_group, optimizer_bytes_per_element)
+            for g in plan.groups
+            if g.home is HomeKind.HOST and g.trainable
+        )
         pinned = plan.offload.pinned_bytes
     step = None
     if compute is not None:
@@ -295,13 +297,13 @@ def estimate_on_trace(
         micro_batch=micro_batch,
         seq_len=seq_len,
         parameters=sum(p.numel() for p in model.parameters()),
-        states=state_bytes(plan, cfg, state_per_element),
+        states=state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element),
         grad_shards=grad_shard_bytes(plan, cfg),
         gathered=_gathered(plan, cfg),
         activations_peak=GradPath(plan, cfg).peak(trace),
         host=host,
         pinned=pinned,
         step=step,
-        float8=sum(g.layout.numel for g in plan.groups if g.float8),
+        float8=sum(g.layout.numel for g in plan.groups if g.wire is WireKind.FLOAT8),
         whole_matrix=whole,
     )

@@ -22,8 +22,10 @@ from zeroshard.engine.runtime._group_plan import (
     ProcessGroupOf,
     plan_flat_groups,
 )
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._unit_plan import is_persistent
-from zeroshard.engine.runtime.offload._plan import OffloadSizes
+from zeroshard.engine.runtime._wire import WireKind
+from zeroshard.engine.runtime.offload import OffloadSizes, place_offloaded
 
 
 @dataclass(frozen=True)
@@ -63,13 +65,12 @@ def plan_groups(
     plan = plan_flat_groups(
         model,
         cfg,
-        shard_size=shard_size,
         size_of=lambda _: shard_size,
         param_group_of=param_group_of,
         process_group_of=process_group_of,
-        blocked_step=blocked_step,
         float8=gathered_in_float8(model, cfg),
     )
+    plan, offload = place_offloaded(plan, cfg, shard_size, blocked_step=blocked_step)
     itemsize = cfg.precision.compute_dtype.itemsize
     units: list[PlannedUnit] = []
     for ui, unit in enumerate(plan.units):
@@ -77,9 +78,11 @@ def plan_groups(
         numel = sum(g.layout.numel for g in groups)
         persistent = is_persistent(ui, numel, cfg.stage3.persistence_threshold)
         # torchao's fp8 weights gather one byte per element ([Note: the fp8 gather]).
-        gathered = sum(g.layout.padded_numel * (1 if g.float8 else itemsize) for g in groups)
+        gathered = sum(
+            g.layout.padded_numel * (1 if g.wire is WireKind.FLOAT8 else itemsize) for g in groups
+        )
         units.append(PlannedUnit(unit.name, gathered, persistent))
-    return GroupPlan(plan.groups, tuple(units), plan.offload, shard_size)
+    return GroupPlan(plan.groups, tuple(units), offload, shard_size)
 
 
 def state_bytes(
@@ -97,7 +100,7 @@ def state_bytes(
             out["parameters"] += g.layout.padded_numel * compute
             if cfg.stage == 1 and g.trainable:
                 out["grad_buffer"] += g.layout.padded_numel * compute
-        if not g.offloaded:
+        if g.home is HomeKind.DEVICE:
             out["master"] += g.layout.shard_numel * master
             if g.trainable:
                 per = (
@@ -128,7 +131,9 @@ def grad_shard_bytes(plan: GroupPlan, cfg: ZeroConfig) -> int:
     ones live on the host)."""
     master = cfg.precision.master_dtype.itemsize
     return sum(
-        g.layout.shard_numel * master for g in plan.groups if g.trainable and not g.offloaded
+        g.layout.shard_numel * master
+        for g in plan.groups
+        if g.trainable and g.home is HomeKind.DEVICE
     )
 
 

@@ -47,6 +47,7 @@ from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import GroupPlan, reduce_dtype_bytes
 from zeroshard.engine.planner._whole import WholeMatrixCost
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime._stepper import step_in_backward_refusal
 
@@ -181,7 +182,9 @@ def project_step(
     if plan.offload is not None:
         if compute.cpu_adam_params_per_s is None:
             raise ValueError("an offloaded optimizer needs Compute.cpu_adam_params_per_s")
-        moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
+        moved = sum(
+            g.layout.shard_numel for g in plan.groups if g.home is HomeKind.HOST and g.trainable
+        )
         bandwidth = compute.cpu_adam_params_per_s * _FUSED_ADAMW_BYTES
         cpu = moved * host_bytes_per_param(cfg) / bandwidth
     # What the CPU step runs beside ([Note: the offload model]); the rest of it shows.

@@ -21,8 +21,13 @@ from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
-from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
-from zeroshard.engine.runtime.whole._owners import MatrixOwners, plan_owners
+from zeroshard.engine.runtime.whole import (
+    MatrixOwners,
+    plan_owners,
+    split_muon,
+    steps_whole,
+    torch_muon,
+)
 
 # Bytes per exchanged element, to the owner and back ([module docstring]).
 SPLIT_BYTES = (2, 2)

@@ -1,18 +1,20 @@
-"""`FlatParamGroup`: parameters flattened into one buffer, with this rank's fp32 master shard.
+"""`FlatParamGroup`: parameters flattened into one buffer, with this rank's master shard.
 
-The core (index, key, names, parameters, layout, process group, master) is the same in
-every mode; the storage differs. Stages 1 and 2 (`ReplicatedStorage`) keep every
-parameter whole on every rank, as views of `param_buffer` (compute dtype); each rank
-owns one even shard of the fp32 master weights and of the fp32 gradient. The optimizer
-steps the master shards; the updated shards are cast to the compute dtype and
-all-gathered back into `param_buffer`.
+The core (index, key, names, parameters, layout, process group) is the same in every
+mode; where the master and gradient shard live is the group's `home`, how its shard
+travels its `wire` ([Note: home and wire] in _home.py), and the storage of the
+parameters differs by stage. Stages 1 and 2 (`ReplicatedStorage`) keep every parameter
+whole on every rank, as views of `param_buffer` (compute dtype); each rank owns one even
+shard of the master weights and of the gradient. The optimizer steps the master shards;
+the updated shards are sent through the wire and all-gathered back into `param_buffer`.
 
-Stage 3 (`ShardedStorage`) keeps only the fp32 master shard: each gather casts it to the
-compute dtype first, so only compute-dtype bytes travel (keeping a compute-dtype copy of
+Stage 3 (`ShardedStorage`) keeps only the master shard: each gather has the wire cast
+the home's shard first, so only the wire's bytes travel (keeping a compute-dtype copy of
 the shard would save that small cast at the price of memory); `param_buffer` has storage
-only while the group's unit is gathered. A group whose `GatherSource` gathers another
-dtype (torchao's fp8 weights: [Note: the fp8 gather] in _float8_gather.py) keeps its
-buffer in that dtype, and its parameters hold stand-ins of their shapes while gathered.
+only while the group's unit is gathered. A group whose wire sends another dtype than the
+compute dtype (torchao's fp8 weights: [Note: the fp8 gather] in _float8_gather.py) keeps
+its buffer in that dtype, and its parameters hold stand-ins of their shapes while
+gathered.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Group, Handle, completed_handle
-from zeroshard.engine.runtime._gather_source import GatherSource
+from zeroshard.engine.runtime._collectives import gather_shards
 from zeroshard.engine.runtime._grad_destination import GradDestination
-from zeroshard.engine.runtime._group_home import DEVICE_HOME, GroupHome
+from zeroshard.engine.runtime._home import Home, HomeBuilder
 from zeroshard.engine.runtime._tensor_parallel import data_of, like_param, local_shape, point_at
+from zeroshard.engine.runtime._wire import Wire, WireBuilder
 from zeroshard.partition import FlatLayout, FlattenTier, GroupKey, flatten_params, flatten_shard
 
 log = logging.getLogger("zeroshard.engine")
@@ -53,7 +56,7 @@ class ShardedStorage:
     released storage]), so the views, made once, stay valid across gathers. `slots` are
     the buffer's views, one per slot; `views` what the parameters hold while gathered:
     the same, or `stand_ins` where the buffer holds another dtype than they compute in
-    (its source then reads `slots` for the tensors forward computes with).
+    (its wire then reads `slots` for the tensors forward computes with).
     """
 
     param_buffer: torch.Tensor
@@ -64,7 +67,9 @@ class ShardedStorage:
 @dataclass(eq=False)
 class FlatParamGroup:
     """One flat group. `names[i]` is the canonical name of `params[i]`; `process_group`
-    is the process group it is sharded and reduced over."""
+    is the process group it is sharded and reduced over; `home` is where its master and
+    gradient shard live and `wire` how its shard travels ([Note: home and wire] in
+    _home.py)."""
 
     index: int
     key: GroupKey
@@ -72,17 +77,25 @@ class FlatParamGroup:
     params: tuple[nn.Parameter, ...]
     layout: FlatLayout
     process_group: Group
-    master: torch.Tensor
+    home: Home
+    wire: Wire
     tier: FlattenTier
     storage: ReplicatedStorage | ShardedStorage
-    # Where the reduced gradient shard goes (`_grad_destination.py`), and what gathers and
-    # publishes send (`GatherSource`).
-    grads: GradDestination
-    source: GatherSource
-    # Offload: the gradient shard is this host view (kept allocated between steps,
-    # overwritten by a window's first gradient).
-    grad_home: torch.Tensor | None
-    grad_shard: torch.Tensor | None = None
+
+    @property
+    def master(self) -> nn.Parameter:
+        """This rank's master shard (the optimizer's parameter), in its home."""
+        return self.home.master
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """This rank's gradient shard of the current window (None: none yet)."""
+        return self.home.grad_shard
+
+    @property
+    def grads(self) -> GradDestination:
+        """Where the reduced gradient shard goes, and what reads it back."""
+        return self.home.grads
 
     @property
     def trainable(self) -> bool:
@@ -97,7 +110,7 @@ class FlatParamGroup:
     @property
     def param_buffer(self) -> torch.Tensor:
         """The flat buffer gathers fill: the compute-dtype one the parameters are views of
-        (when gathered), or at stage 3 one of its `source`'s `gathered_dtype`."""
+        (when gathered), or at stage 3 one of its wire's dtype."""
         return self.storage.param_buffer
 
     @property
@@ -110,55 +123,8 @@ class FlatParamGroup:
         """This rank's [start, end) in the flat buffer."""
         return self.layout.shard_range(self.process_group.rank)
 
-    def ensure_grad_shard(self) -> torch.Tensor:
-        """The gradient shard, zeroed on first use since the last `zero_grad` (fp32, exposed
-        as `master.grad`, unless offloaded: see `claim_grad_shard`)."""
-        if self.grad_shard is None:
-            return self.claim_grad_shard().zero_()
-        return self.grad_shard
-
-    def claim_grad_shard(self) -> torch.Tensor:
-        """The fp32 gradient shard's memory as `master.grad`, NOT zeroed: for a caller that
-        overwrites all of it (the first reduced gradient since the last `zero_grad`).
-
-        An offloaded group reuses its host gradient `grad_home`, in the reduce dtype:
-        `grad_shard is None` marks it as holding nothing of this window, so zero_grad never
-        touches host memory. Its `master.grad` is set only while the step steps it (see
-        [Note: offload host memory] in offload/_host_offload.py).
-        """
-        assert self.grad_shard is None
-        if self.grad_home is not None:
-            self.grad_shard = self.grad_home
-            return self.grad_home
-        self.grad_shard = self.master.grad = torch.empty_like(self.master)
-        return self.grad_shard
-
-    def take_master_grad(self) -> None:
-        """Autograd accumulated this window's gradient into `master.grad` itself (a
-        compiled graph reduce-scatters into it): that tensor is the gradient shard."""
-        self.grad_shard = self.master.grad
-
-    def drop_grad_shard(self) -> None:
-        """Hold no gradient of this window (freed unless it lives in `grad_home`)."""
-        self.grad_shard = self.master.grad = None
-
-    def adopt_grad_shard(self, reduced: torch.Tensor) -> bool:
-        """Make `reduced` (a fresh fp32 reduced shard nobody else holds) the gradient shard
-        itself, as `master.grad`, instead of copying it into new memory; False where it
-        cannot be (an offloaded group's shard lives on the host, or another dtype)."""
-        assert self.grad_shard is None
-        if (
-            self.grad_home is not None
-            or reduced.dtype != self.master.dtype
-            or reduced.device != self.master.device
-            or reduced.shape != self.master.shape
-        ):
-            return False
-        self.grad_shard = self.master.grad = reduced
-        return True
-
     def start_gather(self) -> Handle:
-        """Stage 3: give `param_buffer` its storage back and all-gather the compute shard into it.
+        """Stage 3: give `param_buffer` its storage back and all-gather the shards into it.
 
         [Note: released storage] A released group keeps its `param_buffer` tensor; its
         storage is resized to zero bytes. Autograd may hold views of the buffer for
@@ -177,7 +143,8 @@ class FlatParamGroup:
         return self.storage
 
     def _gather_into(self, buffer: torch.Tensor, *, label: str) -> Handle:
-        return self.source.start_gather(self, buffer, label=label)
+        shard = self.home.compute_shard()
+        return gather_shards(self.process_group, self.wire, shard, buffer, label=label)
 
     def expose(self) -> None:
         """Point the parameters at their views of `param_buffer` (after a gather's wait);
@@ -197,8 +164,8 @@ class FlatParamGroup:
     def publish(self) -> Handle:
         """After a step, make the updated master shard what forward computes with.
 
-        Stage 3 has nothing to do (gathers read the master, in forward). Stages 1
-        and 2 start the all-gather into `param_buffer` through the group's `source`.
+        Stage 3 has nothing to do (gathers read the home's shard, in forward). Stages 1
+        and 2 start the all-gather into `param_buffer` through the group's wire.
         """
         if self.sharded:
             return completed_handle()
@@ -246,10 +213,11 @@ def build_flat_group(
     compute_dtype: torch.dtype,
     stage: int,
     tier: FlattenTier,
-    home: GroupHome = DEVICE_HOME,
+    home: HomeBuilder,
+    wire: WireBuilder,
 ) -> FlatParamGroup:
-    """Flatten `named` (one GroupKey, laid out as `layout`) and carve out this rank's fp32
-    master shard, kept in `home`.
+    """Flatten `named` (one GroupKey, laid out as `layout`) into a flat group whose master
+    shard `home` keeps and whose shard travels by `wire`.
 
     Stages 1/2 keep the parameters whole, as views of a compute-dtype buffer (stage 1 also
     a full gradient buffer), flattened on `tier`; stage 3 keeps only the master shard and
@@ -260,19 +228,33 @@ def build_flat_group(
     # What is flattened: each parameter's values on this rank ([Note: DTensor parameters]).
     values = tuple(data_of(p) for p in params)
     start = time.perf_counter()
+    rank = process_group.rank
     storage: ReplicatedStorage | ShardedStorage
     if stage == 3:
-        master, storage, used = _shard(values, layout, process_group, compute_dtype, home)
+        shard = flatten_shard(values, layout, rank, device=process_group.device)
+        group_home = home.build(index, shard, key.requires_grad)
+        del shard
+        storage = _sharded_storage(layout, process_group.device, compute_dtype, wire.dtype)
+        used = FlattenTier.DEVICE
+        slots = storage.slots
     else:
-        master, storage, used = _replicate(
+        if wire.dtype != compute_dtype:
+            raise ValueError(f"stages 1/2 publish in the compute dtype, not {wire.dtype}")
+        flat, used = flatten_params(
             values,
             layout,
-            process_group,
-            compute_dtype,
-            tier,
-            stage == 1 and key.requires_grad,
-            home,
+            device=process_group.device,
+            tier=tier,
+            group=process_group if process_group.size > 1 else None,
         )
+        lo, hi = layout.shard_range(rank)
+        group_home = home.build(index, flat[lo:hi], key.requires_grad)
+        param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
+        del flat  # the full-precision copy is no longer needed once master and params exist
+        keep_grads = stage == 1 and key.requires_grad
+        grad_buffer = torch.zeros_like(param_buffer) if keep_grads else None
+        storage = ReplicatedStorage(param_buffer, slot_views(param_buffer, layout), grad_buffer)
+        slots = []
     log.debug(
         "group %d: %d params, %d elements, flattened on tier %s in %.3fs",
         index,
@@ -281,7 +263,6 @@ def build_flat_group(
         used.value,
         time.perf_counter() - start,
     )
-    # The master is an optimizer "parameter": a leaf whose .grad is the gradient shard.
     group = FlatParamGroup(
         index,
         key,
@@ -289,12 +270,10 @@ def build_flat_group(
         params,
         layout,
         process_group,
-        nn.Parameter(master, key.requires_grad),
+        group_home,
+        wire.build(params, layout, layout.shard_range(rank), slots),
         used,
         storage,
-        home.grads,
-        home.source,
-        home.grad,
     )
     if isinstance(storage, ShardedStorage):
         group.release()
@@ -306,55 +285,20 @@ def build_flat_group(
     return group
 
 
-def _replicate(
-    params: tuple[torch.Tensor, ...],
-    layout: FlatLayout,
-    process_group: Group,
-    compute_dtype: torch.dtype,
-    tier: FlattenTier,
-    keep_grad_buffer: bool,
-    home: GroupHome,
-) -> tuple[torch.Tensor, ReplicatedStorage, FlattenTier]:
-    flat, used = flatten_params(
-        params,
-        layout,
-        device=process_group.device,
-        tier=tier,
-        group=process_group if process_group.size > 1 else None,
-    )
-    lo, hi = layout.shard_range(process_group.rank)
-    master = home.master(flat[lo:hi])
-    param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
-    del flat  # the full-precision copy is no longer needed once master and params exist
-    grad_buffer = torch.zeros_like(param_buffer) if keep_grad_buffer else None
-    return (
-        master,
-        ReplicatedStorage(param_buffer, slot_views(param_buffer, layout), grad_buffer),
-        used,
-    )
-
-
-def _shard(
-    params: tuple[torch.Tensor, ...],
-    layout: FlatLayout,
-    process_group: Group,
-    compute_dtype: torch.dtype,
-    home: GroupHome,
-) -> tuple[torch.Tensor, ShardedStorage, FlattenTier]:
-    shard = flatten_shard(params, layout, process_group.rank, device=process_group.device)
-    master = home.master(shard)
-    del shard
-    device = process_group.device
-    dtype = home.source.gathered_dtype(compute_dtype)
+def _sharded_storage(
+    layout: FlatLayout, device: torch.device, compute_dtype: torch.dtype, dtype: torch.dtype
+) -> ShardedStorage:
+    """Stage 3's gathered buffer in `dtype` (what the wire sends), released until a gather;
+    the parameters are views of it, or stand-ins where it holds another dtype."""
     buffer = torch.empty(layout.padded_numel, dtype=dtype, device=device)
     slots = slot_views(buffer, layout)
     views = slots if dtype == compute_dtype else stand_ins(layout, compute_dtype, device)
-    return master, ShardedStorage(buffer, views, slots), FlattenTier.DEVICE
+    return ShardedStorage(buffer, views, slots)
 
 
 def stand_ins(layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """What the parameters hold while gathered into a buffer of another dtype (fp8), whose
-    source gives forward its own tensors: one NaN expanded to each slot's shape, so
+    wire gives forward its own tensors: one NaN expanded to each slot's shape, so
     autograd accumulates their gradients as ever and a read of one is NaN, never a value."""
     nan = torch.full((), float("nan"), dtype=dtype, device=device)
     return [nan.expand(s.shape) for s in layout.slots]

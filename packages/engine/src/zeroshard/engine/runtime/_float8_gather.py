@@ -1,12 +1,13 @@
-"""`Float8Gather`: stage 3 gathers torchao's fp8 weights in fp8 (the `GatherSource` of
-their flat groups).
+"""`Float8Wire`: stage 3 gathers torchao's fp8 weights in fp8 (the wire of their flat
+groups: [Note: home and wire] in _home.py).
 
 [Note: the fp8 gather]
 A flat group of fp8 weights (`Float8Linear` weights whose config sets
 `enable_fsdp_float8_all_gather`: `plan_flat_groups` gives them groups of their own)
-keeps its gathered buffer in fp8. A gather casts this rank's fp32 master shard to fp8,
-each weight's part with that weight's scale, straight into this rank's part of the
-buffer and all-gathers in place ([Note: in-place gather]): one byte per element travels,
+keeps its gathered buffer in fp8. A gather casts this rank's shard (the master, or the
+compute copy an offloaded group's home keeps on the device) to fp8, each weight's part
+with that weight's scale, straight into this rank's part of the buffer and all-gathers
+in place ([Note: in-place gather] in _collectives.py): one byte per element travels,
 and the cast is the downcast a compute-dtype gather makes anyway, so nothing is added.
 Where the group's process group has one rank nothing travels, so nothing would be saved:
 `plan_flat_groups` then leaves those weights in the compute-dtype groups and their
@@ -41,31 +42,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import Group, Handle
-from zeroshard.engine.runtime._flat_group import FlatParamGroup, ShardedStorage
+from zeroshard.comm import Group
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._float8 import Float8Weight, one_float8_dtype
-from zeroshard.engine.runtime._group_home import DeviceHome
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._wire import Wire, WireKind, WireStore
 from zeroshard.partition import FlatLayout
 
 
 @dataclass(frozen=True, eq=False)
-class Float8Wire:
+class Float8Wire(Wire):
     """How one flat group of fp8 weights travels, for the eager gathers and for
     `zeroshard.compile`'s: the fp8 `dtype`; one fp32 scale per slot (`scales`, rewritten
-    in place after every step); this rank's shard cut into `segments` (start, end, slot),
-    each cast with its slot's scale (alignment gaps and padding go with a neighbour: they
-    are zeros); and per slot the weight that makes its data the `Float8Linear`'s."""
+    in place by its `store` after every step); this rank's shard cut into `segments`
+    (start, end, slot), each cast with its slot's scale (alignment gaps and padding go
+    with a neighbour: they are zeros); and per slot the weight that makes its data the
+    `Float8Linear`'s."""
 
+    kind = WireKind.FLOAT8
     dtype: torch.dtype
     compute_dtype: torch.dtype
     scales: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
     weights: tuple[Float8Weight, ...]
+    store: WireStore
+
+    def encode_into(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """This rank's `shard` cast to fp8 with the current scales into `out`."""
+        self.cast_into(out, shard, self.scales)
 
     def cast_into(self, out: torch.Tensor, shard: torch.Tensor, scales: torch.Tensor) -> None:
-        """Write `shard` (fp32, this rank's) cast to fp8 into `out`: torchao's cast of the
-        compute-dtype weight (upcast, scaled, saturated), bit for bit."""
+        """Write `shard` (this rank's, in any float dtype) cast to fp8 into `out`:
+        torchao's cast of the compute-dtype weight (upcast, scaled, saturated), bit for
+        bit."""
         limit = torch.finfo(self.dtype).max
         for start, end, slot in self.segments:
             # A copy of its own (at fp32 compute too), scaled and saturated in place.
@@ -124,75 +133,65 @@ def segments(layout: FlatLayout, lo: int, hi: int) -> tuple[tuple[int, int, int]
     return tuple(out)
 
 
-class Float8Gather:
-    """The `GatherSource` of the fp8 weights' flat groups (see [Note: the fp8 gather]).
+class Float8Wires:
+    """Builds the fp8 weights' wires and takes their scales (see [Note: the fp8 gather]).
 
     `weights` are the model's fp8 weights by id(parameter) (one fp8 dtype for all, as
-    torchao's own scale precomputation takes); `attach` takes their groups once built,
-    registers the `Float8Linear`s' hooks and takes the first scales.
+    torchao's own scale precomputation takes); the scales' all-reduces are counted in
+    `stats`.
     """
 
-    def __init__(self, weights: Mapping[int, Float8Weight], compute_dtype: torch.dtype) -> None:
-        self.dtype = one_float8_dtype(weights)
+    def __init__(
+        self,
+        weights: Mapping[int, Float8Weight],
+        compute_dtype: torch.dtype,
+        stats: EngineStats,
+    ) -> None:
+        self._dtype = one_float8_dtype(weights)
         self.compute_dtype = compute_dtype
         self._weights = dict(weights)
-        self._stats = EngineStats()
-        self._wires: dict[int, Float8Wire] = {}
-        self._groups: dict[int, FlatParamGroup] = {}
+        self._stats = stats
 
-    # -- GatherSource --------------------------------------------------------------------
-    def gathered_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        """The fp8 dtype: the gathered buffer holds fp8."""
-        return self.dtype
+    @property
+    def dtype(self) -> torch.dtype:
+        """The fp8 dtype: the gathered buffers hold fp8."""
+        return self._dtype
 
-    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
-        """Cast the master into `buffer`'s part for this rank, in fp8, and gather in place."""
-        wire = self._wires[g.index]
-        lo, hi = g.shard_range
-        wire.cast_into(buffer[lo:hi], g.master.detach(), wire.scales)
-        return g.process_group.all_gather_into(buffer, buffer[lo:hi], label=label)
+    def build(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: FlatLayout,
+        shard_range: tuple[int, int],
+        slots: Sequence[torch.Tensor],
+    ) -> Float8Wire:
+        """The wire of a stage-3 group of fp8 weights, its scales 1 until the first
+        `refresh`; hooks on their `Float8Linear`s read the slots of its gathered buffer.
+        The runtime's gather hooks run before these (they are registered in front)."""
+        if not slots:
+            raise ValueError("the fp8 gather is a stage-3 gather: its group needs a buffer")
+        lo, hi = shard_range
+        weights = tuple(self._weights[id(p)] for p in params)
+        scales = torch.ones(len(params), dtype=torch.float32, device=slots[0].device)
+        wire = Float8Wire(
+            self._dtype,
+            self.compute_dtype,
+            scales,
+            segments(layout, lo, hi),
+            weights,
+            self,
+        )
+        for slot, (param, w) in enumerate(zip(params, weights, strict=True)):
+            _install_hooks(w.module, param, slots[slot], slot, wire)
+        return wire
 
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
-        """The masters of `groups` changed: take their scales again (collective)."""
-        self.take_scales(groups)
-
-    @torch.no_grad()
-    def after_step(self, groups: Sequence[FlatParamGroup]) -> None:
-        """The masters of `groups` were stepped: take their scales (collective)."""
-        self.take_scales(groups)
-
-    # -- the groups ----------------------------------------------------------------------
-    def wire(self, g: FlatParamGroup) -> Float8Wire | None:
-        """How `g` travels, if it is one of this source's groups."""
-        return self._wires.get(g.index)
-
-    def attach(self, groups: Sequence[FlatParamGroup], stats: EngineStats) -> None:
-        """Take this source's groups among `groups` (built, every rank in the same order):
-        hooks on their `Float8Linear`s, then the first scales (collective); the scales'
-        all-reduces are counted in `stats`."""
-        self._stats = stats
-        mine = [g for g in groups if g.source is self]
-        for g in mine:
-            lo, hi = g.shard_range
-            weights = tuple(self._weights[id(p)] for p in g.params)
-            scales = torch.ones(len(g.params), dtype=torch.float32, device=g.master.device)
-            wire = Float8Wire(
-                self.dtype, self.compute_dtype, scales, segments(g.layout, lo, hi), weights
-            )
-            self._wires[g.index] = wire
-            self._groups[g.index] = g
-            for slot, w in enumerate(weights):
-                _install_hooks(w.module, g, slot, wire)
-        self.take_scales(mine)
-
-    @torch.no_grad()
-    def take_scales(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Every weight's scale from the amax of the whole weight: one MAX all-reduce per
-        process group of all the groups' local amaxes (collective, in `groups`' order)."""
+        """Every fp8 weight's scale from the amax of the whole weight, after the masters
+        changed: one MAX all-reduce per process group of all the groups' local amaxes
+        (collective, in `groups`' order)."""
         by_group: dict[int, tuple[Group, list[FlatParamGroup]]] = {}
         for g in groups:
-            if g.index in self._wires:
+            if isinstance(g.wire, Float8Wire):
                 by_group.setdefault(id(g.process_group), (g.process_group, []))[1].append(g)
         for process_group, same in by_group.values():
             amax = torch.cat([_local_amax(g) for g in same])
@@ -200,16 +199,19 @@ class Float8Gather:
             self._stats.scale_reductions += 1
             at = 0
             for g in same:
-                wire = self._wires[g.index]
+                wire = g.wire
+                assert isinstance(wire, Float8Wire)
                 n = len(g.params)
                 wire.scales.copy_(_scales(amax[at : at + n], wire))
                 at += n
 
 
 def _local_amax(g: FlatParamGroup) -> torch.Tensor:
-    """max |w| over each slot's piece of this rank's shard (0 where it holds none)."""
+    """max |w| over each slot's piece of this rank's shard (0 where it holds none), read
+    where the gathers read it (the master, or a compute-dtype copy of it: the amax of
+    the rounded weight is the rounded amax, and `_scales` rounds it anyway)."""
     lo, hi = g.shard_range
-    master = g.master.detach()
+    master = g.home.compute_shard()
     zero = master.new_zeros(())
     pieces = {}
     for k, slot in enumerate(g.layout.slots):
@@ -238,19 +240,19 @@ def _scales(amax: torch.Tensor, wire: Float8Wire) -> torch.Tensor:
     return result
 
 
-def _install_hooks(module: nn.Module, g: FlatParamGroup, slot: int, wire: Float8Wire) -> None:
-    """While `module` (a Float8Linear) runs on a gathered `g`, its weight is the fp8 slot."""
-    param = g.params[slot]
+def _install_hooks(
+    module: nn.Module, param: nn.Parameter, view: torch.Tensor, slot: int, wire: Float8Wire
+) -> None:
+    """While `module` (a Float8Linear) runs gathered, its weight `param` is the fp8 slot
+    `view` of the gathered buffer."""
     mm_config = wire.weights[slot].mm_config
     # The slot's fp8 data, through a tensor of its own: it shares the buffer's memory (and
     # sees every gather, the storage being resized, never replaced) but not its version
     # counter, so a graph that saved it for backward (a block compiled one by one) is not
     # refused for the re-gather that wrote the buffer in between, as a parameter's view is
     # not ([Note: released storage] in _flat_group.py).
-    storage = g.storage
-    assert isinstance(storage, ShardedStorage)
-    data = torch.empty(0, dtype=wire.dtype, device=g.param_buffer.device)
-    data.data = storage.slots[slot]
+    data = torch.empty(0, dtype=wire.dtype, device=view.device)
+    data.data = view
     installed: list[torch.Tensor] = []
 
     def pre_forward(module: nn.Module, args: Any) -> None:
@@ -272,16 +274,7 @@ def _install_hooks(module: nn.Module, g: FlatParamGroup, slot: int, wire: Float8
     module.register_forward_hook(post_forward, always_call=True)
 
 
-class Float8Home(DeviceHome):
-    """The `GroupHome` of an fp8 weights' group: the master and its gradient on the
-    device, as `DEVICE_HOME`'s; gathers in fp8."""
-
-    def __init__(self, source: Float8Gather, master_dtype: torch.dtype) -> None:
-        super().__init__(master_dtype)
-        self.source = source
-
-
 def float8_wire(g: FlatParamGroup) -> Float8Wire | None:
     """How flat group `g` travels when it gathers in fp8 (torchao's fp8 weights at stage
     3: [Note: the fp8 gather]); None when it gathers in the compute dtype."""
-    return g.source.wire(g) if isinstance(g.source, Float8Gather) else None
+    return g.wire if isinstance(g.wire, Float8Wire) else None

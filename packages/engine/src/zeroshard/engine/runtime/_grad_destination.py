@@ -4,8 +4,9 @@ Every flat group is built with one. The reducer hands it each reduced shard, tel
 when backward's reductions are done and when `zero_grad` forgets a gradient, and never
 asks where the gradient lives; the optimizer's clipping and gradient scaling (fp16
 unscaling, the clip coefficient) read and scale the gradients through it as well.
-`DEVICE_GRADS` keeps the fp32 shard on the group's device (as `master.grad`); CPU
-offload's `offload.HostOffload` keeps it on the host.
+`DEVICE_GRADS` keeps the shard on the group's device (as `master.grad`, in the master's
+dtype); CPU offload's `offload.HostGrads` keeps it on the host. Each group's `Home` holds
+its shard ([Note: home and wire] in _home.py).
 """
 
 from __future__ import annotations
@@ -62,20 +63,23 @@ class GradDestination(Protocol):
 
 
 class DeviceGrads:
-    """The fp32 gradient shard on the group's device, exposed as `master.grad`."""
+    """The gradient shard on the group's device, in the master's dtype, exposed as
+    `master.grad`."""
 
     def reduces_in_place(self, g: FlatParamGroup, reduce_dtype: torch.dtype) -> bool:
-        """In place where the shard is only folded into another (added, or upcast); a
-        window's first fp32 shard becomes the gradient itself, so it must be new memory."""
+        """In place where the shard is only folded into another (added, or cast); a
+        window's first shard in the master's dtype becomes the gradient itself, so it
+        must be new memory."""
         return g.grad_shard is not None or reduce_dtype != g.master.dtype
 
     def receive(self, g: FlatParamGroup, reduced: torch.Tensor, *, fresh: bool) -> None:
-        """The first gradient since zero_grad: the reduce-scatter's output, fresh and fp32,
-        becomes the shard (no copy of it); another dtype is upcast into fresh memory, no
-        zero fill ([Note: widening copies] in _casts.py). Later ones add into it."""
+        """The first gradient since zero_grad: the reduce-scatter's output, fresh and in
+        the master's dtype, becomes the shard (no copy of it); another dtype is cast into
+        fresh memory, no zero fill ([Note: widening copies] in _casts.py). Later ones add
+        into it."""
         if g.grad_shard is None:
-            if not (fresh and g.adopt_grad_shard(reduced)):
-                cast_into(g.claim_grad_shard(), reduced)
+            if not (fresh and g.home.adopt_grad_shard(reduced)):
+                cast_into(g.home.claim_grad_shard(), reduced)
         else:
             g.grad_shard.add_(reduced)
 
@@ -87,14 +91,14 @@ class DeviceGrads:
         if g.grad_shard is None:
             return
         if set_to_none:
-            g.drop_grad_shard()
+            g.home.drop_grad_shard()
         else:
             g.grad_shard.zero_()
 
     def norms(self, groups: Sequence[FlatParamGroup]) -> list[torch.Tensor]:
         """One norm per shard; CPU shards as offloaded ones are ([Note: host gradient
         norm]): on every core."""
-        shards = [g.ensure_grad_shard() for g in groups]
+        shards = [g.home.ensure_grad_shard() for g in groups]
         out: list[torch.Tensor] = []
         for device, same in by_device(shards).items():
             out += (
@@ -104,7 +108,7 @@ class DeviceGrads:
 
     def scale(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
         """In place, one foreach multiplication per device."""
-        shards = [g.ensure_grad_shard() for g in groups]
+        shards = [g.home.ensure_grad_shard() for g in groups]
         for device, same in by_device(shards).items():
             f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
             torch._foreach_mul_(same, f)

@@ -4,15 +4,16 @@ Shapes are enough (a model on the meta device will do): which parameters make up
 flat group (`plan_buckets` at stages 1/2, one group per `GroupKey` of each unit of
 `plan_units` at stage 3, where torchao's fp8 weights that gather in fp8 get groups of
 their own where their process group has several ranks), its layout (`flat_layout`),
-which groups CPU offload takes (`choose_offloaded`) and what the host then allocates
-(`offload_sizes`). `initialize()` allocates the host storage from it first and builds
-each group into its home; the planner counts it. One plan, so neither can drift from the other.
+and each group's two axes ([Note: home and wire] in _home.py): how it travels (`wire`)
+and where it lives (`home`: the device here; CPU offload's face moves some to the host,
+`offload.place_offloaded`). `initialize()` builds each group from it; the planner counts
+it. One plan, so neither can drift from the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -20,9 +21,10 @@ from torch import nn
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._bucket_plan import plan_buckets
 from zeroshard.engine.runtime._flat_group import flat_layout
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._names import named_parameters
 from zeroshard.engine.runtime._unit_plan import UnitPlan, plan_units
-from zeroshard.engine.runtime.offload._plan import OffloadSizes, choose_offloaded, offload_sizes
+from zeroshard.engine.runtime._wire import WireKind
 from zeroshard.partition import FlatLayout, GroupKey, group_parameters
 
 ProcessGroupOf = Callable[[str, nn.Parameter], str]
@@ -31,16 +33,16 @@ ProcessGroupOf = Callable[[str, nn.Parameter], str]
 @dataclass(frozen=True)
 class PlannedFlatGroup:
     """One flat group as `initialize()` builds it: its parameters (canonical names), layout,
-    stage-3 unit, whether CPU offload holds it and whether it gathers in fp8 (torchao's
-    fp8 weights: [Note: the fp8 gather])."""
+    stage-3 unit, where it lives (`home`) and how it travels (`wire`: fp8 for torchao's fp8
+    weights, [Note: the fp8 gather])."""
 
     index: int
     key: GroupKey
     named: tuple[tuple[str, nn.Parameter], ...]
     layout: FlatLayout
     unit: int | None
-    offloaded: bool
-    float8: bool = False
+    wire: WireKind = WireKind.COMPUTE
+    home: HomeKind = HomeKind.DEVICE
 
     @property
     def trainable(self) -> bool:
@@ -50,36 +52,37 @@ class PlannedFlatGroup:
 
 @dataclass(frozen=True)
 class FlatGroupPlan:
-    """Every flat group of a model, the stage-3 units they belong to (registration order;
-    none at stages 1/2), and the host storage of the offloaded ones (None: none)."""
+    """Every flat group of a model and the stage-3 units they belong to (registration
+    order; none at stages 1/2)."""
 
     units: tuple[UnitPlan, ...]
     groups: tuple[PlannedFlatGroup, ...]
-    offload: OffloadSizes | None
 
     def groups_of(self, unit: int) -> list[PlannedFlatGroup]:
         """Stage 3: the groups of unit `unit`, in index order."""
         return [g for g in self.groups if g.unit == unit]
+
+    def homed(self, homes: Collection[int], kind: HomeKind) -> FlatGroupPlan:
+        """This plan with the groups of index in `homes` living in `kind`."""
+        groups = tuple(replace(g, home=kind) if g.index in homes else g for g in self.groups)
+        return FlatGroupPlan(self.units, groups)
 
 
 def plan_flat_groups(
     model: nn.Module,
     cfg: ZeroConfig,
     *,
-    shard_size: int,
     size_of: Callable[[GroupKey], int],
     param_group_of: Mapping[int, int] | None,
     process_group_of: ProcessGroupOf | None = None,
-    blocked_step: bool,
     float8: Collection[int] = frozenset(),
 ) -> FlatGroupPlan:
     """The flat groups of `model` under `cfg`, each sharded over `size_of(key)` ranks.
 
     `param_group_of` maps id(parameter) to its optimizer param group (None: all in one),
     `process_group_of` names a parameter's process group (None: the default one for all);
-    offloaded shards are laid out over `shard_size` ranks; `blocked_step`: the optimizer
-    steps offloaded groups in blocks (torch's fused Adam/AdamW: one block's fp32 upcast);
     `float8`: the ids of the weights to gather in fp8 (stage 3: groups of their own).
+    Every group lives on the device here.
     Where a key's process group has one rank they gather in the compute dtype, as the
     rest: a gather of one rank moves no bytes, so fp8 would save nothing and cost a
     group and a gather of its own per unit, and the `Float8Linear` casting the weight
@@ -117,30 +120,17 @@ def plan_flat_groups(
         flat_layout(named, key, size_of(key), torch.uint8 if i in fp8 else compute)
         for i, (key, named, _) in enumerate(planned)
     ]
-    offloaded: set[int] = set()
-    if cfg.offload.optimizer:
-        offloaded = set(
-            choose_offloaded(
-                [lay.shard_numel for lay in layouts],
-                [key.requires_grad for key, _, _ in planned],
-                cfg.offload.ratio,
-                registration_order=cfg.stage == 3,
+    return FlatGroupPlan(
+        units,
+        tuple(
+            PlannedFlatGroup(
+                i,
+                key,
+                tuple(named),
+                layout,
+                unit,
+                WireKind.FLOAT8 if i in fp8 else WireKind.COMPUTE,
             )
-        )
-    groups = tuple(
-        PlannedFlatGroup(i, key, tuple(named), layout, unit, i in offloaded, i in fp8)
-        for i, ((key, named, unit), layout) in enumerate(zip(planned, layouts, strict=True))
+            for i, ((key, named, unit), layout) in enumerate(zip(planned, layouts, strict=True))
+        ),
     )
-    moved = [g.layout.shard_numel for g in groups if g.offloaded]
-    sizes = None
-    if moved:
-        sizes = offload_sizes(
-            moved,
-            shard_size,
-            chunk_bytes=cfg.offload.chunk_bytes,
-            compute_dtype=compute,
-            reduce_dtype=cfg.precision.grad_reduce_dtype,
-            offload_params=cfg.offload.params,
-            blocked_step=blocked_step,
-        )
-    return FlatGroupPlan(units, groups, sizes)

@@ -18,13 +18,14 @@ import torch
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._gather_source import GatherSource
 from zeroshard.engine.runtime._grad_destination import by_destination, by_device
+from zeroshard.engine.runtime._home import refresh_homes
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, squares_counted_once
+from zeroshard.engine.runtime._wire import refresh_wires
 
 
 class StepHooks(Protocol):
@@ -100,7 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [g for g in self.flat_groups if g.trainable]
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        return [g.ensure_grad_shard() for g in self._trainable()]
+        return [g.home.ensure_grad_shard() for g in self._trainable()]
 
     def _scale_grads(self, factor: torch.Tensor | float) -> None:
         """Multiply every gradient shard by `factor`, through its destination."""
@@ -225,13 +226,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
         """Publish `groups`' masters; `uploaded`: the step rewrote their compute shards."""
         groups = list(groups)
-        # What gathers send follows the masters first: after a step, or after they
-        # changed outside one (a load).
-        for source, same in _by_source(groups):
-            if uploaded:
-                source.after_step(same)
-            else:
-                source.refresh(same)
+        # What gathers send follows the masters first: the homes' compute shards where
+        # the masters changed outside a step (a load; a step rewrote them itself), then
+        # what the wires take from those (fp8's scales).
+        if not uploaded:
+            refresh_homes(groups)
+        refresh_wires(groups)
         # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
         # of gathers are in flight, which bounds the temporary send buffers.
         inflight: deque[tuple[int, Handle]] = deque()
@@ -292,13 +292,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._publish(self.flat_groups)
         if self.scaler is not None and state_dict.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-
-
-def _by_source(
-    groups: Sequence[FlatParamGroup],
-) -> list[tuple[GatherSource, list[FlatParamGroup]]]:
-    """`groups` by what their gathers send, in first-seen order."""
-    out: dict[int, tuple[GatherSource, list[FlatParamGroup]]] = {}
-    for g in groups:
-        out.setdefault(id(g.source), (g.source, []))[1].append(g)
-    return list(out.values())

@@ -40,6 +40,7 @@ from torch import nn
 
 from zeroshard.comm import Group, Handle, ReduceOp
 from zeroshard.engine.runtime._casts import cast_into
+from zeroshard.engine.runtime._collectives import average_replicas, reduce_scatter_grads
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
@@ -202,14 +203,9 @@ class GradReducer:
     ) -> tuple[torch.Tensor, Handle]:
         """Start reducing `full` over `g`'s process group by `op` into this rank's part of
         it (`in_place`), or else into a new shard-sized tensor."""
-        if in_place:
-            lo, hi = g.shard_range
-            out = full[lo:hi]
-        else:
-            out = torch.empty(g.layout.shard_numel, dtype=self.reduce_dtype, device=full.device)
         with phase("zeroshard::reduce_scatter"):
-            handle = g.process_group.reduce_scatter(
-                out, full, op=op, label=f"grads of group {g.index}"
+            out, handle = reduce_scatter_grads(
+                g.process_group, full, op=op, in_place=in_place, label=f"grads of group {g.index}"
             )
         if self.stats is not None:
             self.stats.reduced(full.nbytes)
@@ -237,9 +233,7 @@ class GradReducer:
         destination; `fresh`: `out` is new memory nobody else holds (it may become the
         shard)."""
         if self.replicate is not None:
-            self.replicate.all_reduce(
-                out, op="avg", label=f"grads of group {g.index} (replicas)"
-            ).wait()
+            average_replicas(self.replicate, out, label=f"grads of group {g.index} (replicas)")
         g.grads.receive(g, out, fresh=fresh)
 
     def _drain(self) -> None:

@@ -56,8 +56,9 @@ class Stage3Runtime:
         prefetch_bytes: int,
         max_live_bytes: int,
         persistence_threshold: int,
+        stats: EngineStats,
     ) -> None:
-        self.stats = EngineStats()
+        self.stats = stats
         self.units = [
             Unit(
                 i,
@@ -93,7 +94,10 @@ class Stage3Runtime:
         self._hash = 0
         self._suspended = False
         for u in self.units:
-            u.module.register_forward_pre_hook(self._make_pre_forward(u))
+            # In front of every hook already on the module: the unit is gathered before
+            # anything of its forward reads its parameters (the fp8 wires' hooks, built
+            # with the groups, read the gathered buffer).
+            u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True)
             u.module.register_forward_hook(self._make_post_forward(u))
 
     @contextlib.contextmanager

@@ -10,12 +10,12 @@ from torch import nn
 from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._home import HomeKind, HomeStore
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._stepper import WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
-from zeroshard.engine.runtime.offload._host_offload import HostOffload
-from zeroshard.engine.runtime.whole._whole_step import WholeParams
 
 _ATTR = "_zeroshard_engine"
 
@@ -39,9 +39,14 @@ class EngineState:
     groups: tuple[FlatParamGroup, ...]
     optimizer: ZeroOptimizer
     stage3: Stage3Runtime | None
-    offload: HostOffload | None = None
     tensor_parallel: TensorParallel | None = None
     whole_params: WholeParams | None = None
+
+    @property
+    def offload(self) -> HomeStore | None:
+        """CPU offload's host storage (the store of the groups homed on the host), None
+        where no group is."""
+        return next((g.home.store for g in self.groups if g.home.kind is HomeKind.HOST), None)
 
 
 @runtime_checkable

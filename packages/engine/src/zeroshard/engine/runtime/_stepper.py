@@ -14,12 +14,14 @@ masters are final (publish now) or still stepping (published at the next `step()
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
 import torch
+from torch import nn
 
 
 class StepOutcome(Enum):
@@ -27,6 +29,16 @@ class StepOutcome(Enum):
 
     PUBLISH = "publish"  # the masters are this step's: publish them now
     DEFERRED = "deferred"  # published at the next step(), once `settle` waited for it
+
+
+@dataclass(frozen=True)
+class WholeParams:
+    """What the steppers of whole-matrix optimizers that keep their state per parameter
+    step whole (`whole/_whole_step.py`), for checkpoints to keep that state by name: every
+    such parameter's name (the same on every rank), and this rank's own whole parameters."""
+
+    names: frozenset[str]
+    owned: Mapping[str, nn.Parameter]
 
 
 class Stepper(Protocol):

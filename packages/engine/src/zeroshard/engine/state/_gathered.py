@@ -29,6 +29,7 @@ from torch import nn
 
 from zeroshard.comm import Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
+from zeroshard.engine.runtime._home import refresh_homes
 from zeroshard.engine.runtime._names import named_parameters
 from zeroshard.engine.runtime._state import (
     EngineModel,
@@ -39,6 +40,7 @@ from zeroshard.engine.runtime._state import (
 )
 from zeroshard.engine.runtime._tensor_parallel import point_at
 from zeroshard.engine.runtime._unit import UnitState
+from zeroshard.engine.runtime._wire import refresh_wires
 from zeroshard.engine.state._masters import gather_masters
 
 # Groups exposed by a live context (by id): a nested context over the same group would
@@ -163,7 +165,8 @@ def _write_back(sel: _Selection, fulls: list[torch.Tensor], modifier_rank: int) 
     for g, full in zip(sel.groups, fulls, strict=True):
         lo, hi = g.shard_range
         g.master.detach().copy_(full[lo:hi])
-        g.source.refresh([g])
+        refresh_homes([g])
+        refresh_wires([g])
         publishes.append(g.publish())
     # Stages 1/2: the parameters are restored as views of `param_buffer` only after this
     # wait, so nothing reads the buffer while the all-gather still writes it.

@@ -102,7 +102,7 @@ class HostGrads:
         staged: torch.Tensor | None = None
         add = None
         if g.grad_shard is None:
-            dst = g.claim_grad_shard()
+            dst = g.home.claim_grad_shard()
         else:
             while not self._free_staging:
                 self._retire_oldest()
@@ -128,7 +128,7 @@ class HostGrads:
             self._acc = self._memory.alloc(n * s, torch.float32, False).view(n, s)
         source, home = g.grad_shard, self._part(self._acc, g.index)
         # Later micro-steps and the step read the fp32 gradient.
-        g.grad_shard = home
+        g.home.grad_shard = home
         return GradAdd(home, staged, source, tuple(self._factors.pop(g.index, ())))
 
     def _retire_oldest(self) -> None:
@@ -199,7 +199,7 @@ class HostGrads:
     def forget(self, g: FlatParamGroup, *, set_to_none: bool) -> None:
         """zero_grad: `g` holds nothing of the next window; both ways its host memory stays
         (the next gradient overwrites it, no zero fill)."""
-        g.grad_shard = None
+        g.home.grad_shard = None
         self._factors.pop(g.index, None)
 
     @torch.no_grad()

@@ -65,10 +65,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-from zeroshard.comm import Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._gather_source import gather_in_place
+from zeroshard.engine.runtime._home import Home, HomeKind
 from zeroshard.engine.runtime.offload._blocks import BlockedStep
 from zeroshard.engine.runtime.offload._compiled_step import coefficients, scale_of, step_piece
 from zeroshard.engine.runtime.offload._fused_adam import FusedAdam
@@ -94,8 +94,9 @@ class OffloadBytes:
 
 class HostOffload:
     """Host state of the offloaded groups: their masters, their gradients (`grads`, their
-    `GradDestination`), the upload of their compute shards (their `GatherSource`) and
-    their host step; see [Note: offload stream order]."""
+    `GradDestination`), the upload of their compute shards and their host step; the
+    builder of their homes (`build`) and what those share (a `HomeStore`); see [Note:
+    offload stream order]."""
 
     def __init__(
         self,
@@ -107,7 +108,7 @@ class HostOffload:
         compiled_step: bool = False,
     ) -> None:
         """Allocate the host storage of `sizes` for the flat groups `indices` (in chunk-space
-        order); each group takes its part when it is built (`home`)."""
+        order); each group takes its part when its home is built (`build`)."""
         self.device = device
         # Pinning only speeds up copies to a GPU; on the CPU there is no bus to cross.
         pin = pin and self.device.type == "cuda"
@@ -142,13 +143,16 @@ class HostOffload:
             alloc=self._memory.alloc,
         )
         # The compute shards are made from the masters as the groups hand them over
-        # (`home`): each chunk goes up once every master in it is in place.
+        # (`build`): each chunk goes up once every master in it is in place.
         self._out.begin([(lo, lo + self._numel[i]) for i, lo in self.offset.items()])
 
-    def home(self, index: int) -> HostHome:
-        """Where flat group `index` keeps its master and gradient: its part of the host
-        storage."""
-        return HostHome(self, index)
+    def build(self, index: int, shard: torch.Tensor, requires_grad: bool) -> HostHome:
+        """The home of offloaded flat group `index`: its part of the host storage, holding
+        `shard`'s values (this rank's part of its flat buffer, on the device) as its
+        master; its compute shard goes up with the chunks it completes."""
+        master = nn.Parameter(self._take_master(index, shard), requires_grad)
+        grad_memory = self._part(self.grads.grad, index)
+        return HostHome(self, index, master, grad_memory)
 
     def holds(self, g: FlatParamGroup) -> bool:
         """Whether `g` is one of the offloaded groups."""
@@ -236,7 +240,8 @@ class HostOffload:
 
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
-        """Recast the masters of `groups` and upload them (after an edit of the masters)."""
+        """`HomeStore`: recast the masters of `groups` and upload them (after an edit of
+        the masters outside a step)."""
         self.begin_upload(groups)
         self.finish_upload()
 
@@ -250,22 +255,11 @@ class HostOffload:
         """Without offload_params: the compute shards, on the device."""
         return self._out.compute_dev
 
-    def gathered_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        """`GatherSource`: the compute dtype, which the compute shards hold."""
-        return compute_dtype
-
-    def after_step(self, groups: Sequence[FlatParamGroup]) -> None:
-        """`GatherSource`: nothing; the host step uploaded the compute shards itself."""
-
-    def start_gather(self, g: FlatParamGroup, buffer: torch.Tensor, *, label: str) -> Handle:
-        """`GatherSource`: gather `g`'s compute shard (the device's copy, or with
-        offload_params the host's, sent up first) in place."""
-        return gather_in_place(g, buffer, self.compute_shard(g), label=label)
-
-    def compute_shard(self, g: FlatParamGroup) -> torch.Tensor:
-        """`g`'s compute-dtype shard on the device, ready for the current stream to read."""
-        lo = self.offset[g.index]
-        return self._out.shard(lo, lo + g.layout.shard_numel)
+    def compute_shard(self, index: int) -> torch.Tensor:
+        """Group `index`'s compute-dtype shard on the device (the device's copy, or with
+        offload_params the host's, sent up first), ready for the current stream to read."""
+        lo = self.offset[index]
+        return self._out.shard(lo, lo + self._numel[index])
 
     def nbytes(self) -> OffloadBytes:
         """What this rank holds and moves (equal on every rank: the chunks are even)."""
@@ -276,29 +270,19 @@ class HostOffload:
         return OffloadBytes(n, memory.host_bytes, memory.pinned_bytes, device, n * s * up)
 
 
-class HostHome:
-    """An offloaded flat group's part of the host storage: its `GroupHome`. Its master
-    lives on the host, its gradient goes there, and its gathers read the compute shard
-    the host keeps for the device."""
+class HostHome(Home):
+    """An offloaded flat group's part of the host storage: its master lives on the host,
+    its gradient goes there (kept between steps in the reduce dtype), and its gathers
+    read the compute shard the host keeps for the device."""
 
-    def __init__(self, offload: HostOffload, index: int) -> None:
+    kind = HomeKind.HOST
+
+    def __init__(
+        self, offload: HostOffload, index: int, master: nn.Parameter, grad_memory: torch.Tensor
+    ) -> None:
+        super().__init__(master, offload.grads, offload, grad_memory)
         self._offload, self._index = offload, index
 
-    @property
-    def grads(self) -> HostGrads:
-        """The host takes the reduced gradients."""
-        return self._offload.grads
-
-    @property
-    def source(self) -> HostOffload:
-        """Gathers read the compute shard the host keeps."""
-        return self._offload
-
-    @property
-    def grad(self) -> torch.Tensor:
-        """The host gradient, in the reduce dtype, kept between steps."""
-        return self._offload._part(self._offload.grads.grad, self._index)
-
-    def master(self, shard: torch.Tensor) -> torch.Tensor:
-        """The host view holding `shard`'s values."""
-        return self._offload._take_master(self._index, shard)
+    def compute_shard(self) -> torch.Tensor:
+        """The compute shard of the master, on the device."""
+        return self._offload.compute_shard(self._index)

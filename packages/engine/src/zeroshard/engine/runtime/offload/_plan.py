@@ -1,7 +1,6 @@
 """CPU offload from shard sizes alone: which flat groups go to the host, and the buffers
-`HostOffload` allocates for them. `initialize()` allocates them from it (through
-`plan_flat_groups`, which the planner counts too). Sizes are in elements of one rank's
-shards, equal on every rank."""
+`HostOffload` allocates for them (`place_offloaded`, which `initialize()` builds from and
+the planner counts). Sizes are in elements of one rank's shards, equal on every rank."""
 
 from __future__ import annotations
 
@@ -11,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._group_plan import FlatGroupPlan
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
@@ -137,3 +139,33 @@ def offload_sizes(
         offload_params=offload_params,
         blocked_step=blocked_step,
     )
+
+
+def place_offloaded(
+    plan: FlatGroupPlan, cfg: ZeroConfig, shard_size: int, *, blocked_step: bool
+) -> tuple[FlatGroupPlan, OffloadSizes | None]:
+    """`plan` with the groups `cfg`'s CPU offload takes living on the host
+    (`choose_offloaded`), and what the host then allocates on each of `shard_size` ranks
+    (None: nothing offloaded); `blocked_step`: the optimizer steps offloaded groups in
+    blocks (torch's fused Adam/AdamW: one block's fp32 upcast)."""
+    if not cfg.offload.optimizer:
+        return plan, None
+    groups = plan.groups
+    chosen = choose_offloaded(
+        [g.layout.shard_numel for g in groups],
+        [g.trainable for g in groups],
+        cfg.offload.ratio,
+        registration_order=cfg.stage == 3,
+    )
+    if not chosen:  # below ratio 1 with nothing trainable
+        return plan, None
+    sizes = offload_sizes(
+        [groups[i].layout.shard_numel for i in chosen],
+        shard_size,
+        chunk_bytes=cfg.offload.chunk_bytes,
+        compute_dtype=cfg.precision.compute_dtype,
+        reduce_dtype=cfg.precision.grad_reduce_dtype,
+        offload_params=cfg.offload.params,
+        blocked_step=blocked_step,
+    )
+    return plan.homed({groups[i].index for i in chosen}, HomeKind.HOST), sizes

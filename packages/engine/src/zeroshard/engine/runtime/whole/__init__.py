@@ -1,3 +1,25 @@
 """Whole-matrix optimizers (torch.optim.Muon, or any that declares it needs a parameter's
 full shape): which rank owns each matrix, how its pieces reach the owner and come back,
-and the steppers. Part of the runtime, behind the `Stepper` seam."""
+and the steppers. The rest of the engine reaches it through this face only; it reaches
+the core through the `Stepper` seam."""
+
+from zeroshard.engine.runtime.whole._build import (
+    WholeMatrices,
+    check_whole_mesh,
+    check_whole_optimizers,
+    whole_param_groups,
+)
+from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
+from zeroshard.engine.runtime.whole._owners import MatrixOwners, plan_owners
+
+__all__ = [
+    "MatrixOwners",
+    "WholeMatrices",
+    "check_whole_mesh",
+    "check_whole_optimizers",
+    "plan_owners",
+    "split_muon",
+    "steps_whole",
+    "torch_muon",
+    "whole_param_groups",
+]

@@ -13,23 +13,11 @@ moves 4 bytes of gradient and 4 of master to the owner and 4 of master back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from zeroshard.engine.runtime._stepper import StepOutcome
+from zeroshard.engine.runtime._stepper import StepOutcome, WholeParams
 from zeroshard.engine.runtime.whole._exchange import ExchangingStep
-
-
-@dataclass(frozen=True)
-class WholeParams:
-    """What `WholeParamStep`s step whole and keep state for by name: every such
-    parameter's name (the same on every rank), and this rank's own whole parameters."""
-
-    names: frozenset[str]
-    owned: Mapping[str, nn.Parameter]
 
 
 class WholeParamStep(ExchangingStep):

@@ -1,5 +1,5 @@
-"""Several optimizers and whole-matrix ones in `initialize`: what is refused, and the
-stepper each optimizer gets ([Note: whole-matrix optimizers] in runtime/whole/_declare.py)."""
+"""Whole-matrix optimizers as `initialize` composes them: what is refused, and the
+stepper each gets ([Note: whole-matrix optimizers] in _declare.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper
+from zeroshard.engine.runtime._stepper import Stepper, WholeParams
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
-from zeroshard.engine.runtime.whole._whole_step import WholeParams, WholeParamStep
+from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
 
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
@@ -59,38 +59,38 @@ def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int,
     return out
 
 
-def whole_matrix_steppers(
-    optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[FlatParamGroup]
-) -> tuple[Stepper, WholeParams | None]:
-    """One stepper per optimizer, over the flat groups of its param groups: torch's Muon
-    split (`MuonStep`), another whole-matrix one on whole parameters (`WholeParamStep`),
-    any other on the device (`DeviceStep`); stepped in turn. Also the whole parameters
-    this rank steps, by name (None: no optimizer steps any)."""
-    owners = plan_owners(((g.key, g.layout) for g in groups), whole_param_groups(optimizers))
-    parts: list[Stepper] = []
-    whole: WholeParams | None = None
-    offset = 0
-    for o in optimizers:
-        ks = range(offset, offset + len(o.param_groups))
-        mine = [g for g in groups if g.key.param_group in ks]
-        if split_muon(o):
-            parts.append(MuonStep(o, mine, owners, offset))
-        elif steps_whole(o):
-            own = sorted({n for g in mine if g.key.process_group != "default" for n in g.names})
-            if own:
-                # Their state is checkpointed by name, and several instances share names.
-                raise ValueError(
-                    f"{type(o).__name__} steps whole parameters by name, which parameters on "
-                    f"a process group of their own ({own[:3]}) do not have alone: give "
-                    "them another optimizer"
-                )
-            step = WholeParamStep(o, mine, owners, offset)
-            whole = step.whole if whole is None else _joined(whole, step.whole)
-            parts.append(step)
-        else:
-            parts.append(DeviceStep(o))
-        offset += len(o.param_groups)
-    return (parts[0] if len(parts) == 1 else StepEach(parts)), whole
+class WholeMatrices:
+    """The whole-matrix optimizers among `optimizers` over their flat `groups`: each
+    matrix's owner, planned once for all of them (`plan_owners`), and their steppers."""
+
+    def __init__(
+        self, optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[FlatParamGroup]
+    ) -> None:
+        self._owners = plan_owners(
+            ((g.key, g.layout) for g in groups), whole_param_groups(optimizers)
+        )
+        # What the steppers built so far step whole by name (None: none).
+        self.params: WholeParams | None = None
+
+    def stepper(
+        self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup], offset: int
+    ) -> Stepper:
+        """The stepper of whole-matrix `optimizer` (its first param group the `offset`-th
+        of all) over `groups`, its flat groups: torch's Muon split (`MuonStep`), another
+        on whole parameters (`WholeParamStep`)."""
+        if split_muon(optimizer):
+            return MuonStep(optimizer, groups, self._owners, offset)
+        own = sorted({n for g in groups if g.key.process_group != "default" for n in g.names})
+        if own:
+            # Their state is checkpointed by name, and several instances share names.
+            raise ValueError(
+                f"{type(optimizer).__name__} steps whole parameters by name, which "
+                f"parameters on a process group of their own ({own[:3]}) do not have "
+                "alone: give them another optimizer"
+            )
+        step = WholeParamStep(optimizer, groups, self._owners, offset)
+        self.params = step.whole if self.params is None else _joined(self.params, step.whole)
+        return step
 
 
 def _joined(a: WholeParams, b: WholeParams) -> WholeParams:

@@ -1,0 +1,140 @@
+"""CPU offload as `initialize` composes it: its refusals, its share of the plan, its host
+storage (the homes of the offloaded groups) and the stepper of an optimizer whose groups
+it holds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from zeroshard.comm import Agreement, Group, warn_on_rank0
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._group_plan import FlatGroupPlan
+from zeroshard.engine.runtime._home import HomeKind
+from zeroshard.engine.runtime._host_memory import check_host_memory
+from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
+from zeroshard.engine.runtime._stepper import Stepper
+from zeroshard.engine.runtime.offload._compiled_step import compile_variants
+from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
+from zeroshard.engine.runtime.offload._plan import OffloadSizes, place_offloaded
+from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
+from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
+from zeroshard.engine.runtime.offload._threads import stepping_threads
+
+log = logging.getLogger("zeroshard.engine")
+
+
+def check_offload(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
+    """Refuse, before any collective, what the host steps of `cfg.offload` cannot run."""
+    if not cfg.offload.optimizer:
+        return
+    for o in optimizers:
+        refusal = delayed_step_refusal(o) if cfg.offload.delay_param_update else ""
+        if cfg.offload.compiled_step and not refusal:
+            what = "offload.compiled_step compiles torch's Adam/AdamW update"
+            refusal = blocked_step_refusal(o, what)
+        if refusal:
+            raise ValueError(refusal)
+
+
+def compile_host_step(
+    world: Group, optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig
+) -> None:
+    """offload.compiled_step: compile its kernels now ([Note: compiled host step]), on
+    every rank, failing on all of them if one cannot (no working C++ compiler)."""
+    adams = [fused_adam(o, k) for o in optimizers for k in range(len(o.param_groups))]
+    if world.rank == 0:
+        log.info("offload.compiled_step: compiling the host step (once per process)")
+    error: Exception | None = None
+    try:
+        grads = {cfg.precision.grad_reduce_dtype, torch.float32}
+        threads = {torch.get_num_threads()}
+        if world.device.type == "cuda":
+            # The stepping thread's share while groups step beside the main thread.
+            threads.add(stepping_threads(torch.get_num_threads()))
+        # Only with offload_params does the step write the compute-dtype cast (else the
+        # device casts the masters: [Note: offload upload]).
+        out = cfg.precision.compute_dtype if cfg.offload.params else None
+        compile_variants([a for a in adams if a is not None], grads, out, threads)
+    except Exception as e:  # whatever inductor raises: every rank must hear of it
+        error = e
+    what = (
+        "offload.compiled_step (offload_compiled_step): compiling the host step with "
+        "torch.compile's CPU backend (it needs a working C++ compiler, $CXX else g++: "
+        "install one or turn the option off)"
+    )
+    Agreement(world).outcome(error, what)
+
+
+def plan_offload(
+    plan: FlatGroupPlan,
+    cfg: ZeroConfig,
+    shard_size: int,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> tuple[FlatGroupPlan, OffloadSizes | None]:
+    """`plan` with the groups CPU offload takes living on the host, and what the host
+    allocates for them on each of `shard_size` ranks (None: nothing offloaded)."""
+    blocked = all(steps_in_blocks(o) for o in optimizers)
+    return place_offloaded(plan, cfg, shard_size, blocked_step=blocked)
+
+
+def build_host_storage(
+    plan: FlatGroupPlan,
+    sizes: OffloadSizes,
+    cfg: ZeroConfig,
+    world: Group,
+    optimizers: Sequence[torch.optim.Optimizer],
+    device: torch.device,
+) -> HostOffload:
+    """The host storage of `plan`'s offloaded groups, once every host is known to hold it
+    (the same error on every rank otherwise, before anything is allocated)."""
+    floats = state_floats_by_param_group(list(optimizers))
+    on_host = [g for g in plan.groups if g.home is HomeKind.HOST]
+    state = sum(
+        4 * floats[g.key.param_group] * g.layout.shard_numel for g in on_host if g.trainable
+    )
+    names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+    per_element = sorted(set(floats.values()))
+    what = (
+        f"the offloaded state: {sizes.host_bytes:,} bytes of masters, gradients and staging "
+        f"and {state:,} of {names} state ({'/'.join(map(str, per_element))} fp32 per element)"
+    )
+    check_host_memory(world, sizes.host_bytes + state, what)
+    storage = HostOffload(
+        sizes,
+        [g.index for g in on_host],
+        device=device,
+        pin=cfg.offload.pin_memory,
+        compiled_step=cfg.offload.compiled_step,
+    )
+    _warn_unfused(optimizers)
+    return storage
+
+
+def host_stepper(
+    optimizer: torch.optim.Optimizer,
+    storage: HostOffload,
+    groups: Sequence[FlatParamGroup],
+    cfg: ZeroConfig,
+) -> Stepper:
+    """How `optimizer` steps `groups` (its own), some of them on the host: after backward
+    (or in it), or beside the next window (`delay_param_update`)."""
+    if cfg.offload.delay_param_update:
+        return DelayedHostStep(optimizer, storage, groups)
+    return HostStep(optimizer, storage, groups)
+
+
+def _warn_unfused(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    # On CPU tensors torch's foreach and for-loop optimizers run op by op with temporaries;
+    # its fused CPU kernels (Adam, AdamW, SGD, Adagrad) make one pass over memory.
+    for o in optimizers:
+        if any("fused" in pg and not pg["fused"] for pg in o.param_groups):
+            warn_on_rank0(
+                f"offload_optimizer: {type(o).__name__} steps on the CPU without its "
+                "fused kernel; build it with fused=True (one pass over memory) for a faster "
+                "CPU step"
+            )

@@ -1,0 +1,40 @@
+"""The stepper of each optimizer `initialize` was given, over its own flat groups: a
+whole-matrix optimizer's (`runtime.whole`), a host step where CPU offload holds some of
+its groups (`runtime.offload`), else the device step; several are stepped in turn."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper, WholeParams
+from zeroshard.engine.runtime.offload import HostOffload, host_stepper
+from zeroshard.engine.runtime.whole import WholeMatrices, steps_whole
+
+
+def build_steppers(
+    optimizers: Sequence[torch.optim.Optimizer],
+    groups: Sequence[FlatParamGroup],
+    host: HostOffload | None,
+    cfg: ZeroConfig,
+) -> tuple[Stepper, WholeParams | None]:
+    """One stepper per optimizer over the flat groups of its param groups (several stepped
+    in turn), and what whole-matrix optimizers step whole by name (None: none)."""
+    whole = WholeMatrices(optimizers, groups) if any(map(steps_whole, optimizers)) else None
+    parts: list[Stepper] = []
+    offset = 0
+    for o in optimizers:
+        ks = range(offset, offset + len(o.param_groups))
+        mine = [g for g in groups if g.key.param_group in ks]
+        if whole is not None and steps_whole(o):
+            parts.append(whole.stepper(o, mine, offset))
+        elif host is not None:
+            parts.append(host_stepper(o, host, mine, cfg))
+        else:
+            parts.append(DeviceStep(o))
+        offset += len(o.param_groups)
+    stepper = parts[0] if len(parts) == 1 else StepEach(parts)
+    return stepper, None if whole is None else whole.params
