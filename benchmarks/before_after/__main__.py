@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path, required=True, help="the earlier checkout's root")
     p.add_argument("--after", type=Path, default=ROOT, help="default: this checkout")
+    p.add_argument("--before-commit", default=None, help="the commit BEFORE holds (report)")
     p.add_argument("--name", required=True, help="section before_after_NAME")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="the JSON each run writes")
@@ -55,11 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _pythonpath(tree: Path) -> str:
-    """`tree`'s package sources, then this checkout (the benchmarks' own code)."""
+    """`tree`'s package sources, then this checkout (the benchmarks' own code), then what
+    `PYTHONPATH` held (packages installed beside them)."""
     srcs = sorted(str(p) for p in (tree / "packages").glob("*/src"))
     if not srcs:
         raise SystemExit(f"{tree} has no packages/*/src: is it a zeroshard checkout?")
-    return os.pathsep.join([*srcs, str(ROOT)])
+    return os.pathsep.join([*srcs, str(ROOT), os.environ.get("PYTHONPATH", "")])
 
 
 def rows_of(data: Any) -> dict[str, float]:
@@ -122,7 +124,8 @@ def report(args: argparse.Namespace, steps: dict[str, dict[str, list[float]]]) -
     header = ["row", "before: ms (rounds)", "after: ms (rounds)", "after / before"]
     return (
         f"Command (each tree, {args.rounds} rounds, alternating): "
-        f"`{shlex.join(args.command)}`. Before: {_commit(args.before)}; after: "
+        f"`{shlex.join(args.command)}`. Before: {args.before_commit or _commit(args.before)}; "
+        f"after: "
         f"{_commit(args.after)}.\n\n" + markdown_table(header, rows)
     )
 
