@@ -8,7 +8,9 @@ stage and under `zeroshard.compile`:
 
 - from the end of a backward until `optimizer.zero_grad()`: the gradient accumulated over
   the window so far, averaged over the data-parallel ranks (stage 1 first reduces what
-  backward accumulated, as `clip_grad_norm_` and `step()` do);
+  backward accumulated, as `clip_grad_norm_` and `step()` do: read mid-window, the later
+  micro-batches then add into the reduced shard rather than the compute-dtype buffer,
+  the same sum up to that dtype's rounding);
 - after `clip_grad_norm_`: clipped; after `step()`: the gradient the step used;
 - under fp16 loss scaling: unscaled (the loss's own gradient) whether or not clipping or
   the step has unscaled the shards yet (`ZeroOptimizer.grad_scale`); an overflowing
@@ -17,14 +19,16 @@ stage and under `zeroshard.compile`:
   `set_to_none=False` where the gradient is on the device, as torch's) and for a frozen
   parameter: `full_grad` gives None, `grad_norms` leaves it out.
 
-An offloaded gradient is read on the host block by block with the clipping / unscaling
-factors not yet applied to it applied (`GradDestination.read`), after the delayed step
-in flight (`delay_param_update`) is waited for.
+An offloaded gradient is read on the host block by block, upcast with the clipping and
+unscaling factors still pending on it (`GradDestination.read`), once the delayed step in
+flight (`delay_param_update`) is done with the host's scratch.
 
 A parameter's full value is assembled where it lies: each rank writes its shard's part
 of the slot into a zero tensor of the parameter's size, and one all-reduce (a sum over
-the group's ranks, each element held by one of them) leaves it whole on every rank;
-under tensor parallelism a split parameter's pieces are then joined over tp.
+the group's ranks, each element held by one of them) leaves it whole on every rank, so
+one parameter's worth moves rather than its flat group's; under tensor parallelism a
+split parameter's pieces are then joined over tp. A parameter on a process group of its
+own (experts) reads as this rank's instance of it.
 """
 
 from __future__ import annotations
@@ -83,9 +87,8 @@ def _agreed_slot(
     )
     if found is None:
         raise ValueError(
-            f"{what}: {asked} is not a parameter this "
-            "zeroshard engine holds (pass one of the initialized model's parameters, or its "
-            "name as model.named_parameters() spells it)"
+            f"{what}: {asked} is not a parameter this zeroshard engine holds (pass one of "
+            "the initialized model's parameters, or its name as named_parameters() spells it)"
         )
     return found
 
