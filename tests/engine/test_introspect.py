@@ -160,19 +160,12 @@ def _cases() -> None:
         {"stage": 2, "clip": True, "optimizers": "declared"},
     ]
     run_each(cases, _case)
-
-
-def test_gradients_and_state_match_ddp() -> None:
-    run_ranks(_cases, 2)
-
-
-def _edge_cases() -> None:
     run_each([{"stage": 1}, {"stage": 3}], _overflow_case)
     _refusals()
 
 
-def test_overflow_and_refusals() -> None:
-    run_ranks(_edge_cases, 2)
+def test_gradients_and_state_match_ddp_overflow_and_refusals() -> None:
+    run_ranks(_cases, 2)
 
 
 def _tensor_parallel() -> None:
