@@ -79,6 +79,7 @@ def train_and_check(
     *,
     clip: bool,
     tol: float | None,
+    device: str,
     steps: int | None = None,
 ) -> None:
     """Train `engine` (initialized from a copy of `base` with `opt`) and a DDP copy of
@@ -86,13 +87,13 @@ def train_and_check(
     checking the introspection functions at every point (the module docstring); `steps`
     limits the steps whose gradients are compared (a delayed update trains apart after)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref = copy.deepcopy(base)
+    ref = copy.deepcopy(base).to(device)
     ddp = nn.parallel.DistributedDataParallel(ref)
     ref_opts = _as_list(make_opt(ref))
     accum = batches.shape[1]
     for step in range(batches.shape[0] if steps is None else steps):
         for a in range(accum):
-            tokens = batches[step, a, rank]
+            tokens = batches[step, a, rank].to(device)
             last = a == accum - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 (loss_fn(ddp, tokens) / accum).backward()

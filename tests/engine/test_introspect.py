@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks
+from tests._dist import run_each, run_ranks, world_fits
 from tests.engine import _tp
 from tests.engine._introspect import check_grads, check_state, close, train_and_check
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer, muon_and_adamw
@@ -55,6 +55,7 @@ def _fused(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _case(
+    device: str,
     stage: int,
     dtype: str = "fp32",
     accum: int = 1,
@@ -72,19 +73,19 @@ def _case(
         "declared": lambda m: muon_and_adamw(m, DeclaredMuon),
     }[optimizers]
     base = make_model(seed=stage + 10 * accum)
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base).to(device)
     model, opt = zs.initialize(model, make(model), _config(stage, dtype, **extra))
     batches = global_batches(STEPS, accum, world, MICRO)
-    train_and_check(model, opt, base, make, batches, clip=clip, tol=tol, steps=steps)
+    train_and_check(model, opt, base, make, batches, clip=clip, tol=tol, device=device, steps=steps)
 
 
-def _overflow_case(stage: int) -> None:
+def _overflow_case(device: str, stage: int) -> None:
     """fp16: a window that overflows on one rank reads as non-finite on every rank, the
     step skips it and forgets it; the next window reads unscaled."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = make_model(seed=7)
+    model = make_model(seed=7).to(device)
     model, opt = zs.initialize(model, make_optimizer(model), _config(stage, "fp16"))
-    tokens = global_batches(1, 1, world, MICRO)[0, 0, rank]
+    tokens = global_batches(1, 1, world, MICRO)[0, 0, rank].to(device)
     hook = model.l1.weight.register_hook(lambda g: g * float("inf")) if rank == 0 else None
     loss_fn(model, tokens).backward()
     if hook is not None:
@@ -98,9 +99,9 @@ def _overflow_case(stage: int) -> None:
     assert zs.full_optimizer_state(model, "l1.weight") == {}
 
 
-def _refusals() -> None:
+def _refusals(device: str) -> None:
     rank = dist.get_rank()
-    model = make_model(seed=1)
+    model = make_model(seed=1).to(device)
     model, _ = zs.initialize(model, make_optimizer(model), _config(2))
     stranger = torch.nn.Parameter(torch.zeros(3))
     for fn in (zs.full_grad, zs.full_optimizer_state):
@@ -114,13 +115,13 @@ def _refusals() -> None:
         with pytest.raises(ValueError, match=r"ranks disagree .*l1\.weight.*l2\.weight"):
             fn(model, "l1.weight" if rank == 0 else "l2.weight")
     # A tied parameter reads the same under either name, and as the tensor itself.
-    loss_fn(model, global_batches(1, 1, 2, MICRO)[0, 0, rank]).backward()
+    loss_fn(model, global_batches(1, 1, 2, MICRO)[0, 0, rank].to(device)).backward()
     by_alias = zs.full_grad(model, "head.weight")
     assert by_alias is not None
     assert torch.equal(by_alias, zs.full_grad(model, model.emb.weight))
 
 
-def _cases() -> None:
+def _cases(device: str) -> None:
     cases: list[dict[str, Any]] = [
         {"stage": 1, "accum": 2, "clip": True},
         {"stage": 2, "accum": 2, "clip": True},
@@ -159,21 +160,23 @@ def _cases() -> None:
         {"stage": 3, "accum": 2, "clip": True, "optimizers": "muon"},
         {"stage": 2, "clip": True, "optimizers": "declared"},
     ]
-    run_each(cases, _case)
-    run_each([{"stage": 1}, {"stage": 3}], _overflow_case)
-    _refusals()
+    run_each(cases, lambda **c: _case(device, **c))
+    run_each([{"stage": 1}, {"stage": 3}], lambda **c: _overflow_case(device, **c))
+    _refusals(device)
 
 
-def test_gradients_and_state_match_ddp_overflow_and_refusals() -> None:
-    run_ranks(_cases, 2)
+@pytest.mark.gpu
+def test_gradients_and_state_match_ddp_overflow_and_refusals(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_cases, 2, device, device=device)
 
 
-def _tensor_parallel() -> None:
+def _tensor_parallel(device: str) -> None:
     """Split parameters whole, replicated ones once, sequence parallel's Partial norm
     gradients summed: against the unsplit model on the same (whole) batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (1, 2), mesh_dim_names=("dp", "tp"))
 
     def case(stage: int) -> None:
         model, ref = _tp.split_model(mesh, sp=True, seed=stage)
@@ -185,7 +188,7 @@ def _tensor_parallel() -> None:
         )
         ref_opt = _tp.make_optimizer(ref)
         tokens = _tp.batches(1, 1, 1)[0, 0, 0]
-        _tp.loss_fn(model, tokens).backward()
+        _tp.loss_fn(model, tokens.to(device)).backward()
         _tp.loss_fn(ref, tokens).backward()
         check_grads(model, ref, None, "after backward")
         norm = opt.clip_grad_norm_(0.5)
@@ -198,5 +201,7 @@ def _tensor_parallel() -> None:
     run_each([{"stage": 1}, {"stage": 3}], case)
 
 
-def test_tensor_parallel() -> None:
-    run_ranks(_tensor_parallel, 2)
+@pytest.mark.gpu
+def test_tensor_parallel(device: str) -> None:
+    world_fits(device, 2)
+    run_ranks(_tensor_parallel, 2, device, device=device)
