@@ -4,11 +4,12 @@ the same gloo ranks (tests/engine/_introspect.py says what is compared, and when
 
 World 2, OddModel (odd sizes, so slots cross shard boundaries; two param groups; a tied
 embedding; a frozen layer), small flat groups. Cases: stages 1-3 in fp32 with accumulation
-and clipping; bf16 and fp16 compute; CPU offload with an fp32 and a bf16 host gradient
-(whose clip factor is applied on reading), and with a delayed step; Muon's sharded
-momentum and a declared whole-matrix optimizer's state at its owner; an fp16 overflow;
-tensor parallelism (dp 1 x tp 2, sequence parallel) against the unsplit reference; and
-the refusals. The compiled case is tests/compile/test_compiled_introspect.py.
+and clipping; bf16 and fp16 compute; bf16 masters; hybrid sharding (shard groups of one);
+CPU offload with an fp32 and a bf16 host gradient (whose clip factor is applied on
+reading), and with a delayed step; Muon's sharded momentum and a declared whole-matrix
+optimizer's state at its owner; an fp16 overflow; tensor parallelism (dp 1 x tp 2,
+sequence parallel) against the unsplit reference; and the refusals. The compiled case is
+tests/compile/test_compiled_introspect.py.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ def _cases(device: str) -> None:
         {"stage": 3, "accum": 2, "clip": True},
         {"stage": 1, "dtype": "bf16", "tol": 0.05},
         {"stage": 3, "dtype": "bf16", "accum": 2, "clip": True, "tol": 0.05},
+        # bf16 masters: the gradient shards are bf16 too.
+        {"stage": 2, "dtype": "bf16", "master_dtype": "bf16", "clip": True, "tol": 0.05},
+        # Hybrid sharding: shard groups of one rank, gradients averaged over the replicas.
+        {"stage": 3, "accum": 2, "shard_group_size": 1},
         # fp16's loss scale: read unscaled before the clip unscales, and after.
         {"stage": 2, "dtype": "fp16", "clip": True, "tol": 0.05, "initial_loss_scale": 1024.0},
         # Host gradients: fp32 (clipped in place), and bf16 with the clip factor pending.
