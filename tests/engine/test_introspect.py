@@ -7,9 +7,9 @@ embedding; a frozen layer), small flat groups. Cases: stages 1-3 in fp32 with ac
 and clipping; bf16 and fp16 compute; bf16 masters; hybrid sharding (shard groups of one);
 CPU offload with an fp32 and a bf16 host gradient (whose clip factor is applied on
 reading), and with a delayed step; Muon's sharded momentum and a declared whole-matrix
-optimizer's state at its owner; an fp16 overflow; tensor parallelism (dp 1 x tp 2,
-sequence parallel) against the unsplit reference; and the refusals. The compiled case is
-tests/compile/test_compiled_introspect.py.
+optimizer's state at its owner; an fp16 overflow; experts on process groups of their
+own; tensor parallelism (dp 1 x tp 2, sequence parallel) against the unsplit reference;
+and the refusals. The compiled case is tests/compile/test_compiled_introspect.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from tests._dist import run_each, run_ranks, world_fits
 from tests.engine import _tp
 from tests.engine._introspect import check_grads, check_state, close, train_and_check
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer, muon_and_adamw
+from tests.engine.test_expert_groups import Trunk
+from tests.engine.test_expert_groups import _loss as expert_loss
 from tests.engine.test_whole_matrix import DeclaredMuon
+from zeroshard.comm import Group
 
 STEPS = 2
 MICRO = 2
@@ -100,6 +103,28 @@ def _overflow_case(device: str, stage: int) -> None:
     assert zs.full_optimizer_state(model, "l1.weight") == {}
 
 
+def _experts(device: str) -> None:
+    """Experts on process groups of their own (one rank each here): a rank reads its own
+    expert's gradient and norm, not a sum over the instances; the trunk's is the mean."""
+    rank = dist.get_rank()
+    alone = [Group(dist.new_group([r])) for r in range(dist.get_world_size())]
+    model = Trunk(rank).to(device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = zs.initialize(model, opt, {"stage": 2}, process_groups={"expert": alone[rank]})
+    batch = global_batches(1, 1, 2, MICRO)[0, 0, rank].to(device)
+    expert_loss(model, batch).backward()
+    expert_loss(ref, batch).backward()
+    norms = zs.grad_norms(model)
+    for name, p in ref.named_parameters():
+        want = p.grad.detach().clone()
+        if not name.startswith("expert."):
+            dist.all_reduce(want)
+            want /= 2
+        close(zs.full_grad(model, name), want, None, name)
+        close(torch.tensor(norms[name]), want.norm(), None, f"norm of {name}")
+
+
 def _refusals(device: str) -> None:
     rank = dist.get_rank()
     model = make_model(seed=1).to(device)
@@ -167,6 +192,7 @@ def _cases(device: str) -> None:
     ]
     run_each(cases, lambda **c: _case(device, **c))
     run_each([{"stage": 1}, {"stage": 3}], lambda **c: _overflow_case(device, **c))
+    _experts(device)
     _refusals(device)
 
 
