@@ -85,11 +85,13 @@ def _case(
 
 def _overflow_case(device: str, stage: int) -> None:
     """fp16: a window that overflows on one rank reads as non-finite on every rank, the
-    step skips it and forgets it; the next window reads unscaled."""
+    step skips it and forgets it; the next window reads unscaled (against fp32)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(seed=7).to(device)
+    ref = copy.deepcopy(model)
     model, opt = zs.initialize(model, make_optimizer(model), _config(stage, "fp16"))
-    tokens = global_batches(1, 1, world, MICRO)[0, 0, rank].to(device)
+    batch = global_batches(1, 1, world, MICRO)[0, 0]
+    tokens = batch[rank].to(device)
     hook = model.l1.weight.register_hook(lambda g: g * float("inf")) if rank == 0 else None
     loss_fn(model, tokens).backward()
     if hook is not None:
@@ -101,6 +103,11 @@ def _overflow_case(device: str, stage: int) -> None:
     assert opt.scaler is not None and opt.scaler.skipped_steps == 1
     assert zs.full_grad(model, "l1.weight") is None and zs.grad_norms(model) == {}
     assert zs.full_optimizer_state(model, "l1.weight") == {}
+    # The next window (no zero_grad: the skip forgot the gradients) reads unscaled.
+    loss_fn(model, tokens).backward()
+    loss_fn(ref, batch.reshape(-1, batch.shape[-1]).to(device)).backward()
+    assert ref.l1.weight.grad is not None
+    close(zs.full_grad(model, "l1.weight"), ref.l1.weight.grad, 0.05, "after the skip")
 
 
 def _experts(device: str) -> None:

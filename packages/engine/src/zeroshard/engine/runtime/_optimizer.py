@@ -188,12 +188,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overflow = self._overflow
         self._unscaled = False
         self._overflow = False
-        self._stepped = True
         if self.scaler is not None:
             self.scaler.update(overflow)
         if overflow:
             self.reducer.zero_grad()
             return None
+        # The gradients held are now unscaled, until zero_grad (see `grad_scale`).
+        self._stepped = True
         with phase("zeroshard::optimizer_step"):
             outcome = self.stepper.step()
         if outcome is StepOutcome.PUBLISH:
