@@ -149,6 +149,9 @@ def _refusals(device: str) -> None:
             fn(model, "l1.weight" if rank == 0 else "l2.weight")
     # A tied parameter reads the same under either name, and as the tensor itself.
     loss_fn(model, global_batches(1, 1, 2, MICRO)[0, 0, rank].to(device)).backward()
+    # parameter.grad names the way to read it.
+    with pytest.raises(RuntimeError, match=r"full_grad\(model, param\)"):
+        model.l1.weight.grad.sum()
     by_alias = zs.full_grad(model, "head.weight")
     assert by_alias is not None
     assert torch.equal(by_alias, zs.full_grad(model, model.emb.weight))
