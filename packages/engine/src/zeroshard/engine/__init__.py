@@ -4,6 +4,7 @@ import zeroshard.engine as zs
 model, optimizer = zs.initialize(model, optimizer, {"stage": 2, "compute_dtype": "bf16"})
 loss.backward(); optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 full = zs.full_state_dict(model)
+zs.full_grad(model, param); zs.grad_norms(model)  # after backward, until zero_grad (collective)
 model.state_dict() / model.load_state_dict(full)  # full tensors at every stage (collective)
 """
 
@@ -46,6 +47,7 @@ from zeroshard.engine.runtime._wire import ComputeCast, Wire, WireKind
 from zeroshard.engine.setup._initialize import initialize
 from zeroshard.engine.state._checkpoint import load_checkpoint, save_checkpoint
 from zeroshard.engine.state._gathered import gathered_parameters
+from zeroshard.engine.state._introspect import full_grad, full_optimizer_state, grad_norms
 from zeroshard.engine.state._load import LoadReport, SafetensorsLoadError, load_safetensors
 from zeroshard.engine.state._masters import full_state_dict
 from zeroshard.engine.state._module_state import state_dict_on_rank0
@@ -87,9 +89,12 @@ __all__ = [
     "engine_stats",
     "estimate",
     "float8_wire",
+    "full_grad",
+    "full_optimizer_state",
     "full_state_dict",
     "gather_shards",
     "gathered_parameters",
+    "grad_norms",
     "hidden_size_of",
     "initialize",
     "load_checkpoint",

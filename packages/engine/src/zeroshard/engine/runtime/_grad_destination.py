@@ -11,7 +11,7 @@ its shard ([Note: home and wire] in _home.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -59,6 +59,12 @@ class GradDestination(Protocol):
 
     def scale(self, groups: Sequence[FlatParamGroup], factor: torch.Tensor | float) -> None:
         """Multiply the gradients of `groups` by `factor`."""
+        ...
+
+    def read(self, g: FlatParamGroup) -> Iterator[tuple[int, torch.Tensor]]:
+        """`g`'s gradient as the step will see it (in the master's dtype, every factor
+        applied), in pieces: (start in the shard, values), each valid until the next is
+        taken; none where `g` holds no gradient (state/_introspect.py reads it)."""
         ...
 
 
@@ -112,6 +118,11 @@ class DeviceGrads:
         for device, same in by_device(shards).items():
             f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
             torch._foreach_mul_(same, f)
+
+    def read(self, g: FlatParamGroup) -> Iterator[tuple[int, torch.Tensor]]:
+        """The shard itself, in one piece."""
+        if g.grad_shard is not None:
+            yield 0, g.grad_shard
 
 
 DEVICE_GRADS = DeviceGrads()

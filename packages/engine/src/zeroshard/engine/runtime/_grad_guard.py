@@ -30,7 +30,8 @@ from zeroshard.engine.runtime._tensor_parallel import is_dtensor, like_param, lo
 GUIDANCE = (
     "zeroshard keeps gradients as reduced fp32 shards, not in parameter.grad; to clip by "
     "the global norm call optimizer.clip_grad_norm_(max_norm) (it returns the norm), not "
-    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)"
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...); to read a gradient, "
+    "zeroshard.engine.full_grad(model, param), and every one's norm, grad_norms(model)"
 )
 
 

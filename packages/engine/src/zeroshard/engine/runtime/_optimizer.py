@@ -82,6 +82,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.allgather_bucket_bytes = allgather_bucket_bytes
         self._unscaled = False
         self._overflow = False
+        # Whether the gradients held are those a step() used (unscaled), until zero_grad.
+        self._stepped = False
         masters = [g.master for g in self.flat_groups if g.trainable]
         # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
         # replaced by the inner optimizer's own, so both see the same objects.
@@ -124,6 +126,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._overflow:
             self._scale_grads(1.0 / self.scaler.scale)
         self._unscaled = True
+
+    @property
+    def grad_scale(self) -> float:
+        """What the gradient shards hold is the loss's gradient times this: fp16's loss
+        scale from backward until clipping or `step()` unscales them, else 1."""
+        if self.scaler is None or self._stepped or (self._unscaled and not self._overflow):
+            return 1.0
+        return self.scaler.scale
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their global norm over all shards; return that norm."""
@@ -184,6 +194,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if overflow:
             self.reducer.zero_grad()
             return None
+        # The gradients held are now unscaled, until zero_grad (see `grad_scale`).
+        self._stepped = True
         with phase("zeroshard::optimizer_step"):
             outcome = self.stepper.step()
         if outcome is StepOutcome.PUBLISH:
@@ -254,6 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradient shards (freed by default, as torch's optimizers do)."""
         self.reducer.zero_grad(set_to_none)
+        self._stepped = False
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

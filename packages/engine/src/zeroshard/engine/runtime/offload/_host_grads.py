@@ -9,7 +9,7 @@ clipping / unscaling factors not yet applied to them ([Note: offload host memory
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -169,6 +169,15 @@ class HostGrads:
         for f in grad.factors:
             out.mul_(f)
         return out
+
+    def read(self, g: FlatParamGroup) -> Iterator[tuple[int, torch.Tensor]]:
+        """`g`'s gradient block by block, each in fp32 with its factors applied (valid until
+        the next block is taken: they share the upcast)."""
+        grad = self.host_grad(g)
+        if grad is None:
+            return
+        for lo, hi in self.blocks(g):
+            yield lo, self.grad_block(grad, lo, hi)
 
     def norms(self, groups: Sequence[FlatParamGroup]) -> list[torch.Tensor]:
         """Each group's norm, one group upcast at a time ([Note: offload host memory])."""
