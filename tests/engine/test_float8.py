@@ -4,8 +4,9 @@ gather (`enable_fsdp_float8_all_gather`).
 Parity: against torch DDP + torchao on the same ranks and micro-batches (torchao scales
 each rank's activations by their own amax, so a single process on the global batch is
 not the reference), fp32 compute, at stages 1-3, hybrid, with accumulation and
-clipping, recipes tensorwise (with and without the fp8 gather, and with it asked for
-under CPU offload, which gathers in the compute dtype) and rowwise. Tolerance:
+clipping, recipes tensorwise (with and without the fp8 gather, and with it under CPU
+offload, full and partial: the offloaded groups' fp8 cast reads the compute shard the
+host keeps) and rowwise. Tolerance:
 rtol 1e-5 on the losses, atol 2e-4 on the final weights. Both cast the same values with
 the same scales; they differ only in the order the gradients are summed (all-reduce
 against reduce-scatter: 4e-7 on the weights), unless that moves a value across an fp8
@@ -17,7 +18,7 @@ accumulation, at stages 2 and 3 alike). 2e-4 is 2% of one step at the learning r
 The fp8 gather: at bf16 compute, the run with it is bit for bit the run without it (the
 compute-dtype gather, then torchao's own cast with the same scales; unclipped, as the
 fp8 weights' groups of their own change the order the global norm is summed in, to the
-last bit); it gathers at most
+last bit), without offload and under full and partial CPU offload alike; it gathers at most
 0.55x the bytes for those weights, and takes its scales with one all-reduce per step.
 Where the shards' process group has one rank (one GPU, or hybrid with shard groups of
 one) the option gathers in the compute dtype: the same bytes and bits as without it.
@@ -56,7 +57,7 @@ def _parity_case(
     accum: int,
     clip: bool,
     hybrid: bool,
-    offload: bool = False,
+    offload: float = 0.0,
     shard_group_size: int = 1,
 ) -> None:
     data = batches(STEPS, accum, dist.get_world_size())
@@ -68,9 +69,15 @@ def _parity_case(
     config: dict[str, Any] = {"stage": stage, **STAGE3}
     if hybrid:
         config["shard_group_size"] = shard_group_size
-    if offload:  # the fp8 weights then gather in the compute dtype (docs/fp8.md)
-        config["offload_optimizer"] = True
+    if offload:  # `offload` of the masters on the host (offload_ratio)
+        config.update(offload_optimizer=True, offload_ratio=offload)
     model, opt = zs.initialize(net, make_optimizer(net), config)
+    if gather and stage == 3 and dist.get_world_size() > 1 and not hybrid:
+        groups = zs.engine_state(model).groups
+        homes = {g.home.kind for g in groups if zs.float8_wire(g) is not None}
+        # Offloaded groups gather in fp8 too, and so do those a partial offload leaves.
+        want = {zs.HomeKind.HOST} if offload == 1 else {zs.HomeKind.HOST, zs.HomeKind.DEVICE}
+        assert homes == (want if offload else {zs.HomeKind.DEVICE}), homes
     losses = train(model, opt, data, max_norm, opt.clip_grad_norm_, device)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     full = zs.full_state_dict(model)
@@ -97,17 +104,18 @@ def _parity(device: str) -> None:
         dict(stage=stage, recipe="tensorwise", gather=True, accum=1, clip=True, hybrid=True)
         for stage in (2, 3)
     ]
-    cases.append(
+    cases += [
         dict(
             stage=3,
             recipe="tensorwise",
             gather=True,
-            accum=1,
+            accum=accum,
             clip=True,
             hybrid=False,
-            offload=True,
+            offload=ratio,
         )
-    )
+        for accum, ratio in ((1, 1.0), (2, 0.3))
+    ]
     run_each(cases, lambda **c: _parity_case(device, **c))
 
 
@@ -183,13 +191,16 @@ def _two_fp8_dtypes(device: str) -> None:
         zs.initialize(net, make_optimizer(net), {"stage": 3, **STAGE3})
 
 
-def _same_as_compute_dtype_gather(device: str) -> None:
-    """bf16 compute, stage 3: with the fp8 gather and without, the same bits; the bytes."""
+def _same_as_compute_dtype_gather(device: str, offload: float) -> None:
+    """bf16 compute, stage 3: with the fp8 gather and without, the same bits; the bytes.
+    `offload` of the masters on the host (0: none)."""
     data = batches(STEPS, 1, dist.get_world_size())
     runs = {}
     for gather in (False, True):
         net = make_net(2, "tensorwise", gather, device)
-        config = {"stage": 3, "compute_dtype": "bf16", **STAGE3}
+        config: dict[str, Any] = {"stage": 3, "compute_dtype": "bf16", **STAGE3}
+        if offload:
+            config.update(offload_optimizer=True, offload_ratio=offload)
         model, opt = zs.initialize(net, make_optimizer(net), config)
         stats = zs.engine_stats(model)
         runtime = zs.engine_state(model).stage3
@@ -241,7 +252,10 @@ def _one_rank_gathers_in_compute_dtype(device: str) -> None:
 
 def _all(device: str) -> None:
     if dist.get_world_size() > 1:
-        run_each([{}], lambda: _same_as_compute_dtype_gather(device))
+        run_each(
+            [dict(offload=r) for r in (0.0, 1.0, 0.3)],
+            lambda **c: _same_as_compute_dtype_gather(device, **c),
+        )
     run_each([{}], lambda: _one_rank_gathers_in_compute_dtype(device))
     run_each([{}], lambda: _two_fp8_dtypes(device))
     run_each([{}], lambda: _with_muon(device))

@@ -37,13 +37,21 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.compile._float8 import GatheredFloat8
+from zeroshard.compile._host import GatheredToHost
 from zeroshard.compile._ops import register_target
-from zeroshard.engine import EngineState, EngineStats, float8_wire
+from zeroshard.engine import EngineState, EngineStats, HomeKind, float8_wire
 
 _forwards = itertools.count()
 
 Forward = Callable[
-    [list[torch.Tensor], list[torch.Tensor | None], tuple[Any, ...], dict[str, Any]], Any
+    [
+        list[torch.Tensor],
+        list[torch.Tensor | None],
+        list[torch.Tensor | None],
+        tuple[Any, ...],
+        dict[str, Any],
+    ],
+    Any,
 ]
 
 
@@ -62,6 +70,9 @@ class FlatSpec:
     slots: tuple[tuple[int, tuple[int, ...]], ...]
     # A group of torchao's fp8 weights: gathered in fp8 (`GatheredFloat8`).
     float8: bool
+    # Homed on the host: gathered from its compute shard, its gradient into a sink
+    # ([Note: host groups in the graph] in _host.py).
+    host: bool
 
 
 def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
@@ -86,9 +97,19 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
                 pieces,
                 slots,
                 wire is not None,
+                g.home.kind is HomeKind.HOST,
             )
         )
     return specs
+
+
+def graph_shards(state: EngineState) -> list[torch.Tensor]:
+    """Per flat group of `state`, what its gather reads in the graph: the master (its
+    gradient accumulates there), or a host group's compute shard on the device, ready
+    for the current stream (call it before each run: an upload may be in flight)."""
+    return [
+        g.home.compute_shard() if g.home.kind is HomeKind.HOST else g.master for g in state.groups
+    ]
 
 
 def graph_scales(state: EngineState) -> list[torch.Tensor | None]:
@@ -98,8 +119,9 @@ def graph_scales(state: EngineState) -> list[torch.Tensor | None]:
 
 
 def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatSpec]) -> Forward:
-    """`forward(shards, args, kwargs)`: gather every group of `state` (`specs` are its
-    groups' specs) and run `model` on the views."""
+    """`forward(shards, scales, sinks, args, kwargs)`: gather every group of `state`
+    (`specs` are its groups' specs; `shards` what each gather reads, `scales` an fp8
+    group's scales, `sinks` a host group's gradient sink) and run `model` on the views."""
     holders = _holders(model)
     # (holders, piece, shape) per parameter of each spec, in the specs' order.
     places = [
@@ -113,23 +135,31 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
     def forward(
         shards: list[torch.Tensor],
         scales: list[torch.Tensor | None],
+        sinks: list[torch.Tensor | None],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for spec, shard, scale, spec_places in zip(specs, shards, scales, places, strict=True):
+            for spec, shard, scale, sink, spec_places in zip(
+                specs, shards, scales, sinks, places, strict=True
+            ):
                 views: tuple[torch.Tensor, ...]
                 if spec.float8:
                     views = GatheredFloat8.apply(  # type: ignore[no-untyped-call]
                         shard,
                         scale,
+                        sink,
                         spec.key,
                         spec.world,
                         spec.reduce_dtype,
                         spec.pieces,
                         spec.slots,
                     )
+                elif sink is not None:
+                    full = GatheredToHost.apply(shard, sink, spec.key, spec.world)  # type: ignore[no-untyped-call]
+                    split = full.split(spec.pieces)
+                    views = tuple(split[piece].view(shape) for _, piece, shape in spec_places)
                 else:
                     # Gathered in the master's dtype, then cast: the fused-downcast
                     # pass moves the cast before the collective (nothing to move when
@@ -171,14 +201,15 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[dict[str, Any], str]]]:
 
 
 def route_grads(state: EngineState) -> list[RemovableHandle]:
-    """Make each master's accumulated gradient the engine's gradient shard.
+    """Make each device master's accumulated gradient the engine's gradient shard.
 
     Autograd accumulates into `master.grad` (set, or added to when already set); the
-    engine's optimizer reads `grad_shard`, which must be that same tensor.
+    engine's optimizer reads `grad_shard`, which must be that same tensor. (A group homed
+    on the host takes its gradient through a sink: `_host.route_host_grads`.)
     """
     handles = []
     for g in state.groups:
-        if g.trainable:
+        if g.trainable and g.home.kind is HomeKind.DEVICE:
             register = g.master.register_post_accumulate_grad_hook  # untyped in torch
             handles.append(register(_grad_shard_hook(weakref.ref(g))))  # type: ignore[no-untyped-call]
     return handles

@@ -12,11 +12,18 @@ from torch import nn
 
 from zeroshard.comm import warn_on_rank0
 from zeroshard.compile._backend import Captures, capture_errors, make_backend
-from zeroshard.compile._capture import flat_specs, gathered_forward, graph_scales, route_grads
+from zeroshard.compile._capture import (
+    flat_specs,
+    gathered_forward,
+    graph_scales,
+    graph_shards,
+    route_grads,
+)
+from zeroshard.compile._host import grad_sinks, route_host_grads
 from zeroshard.compile._ops import unregister_target
 from zeroshard.compile._passes import default_pipeline
 from zeroshard.compile._pipeline import Pipeline
-from zeroshard.engine import EngineState, EngineStats, HomeKind, engine_state
+from zeroshard.engine import EngineState, EngineStats, engine_state
 
 log = logging.getLogger("zeroshard.compile")
 
@@ -50,14 +57,14 @@ class CompiledModel:
         self.eager = False
         state = engine_state(model)
         self._state = state
-        self._shards: list[torch.Tensor] = [g.master for g in state.groups]
         self._scales = graph_scales(state)
+        self._sinks = grad_sinks(state)
         kwargs = dict(torch_compile_kwargs)
         inner = kwargs.pop("backend", "inductor")
         options = kwargs.pop("options", None)
         fullgraph = kwargs.pop("fullgraph", True)
         self._specs = flat_specs(state, self.stats)
-        self._grad_hooks = route_grads(state)
+        self._grad_hooks = route_grads(state) + route_host_grads(state, self._sinks)
 
         backend = make_backend(
             pipeline,
@@ -141,7 +148,8 @@ class CompiledModel:
         try:
             # The compiled graph gathers and releases itself: the engine's hooks stand aside.
             with runtime.suspended():
-                return self._compiled(self._shards, self._scales, args, kwargs)
+                shards = graph_shards(self._state)
+                return self._compiled(shards, self._scales, self._sinks, args, kwargs)
         except capture_errors() as e:
             if not first:
                 raise
@@ -208,10 +216,12 @@ def compile(
             "device_mesh): run the model eagerly; zeroshard's stage 3 with torch's "
             "tensor-parallel collectives works as it is"
         )
-    if any(g.home.kind is not HomeKind.DEVICE for g in state.groups):
+    if state.config.offload.params:
         raise ValueError(
-            "zeroshard.compile does not support offload_optimizer: the compiled graph "
-            "gathers the masters on the device; compile without offload, or run eagerly"
+            "zeroshard.compile with offload_params: the compiled graph takes every group's "
+            "shard as an input at its start, so every compute shard would be on the device "
+            "at once, which offload_params exists to avoid; compile with offload_optimizer "
+            "alone, or run offload_params eagerly (each shard goes up just before its gather)"
         )
     if prefetch_bytes is None:
         prefetch_bytes = state.config.stage3.prefetch_bytes

@@ -21,15 +21,17 @@ from zeroshard.compile._ops import wire_of
 
 @torch._dynamo.allow_in_graph
 class GatheredFloat8(torch.autograd.Function):
-    """`apply(shard, scales, key, world, reduce_dtype, pieces, slots)`: the weights of
-    the fp8 group of op key `key` (`pieces` split its gathered buffer, `slots` are each
-    weight's (piece, shape)), one tensor per slot."""
+    """`apply(shard, scales, sink, key, world, reduce_dtype, pieces, slots)`: the weights
+    of the fp8 group of op key `key` (`pieces` split its gathered buffer, `slots` are each
+    weight's (piece, shape)), one tensor per slot; the gradient goes to `shard`, or where
+    the group is homed on the host to its `sink` ([Note: host groups in the graph])."""
 
     @staticmethod
     def forward(
         ctx: Any,
         shard: torch.Tensor,
         scales: torch.Tensor,
+        sink: torch.Tensor | None,
         key: int,
         world: int,
         reduce_dtype: torch.dtype,
@@ -61,4 +63,6 @@ class GatheredFloat8(torch.autograd.Function):
             ]
         )
         shard = torch.ops.zeroshard.reduce_scatter(full, ctx.key, ctx.world)
-        return shard.to(ctx.shard_dtype), None, None, None, None, None, None
+        to_shard = shard.to(ctx.shard_dtype) if ctx.needs_input_grad[0] else None
+        to_sink = shard if ctx.needs_input_grad[2] else None
+        return to_shard, None, to_sink, None, None, None, None, None

@@ -129,13 +129,13 @@ def one_float8_dtype(weights: Mapping[int, Float8Weight]) -> torch.dtype:
 
 
 def gathered_in_float8(model: nn.Module, cfg: ZeroConfig) -> dict[int, Float8Weight]:
-    """The fp8 weights of `model` that `cfg` gathers in fp8: at stage 3, on the device.
-    Stages 1/2 keep the weights whole in the compute dtype between steps (each
-    `Float8Linear` casts its own, as without the option), and CPU offload's groups gather
-    the compute shards the host keeps. Their dtypes are checked here, at any world size:
-    a model refused on eight GPUs is refused on one, where it would gather in the
-    compute dtype."""
-    if cfg.stage != 3 or cfg.offload.optimizer:
+    """The fp8 weights of `model` that `cfg` gathers in fp8: at stage 3, wherever their
+    masters live (an offloaded group's wire casts the compute shard its home keeps on the
+    device: [Note: home and wire]). Stages 1/2 keep the weights whole in the compute dtype
+    between steps (each `Float8Linear` casts its own, as without the option). Their dtypes
+    are checked here, at any world size: a model refused on eight GPUs is refused on one,
+    where it would gather in the compute dtype."""
+    if cfg.stage != 3:
         return {}
     weights = float8_weights(model)
     if weights:

@@ -156,11 +156,12 @@ class StepEach:
             s.published()
 
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
-        """Refused: several optimizers step on the device (offload takes one)."""
-        why = step_in_backward_refusal(
-            offloaded=False, stage=stage, loss_scaled=loss_scaled, delayed=False
+        """Refused: the host step in backward steps one optimizer's groups as they land;
+        several in turn are not built yet."""
+        raise ValueError(
+            f"step_in_backward(): {len(self.steppers)} optimizers step their groups in turn "
+            "after backward; stepping them in backward is not built yet (one optimizer is)"
         )
-        raise ValueError(f"step_in_backward(): {why}")
 
     def clip_refusal(self) -> str:
         """The first refusal of any."""

@@ -54,10 +54,9 @@ def plan_groups(
     fp8 = gathered_in_float8(model, cfg)
     if not fp8 and everyone.rank == 0 and float8_weights(model):
         log.info(
-            "zeroshard: enable_fsdp_float8_all_gather: stage %d%s gathers the fp8 weights in "
+            "zeroshard: enable_fsdp_float8_all_gather: stage %d gathers the fp8 weights in "
             "the compute dtype (their Float8Linears cast them, as without the option)",
             cfg.stage,
-            " with offload_optimizer" if cfg.stage == 3 else "",
         )
     plan = plan_flat_groups(
         model,

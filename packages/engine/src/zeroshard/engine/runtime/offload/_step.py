@@ -140,6 +140,18 @@ def _step_hooks(inner: torch.optim.Optimizer) -> Iterator[None]:
         post(inner, args, kwargs)
 
 
+def param_group_of(inner: torch.optim.Optimizer, g: FlatParamGroup) -> int:
+    """The index of `inner`'s param group that steps `g`'s master (`inner` is one of
+    several optimizers, whose param groups `GroupKey.param_group` counts together)."""
+    master = g.master
+    for k, pg in enumerate(inner.param_groups):
+        if any(p is master for p in pg["params"]):
+            return k
+    raise ValueError(
+        f"flat group {g.index}'s master is in no param group of {type(inner).__name__}"
+    )
+
+
 def _step_masters(
     step: Callable[[], Any], inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]
 ) -> None:
@@ -167,7 +179,7 @@ def _step_group(
 ) -> None:
     """Step `g`'s master alone on its fp32 gradient, casting it for the upload as it goes."""
     host = offload.grads.host_grad(g)
-    adam = fused_adam(inner, g.key.param_group) if host is not None else None
+    adam = fused_adam(inner, param_group_of(inner, g)) if host is not None else None
     if adam is not None and host is not None:
         _step_blocked(adam, inner, offload, g, host)
         return
@@ -259,7 +271,8 @@ class DelayedStep:
         # and `zero_grad` forget the gradients before the thread gets to a group.
         work: dict[int, tuple[FusedAdam, HostGrad]] = {}
         for g in on_host:
-            adam, grad = fused_adam(inner, g.key.param_group), offload.grads.host_grad(g)
+            adam = fused_adam(inner, param_group_of(inner, g))
+            grad = offload.grads.host_grad(g)
             if adam is None or grad is None:
                 continue
             if isinstance(adam.lr, torch.Tensor):

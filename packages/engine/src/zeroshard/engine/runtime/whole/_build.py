@@ -17,20 +17,24 @@ from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
 
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
-    """Refuse what the whole-matrix and combined steps do not run: CPU offload of them."""
+    """Refuse what the whole-matrix and combined steps do not run yet with CPU offload: a
+    whole-matrix optimizer's step on offloaded groups, and several optimizers' delayed
+    steps."""
     if not cfg.offload.optimizer:
         return
     whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
     if whole:
         raise ValueError(
             f"offload_optimizer: {', '.join(whole)} steps whole matrices, each on one rank's "
-            "device, which CPU offload does not do: turn offload_optimizer off (its state "
-            "is sharded on the devices like AdamW's: 4 bytes per parameter over the ranks)"
+            "device; offloading its state is not built yet: turn offload_optimizer off (its "
+            "state is sharded on the devices like AdamW's: 4 bytes per parameter over the "
+            "ranks)"
         )
-    if len(optimizers) > 1:
+    if len(optimizers) > 1 and cfg.offload.delay_param_update:
         raise ValueError(
-            f"offload_optimizer steps one optimizer on the CPU, got {len(optimizers)}: pass "
-            "one optimizer (param groups may differ in their settings), or turn offload off"
+            f"offload.delay_param_update steps one optimizer's groups on the stepping "
+            f"thread; with {len(optimizers)} optimizers it is not built yet: step them "
+            "after backward (the option off), or pass one optimizer"
         )
 
 
