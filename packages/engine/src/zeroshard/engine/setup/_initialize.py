@@ -34,7 +34,7 @@ from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stepper import DeviceStep, Stepper
-from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, split_dim
+from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, TensorParallel, split_dim
 from zeroshard.engine.runtime._unit_plan import UnitPlan
 from zeroshard.engine.runtime.offload._compiled_step import compile_variants
 from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
@@ -224,7 +224,7 @@ def initialize(
     if device_mesh is not None:
         mesh = mesh_groups(device_mesh, everyone, timeout)
         check_dtensor_params(model, mesh.tensor_parallel)
-    shard_group, replicate = everyone, None
+    shard_group, replicate = (everyone, None) if mesh is None else (mesh.shard, mesh.replicate)
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
             raise ValueError("shard_group_size works on the world group; pass no group with it")
@@ -237,7 +237,11 @@ def initialize(
         # Everything below shards over `shard_group`; `replicate` only averages.
         shard_group, replicate = hybrid.shard, hybrid.replicate
         if process_groups:
-            raise ValueError("process_groups and shard_group_size cannot be combined yet")
+            raise ValueError(
+                "process_groups and shard_group_size cannot be combined yet: the groups of "
+                "their own (experts) cross the shard groups, whose first alone writes "
+                "checkpoints and over which the clip norm is summed"
+            )
     if cfg.offload.compiled_step:
         # After the checks above, which fail at once; this may take a minute.
         _compile_host_step(everyone, optimizer, cfg)
@@ -248,9 +252,7 @@ def initialize(
     )
     param_group_of = param_group_index(model, optimizer)
     # Before anything is flattened: [Note: one set of initial weights].
-    broadcast_initial_state(
-        model, everyone, place.own, None if mesh is None else mesh.data_parallel
-    )
+    broadcast_initial_state(model, everyone, place.own, () if mesh is None else mesh.pieces)
     start = time.perf_counter()
     fp8 = gathered_in_float8(model, cfg)
     if not fp8 and everyone.rank == 0 and float8_weights(model):
@@ -334,7 +336,8 @@ def initialize(
     )
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
     bind_masters(optimizer, groups)
-    stepper, whole = _stepper(optimizers, optimizer, groups, offload, cfg)
+    tp = None if mesh is None else mesh.tensor_parallel
+    stepper, whole = _stepper(optimizers, optimizer, groups, offload, cfg, tp)
     zopt = ZeroOptimizer(
         optimizer,
         groups,
@@ -382,13 +385,14 @@ def _stepper(
     groups: Sequence[FlatParamGroup],
     offload: HostOffload | None,
     cfg: ZeroConfig,
+    tensor_parallel: TensorParallel | None,
 ) -> tuple[Stepper, WholeParams | None]:
     """How the masters are stepped: on the device, or with offload on the host after
     backward (or in it), or beside the next window (delay_param_update); several
     optimizers (`optimizer` combines them) each by its own stepper, whole-matrix ones by
     theirs (and the whole parameters this rank steps, by name)."""
     if len(optimizers) > 1 or steps_whole(optimizer):
-        return whole_matrix_steppers(optimizers, groups)
+        return whole_matrix_steppers(optimizers, groups, tensor_parallel)
     if offload is None:
         return DeviceStep(optimizer), None
     if cfg.offload.delay_param_update:

@@ -10,6 +10,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
@@ -35,14 +36,16 @@ def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: Zer
 
 
 def check_whole_mesh(optimizers: Sequence[torch.optim.Optimizer], mesh: object | None) -> None:
-    """Refuse a whole-matrix optimizer under tensor parallelism (`initialize`'s
-    `device_mesh`): each rank holds a piece of a split matrix, and orthogonalizing the
-    pieces is not orthogonalizing the matrix (DeepSpeed's issue #8437)."""
-    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
-    if whole and mesh is not None:
+    """Refuse a declared whole-matrix optimizer under tensor parallelism (`initialize`'s
+    `device_mesh`); torch's Muon brings a split matrix's pieces together ([Note: Muon under
+    tensor parallelism])."""
+    declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
+    if declared and mesh is not None:
         raise ValueError(
-            f"device_mesh: {', '.join(whole)} steps whole matrices, which tensor parallelism "
-            "splits over tp; give the split matrices another optimizer, or train without tp"
+            f"device_mesh: {', '.join(declared)} steps whole parameters at one owner, keeping "
+            "their state by name, which does not yet bring the pieces of a matrix split over "
+            "tp together (torch.optim.Muon does): give the split matrices another optimizer, "
+            "or train without tp"
         )
 
 
@@ -60,12 +63,15 @@ def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int,
 
 
 def whole_matrix_steppers(
-    optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[FlatParamGroup]
+    optimizers: Sequence[torch.optim.Optimizer],
+    groups: Sequence[FlatParamGroup],
+    tensor_parallel: TensorParallel | None = None,
 ) -> tuple[Stepper, WholeParams | None]:
     """One stepper per optimizer, over the flat groups of its param groups: torch's Muon
-    split (`MuonStep`), another whole-matrix one on whole parameters (`WholeParamStep`),
-    any other on the device (`DeviceStep`); stepped in turn. Also the whole parameters
-    this rank steps, by name (None: no optimizer steps any)."""
+    split (`MuonStep`, which joins the pieces of matrices split over `tensor_parallel`),
+    another whole-matrix one on whole parameters (`WholeParamStep`), any other on the
+    device (`DeviceStep`); stepped in turn. Also the whole parameters this rank steps, by
+    name (None: no optimizer steps any)."""
     owners = plan_owners(((g.key, g.layout) for g in groups), whole_param_groups(optimizers))
     parts: list[Stepper] = []
     whole: WholeParams | None = None
@@ -74,7 +80,7 @@ def whole_matrix_steppers(
         ks = range(offset, offset + len(o.param_groups))
         mine = [g for g in groups if g.key.param_group in ks]
         if split_muon(o):
-            parts.append(MuonStep(o, mine, owners, offset))
+            parts.append(MuonStep(o, mine, owners, offset, tensor_parallel))
         elif steps_whole(o):
             own = sorted({n for g in mine if g.key.process_group != "default" for n in g.names})
             if own:
