@@ -274,7 +274,8 @@ def load_checkpoint(
                 "tensor per name (DeepSpeed writes experts to files of their own, which "
                 "zeroshard does not read): load them from a zeroshard checkpoint"
             )
-        return load_named(model, state, Path(directory), tag, step, aliases(model, state))
+        names = aliases(model, state)
+        return load_named(model, state, Path(directory), tag, step, names, everyone)
     shard_group = state.shard_group
     places = placements(state)
     expected = full_shapes(state)

@@ -32,7 +32,7 @@ from zeroshard.ckpt import (
     read_deepspeed_training_state,
     read_named_state,
 )
-from zeroshard.comm import agreed
+from zeroshard.comm import Group, agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_buffers
 from zeroshard.engine.runtime._state import EngineState
@@ -239,8 +239,10 @@ def load_named(
     tag: str | None,
     step: int | None,
     aliases: Mapping[str, str],
+    everyone: Group,
 ) -> int:
-    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`)."""
+    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`);
+    `everyone` is every rank of the job (under hybrid sharding, every replica too)."""
 
     def read() -> tuple[NamedTrainingState, NamedShards]:
         if is_deepspeed_checkpoint(path):
@@ -252,7 +254,5 @@ def load_named(
 
     # One outcome on every rank (a file bad on one rank fails the load everywhere), and
     # nothing is changed unless every rank read its shards.
-    named, shards = agreed(
-        state.shard_group, f"load_checkpoint({str(path)!r})", read, CHECKPOINT_ERRORS
-    )
+    named, shards = agreed(everyone, f"load_checkpoint({str(path)!r})", read, CHECKPOINT_ERRORS)
     return apply_named_shards(model, state, named, shards)
