@@ -194,10 +194,12 @@ def initialize(
     same experts): those parameters get flat groups of their own, sharded over and
     reduced (averaged) within that group.
 
-    `device_mesh` (dims `dp` and `tp`) takes a model that torch's tensor parallelism split
-    over `device_mesh["tp"]` (`parallelize_module`): each rank's local pieces are sharded
-    over `dp` and their gradients reduced over `dp`; torch's tensor-parallel collectives
-    run as they are (see [Note: DTensor parameters] in runtime/_tensor_parallel.py).
+    `device_mesh` (dims `dp` and `tp`, or `dp_replicate`, `dp_shard` and `tp` for hybrid
+    sharding) takes a model that torch's tensor parallelism split over
+    `device_mesh["tp"]` (`parallelize_module`): each rank's local pieces are sharded over
+    `dp` (`dp_shard`) and their gradients reduced over it (and averaged over
+    `dp_replicate`); torch's tensor-parallel collectives run as they are (see [Note:
+    DTensor parameters] in runtime/_tensor_parallel.py).
     """
     cfg = as_config(config)
     check_model(model, cfg)
