@@ -1,1 +1,1 @@
-"""One benchmark command run on two source trees, alternately: `python -m benchmarks.before_after`."""
+"""One benchmark command on two source trees, alternately: `python -m benchmarks.before_after`."""

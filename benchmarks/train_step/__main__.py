@@ -40,7 +40,7 @@ re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fs
 `zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
 (DeepSpeed, always run last), the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
 `--shard-group-size` ranks, replicate across the rest) and, run only when named, the
-tensor-parallel `zs3tp` and `fsdp2tp` (`llama` and `hf-llama` split over `--tp`
+tensor-parallel `zs3tp`, `zs3ctp` (compiled) and `fsdp2tp` (`llama` and `hf-llama` split over `--tp`
 consecutive ranks by torch's tensor parallelism, sharded over the rest; at `--tp 1`,
 `zs3tp` is `zs3` through `initialize(device_mesh=...)` with DTensor layers) and `zs3m`
 (`zs3` through a (world, 1) mesh, the model not split). The fp8 engines, run only when

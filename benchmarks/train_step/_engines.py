@@ -21,6 +21,7 @@ from benchmarks.train_step._float8 import in_float8
 from benchmarks.train_step._settings import Settings, Stepper
 from benchmarks.train_step._tensor_parallel_engines import (
     setup_fsdp2tp,
+    setup_zs3ctp,
     setup_zs3m,
     setup_zs3tp,
 )
@@ -229,6 +230,15 @@ ENGINES: dict[str, Engine] = {
             "zeroshard stage 3 over dp, the model split over tp {tp} (device_mesh)",
             setup_zs3tp,
             _ZEROSHARD,
+            on_request=True,
+            tensor_parallel=True,
+        ),
+        Engine(
+            "zs3ctp",
+            "`zs3tp` compiled (zeroshard.compile, inductor), the model split over tp {tp}",
+            setup_zs3ctp,
+            _COMPILE,
+            compiled=True,
             on_request=True,
             tensor_parallel=True,
         ),

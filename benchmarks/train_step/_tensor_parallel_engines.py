@@ -1,8 +1,8 @@
-"""The tensor-parallel engines: zeroshard stage 3 (`zs3tp`) and FSDP2 (`fsdp2tp`) over
-the dp dim of a (dp, tp) device mesh, the model first split over its tp dim by torch's
-tensor parallelism, `--tp` consecutive ranks sharing each layer; and `zs3m`, zs3 through
-`initialize(device_mesh=...)` on a (world, 1) mesh with the model not split (the mesh
-path alone, without DTensor's dispatch).
+"""The tensor-parallel engines: zeroshard stage 3 (`zs3tp`; compiled, `zs3ctp`) and FSDP2
+(`fsdp2tp`) over the dp dim of a (dp, tp) device mesh, the model first split over its tp
+dim by torch's tensor parallelism, `--tp` consecutive ranks sharing each layer; and
+`zs3m`, zs3 through `initialize(device_mesh=...)` on a (world, 1) mesh with the model
+not split (the mesh path alone, without DTensor's dispatch).
 
 The split is Megatron's: `llama` (examples/llama.py) by `LLAMA_PLAN` (torchtitan's plan
 without sequence parallelism), `hf-llama` by transformers' own `tp_plan`. At `--tp 1`
@@ -14,6 +14,7 @@ data are the same on every rank), and each GPU computes 1/tp of them (`Result.tp
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,16 +100,29 @@ def setup_zs3m(model: nn.Module, s: Settings) -> Stepper:
     return _zs3_on(_mesh(s, 1), model, s)
 
 
-def _zs3_on(mesh: Any, model: nn.Module, s: Settings) -> Stepper:
+def setup_zs3ctp(model: nn.Module, s: Settings) -> Stepper:
+    """zs3tp compiled whole by zeroshard.compile (inductor): the pieces become DTensors in
+    the graph, torch's tensor-parallel collectives captured with the gathers."""
+    import zeroshard.compile as zc
+
+    mesh = _mesh(s, s.tp)
+    split(model, mesh)
+    return _zs3_on(mesh, model, s, compiled=zc.compile)
+
+
+def _zs3_on(
+    mesh: Any, model: nn.Module, s: Settings, compiled: Callable[[nn.Module], Any] | None = None
+) -> Stepper:
     import zeroshard.engine as zs
 
     config = {"stage": 3, "compute_dtype": dtype_name(s.dtype), **s.zs_config}
     zmodel, opt = zs.initialize(
         model, adamw(model.parameters(), s.device), config, device_mesh=mesh
     )
+    runner = zmodel if compiled is None else compiled(zmodel)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        zmodel(x, y).backward()
+        runner(x, y).backward()
         if s.clip > 0:
             opt.clip_grad_norm_(s.clip)
         opt.step()

@@ -325,10 +325,12 @@ def _refusals() -> None:
         sgd = torch.optim.SGD(muon.param_groups[0]["params"], lr=0.1)
         delayed = _config(2, offload_optimizer=True, offload_delay_param_update=True)
         zs.initialize(model, [sgd, adamw], delayed)
-    # Tensor parallelism splits matrices: orthogonalizing pieces is not Muon (DeepSpeed #8437).
+    # A declared optimizer does not yet join a matrix's tp pieces (torch's Muon does:
+    # test_tensor_parallel_compositions.py).
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    with pytest.raises(ValueError, match=r"device_mesh: Muon steps whole matrices"):
-        zs.initialize(model, [muon, adamw], _config(3), device_mesh=mesh)
+    declared, adamw = _make("declared")(model)
+    with pytest.raises(ValueError, match=r"device_mesh: DeclaredMuon steps whole parameters"):
+        zs.initialize(model, [declared, adamw], _config(3), device_mesh=mesh)
 
 
 def test_bad_optimizer_sets_are_refused() -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.compile._float8 import GatheredFloat8
@@ -123,10 +124,11 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
     (`specs` are its groups' specs; `shards` what each gather reads, `scales` an fp8
     group's scales, `sinks` a host group's gradient sink) and run `model` on the views."""
     holders = _holders(model)
-    # (holders, piece, shape) per parameter of each spec, in the specs' order.
+    # (holders, piece, shape, the DTensor it is a piece of or None) per parameter of each
+    # spec, in the specs' order.
     places = [
         [
-            (holders[id(p)], piece, shape)
+            (holders[id(p)], piece, shape, p if isinstance(p, DTensor) else None)
             for p, (piece, shape) in zip(g.params, spec.slots, strict=True)
         ]
         for g, spec in zip(state.groups, specs, strict=True)
@@ -157,9 +159,12 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
                         spec.slots,
                     )
                 elif sink is not None:
-                    full = GatheredToHost.apply(shard, sink, spec.key, spec.world)  # type: ignore[no-untyped-call]
-                    split = full.split(spec.pieces)
-                    views = tuple(split[piece].view(shape) for _, piece, shape in spec_places)
+                    gather_to_host: Any = GatheredToHost.apply
+                    split = gather_to_host(shard, sink, spec.key, spec.world).split(spec.pieces)
+                    views = tuple(
+                        _as_param(split[piece].view(shape), dt)
+                        for _, piece, shape, dt in spec_places
+                    )
                 else:
                     # Gathered in the master's dtype, then cast: the fused-downcast
                     # pass moves the cast before the collective (nothing to move when
@@ -170,8 +175,11 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
                     if spec.compute_dtype != shard.dtype:
                         full = full.to(spec.compute_dtype)
                     split = full.split(spec.pieces)
-                    views = tuple(split[piece].view(shape) for _, piece, shape in spec_places)
-                for (owners, _, _), view in zip(spec_places, views, strict=True):
+                    views = tuple(
+                        _as_param(split[piece].view(shape), dt)
+                        for _, piece, shape, dt in spec_places
+                    )
+                for (owners, _, _, _), view in zip(spec_places, views, strict=True):
                     for params, attr in owners:
                         swapped.append((params, attr, params[attr]))
                         params[attr] = view
@@ -186,6 +194,23 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
     code = forward.__code__.replace(co_name=f"zeroshard_forward_{next(_forwards)}")
     return types.FunctionType(
         code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__
+    )
+
+
+def _as_param(view: torch.Tensor, dtensor: DTensor | None) -> torch.Tensor:
+    """`view` (a parameter's values on this rank) as the module computes with it: for a
+    piece of a DTensor parameter (tensor parallelism) a DTensor of the parameter's mesh,
+    placement and shape, made in the graph, whose backward brings its gradient to that
+    placement (a `Partial` one all-reduced over tp) before the gather's reduce-scatter."""
+    if dtensor is None:
+        return view
+    return DTensor.from_local(
+        view,
+        dtensor.device_mesh,
+        dtensor.placements,
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
     )
 
 

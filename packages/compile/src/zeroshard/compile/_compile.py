@@ -208,14 +208,6 @@ def compile(
         raise ValueError(
             f"zeroshard.compile needs a stage-3 model; this one is stage {state.config.stage}"
         )
-    if state.tensor_parallel is not None:
-        # Dynamo cannot fake a DTensor parameter whose local tensor lives in a flat buffer
-        # (torch.compile of the blocks fails there too).
-        raise ValueError(
-            "zeroshard.compile does not support tensor parallelism (initialize's "
-            "device_mesh): run the model eagerly; zeroshard's stage 3 with torch's "
-            "tensor-parallel collectives works as it is"
-        )
     if state.config.offload.params:
         raise ValueError(
             "zeroshard.compile with offload_params: the compiled graph takes every group's "

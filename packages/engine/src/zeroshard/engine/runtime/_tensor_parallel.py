@@ -228,6 +228,30 @@ class TensorParallel:
             out.append(parts[0].clone() if dim is None else torch.cat(parts, dim))
         return out
 
+    def whole_tensors(
+        self, pieces: Sequence[torch.Tensor], dims: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Each of `pieces` (this rank's piece of a tensor split along `dims[i]`, the same
+        shapes on every tensor-parallel rank) joined whole: one all-gather over tp
+        (collective over tp)."""
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        gathered = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        self.group.all_gather_into(gathered, flat, label="whole tensors of split pieces").wait()
+        rows = gathered.view(self.size, flat.numel())
+        out, at = [], 0
+        for piece, dim in zip(pieces, dims, strict=True):
+            n = piece.numel()
+            out.append(
+                torch.cat([rows[k, at : at + n].view(piece.shape) for k in range(self.size)], dim)
+            )
+            at += n
+        return out
+
+    def own_piece(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's piece of `whole`, a tensor split evenly along `dim` (a view)."""
+        n = whole.shape[dim] // self.size
+        return whole.narrow(dim, self.group.rank * n, n)
+
 
 def squares_counted_once(
     norms: Sequence[torch.Tensor], groups: Sequence[FlatParamGroup], tp_size: int

@@ -17,7 +17,7 @@ of the ranks that hold replicas of it, before anything is flattened:
 - a DTensor parameter (tensor parallelism) holds another piece on each tensor-parallel
   rank: its local tensor is replicated on the device mesh's `dp` group only and comes
   from that group's first rank (torch's `distribute_tensor` made the pieces of one
-  tensor-parallel group agree).
+  tensor-parallel group agree); on a 3-D mesh over `dp_shard`, then over `dp_replicate`.
 
 Parameters still on the meta device are not sent: stage 3 materializes them unit by
 unit from a generator seeded alike on every rank (`_materialize`), so they start equal.
@@ -43,13 +43,11 @@ _LABEL = "initialize: the first rank's weights to every replica"
 
 
 def _replica_groups(
-    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Group | None
+    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Sequence[Group]
 ) -> list[tuple[Group, list[torch.Tensor]]]:
     """The tensors to send over each group, in an order every rank shares (DTensors'
-    local tensors over `pieces`, last)."""
+    local tensors over each of `pieces` in turn, last)."""
     groups = [everyone, *(own[path] for path in sorted(own))]
-    if pieces is not None:
-        groups.append(pieces)
     where: dict[int, int] = {}
     # Shorter paths first: a module inside another's own group takes its innermost one.
     for path in sorted(own, key=lambda p: (len(p.split(".")), p)):
@@ -57,24 +55,25 @@ def _replica_groups(
         module = model.get_submodule(path)
         where.update({id(t): index for t in (*module.parameters(), *module.buffers())})
     tensors: list[list[torch.Tensor]] = [[] for _ in groups]
+    local: list[torch.Tensor] = []
     for _, t in (*model.named_parameters(), *model.named_buffers()):
         if t.is_meta:
             continue
         if is_dtensor(t):
-            assert pieces is not None  # initialize refuses DTensors without a mesh
-            tensors[-1].append(data_of(t))
+            assert pieces  # initialize refuses DTensors without a mesh
+            local.append(data_of(t))
         else:
             tensors[where.get(id(t), 0)].append(t)
-    return list(zip(groups, tensors, strict=True))
+    return [*zip(groups, tensors, strict=True), *((g, local) for g in pieces)]
 
 
 @torch.no_grad()
 def broadcast_initial_state(
-    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Group | None = None
+    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Sequence[Group] = ()
 ) -> None:
     """Copy every parameter and buffer from the first rank of its replicas, through one
-    bounded buffer; DTensor parameters' local tensors over `pieces` (the mesh's `dp`
-    group). See [Note: one set of initial weights]."""
+    bounded buffer; DTensor parameters' local tensors over each of `pieces` in turn (the
+    mesh's data-parallel groups). See [Note: one set of initial weights]."""
     for group, tensors in _replica_groups(model, everyone, own, pieces):
         if group.size > 1 and tensors:
             _broadcast(group, tensors)

@@ -74,10 +74,12 @@ def initialize(
     same experts): those parameters get flat groups of their own, sharded over and
     reduced (averaged) within that group.
 
-    `device_mesh` (dims `dp` and `tp`) takes a model that torch's tensor parallelism split
-    over `device_mesh["tp"]` (`parallelize_module`): each rank's local pieces are sharded
-    over `dp` and their gradients reduced over `dp`; torch's tensor-parallel collectives
-    run as they are (see [Note: DTensor parameters] in runtime/_tensor_parallel.py).
+    `device_mesh` (dims `dp` and `tp`, or `dp_replicate`, `dp_shard` and `tp` for hybrid
+    sharding) takes a model that torch's tensor parallelism split over
+    `device_mesh["tp"]` (`parallelize_module`): each rank's local pieces are sharded over
+    `dp` (`dp_shard`) and their gradients reduced over it (and averaged over
+    `dp_replicate`); torch's tensor-parallel collectives run as they are (see [Note:
+    DTensor parameters] in runtime/_tensor_parallel.py).
     """
     # 1. The inputs, checked where every rank fails alike (no collective yet).
     cfg = as_config(config)
@@ -112,9 +114,7 @@ def initialize(
     param_group_of = param_group_index(model, inner)
     # 3. One set of initial weights, before anything is flattened.
     mesh = placement.mesh
-    broadcast_initial_state(
-        model, everyone, placement.own, None if mesh is None else mesh.data_parallel
-    )
+    broadcast_initial_state(model, everyone, placement.own, () if mesh is None else mesh.pieces)
     start = time.perf_counter()
     # 4. The plan (how each group travels, where it lives), then the groups built into
     # their homes with their wires.
@@ -138,8 +138,8 @@ def initialize(
     )
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
     bind_masters(inner, groups)
-    stepper, whole = build_steppers(optimizers, groups, planned.host, cfg)
     tensor_parallel = None if mesh is None else mesh.tensor_parallel
+    stepper, whole = build_steppers(optimizers, groups, planned.host, cfg, tensor_parallel)
     zopt = ZeroOptimizer(
         inner,
         groups,

@@ -7,7 +7,9 @@ initialized. The unit is then sharded and its full copy freed, so no rank ever h
 more than one unit in full: a model larger than one device initializes.
 
 Every rank must draw the same values, so the random generator is seeded per unit from
-`seed` before its init runs (on CPU and on the device).
+`seed` before its init runs (on CPU and on the device). A DTensor parameter (tensor
+parallelism) gets storage for its local piece only; `param_init` initializes it as a
+DTensor (torch's DTensor random ops, or `distribute_tensor` of a whole value).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zeroshard.engine.runtime._tensor_parallel import like_param, local_shape
 from zeroshard.engine.runtime._unit_plan import UnitPlan
 
 ParamInit = Callable[[nn.Module], None]
@@ -46,9 +49,10 @@ def materialize_unit(
     owned = {id(p) for _, p in plan.params}
     for _, p in plan.params:
         if p.is_meta:
-            real = nn.Parameter(
-                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
-            )
+            # A DTensor (tensor parallelism) gets its local piece, and stays a DTensor of
+            # its mesh and placement: param_init sees what torch's tp made of the module.
+            local = torch.empty(local_shape(p), dtype=p.dtype, device=device)
+            real = nn.Parameter(like_param(p, local), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)  # type: ignore[no-untyped-call]
     torch.manual_seed(seed + index)
     if device.type == "cuda":

@@ -1,12 +1,16 @@
-"""`initialize(..., device_mesh=mesh)`: the data- and tensor-parallel groups of a 2-D mesh,
-and the checks on a model that torch's tensor parallelism split over its `tp` dim.
+"""`initialize(..., device_mesh=mesh)`: the data- and tensor-parallel groups of a 2-D or
+3-D mesh, and the checks on a model that torch's tensor parallelism split over its `tp` dim.
 
 The mesh's dims are named `dp` and `tp` (torchtitan's `init_device_mesh(..., ("dp",
-"tp"))`), the default layout of `init_device_mesh` (the tp ranks of one data-parallel
+"tp"))`), or `dp_replicate`, `dp_shard` and `tp` for hybrid sharding (torchtitan's HSDP
+x TP), in the default layout of `init_device_mesh` (the tp ranks of one data-parallel
 rank are consecutive: the checkpoint numbers its pieces by tensor-parallel rank in that
-order). Every flat group is sharded over `dp` and its gradients reduced over `dp`; the
-tensor-parallel collectives of forward and backward are torch's (see [Note: DTensor
-parameters] in runtime/_tensor_parallel.py).
+order). Every flat group is sharded over `dp` (`dp_shard`) and its gradients reduced
+over it; with `dp_replicate` they are then averaged over the replicas, each of which
+holds the same shards, as `shard_group_size` does without a mesh (one replica, the
+ranks of one `dp_replicate` index, is the shard group: the clip norm sums over it and
+its ranks alone write checkpoints). The tensor-parallel collectives of forward and
+backward are torch's (see [Note: DTensor parameters] in runtime/_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zeroshard.comm import Group
+from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.runtime._float8 import float8_weights
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, is_dtensor, placement_problem
 
 MESH_DIMS = ("dp", "tp")
@@ -30,26 +35,32 @@ HYBRID_DIMS = ("dp_replicate", "dp_shard", "tp")
 @dataclass(frozen=True)
 class MeshGroups:
     """What `initialize` takes from a device mesh: the group every flat group is sharded
-    and reduced over (`data_parallel`) and the tensor-parallel dim."""
+    and reduced over (`data_parallel`), the tensor-parallel dim, and under hybrid
+    sharding the ranks of this rank's replica (`shard`) and the replicas (`replicate`)."""
 
     data_parallel: Group
     tensor_parallel: TensorParallel
+    shard: Group
+    replicate: Group | None = None
+
+    @property
+    def pieces(self) -> tuple[Group, ...]:
+        """The groups that, in turn, hold the same tensor-parallel pieces: a DTensor's local
+        tensor is replicated over `data_parallel`, then over the replicas."""
+        if self.replicate is None:
+            return (self.data_parallel,)
+        return (self.data_parallel, self.replicate)
 
 
 def mesh_groups(mesh: DeviceMesh, everyone: Group, timeout: timedelta) -> MeshGroups:
-    """The groups of a ("dp", "tp") mesh over every rank of the job; ValueError naming
-    what is wrong with another mesh."""
+    """The groups of a ("dp", "tp") or ("dp_replicate", "dp_shard", "tp") mesh over every
+    rank of the job; ValueError naming what is wrong with another mesh."""
     names = mesh.mesh_dim_names
-    if names == HYBRID_DIMS:
+    if names not in (MESH_DIMS, HYBRID_DIMS):
         raise ValueError(
-            "device_mesh with dims ('dp_replicate', 'dp_shard', 'tp'): hybrid sharding under "
-            "tensor parallelism is not supported yet; pass a ('dp', 'tp') mesh (zeroshard then "
-            "shards over all of dp)"
-        )
-    if names != MESH_DIMS:
-        raise ValueError(
-            f"device_mesh must have the dims ('dp', 'tp'), got {names}: build it with "
-            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+            f"device_mesh must have the dims ('dp', 'tp') or ('dp_replicate', 'dp_shard', "
+            f"'tp'), got {names}: build it with init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp'))"
         )
     if mesh.size() != everyone.size:
         raise ValueError(
@@ -67,9 +78,15 @@ def mesh_groups(mesh: DeviceMesh, everyone: Group, timeout: timedelta) -> MeshGr
             f"device_mesh lays its ranks out as {mesh.mesh.tolist()}; zeroshard needs "
             f"init_device_mesh's layout {expected.tolist()} (consecutive ranks share a dp rank)"
         )
-    dp = Group(mesh.get_group("dp")).with_timeout(timeout)
-    tp = Group(mesh.get_group("tp")).with_timeout(timeout)
-    return MeshGroups(dp, TensorParallel(mesh["tp"], tp))
+    tp = TensorParallel(mesh["tp"], Group(mesh.get_group("tp")).with_timeout(timeout))
+    dp = Group(mesh.get_group("dp" if names == MESH_DIMS else "dp_shard")).with_timeout(timeout)
+    replicas = 1 if names == MESH_DIMS else mesh.shape[0]
+    if replicas == 1:
+        return MeshGroups(dp, tp, everyone)
+    # A replica's ranks are consecutive (the layout above); init_device_mesh makes no
+    # group of them, the shard group that norms and checkpoints go over.
+    hybrid = make_hybrid_groups(replicas, everyone.size // replicas, timeout=timeout)
+    return MeshGroups(dp, tp, hybrid.shard, hybrid.replicate)
 
 
 def check_mesh_inputs(
@@ -105,11 +122,12 @@ def check_mesh_inputs(
             f"device_mesh cannot be combined with {', '.join(taken)} yet: the mesh's 'dp' "
             "dim is the group zeroshard shards over"
         )
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
+    if float8_weights(model):
+        # Their fp8 gather would scale each piece by the whole weight's amax (a max over
+        # tp as well), and torchao's fp8 weights inside DTensors are not unwrapped yet.
         raise ValueError(
-            f"parameters {meta[:3]}... are on the meta device: under device_mesh, "
-            "materialize the model before initialize()"
+            "device_mesh cannot be combined with enable_fsdp_float8_all_gather yet: turn the "
+            "option off in the Float8LinearConfig (the Float8Linears cast their own pieces)"
         )
 
 

@@ -66,7 +66,7 @@ def place(
     if device_mesh is not None:
         mesh = mesh_groups(device_mesh, everyone, timeout)
         check_dtensor_params(model, mesh.tensor_parallel)
-    shard_group, replicate = everyone, None
+    shard_group, replicate = (everyone, None) if mesh is None else (mesh.shard, mesh.replicate)
     if cfg.shard_group_size is not None and cfg.shard_group_size != everyone.size:
         if group is not None:
             raise ValueError("shard_group_size works on the world group; pass no group with it")
@@ -79,6 +79,10 @@ def place(
         # Everything below shards over `shard_group`; `replicate` only averages.
         shard_group, replicate = hybrid.shard, hybrid.replicate
         if process_groups:
-            raise ValueError("process_groups and shard_group_size cannot be combined yet")
+            raise ValueError(
+                "process_groups and shard_group_size cannot be combined yet: the groups of "
+                "their own (experts) cross the shard groups, whose first alone writes "
+                "checkpoints and over which the clip norm is summed"
+            )
     own = {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
     return Placement(shard_group, replicate, own, mesh)

@@ -11,6 +11,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper, WholeParams
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.offload import HostOffload, host_stepper
 from zeroshard.engine.runtime.whole import WholeMatrices, steps_whole
 
@@ -20,10 +21,14 @@ def build_steppers(
     groups: Sequence[FlatParamGroup],
     host: HostOffload | None,
     cfg: ZeroConfig,
+    tensor_parallel: TensorParallel | None,
 ) -> tuple[Stepper, WholeParams | None]:
     """One stepper per optimizer over the flat groups of its param groups (several stepped
-    in turn), and what whole-matrix optimizers step whole by name (None: none)."""
-    whole = WholeMatrices(optimizers, groups) if any(map(steps_whole, optimizers)) else None
+    in turn), and what whole-matrix optimizers step whole by name (None: none); matrices
+    split over `tensor_parallel` are brought together for theirs."""
+    whole = None
+    if any(map(steps_whole, optimizers)):
+        whole = WholeMatrices(optimizers, groups, tensor_parallel)
     parts: list[Stepper] = []
     offset = 0
     for o in optimizers:

@@ -257,27 +257,25 @@ def load_checkpoint(
                 "DeepSpeed (named) checkpoints keep their client state in pickles, which "
                 "zeroshard does not load: pass neither client_state nor rank_state"
             )
-        if state.tensor_parallel is not None:
-            raise ValueError(
-                "a DeepSpeed (named) checkpoint does not load under tensor parallelism "
-                "(device_mesh): load it without a mesh, save a zeroshard checkpoint, and load "
-                "that one"
-            )
+        # Under tensor parallelism every group is on the mesh's dp group, one instance
+        # per tp rank: the pieces of one whole tensor, which a named checkpoint holds.
         own = sorted(
             {
                 n
                 for g in state.groups
-                if g.process_group.pg is not state.shard_group.pg
+                if state.tensor_parallel is None and g.process_group.pg is not state.shard_group.pg
                 for n in g.names
             }
         )
         if own:
-            # A named checkpoint holds one value per name: which instance would get it?
             raise ValueError(
-                f"parameters on a process group of their own ({own[:3]}...) load from "
-                "zeroshard checkpoints only, not from a DeepSpeed (named) one"
+                f"parameters on a process group of their own ({own[:3]}...) hold a different "
+                "value on each group (experts), while a DeepSpeed (named) checkpoint holds one "
+                "tensor per name (DeepSpeed writes experts to files of their own, which "
+                "zeroshard does not read): load them from a zeroshard checkpoint"
             )
-        return load_named(model, state, Path(directory), tag, step, aliases(model, state))
+        names = aliases(model, state)
+        return load_named(model, state, Path(directory), tag, step, names, everyone)
     shard_group = state.shard_group
     places = placements(state)
     expected = full_shapes(state)

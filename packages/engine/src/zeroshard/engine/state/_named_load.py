@@ -32,10 +32,12 @@ from zeroshard.ckpt import (
     read_deepspeed_training_state,
     read_named_state,
 )
-from zeroshard.comm import agreed
+from zeroshard.comm import Group, agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_buffers
 from zeroshard.engine.runtime._state import EngineState
+from zeroshard.engine.runtime._tensor_parallel import full_runs
+from zeroshard.engine.state._checkpoint_layout import full_shapes
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -46,11 +48,15 @@ _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"}
 
 
 def _fill(g: FlatParamGroup, specs: Mapping[str, RangeSpec], out: torch.Tensor) -> None:
-    """Fill `out` (this rank's shard of `g`, on the CPU) from per-parameter specs."""
+    """Fill `out` (this rank's shard of `g`, on the CPU) from per-parameter specs of whole
+    tensors (a parameter split over tp reads its piece's runs of the whole tensor)."""
     out.zero_()  # alignment padding stays zero, as in a fresh shard
+    params = dict(zip(g.names, g.params, strict=True))
     for slot, piece in g.layout.slots_in_shard(g.process_group.rank):
-        at = piece.shard_start
-        specs[slot.name].read_range(piece.slot_start, out[at : at + piece.numel])
+        runs = full_runs(params[slot.name], slot.shape, piece.slot_start, piece.numel)
+        for whole, local, n in runs:
+            at = piece.shard_start + local - piece.slot_start
+            specs[slot.name].read_range(whole, out[at : at + n])
 
 
 def _check_names(
@@ -59,11 +65,7 @@ def _check_names(
     have = {n: s.shape for n, s in named.masters.items()}
     have.update({a: named.masters[c].shape for a, c in named.aliases.items() if c in named.masters})
     have.update({n: s.shape for n, s in named.buffers.items()})
-    expected = {
-        n: tuple(int(d) for d in slot.shape)
-        for g in state.groups
-        for n, slot in zip(g.names, g.layout.slots, strict=True)
-    }
+    expected = full_shapes(state)
     expected.update({a: expected[c] for a, c in aliases.items()})
     # keep_vars: the keys alone; at stage 3 a plain state_dict() would gather every
     # parameter whole on every rank (collective, the full model in memory) just to name them.
@@ -237,8 +239,10 @@ def load_named(
     tag: str | None,
     step: int | None,
     aliases: Mapping[str, str],
+    everyone: Group,
 ) -> int:
-    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`)."""
+    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`);
+    `everyone` is every rank of the job (under hybrid sharding, every replica too)."""
 
     def read() -> tuple[NamedTrainingState, NamedShards]:
         if is_deepspeed_checkpoint(path):
@@ -250,7 +254,5 @@ def load_named(
 
     # One outcome on every rank (a file bad on one rank fails the load everywhere), and
     # nothing is changed unless every rank read its shards.
-    named, shards = agreed(
-        state.shard_group, f"load_checkpoint({str(path)!r})", read, CHECKPOINT_ERRORS
-    )
+    named, shards = agreed(everyone, f"load_checkpoint({str(path)!r})", read, CHECKPOINT_ERRORS)
     return apply_named_shards(model, state, named, shards)

@@ -10,6 +10,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import Stepper, WholeParams
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
@@ -39,14 +40,16 @@ def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: Zer
 
 
 def check_whole_mesh(optimizers: Sequence[torch.optim.Optimizer], mesh: object | None) -> None:
-    """Refuse a whole-matrix optimizer under tensor parallelism (`initialize`'s
-    `device_mesh`): each rank holds a piece of a split matrix, and orthogonalizing the
-    pieces is not orthogonalizing the matrix (DeepSpeed's issue #8437)."""
-    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
-    if whole and mesh is not None:
+    """Refuse a declared whole-matrix optimizer under tensor parallelism (`initialize`'s
+    `device_mesh`); torch's Muon brings a split matrix's pieces together ([Note: Muon under
+    tensor parallelism])."""
+    declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
+    if declared and mesh is not None:
         raise ValueError(
-            f"device_mesh: {', '.join(whole)} steps whole matrices, which tensor parallelism "
-            "splits over tp; give the split matrices another optimizer, or train without tp"
+            f"device_mesh: {', '.join(declared)} steps whole parameters at one owner, keeping "
+            "their state by name, which does not yet bring the pieces of a matrix split over "
+            "tp together (torch.optim.Muon does): give the split matrices another optimizer, "
+            "or train without tp"
         )
 
 
@@ -65,14 +68,19 @@ def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int,
 
 class WholeMatrices:
     """The whole-matrix optimizers among `optimizers` over their flat `groups`: each
-    matrix's owner, planned once for all of them (`plan_owners`), and their steppers."""
+    matrix's owner, planned once for all of them (`plan_owners`), and their steppers
+    (matrices split over `tensor_parallel` joined for Muon's)."""
 
     def __init__(
-        self, optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[FlatParamGroup]
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        groups: Sequence[FlatParamGroup],
+        tensor_parallel: TensorParallel | None,
     ) -> None:
         self._owners = plan_owners(
             ((g.key, g.layout) for g in groups), whole_param_groups(optimizers)
         )
+        self._tensor_parallel = tensor_parallel
         # What the steppers built so far step whole by name (None: none).
         self.params: WholeParams | None = None
 
@@ -80,10 +88,11 @@ class WholeMatrices:
         self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup], offset: int
     ) -> Stepper:
         """The stepper of whole-matrix `optimizer` (its first param group the `offset`-th
-        of all) over `groups`, its flat groups: torch's Muon split (`MuonStep`), another
-        on whole parameters (`WholeParamStep`)."""
+        of all) over `groups`, its flat groups: torch's Muon split (`MuonStep`, which
+        joins the pieces of matrices split over tensor parallelism), another on whole
+        parameters (`WholeParamStep`)."""
         if split_muon(optimizer):
-            return MuonStep(optimizer, groups, self._owners, offset)
+            return MuonStep(optimizer, groups, self._owners, offset, self._tensor_parallel)
         own = sorted({n for g in groups if g.key.process_group != "default" for n in g.names})
         if own:
             # Their state is checkpointed by name, and several instances share names.

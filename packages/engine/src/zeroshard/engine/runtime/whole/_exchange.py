@@ -22,6 +22,7 @@ import torch
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import OnDevice
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._owners import MatrixOwners
 from zeroshard.partition import FlatLayout, Slot
 
@@ -109,7 +110,8 @@ class MatrixExchange:
 class ExchangingStep(OnDevice):
     """What the whole-matrix steppers share: their optimizer (whose first param group is
     the combined optimizer's `offset`-th), its trainable flat groups and each one's
-    exchange with the owners (`owners`, by process-group label)."""
+    exchange with the owners (`owners`, by process-group label); under tensor parallelism
+    its tp dim (`tensor_parallel`)."""
 
     def __init__(
         self,
@@ -117,9 +119,11 @@ class ExchangingStep(OnDevice):
         groups: Sequence[FlatParamGroup],
         owners: Mapping[str, MatrixOwners],
         offset: int,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.offset = offset
+        self.tensor_parallel = tensor_parallel
         self.groups = [g for g in groups if g.trainable]
         self.exchanges = {
             g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)

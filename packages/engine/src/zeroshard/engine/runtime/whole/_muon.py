@@ -13,19 +13,31 @@ to the owner, orthogonalized there by torch's own function, and sent back in bf1
 NS returns). Per exchanged element that is 2 bytes to the owner and 2 back.
 
 Once per `step()`: the gradient it reads is the window's accumulated, reduced one.
+
+[Note: Muon under tensor parallelism]
+A matrix split over tp is a piece on each tensor-parallel rank, in a flat group of its
+own sharded over dp with the same layout on every tp rank; so the same dp rank owns the
+piece on every tp rank, and the owners of one matrix's pieces are one tp group. There
+each update piece is all-gathered over tp (one all-gather per flat group and phase),
+the whole matrix orthogonalized on every rank of that tp group alike (the same bits: the
+same input and ops), and each keeps its own piece: Megatron's "duplicated" tensor-parallel
+Muon, tp times the Newton-Schulz work of one owner, 2 bytes per element to each tp rank.
+The learning rate is adjusted by the whole matrix's shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import StepOutcome
+from zeroshard.engine.runtime._tensor_parallel import split_dim
 from zeroshard.engine.runtime.whole._declare import muon_functions
 from zeroshard.engine.runtime.whole._exchange import ExchangingStep, ShardPiece
+from zeroshard.partition import Slot
 
 
 class MuonStep(ExchangingStep):
@@ -33,13 +45,33 @@ class MuonStep(ExchangingStep):
     `offset`-th) on `groups`, its flat groups; `owners` by process-group label."""
 
     def bind(self) -> None:
-        """torch's own Newton-Schulz and learning-rate adjustment, so the bits are its."""
+        """torch's own Newton-Schulz and learning-rate adjustment, so the bits are its; the
+        whole shape and split dim of each matrix split over tp, by name."""
         functions = muon_functions()
         assert functions is not None  # split_muon() checked it
         self.newton_schulz, self.adjusted_lr = functions
+        self.splits = {
+            n: (dim, torch.Size(p.shape))
+            for g in self.groups
+            for n, p in zip(g.names, g.params, strict=True)
+            if (dim := split_dim(p)) is not None
+        }
 
-    def _orthogonalize(self, update: torch.Tensor, pg: Mapping[str, Any]) -> torch.Tensor:
-        return self.newton_schulz(update, pg["ns_coefficients"], pg["ns_steps"], pg["eps"])
+    def _orthogonalized(
+        self, slots: Sequence[Slot], views: Sequence[torch.Tensor], pg: Mapping[str, Any]
+    ) -> list[torch.Tensor]:
+        """Each of `views` (the update of the matrix of `slots[i]`, or of this rank's piece
+        of it: [Note: Muon under tensor parallelism]) orthogonalized, as this rank holds it."""
+        args = (pg["ns_coefficients"], pg["ns_steps"], pg["eps"])
+        dims = [self.splits[s.name][0] for s in slots if s.name in self.splits]
+        if not dims:
+            return [self.newton_schulz(v, *args) for v in views]
+        tp = self.tensor_parallel
+        assert tp is not None and len(dims) == len(views)  # a split group is split throughout
+        wholes = tp.whole_tensors(views, dims)
+        return [
+            tp.own_piece(self.newton_schulz(w, *args), d) for w, d in zip(wholes, dims, strict=True)
+        ]
 
     def step(self) -> StepOutcome:
         """Every group's momentum and update on its shard, each exchanged update to its
@@ -57,15 +89,21 @@ class MuonStep(ExchangingStep):
                 arriving.append((g, pg, ex.to_owners(update, label=label)))
             # The weight decay before any add, as torch's Muon orders them per matrix.
             g.master.mul_(1 - float(pg["lr"]) * pg["weight_decay"])
-            for piece, view in zip(ex.local, ex.local_views(update), strict=True):
-                self._add(g, piece, self._orthogonalize(view, pg), pg)
+            if ex.local:
+                slots = [p.slot for p in ex.local]
+                done = self._orthogonalized(slots, ex.local_views(update), pg)
+                for piece, o in zip(ex.local, done, strict=True):
+                    self._add(g, piece, o, pg)
         returning = []
         for g, pg, (owned, handle) in arriving:
             handle.wait()
             ex = self.exchanges[g.index]
-            for view in ex.views(owned):
-                # In place: the owner's buffer is ours, and NS casts (a no-op on bf16) first.
-                view.copy_(self._orthogonalize(view, pg))
+            views = ex.views(owned)
+            if views:
+                done = self._orthogonalized(ex.owned, views, pg)
+                for view, o in zip(views, done, strict=True):
+                    # In place: the owner's buffer is ours (NS cast it to bf16 first).
+                    view.copy_(o)
             label = f"Muon orthogonalized updates of group {g.index}"
             returning.append((g, pg, ex.from_owners(owned, label=label)))
         for g, pg, (back, handle) in returning:
@@ -79,7 +117,8 @@ class MuonStep(ExchangingStep):
     ) -> None:
         """`g`'s master piece minus its matrix's adjusted lr times `update` (the piece's
         orthogonalized elements, or the whole matrix for a local one)."""
-        shape = torch.Size(piece.slot.shape)
+        name = piece.slot.name
+        shape = self.splits[name][1] if name in self.splits else torch.Size(piece.slot.shape)
         alpha = -self.adjusted_lr(float(pg["lr"]), pg["adjust_lr_fn"], shape)
         target = g.master[piece.start : piece.start + piece.numel]
         target.view_as(update).add_(update, alpha=alpha)
