@@ -8,6 +8,9 @@ rtol 2e-2 and the whole update within 10% in norm of the reference's (the test_p
 bf16 tolerances; the ranks' bf16 gradient sums round otherwise than one process's). The
 fp8 gather with bf16 masters gathers the same bits as the bf16 gather. Checkpoints keep
 bf16 masters and state, resume bit for bit, and cross-load with fp32 masters both ways.
+With CPU offload the host keeps and steps the bf16 masters and state (torch's fused
+AdamW too, on bf16 gradients): bit for bit at one rank, eager and compiled, within the
+two-rank tolerances, fully and partially offloaded, and a checkpoint resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -109,12 +112,14 @@ def _bf16_run(model: torch.nn.Module, batches: torch.Tensor, device: str) -> lis
     return losses
 
 
-def _one_rank_case(device: str, stage: int, compiled: bool) -> None:
+def _one_rank_case(device: str, stage: int, compiled: bool, offload: bool = False) -> None:
     base = make_model(seed=stage).to(device)
     batches = global_batches(STEPS, 1, 1, MICRO)
     result = copy.deepcopy(base)
     ref = _bf16_run(result, batches, device)
     config = {"stage": stage, **BF16, **(STAGE3 if stage == 3 else {})}
+    if offload:
+        config["offload_optimizer"] = True
     model, opt = zs.initialize(base, make_optimizer(base), config)
     run = zc.compile(model, backend="aot_eager") if compiled else model
     assert _train(run, opt, batches, False, device) == ref
@@ -130,6 +135,8 @@ def _one_rank_case(device: str, stage: int, compiled: bool) -> None:
 
 def _one_rank(device: str) -> None:
     cases = [dict(stage=s, compiled=False) for s in (1, 2, 3)] + [dict(stage=3, compiled=True)]
+    cases += [dict(stage=s, compiled=False, offload=True) for s in (1, 2, 3)]
+    cases.append(dict(stage=3, compiled=True, offload=True))
     run_each(cases, lambda **c: _one_rank_case(device, **c))
 
 
@@ -138,15 +145,33 @@ def test_one_rank_bit_for_bit(device: str) -> None:
     run_ranks(_one_rank, 1, device, device=device)
 
 
-def _two_rank_case(stage: int, accum: int, clip: bool, muon: bool = False) -> None:
+def _fused_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with torch's fused kernel (the blocked host step under offload)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), fused=True)
+
+
+def _two_rank_case(
+    stage: int,
+    accum: int,
+    clip: bool,
+    muon: bool = False,
+    offload: float = 0.0,
+    fused: bool = False,
+) -> None:
     world = dist.get_world_size()
     base = make_model(seed=10 + stage)
     batches = global_batches(STEPS, accum, world, MICRO)
-    make_opt = muon_and_adamw if muon else make_optimizer
+    make_opt = muon_and_adamw if muon else _fused_adamw if fused else make_optimizer
     ref, ref_state = _reference(base, batches, clip, make_opt)
     initial = {k: v.detach().float().clone() for k, v in base.state_dict().items()}
     config = {"stage": stage, **BF16, "reduce_bucket_bytes": 1500, **(STAGE3 if stage == 3 else {})}
+    if offload:
+        config.update(offload_optimizer=True, offload_ratio=offload, reduce_dtype="bf16")
     model, opt = zs.initialize(base, make_opt(base), config)
+    if offload:
+        on_host = [g for g in opt.flat_groups if g.home.kind is zs.HomeKind.HOST]
+        assert on_host and all(g.master.device.type == "cpu" for g in on_host)
     torch.testing.assert_close(_train(model, opt, batches, clip), ref, rtol=2e-2, atol=1e-2)
     full = zs.full_state_dict(model)
     trained = [k for k in initial if k not in ("frozen.weight", "frozen.bias", "offset")]
@@ -182,6 +207,11 @@ def _fp8_gather_same_bits() -> None:
 def _two_ranks() -> None:
     cases = subtests({"stage": [1, 2, 3], "accum": [2], "clip": [True]})
     cases += [dict(stage=3, accum=1, clip=False), dict(stage=3, accum=1, clip=True, muon=True)]
+    cases += [
+        dict(stage=2, accum=2, clip=True, offload=1.0, fused=True),
+        dict(stage=3, accum=1, clip=True, offload=1.0),
+        dict(stage=3, accum=2, clip=True, offload=0.5, fused=True),
+    ]
     run_each(cases, _two_rank_case)
 
 
@@ -198,9 +228,13 @@ def test_fp8_gather_with_bf16_masters() -> None:
     run_ranks(_fp8, 2)
 
 
-def _engine(stage: int, masters: str) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
+def _engine(
+    stage: int, masters: str, offload: bool = False
+) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
     base = make_model(seed=7)
     config = {"stage": stage, "compute_dtype": "bf16", "master_dtype": masters, **STAGE3}
+    if offload:
+        config["offload_optimizer"] = True
     return zs.initialize(base, make_optimizer(base), config)
 
 
@@ -272,8 +306,29 @@ def _checkpoint_case(root: str) -> None:
     dist.barrier()
 
 
+def _offload_checkpoint_case(root: str) -> None:
+    """Offloaded bf16 masters: the rank files hold them and their state in bf16, and a
+    resume continues bit for bit."""
+    model, opt = _engine(2, "bf16", offload=True)
+    _steps(model, opt, 0, 2)
+    _check_bf16_state(opt, grads=False)
+    zs.save_checkpoint(model, opt, f"{root}/host", step=2)
+    _steps(model, opt, 2, 2)
+    again, again_opt = _engine(2, "bf16", offload=True)
+    assert zs.load_checkpoint(again, again_opt, f"{root}/host") == 2
+    _steps(again, again_opt, 2, 2)
+    full, resumed = zs.full_state_dict(model), zs.full_state_dict(again)
+    for name, value in full.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def _checkpoints(root: str) -> None:
+    run_each([{}], lambda: _checkpoint_case(root))
+    run_each([{}], lambda: _offload_checkpoint_case(root))
+
+
 def test_checkpoints(tmp_path: Path) -> None:
-    run_ranks(_checkpoint_case, 2, str(tmp_path))
+    run_ranks(_checkpoints, 2, str(tmp_path))
 
 
 def test_config_spellings_and_refusals() -> None:
@@ -288,7 +343,10 @@ def test_config_spellings_and_refusals() -> None:
         ({"master_dtype": "bf16"}, "needs compute_dtype bf16"),
         ({"compute_dtype": "fp16", "master_dtype": "fp16"}, "needs compute_dtype bf16"),
         ({"compute_dtype": "bf16", "master_dtype": "int8"}, "not a dtype"),
-        ({**BF16, "offload_optimizer": True}, "cannot be offloaded"),
+        (
+            {**BF16, "offload_optimizer": True, "offload_compiled_step": True},
+            "compiles the host step of fp32 masters",
+        ),
     ):
         with pytest.raises(ValueError, match=match):
             zs.ZeroConfig.from_dict(bad)

@@ -111,11 +111,11 @@ class ZeroConfig:
                 f"offload.params (offload_params) needs stage 3 (parameters are whole on every "
                 f"rank at stage {self.stage}); use offload_optimizer to offload optimizer state"
             )
-        if self.offload.optimizer and self.precision.master_dtype != torch.float32:
+        if self.offload.compiled_step and self.precision.master_dtype != torch.float32:
             raise ValueError(
-                "precision.master_dtype (master_dtype) bf16 cannot be offloaded "
-                "(offload.optimizer): the host keeps and steps fp32 masters; keep bf16 "
-                "masters on the device or offload fp32 ones"
+                "offload.compiled_step (offload_compiled_step) compiles the host step of fp32 "
+                "masters; with precision.master_dtype (master_dtype) bf16 it is not built "
+                "yet: turn it off (the bf16 host step runs torch's fused kernel)"
             )
         if self.offload.delay_param_update and self.stage == 3:
             raise ValueError(

@@ -272,9 +272,13 @@ def estimate_on_trace(
     state_per_element = {k: 4 * n for k, n in state_floats_by_param_group(optimizers).items()}
     host = pinned = 0
     if plan.offload is not None:
+        # torch's optimizers keep their state in the master's dtype.
+        master = cfg.precision.master_dtype.itemsize
         host = plan.offload.host_bytes + sum(
             g.layout.shard_numel
             * state_per_element.get(g.key.param_group, optimizer_bytes_per_element)
+            * master
+            // 4
             for g in plan.groups
             if g.home is HomeKind.HOST and g.trainable
         )

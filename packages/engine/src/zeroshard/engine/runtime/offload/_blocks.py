@@ -97,17 +97,26 @@ def _run(
     upcast: torch.Tensor,
     written: Written,
 ) -> None:
-    """Step `blocks` one after another ([Note: blocked step loop])."""
-    steps, options, narrow = [step], adam.options, grad.dtype != torch.float32
+    """Step `blocks` one after another ([Note: blocked step loop]); the kernel takes the
+    gradient in the master's dtype (fp32, or bf16 with bf16 masters)."""
+    steps, options = [step], adam.options
+    master = blocks[0].params[0].dtype if blocks else torch.float32
+    narrow = grad.dtype != torch.float32
+    # bf16 masters step on a bf16 gradient: the upcast (its factors applied) cast to it,
+    # or the gradient itself where it needs neither.
+    as_is = grad.dtype == master and not factors
+    cast = None if master == torch.float32 or as_is else torch.empty_like(upcast, dtype=master)
     # No autograd: this may run on a thread of its own, where grad mode is on.
     with torch.no_grad():
         for b in blocks:
             g = grad[b.lo : b.hi]
-            if narrow:
+            if narrow and not as_is:
                 # Clipping / unscaling factors in the upcast ([Note: offload host memory]).
                 g = upcast[: b.hi - b.lo].copy_(g)
                 for f in factors:
                     g.mul_(f)
+            if cast is not None:
+                g = cast[: b.hi - b.lo].copy_(g)
             adam.kernel(
                 b.params, [g], b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, steps, **options
             )

@@ -94,14 +94,16 @@ def build_host_storage(
     (the same error on every rank otherwise, before anything is allocated)."""
     floats = state_floats_by_param_group(list(optimizers))
     on_host = [g for g in plan.groups if g.home is HomeKind.HOST]
-    state = sum(
-        4 * floats[g.key.param_group] * g.layout.shard_numel for g in on_host if g.trainable
-    )
+    # torch's optimizers keep their state in the master's dtype.
+    size = cfg.precision.master_dtype.itemsize
+    trainable = [g for g in on_host if g.trainable]
+    state = sum(size * floats[g.key.param_group] * g.layout.shard_numel for g in trainable)
     names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
     per_element = sorted(set(floats.values()))
     what = (
         f"the offloaded state: {sizes.host_bytes:,} bytes of masters, gradients and staging "
-        f"and {state:,} of {names} state ({'/'.join(map(str, per_element))} fp32 per element)"
+        f"and {state:,} of {names} state ({'/'.join(map(str, per_element))} "
+        f"{'fp32' if size == 4 else 'bf16'} per element)"
     )
     check_host_memory(world, sizes.host_bytes + state, what)
     storage = HostOffload(

@@ -121,7 +121,7 @@ class HostOffload:
         # Pinned where the masters go up to be cast on the device ([Note: offload upload]
         # in _upload.py); with offload_params they never cross the bus.
         master_pinned = pin and not offload_params
-        self.master = self._memory.alloc(n * s, torch.float32, master_pinned).view(n, s)
+        self.master = self._memory.alloc(n * s, sizes.master_dtype, master_pinned).view(n, s)
         # The thread that steps groups beside the main thread (step_in_backward,
         # delay_param_update).
         self.step_thread = StepThread(self.device)
@@ -264,10 +264,11 @@ class HostOffload:
     def nbytes(self) -> OffloadBytes:
         """What this rank holds and moves (equal on every rank: the chunks are even)."""
         n, s = self.layout.num_chunks, self.layout.shard_numel
-        up = self._out.compute_dtype.itemsize if self.compute_host is not None else 4
+        up = self._out.compute_dtype if self.compute_host is not None else self.master.dtype
+        up_bytes = up.itemsize
         device = self._out.device_nbytes
         memory = self._memory
-        return OffloadBytes(n, memory.host_bytes, memory.pinned_bytes, device, n * s * up)
+        return OffloadBytes(n, memory.host_bytes, memory.pinned_bytes, device, n * s * up_bytes)
 
 
 class HostHome(Home):

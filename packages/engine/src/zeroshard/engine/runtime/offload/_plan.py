@@ -53,8 +53,8 @@ def choose_offloaded(
 @dataclass(frozen=True)
 class OffloadSizes:
     """The buffers `HostOffload` allocates on one rank: the offloaded shards laid end to end
-    in a chunk space of `chunks`, an fp32 master (pinned, as it goes up to the device;
-    pageable with offload_params) and a gradient in the reduce dtype (pinned) per chunk,
+    in a chunk space of `chunks`, a master in `master_dtype` (pinned, as it goes up to the
+    device; pageable with offload_params) and a gradient in the reduce dtype (pinned) per chunk,
     the compute-dtype shards (pinned on the host with offload_params, else on the device,
     cast there from an fp32 staging chunk), the gradient staging buffers (pinned) and the
     step's fp32 upcast (pageable): one block where the optimizer steps in blocks, else one
@@ -67,6 +67,7 @@ class OffloadSizes:
     offsets: tuple[int, ...]  # each shard's start in the chunk space, in the given order
     chunks: ChunkLayout
     staging_numel: int  # the largest shard: any staged gradient fits in one
+    master_dtype: torch.dtype
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     offload_params: bool
@@ -97,21 +98,26 @@ class OffloadSizes:
         pinned = (self.chunk_space_numel + GRAD_STAGING * self.staging_numel) * grad
         if self.offload_params:
             return pinned + self.chunk_space_numel * compute
-        return pinned + self.chunk_space_numel * 4
+        return pinned + self.chunk_space_numel * self.master_dtype.itemsize
 
     @property
     def host_bytes(self) -> int:
-        """All host bytes: the pinned ones, the fp32 masters and the step's upcast."""
+        """All host bytes: the pinned ones, the masters and the step's fp32 upcast (and its
+        cast to bf16 masters' dtype)."""
         pageable_masters = self.chunk_space_numel if self.offload_params else 0
-        return (pageable_masters + self.upcast_numel) * 4 + self.pinned_bytes
+        master = self.master_dtype.itemsize
+        narrow = 0 if self.master_dtype == torch.float32 else self.upcast_numel * master
+        return pageable_masters * master + self.upcast_numel * 4 + narrow + self.pinned_bytes
 
     @property
     def device_bytes(self) -> int:
-        """Device bytes of the compute-dtype shards and the fp32 staging chunk they are
-        cast from (none with offload_params)."""
+        """Device bytes of the compute-dtype shards and the staging chunk of masters they
+        are cast from (none with offload_params, or where the masters are in the compute
+        dtype)."""
         if self.offload_params:
             return 0
-        stage = 0 if self.compute_dtype == torch.float32 else self.chunks.shard_numel * 4
+        master = self.master_dtype
+        stage = 0 if self.compute_dtype == master else self.chunks.shard_numel * master.itemsize
         return self.chunk_space_numel * self.compute_dtype.itemsize + stage
 
 
@@ -120,20 +126,22 @@ def offload_sizes(
     shard_size: int,
     *,
     chunk_bytes: int,
+    master_dtype: torch.dtype,
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     offload_params: bool,
     blocked_step: bool,
 ) -> OffloadSizes:
     """What offloading shards of `shard_numels` elements takes on each of `shard_size` ranks,
-    in chunks of about `chunk_bytes` of fp32 master per rank."""
-    per_rank = max(1, chunk_bytes // 4)
+    in chunks of about `chunk_bytes` of master per rank."""
+    per_rank = max(1, chunk_bytes // master_dtype.itemsize)
     numel = sum(shard_numels)
     return OffloadSizes(
         shard_numels=tuple(shard_numels),
         offsets=tuple(itertools.accumulate(shard_numels, initial=0))[:-1],
         chunks=ChunkLayout.build(numel * shard_size, per_rank * shard_size, shard_size),
         staging_numel=max(shard_numels, default=0),
+        master_dtype=master_dtype,
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
         offload_params=offload_params,
@@ -163,6 +171,7 @@ def place_offloaded(
         [groups[i].layout.shard_numel for i in chosen],
         shard_size,
         chunk_bytes=cfg.offload.chunk_bytes,
+        master_dtype=cfg.precision.master_dtype,
         compute_dtype=cfg.precision.compute_dtype,
         reduce_dtype=cfg.precision.grad_reduce_dtype,
         offload_params=cfg.offload.params,

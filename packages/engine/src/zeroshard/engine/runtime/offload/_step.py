@@ -185,7 +185,7 @@ def _step_group(
         return
     grad = offload.grads.grad_fp32(g)
     if grad is not None:
-        g.master.grad = grad
+        g.master.grad = grad.to(g.master.dtype)
         _step_masters(step, inner, [g.master])
         g.master.grad = None
     offload.stepped(g)
@@ -204,8 +204,8 @@ def step_offloaded(
         for g in on_host:
             grad = offload.grads.grad_fp32(g)
             # Every group at once: a copy of each upcast (the buffer holds one group's).
-            if grad is not None and grad is not g.grad_shard:
-                grad = grad.clone()
+            if grad is not None and (grad is not g.grad_shard or grad.dtype != g.master.dtype):
+                grad = grad.to(g.master.dtype, copy=True)
             g.master.grad = grad
         inner.step()
         for g in on_host:

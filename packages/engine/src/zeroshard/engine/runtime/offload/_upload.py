@@ -78,14 +78,15 @@ class ShardUpload:
         self._flat = master.view(-1)
         self.compute_host: torch.Tensor | None = None
         self.compute_dev: torch.Tensor | None = None
-        # The fp32 staging chunk on the device that a chunk's masters are cast from.
+        # The staging chunk on the device that a chunk's masters are cast from (none where
+        # they are in the compute dtype: they go straight into the shards).
         self._stage: torch.Tensor | None = None
         if offload_params:
             self.compute_host = alloc(n * s, compute_dtype, pin).view(n, s)
         else:
             self.compute_dev = torch.zeros(n, s, dtype=compute_dtype, device=device)
-            if compute_dtype != torch.float32:
-                self._stage = torch.empty(s, dtype=torch.float32, device=device)
+            if compute_dtype != master.dtype:
+                self._stage = torch.empty(s, dtype=master.dtype, device=device)
         self._stream = SideStream(device)
         self._ready: list[torch.cuda.Event | None] = [None] * n
         # The event of the copy queued last: every copy before it is on the same stream.
