@@ -41,7 +41,7 @@ __all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 CHECKPOINT_SUBDIR = "zeroshard"
 """Where a Trainer checkpoint (`checkpoint-N/`) keeps zeroshard's sharded model and optimizer."""
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zeroshard.engine.huggingface")
 
 _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's file name for the LR scheduler's state
 
