@@ -17,6 +17,8 @@ import glob
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,3 +248,22 @@ def test_the_link_check_finds_what_fails(tmp_path: Path) -> None:
         "doc.md: link '#no': no heading #no in doc.md",
         "doc.md: link 'index.md#two': no heading #two in index.md",
     ]
+
+
+def test_what_the_docs_write_in_the_clone_is_ignored() -> None:
+    """The checkpoints and weights the README's and getting-started's commands write in
+    the clone's root are not left as untracked files (`ckpt/` was)."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git clone")
+    written: set[str] = set()
+    for path in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        text = path.read_text()
+        written |= set(re.findall(r"--ckpt-dir (\S+)", text))
+        written |= set(re.findall(r"resume_checkpoint\(model, optimizer, \"(\w+)\"\)", text))
+        for pair in re.findall(r"^ +zeroshard-ckpt consolidate (\S+) (\S+)", text, re.M):
+            written |= set(pair)
+    assert {"ckpt", "gpt.safetensors", "model.safetensors"} <= written, written
+    for name in sorted(written):
+        check = [git, "check-ignore", "-q", "--no-index", name]
+        assert subprocess.run(check, cwd=ROOT).returncode == 0, f"{name} is not in .gitignore"
