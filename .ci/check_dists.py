@@ -72,6 +72,11 @@ def check_wheel(path: Path, name: str, license_text: bytes) -> list[str]:
             text = z.read(entry).decode() if entry else ""
             if "zeroshard-ckpt = zeroshard.ckpt._cli:main" not in text:
                 problems.append(f"{path.name}: no zeroshard-ckpt console script")
+        if name == "zeroshard-engine":
+            # The Lightning strategy names without an import (_zeroshard_lightning.py).
+            for top in ("zeroshard_engine_lightning.pth", "_zeroshard_lightning.py"):
+                if top not in names:
+                    problems.append(f"{path.name}: no {top} at the top of the wheel")
     return problems
 
 

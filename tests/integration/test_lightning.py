@@ -410,3 +410,36 @@ def test_registry_precision_and_imports() -> None:
             Fabric(strategy="zeroshard", accelerator="cpu", devices=1, precision=precision)
     code = "import sys, zeroshard.engine; sys.exit('lightning' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+_NO_IMPORT = """
+import site, sys
+site.addsitedir(sys.argv[1])  # what the interpreter does with the installed .pth line
+import lightning.pytorch as pl
+from lightning.fabric import Fabric
+assert "zeroshard.engine.lightning" not in sys.modules  # not imported until chosen
+t = pl.Trainer(strategy="zeroshard_stage_3", accelerator="cpu", devices=1, logger=False)
+f = Fabric(strategy="zeroshard_stage_2_offload", accelerator="cpu", devices=1)
+import zeroshard.engine.lightning as zl  # its classes take the names' place, quietly
+assert type(t.strategy) is zl.ZeroShardStrategy, type(t.strategy)
+assert t.strategy._config_source == {"stage": 3}, t.strategy._config_source
+assert type(f.strategy) is zl.ZeroShardFabricStrategy, type(f.strategy)
+assert pl.strategies.StrategyRegistry["zeroshard"]["strategy"] is zl.ZeroShardStrategy
+print("ok")
+"""
+
+
+def test_strategy_names_resolve_without_importing_the_package() -> None:
+    """The engine's .pth line registers the names when Lightning loads: forgetting
+    `import zeroshard.engine.lightning` gave Lightning's "invalid strategy name"."""
+    import _zeroshard_lightning
+
+    from zeroshard.engine.lightning import STRATEGIES
+
+    assert _zeroshard_lightning.STRATEGIES == STRATEGIES  # the one table, twice
+    src = ROOT / "packages" / "engine" / "src"
+    assert (src / "zeroshard_engine_lightning.pth").read_text() == "import _zeroshard_lightning\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", _NO_IMPORT, str(src)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
