@@ -64,8 +64,18 @@ def _package(directory: Path) -> Package | None:
 
 
 def _files(under: Path, suffix: str) -> list[Path]:
-    """The files of the clone under `under` ending in `suffix`; hidden folders (.git,
-    .nox's virtualenvs) are not walked."""
+    """The files of the clone under `under` ending in `suffix`: git's (tracked, or new and
+    not ignored: no smoke run's bench-out/), else every one outside hidden folders."""
+    git = shutil.which("git")
+    if git is not None and (ROOT / ".git").exists():
+        listed = subprocess.run(
+            [git, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", under],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return sorted(ROOT / f for f in set(listed.split("\0")) if f.endswith(suffix))
     found = []
     for folder, dirs, files in os.walk(under):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
