@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def _run(cmd: list[str]) -> str:
 
 
 def _train(work: Path, name: str) -> str:
-    return _run(
+    out = _run(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
             *("--nproc-per-node=2", "examples/train_gpt.py", *TRAIN),
@@ -58,6 +59,11 @@ def _train(work: Path, name: str) -> str:
             *("--final-weights", str(work / f"{name}.safetensors")),
         ]
     )
+    # The progress bar's last state once (it was printed again by close()).
+    done = [line for line in re.split(r"[\r\n]", out) if line.startswith("train: 100%")]
+    if len(done) != 1:
+        raise SystemExit(f"bare_example: the progress bar ended {len(done)} times: {done}")
+    return out
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
@@ -86,7 +92,7 @@ def main(work: Path) -> None:
     # save would, and must go on from there.
     shutil.copytree(work / "first" / f"step-{SAVE_EVERY}", work / "resumed" / f"step-{SAVE_EVERY}")
     out = _train(work, "resumed")
-    for line in (f"resumed from step {SAVE_EVERY}", f"step {SAVE_EVERY}: held-out loss"):
+    for line in (f"at step {SAVE_EVERY} (world size 2 then", f"step {SAVE_EVERY}: held-out loss"):
         if line not in out:
             raise SystemExit(f"bare_example: the resumed run did not log {line!r}")
     first = (work / "first.log").read_text().splitlines()

@@ -209,10 +209,10 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         )
     data = tokens(tokenizer)
     ckpts = args.output_dir / "checkpoints"
-    bar = tqdm(
-        range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step", file=sys.stdout
-    )
-    for step in bar:
+    # Advanced by hand after each step's postfix, as in train_gpt.py: an iterated bar
+    # shows each step twice and its last once more on close().
+    bar = tqdm(total=args.steps, disable=rank != 0, desc="train", unit="step", file=sys.stdout)
+    for step in range(1, args.steps + 1):
         x = batch(data, step, args, rank, world).to(device)
         loss = forward(input_ids=x, labels=x).loss
         loss.backward()
@@ -220,7 +220,11 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
             opt.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        if step < args.steps:
+            bar.update()
+        else:
+            bar.n += 1  # shown once, by close()
         if step % args.save_every == 0 or step == args.steps:
             zs.save_checkpoint(model, opt, ckpts, step=step)
     bar.close()

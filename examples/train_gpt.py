@@ -366,19 +366,22 @@ def main() -> None:
     client_state: dict[str, Any] = {"scheduler": sched, "data": data}
     rank_state = None if args.shard_group_size else {"rng": zs.RNGState()}
     if args.ckpt_dir is not None and args.resume == "auto":
-        resumed = zs.resume_checkpoint(
+        # Logs, on rank 0, the checkpoint it resumed from, its step and the world sizes
+        # then and now (or the fresh start).
+        zs.resume_checkpoint(
             model, opt, args.ckpt_dir, client_state=client_state, rank_state=rank_state
         )
         data = client_state["data"]  # plain data comes back as a new value
-        if resumed is not None:
-            log.info("resumed from step %d of %s", resumed, args.ckpt_dir)
 
     first_step = data["next_step"]  # 0, or the step a resumed run goes on from
     start_loss = evaluate(model, corpus, args, rank, world, device, autocast)
     log.info("step %d: held-out loss %.4f", first_step, start_loss)
     tokens_per_step = args.batch * args.accum * cfg.seq_len
+    # Advanced by hand, once a step after its postfix is set: an iterated bar also shows
+    # each step again when the postfix changes, and its last step once more on close(),
+    # lines that all stay in a log that is not a terminal.
     bar = tqdm(
-        range(first_step, args.steps),
+        total=args.steps - first_step,
         disable=rank != 0,
         desc="train",
         unit="step",
@@ -388,7 +391,7 @@ def main() -> None:
     train_loss = float("nan")
     t_start = time.perf_counter()
     pending: SaveHandle | None = None
-    for step in bar:
+    for step in range(first_step, args.steps):
         loss_sum = torch.zeros((), device=device)
         for x, y in micro_batches(corpus, args, step, rank, world):
             with autocast():
@@ -407,7 +410,12 @@ def main() -> None:
         bar.set_postfix(
             loss=f"{train_loss:.3f}",
             tok_s=f"{tokens_per_step * (bar.n + 1) / (time.perf_counter() - t_start):,.0f}",
+            refresh=False,
         )
+        if step + 1 < args.steps:
+            bar.update()
+        else:
+            bar.n += 1  # shown once, by close(), with the whole run's rate
         if args.save_every and (step + 1) % args.save_every == 0:
             data["next_step"] = step + 1
             pending = zs.save_checkpoint(

@@ -95,3 +95,34 @@ def _wrapper(directory: str) -> None:
 
 def test_compiled_model_is_the_model(tmp_path: Path) -> None:
     run_ranks(_wrapper, 2, str(tmp_path))
+
+
+_ALIVE_AT_EXIT = """
+import torch, torch.distributed as dist
+import zeroshard.compile as zc, zeroshard.engine as zs
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+model, _ = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {config})
+# Held by something that outlives the modules (as a cache may): finalized after them.
+torch.keep_alive = zc.compile(model, backend="aot_eager")
+print("built")
+"""
+
+
+def test_a_compiled_model_alive_at_exit_leaves_quietly() -> None:
+    """No "Exception ignored in CompiledModel.__del__" traceback when the interpreter
+    exits (unregistering its targets raised on the cleared module's None registry)."""
+    import subprocess
+    import sys
+
+    from tests._dist import free_port
+
+    script = _ALIVE_AT_EXIT.format(port=free_port(), config=CONFIG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "built", done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[
+        -3000:
+    ]

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks, world_fits
+from tests._logs import logged
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from zeroshard.ckpt import ModelMismatchError, consolidate
 
@@ -58,7 +59,11 @@ def _save_side(root: str, stage: int, device: str) -> None:
 
 def _load_side(root: str, stage: int, device: str) -> None:
     model, opt = _build(stage, device)
-    assert zs.load_checkpoint(model, opt, root) == 2
+    with logged() as lines:
+        assert zs.load_checkpoint(model, opt, root) == 2
+    world = dist.get_world_size()
+    said = f"resumed from {root}/step-2 at step 2 (world size 2 then, {world} now)"
+    assert lines == ([said] if dist.get_rank() == 0 else []), lines
     saved = load_file(f"{root}/saved.safetensors")
     loaded = zs.full_state_dict(model)
     for k in saved:

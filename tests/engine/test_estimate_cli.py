@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -143,13 +144,38 @@ def test_muon_prices_its_state_and_its_step() -> None:
 
 def test_every_option_has_help_and_names_its_default() -> None:
     for action in _parser()._actions:
-        if action.dest == "help":
+        if action.dest in ("help", "version"):
             continue
         assert action.help, action.dest
         default = action.default
         if default is not None and not isinstance(default, bool):
             shown = f"{default:g}" if isinstance(default, float) else str(default)
             assert f"default {shown}" in action.help, (action.dest, action.help)
+
+
+def test_cli_version_and_sizes_as_people_write_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--version`; a preset in any case (`7B` was an unknown preset); a parameter rate
+    as `5.3B` (it took `5.3e9` only)."""
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert re.fullmatch(
+        r"zeroshard-plan \S+ \(zeroshard-engine; torch \S+\)\n", capsys.readouterr().out
+    )
+    rate = ["--cpu-adam-params-per-s"]
+    for argv, model, per_s in [
+        (["7B", *rate, "5.278B"], "7b", 5.278e9),
+        (["Llama-70B", *rate, "800M"], "llama-70b", 8e8),
+        (["1.3b", *rate, "5.278e+09"], "1.3b", 5.278e9),
+        (["path/to/Config.json"], "path/to/Config.json", None),
+    ]:
+        a = _parser().parse_args([*argv, "--world", "2"])
+        assert (a.model, a.cpu_adam_params_per_s) == (model, per_s), argv
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["7b", "--world", "2", *rate, "5.3X"])
+    assert "'5.3X' is not a count" in capsys.readouterr().err
 
 
 def test_one_trace_serves_every_config_of_a_dtype(monkeypatch: pytest.MonkeyPatch) -> None:

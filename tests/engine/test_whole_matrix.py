@@ -317,8 +317,13 @@ def test_muon_and_adamw_match_one_process(tmp_path: Path) -> None:
 def _refusals() -> None:
     model = make_model(seed=1)
     muon, adamw = _make("muon")(model)
-    with pytest.raises(ValueError, match=r"in optimizer 0 \(Muon\) and in optimizer 1 \(AdamW\)"):
+    # The parameter by its name in the model (it was "a parameter of shape (8, 8)").
+    both = r"^l1.weight is in optimizer 0 \(Muon\) and in optimizer 1 \(AdamW\)"
+    with pytest.raises(ValueError, match=both):
         zs.initialize(model, [muon, torch.optim.AdamW(model.parameters())], _config(2))
+    # The parameters where the optimizer goes (it said "optimizer 0 is a Parameter").
+    with pytest.raises(TypeError, match=r"takes the optimizer built on them: pass torch.optim"):
+        zs.initialize(model, model.parameters(), _config(2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"offload_optimizer: Muon steps whole matrices"):
         zs.initialize(model, [muon, adamw], _config(2, offload_optimizer=True))
     with pytest.raises(ValueError, match="with 2 optimizers it is not built yet"):

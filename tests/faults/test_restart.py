@@ -70,7 +70,7 @@ def _check(tmp: Path, reference: tuple[dict[str, torch.Tensor], dict], out: str)
 
 
 def _resumes(out: str) -> list[int]:
-    return [int(s) for s in re.findall(r"resumed from step (\d+)", out)]
+    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+) \(world size", out)]
 
 
 @pytest.mark.slow

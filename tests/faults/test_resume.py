@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks
+from tests._logs import logged
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from zeroshard.ckpt import CheckpointError
 
@@ -28,8 +29,13 @@ def _resume_cases(root_s: str) -> None:
     model = make_model(11)
     model, opt = zs.initialize(model, make_optimizer(model), {"stage": 3, "min_unit_params": 1})
     data: dict[str, object] = {"data": None}
-    assert zs.resume_checkpoint(model, opt, root, client_state=data) is None  # fresh start
+    # A fresh start: one INFO line on rank 0, no warning (every first run printed one).
+    with logged() as lines, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zs.resume_checkpoint(model, opt, root, client_state=data) is None
     assert data["data"] is None
+    fresh = f"resume: {root} does not exist: starting from step 0"
+    assert lines == ([fresh] if dist.get_rank() == 0 else []), lines
     saved = {}
     for step in range(1, 4):
         batch = global_batches(4, 1, 12, 1)[step, 0]
@@ -40,8 +46,12 @@ def _resume_cases(root_s: str) -> None:
         saved[step] = zs.full_state_dict(model)
 
     def check(step: int) -> None:
-        got = zs.resume_checkpoint(model, opt, root, client_state=data)
+        with logged() as lines:
+            got = zs.resume_checkpoint(model, opt, root, client_state=data)
         assert got == step and data["data"] == step
+        # One line on rank 0: the checkpoint, its step, the world sizes then and now.
+        said = f"resumed from {root / f'step-{step}'} at step {step} (world size 2 then, 2 now)"
+        assert lines == ([said] if dist.get_rank() == 0 else []), lines
         now = zs.full_state_dict(model)
         assert all(torch.equal(now[k], v) for k, v in saved[step].items())
 

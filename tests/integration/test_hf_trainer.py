@@ -8,7 +8,8 @@ DeepSpeed ZeRO-3 config, and a stage-3 run with `torch_compile`, each layer comp
 aot_eager: one graph for both); a second spawn of 1 rank resumes the 2-rank checkpoint
 (another world size, the same global batch). `load_best_model_at_end` must bring back the
 best checkpoint's weights, not keep the last ones; ranks that see different checkpoint
-files raise alike.
+files raise alike. Arguments that count fewer processes than the process group are
+refused; a resume into its own output folder writes its checkpoints again.
 """
 
 from __future__ import annotations
@@ -333,3 +334,37 @@ def _ranks_seeing_different_files(trainer: Any, root: Path) -> None:
 
 def test_trainer_loads_the_best_model_at_end(tmp_path: Path) -> None:
     run_ranks(_best_model_at_end, 2, str(tmp_path), timeout_s=120)
+
+
+def _undistributed_refused_and_resume_into_output_dir(root: str) -> None:
+    import transformers
+
+    from zeroshard.engine.huggingface import ZeroTrainer
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import hf_trainer
+
+    out = Path(root) / "out"
+    args = hf_trainer.parse_args(["--output-dir", str(out)])
+    # Without use_cpu=True transformers counts one process on a CPU-only machine: each
+    # rank would train on the whole dataset (the docs' snippet did, rc 0).
+    plain = transformers.TrainingArguments(output_dir=str(out), report_to="none")
+    assert plain.world_size == 1
+    with pytest.raises(ValueError, match=r"has 2 ranks but TrainingArguments counts 1 .*use_cpu"):
+        ZeroTrainer(model=hf_trainer.build_model(args), args=plain, zero_config={"stage": 2})
+    # Resumed into its own output folder, the run writes checkpoint-4 again, as the
+    # Trainer does (it raised OutputExistsError there), and repeats steps 3-4.
+    steps = ["--stage", "2", "--cpu", "--max-steps", "4", "--save-steps", "2"]
+    first = _per_step(hf_trainer.main([*steps, "--output-dir", str(out)]).state.log_history)
+    again = hf_trainer.main(
+        [*steps, "--output-dir", str(out), "--resume-from-checkpoint", str(out / "checkpoint-2")]
+    )
+    got = {s: v for s, v in _per_step(again.state.log_history).items() if s > 2}
+    _assert_same_steps(got, {s: v for s, v in first.items() if s > 2}, "resumed into its output")
+
+
+def test_trainer_refuses_undistributed_args_and_resumes_into_its_output_dir(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_undistributed_refused_and_resume_into_output_dir, 2, str(tmp_path), timeout_s=120)

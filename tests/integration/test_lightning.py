@@ -12,7 +12,8 @@ loss scaling: the grad norm catches a double scaling) and bf16-true are checked 
 the fp32 run at stage 3, and Fabric (setup, backward, clip_gradients, save and load) at
 stage 3 against Fabric's DDP. Spawns of 1 and 3 ranks resume the 2-rank checkpoints
 (the Trainer's and Fabric's) against DDP resumed from its own at that size, test from
-one without fitting, and check the refusals; `zeroshard-ckpt consolidate` turns a
+one without fitting, check the refusals and the model summary of a stage-3 model (the
+unsharded module's counts); `zeroshard-ckpt consolidate` turns a
 Lightning checkpoint into safetensors equal to DDP's weights at that step.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,6 +224,45 @@ def _test_only(root: str) -> None:
     assert_rows_equal(results[1], results[0])
 
 
+def _summary(root: str) -> None:
+    """Lightning's model summary counts a stage-3 model's parameters at their full size, as
+    for the unsharded module (it counted 0: outside forward a parameter is empty)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.utilities.model_summary import summarize
+
+    from tests._logs import logged
+    from tests.integration._lightning import Net, loader
+
+    want = summarize(Net(), max_depth=1)
+    assert want.total_parameters > 0
+    t = pl.Trainer(
+        strategy=_zs(3),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[ModelSummary(max_depth=1)],
+        default_root_dir=root,
+    )
+    with logged("lightning.pytorch.callbacks.model_summary") as lines:
+        t.fit(Net(), loader())
+    shown = "\n".join(lines)
+    assert re.search(rf"^{want.total_parameters} +Total params$", shown, re.M), shown
+    got = next(c for c in t.callbacks if isinstance(c, ModelSummary))._summary(
+        t, t.lightning_module
+    )
+    assert (got.total_parameters, got.trainable_parameters) == (
+        want.total_parameters,
+        want.trainable_parameters,
+    )
+    assert dict(zip(got.layer_names, got.param_nums, strict=True)) == dict(
+        zip(want.layer_names, want.param_nums, strict=True)
+    )
+
+
 def _refusals(root: str) -> None:
     """Bad input gets an error naming it, on every rank."""
     import torch
@@ -303,7 +344,7 @@ def _refusals(root: str) -> None:
 
 def _at_one(root: str) -> None:
     run_each(
-        subtests({"part": [_elsewhere, _test_only, _refusals]}),
+        subtests({"part": [_elsewhere, _test_only, _refusals, _summary]}),
         lambda part: part(root),
     )
 
@@ -369,3 +410,36 @@ def test_registry_precision_and_imports() -> None:
             Fabric(strategy="zeroshard", accelerator="cpu", devices=1, precision=precision)
     code = "import sys, zeroshard.engine; sys.exit('lightning' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+_NO_IMPORT = """
+import site, sys
+site.addsitedir(sys.argv[1])  # what the interpreter does with the installed .pth line
+import lightning.pytorch as pl
+from lightning.fabric import Fabric
+assert "zeroshard.engine.lightning" not in sys.modules  # not imported until chosen
+t = pl.Trainer(strategy="zeroshard_stage_3", accelerator="cpu", devices=1, logger=False)
+f = Fabric(strategy="zeroshard_stage_2_offload", accelerator="cpu", devices=1)
+import zeroshard.engine.lightning as zl  # its classes take the names' place, quietly
+assert type(t.strategy) is zl.ZeroShardStrategy, type(t.strategy)
+assert t.strategy._config_source == {"stage": 3}, t.strategy._config_source
+assert type(f.strategy) is zl.ZeroShardFabricStrategy, type(f.strategy)
+assert pl.strategies.StrategyRegistry["zeroshard"]["strategy"] is zl.ZeroShardStrategy
+print("ok")
+"""
+
+
+def test_strategy_names_resolve_without_importing_the_package() -> None:
+    """The engine's .pth line registers the names when Lightning loads: forgetting
+    `import zeroshard.engine.lightning` gave Lightning's "invalid strategy name"."""
+    import _zeroshard_lightning
+
+    from zeroshard.engine.lightning import STRATEGIES
+
+    assert _zeroshard_lightning.STRATEGIES == STRATEGIES  # the one table, twice
+    src = ROOT / "packages" / "engine" / "src"
+    assert (src / "zeroshard_engine_lightning.pth").read_text() == "import _zeroshard_lightning\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", _NO_IMPORT, str(src)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -97,3 +97,33 @@ def _ranks() -> None:
 
 def test_warnings_and_info_logs_once_on_rank0_at_the_users_line() -> None:
     run_ranks(_ranks, 2)
+
+
+def test_loggers_have_public_names() -> None:
+    """Every `logging.getLogger` in the packages names a public logger (`zeroshard.partition`,
+    not `zeroshard.partition._flatten`): a literal, no component private, so a user's
+    `logging.getLogger("zeroshard.partition").setLevel(...)` reaches every record."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "packages"
+    found, wrong = 0, []
+    for path in sorted(src.glob("*/src/zeroshard/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            call = node if isinstance(node, ast.Call) else None
+            if call is None or not (
+                isinstance(call.func, ast.Attribute) and call.func.attr == "getLogger"
+            ):
+                continue
+            found += 1
+            arg = call.args[0] if call.args else None
+            name = arg.value if isinstance(arg, ast.Constant) else ast.unparse(arg or call)
+            parts = str(name).split(".")
+            if (
+                not isinstance(name, str)
+                or parts[0] != "zeroshard"
+                or any(p.startswith("_") for p in parts)
+            ):
+                wrong.append(f"{path.relative_to(src)}:{call.lineno}: getLogger({name})")
+    assert found >= 5, found
+    assert not wrong, wrong

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -164,7 +165,13 @@ class CompiledModel:
         gc.collect()
         return self.module(*args, **kwargs)
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A model still alive at interpreter exit is finalized after the modules were
+        # cleared (their globals None: `unregister_target` would raise, printed as an
+        # ignored exception); the registry goes with the process then. The check is
+        # bound here, as a default, because this module's `sys` may be None by then too.
+        if _finalizing():
+            return
         for spec in getattr(self, "_specs", []):
             unregister_target(spec.key)
 

@@ -24,7 +24,7 @@ from zeroshard.comm import Group, is_rank0, process_rank
 from zeroshard.partition._host import empty_host
 from zeroshard.partition._layout import FlatLayout
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zeroshard.partition")
 
 
 class FlattenTier(enum.Enum):

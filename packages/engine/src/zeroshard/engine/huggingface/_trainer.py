@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -40,7 +41,7 @@ __all__ = ["CHECKPOINT_SUBDIR", "ZeroTrainer", "rebuild_meta_buffers"]
 CHECKPOINT_SUBDIR = "zeroshard"
 """Where a Trainer checkpoint (`checkpoint-N/`) keeps zeroshard's sharded model and optimizer."""
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zeroshard.engine.huggingface")
 
 _SCHEDULER_NAME = "scheduler.pt"  # the Trainer's file name for the LR scheduler's state
 
@@ -111,6 +112,25 @@ def _refuse_other_sharders(training_args: Any) -> None:
         )
 
 
+def _refuse_undistributed(training_args: Any) -> None:
+    # A Trainer that counts one process where the process group has several trains every
+    # rank on the whole dataset (the epoch advances at 1/world the rate), and every rank
+    # logs and writes the one output folder: wrong without an error. transformers sets
+    # up distributed training on the CPU only with `use_cpu=True`; the arguments are the
+    # user's, built before the Trainer, so they are not changed behind their back.
+    ranks = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    counted = training_args.world_size
+    if ranks > 1 and counted != ranks:
+        mode = training_args.parallel_mode.value
+        raise ValueError(
+            f"ZeroTrainer: the process group has {ranks} ranks but TrainingArguments counts "
+            f"{counted} (parallel_mode {mode!r}): every rank would train on the whole dataset "
+            "and write the same output folder. On the CPU pass TrainingArguments("
+            "use_cpu=True), which is how transformers trains on several CPU processes; on "
+            "GPUs launch with torchrun (one process per GPU)"
+        )
+
+
 class ZeroTrainer(Trainer):
     """A `transformers.Trainer` whose model and optimizer are sharded by zeroshard.
 
@@ -134,6 +154,7 @@ class ZeroTrainer(Trainer):
             raise ValueError("ZeroTrainer: pass zero_config or ds_config, not both")
         _refuse_other_sharders(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        _refuse_undistributed(self.args)
         if ds_config is not None:
             settings = trainer_ds_settings(ds_config, self.args, self.model)
             if self.is_world_process_zero():
@@ -218,9 +239,15 @@ class ZeroTrainer(Trainer):
             super().save_model(output_dir, _internal_call)
             return
         if _internal_call and not self.args.save_only_model:
-            step = self.state.global_step
+            # Replaces an existing checkpoint-N/ as the Trainer does (a resume into its own
+            # output folder writes the steps after the checkpoint again).
             save_checkpoint(
-                self._module, self.zero_optimizer, output_dir, step=step, tag=CHECKPOINT_SUBDIR
+                self._module,
+                self.zero_optimizer,
+                output_dir,
+                step=self.state.global_step,
+                tag=CHECKPOINT_SUBDIR,
+                overwrite=True,
             )
             config = getattr(self._module, "config", None)
             if self.args.should_save and config is not None:

@@ -17,6 +17,7 @@ reduce) with the model and optimizer handed to the engine instead of Distributed
   (the shards go into the engine), Lightning restores loops, callbacks and schedulers
   from what was saved beside them.
 - teardown moves nothing to the CPU: the engine keeps its memory for a later test or save.
+- the model summary (callback) counts each stage-3 parameter at its full size (_summary.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from zeroshard.engine.lightning._config import ConfigSource, LoopSettings, engin
 from zeroshard.engine.lightning._engine import EngineRoot, build_engine, engine_root, reuse_engine
 from zeroshard.engine.lightning._precision import ZeroShardPrecision, flag_of
 from zeroshard.engine.lightning._registry import register
+from zeroshard.engine.lightning._summary import summarize_full_sizes
 
 
 class ZeroShardStrategy(DDPStrategy):
@@ -181,6 +183,8 @@ class ZeroShardStrategy(DDPStrategy):
         if training:
             self.optimizers = [root.optimizer]
             self.lr_scheduler_configs = list(root.schedulers)
+        if config.stage == 3:
+            summarize_full_sizes(trainer, root)
         self.setup_precision_plugin()
 
     def optimizer_step(

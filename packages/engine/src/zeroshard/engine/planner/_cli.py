@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import re
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +32,31 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M"
 
 
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _amount(text: str) -> float:
+    """A count as people write it: `5.3e9`, `5.3B`, `800M`, `12k` (case-insensitive)."""
+    found = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (5.3e9, 5.3B, 800M, 12k)")
+    return float(found.group(1)) * _SCALE[found.group(2)]
+
+
+def _preset(name: str) -> str:
+    """A preset named in any case (`7B`, `1.3B`, `Llama-70B`) as PRESETS spells it; any
+    other name (a config.json path) as given."""
+    return name.lower() if name.lower() in PRESETS else name
+
+
+def _version() -> str:
+    try:
+        engine = importlib.metadata.version("zeroshard-engine")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree on sys.path
+        engine = "(not installed)"
+    return f"zeroshard-plan {engine} (zeroshard-engine; torch {torch.__version__})"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zeroshard-plan",
@@ -38,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         "--achieved-tflops with --flops-per-token (see docs/scaling.md).",
     )
     sizes = ", ".join(f"{name} ({_count(shape.parameters)})" for name, shape in PRESETS.items())
-    p.add_argument("model", help=f"a preset: {sizes}; or a Hugging Face config.json path")
+    p.add_argument("--version", action="version", version=_version())
+    p.add_argument(
+        "model",
+        type=_preset,
+        help=f"a preset (any case: 7B is 7b): {sizes}; or a Hugging Face config.json path",
+    )
     p.add_argument("--world", type=int, required=True, help="GPUs in the run (required)")
     p.add_argument(
         "--layers",
@@ -151,9 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cpu-adam-params-per-s",
-        type=float,
-        help="measured rate of torch's fused AdamW on the host, parameters a second "
-        "(needed to price an offloaded step)",
+        type=_amount,
+        help="measured rate of torch's fused AdamW on the host, parameters a second, "
+        "5.3e9 or 5.3B (needed to price an offloaded step)",
     )
     return p
 

@@ -255,7 +255,7 @@ def estimate_on_trace(
     micro_batch, seq_len = trace.micro_batch, trace.seq_len
     check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
     shard = cfg.shard_group_size or world_size
-    optimizers = [] if optimizer is None else as_optimizers(optimizer)
+    optimizers = [] if optimizer is None else as_optimizers(optimizer, model)
     groups_of = None
     if optimizers:
         groups_of = {

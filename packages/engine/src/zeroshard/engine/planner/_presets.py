@@ -180,7 +180,7 @@ def convert_float8(model: nn.Module, recipe: str, all_gather: bool) -> None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise ValueError("fp8 needs torchao: pip install 'zeroshard-engine[fp8]'") from None
+        raise ValueError("fp8 needs torchao: pip install 'torchao>=0.18'") from None
     if all_gather and recipe != "tensorwise":
         raise ValueError(f"the fp8 all-gather takes the tensorwise recipe, not {recipe!r}")
     config = dataclasses.replace(

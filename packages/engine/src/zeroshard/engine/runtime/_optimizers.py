@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -102,23 +103,34 @@ def _own_state_dict(o: torch.optim.Optimizer) -> dict[str, Any]:
 
 def as_optimizers(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    model: nn.Module | None = None,
 ) -> list[torch.optim.Optimizer]:
     """The optimizers `initialize` was given, checked: at least one, each a torch
-    optimizer, no parameter in two of them."""
+    optimizer, no parameter in two of them (named by its name in `model`)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
     optimizers = list(optimizer)
     if not optimizers:
         raise ValueError("initialize() needs an optimizer (or a sequence of them), got none")
+    if all(isinstance(o, torch.Tensor) for o in optimizers):
+        # `initialize(model, model.parameters(), cfg)`: the parameters, not an optimizer.
+        raise TypeError(
+            f"initialize() was given {len(optimizers)} tensors (the model's parameters?) "
+            "where it takes the optimizer built on them: pass "
+            "torch.optim.AdamW(model.parameters(), lr=...) (any torch.optim optimizer), "
+            "or a list of optimizers over disjoint parameters"
+        )
     for i, o in enumerate(optimizers):
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(f"optimizer {i} is a {type(o).__name__}, not a torch.optim.Optimizer")
+    names = {} if model is None else {id(p): n for n, p in model.named_parameters()}
     seen: dict[int, int] = {}
     for i, o in enumerate(optimizers):
         for p in (p for pg in o.param_groups for p in pg["params"]):
             if seen.setdefault(id(p), i) != i:
+                what = names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
                 raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is in optimizer {seen[id(p)]} "
+                    f"{what} is in optimizer {seen[id(p)]} "
                     f"({type(optimizers[seen[id(p)]]).__name__}) and in optimizer {i} "
                     f"({type(o).__name__}): each parameter belongs to one optimizer"
                 )

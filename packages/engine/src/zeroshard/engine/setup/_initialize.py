@@ -84,7 +84,7 @@ def initialize(
     # 1. The inputs, checked where every rank fails alike (no collective yet).
     cfg = as_config(config)
     check_model(model, cfg)
-    optimizers = as_optimizers(optimizer)
+    optimizers = as_optimizers(optimizer, model)
     # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
     unwrap_float8_weights(model, optimizers)
     check_whole_optimizers(optimizers, cfg)

@@ -9,6 +9,7 @@ The user's own state (`client_state`, `rank_state`) goes with it: see [Note: use
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -25,7 +26,7 @@ from zeroshard.ckpt import (
     load,
     save,
 )
-from zeroshard.comm import Agreement, Group, agreed
+from zeroshard.comm import Agreement, Group, agreed, is_rank0
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
 from zeroshard.engine.state._checkpoint_apply import (
     apply_loaded,
@@ -40,7 +41,7 @@ from zeroshard.engine.state._checkpoint_layout import (
     module_buffers,
     placements,
 )
-from zeroshard.engine.state._named_load import is_named_checkpoint, load_named
+from zeroshard.engine.state._named_load import RESUMED, is_named_checkpoint, load_named
 from zeroshard.engine.state._user_state import (
     GLOBAL,
     PER_RANK,
@@ -48,6 +49,8 @@ from zeroshard.engine.state._user_state import (
     encode_state,
     saved_scope,
 )
+
+log = logging.getLogger("zeroshard.engine")
 
 
 def save_checkpoint(
@@ -319,4 +322,6 @@ def load_checkpoint(
             [(saved_global, client_state or {}), (saved_mine, rank_state or {})],
         )
     apply_loaded(state, loaded, buffers)
+    if is_rank0():
+        log.info(RESUMED, loaded.path, loaded.meta.step, loaded.meta.world_size, size)
     return loaded.meta.step

@@ -40,6 +40,8 @@ from zeroshard.engine.runtime._tensor_parallel import full_runs
 from zeroshard.engine.state._checkpoint_layout import full_shapes
 
 log = logging.getLogger("zeroshard.engine")
+# The one line a resume logs on rank 0, whichever format it read: path, step and world sizes.
+RESUMED = "resumed from %s at step %d (world size %d then, %d now)"
 
 # State keys torch's Adam/AdamW keep per parameter (step is a scalar).
 _ADAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"})
@@ -219,7 +221,7 @@ def apply_named_shards(
         dropped.append("the fp16 loss scale (this run does not compute in fp16)")
     state.optimizer.republish()
     if state.shard_group.rank == 0:
-        log.info("resumed from %s at step %d", named.source, named.step)
+        log.info(RESUMED, named.source, named.step, named.world_size, state.shard_group.size)
         for note in notes:
             log.warning("hyperparameter taken from the checkpoint: %s", note)
         for what in dropped:

@@ -14,11 +14,14 @@ said in one warning. Other errors (another model, another optimizer, per-rank st
 another world size) are the caller's to see and are raised, not skipped. When
 checkpoints exist and none loads, resuming raises rather than starting fresh: a run from
 step 0 would go on saving over the only record of the old one, which someone may still
-repair. A root that does not exist is a fresh start, said in a warning that names it.
+repair. A root that does not exist is a fresh start, logged (INFO, rank 0) with its
+absolute path: the first run of every job starts so, and a warning there would be noise
+every user learns to ignore; the line says which folder a mistyped path pointed at.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -34,7 +37,7 @@ from zeroshard.ckpt import (
     ResumeOrder,
     resume_order,
 )
-from zeroshard.comm import Agreement, agreed, warn_on_rank0
+from zeroshard.comm import Agreement, agreed, is_rank0, warn_on_rank0
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 from zeroshard.engine.state._checkpoint import (
     call_fields,
@@ -42,6 +45,8 @@ from zeroshard.engine.state._checkpoint import (
     every_rank,
     load_checkpoint,
 )
+
+log = logging.getLogger("zeroshard.engine")
 
 
 def _skipped_text(skipped: list[tuple[str, str]]) -> str:
@@ -66,7 +71,7 @@ def resume_checkpoint(
     Tries `latest` first, then the other checkpoints by step, newest first, skipping
     those whose files are missing or damaged (one warning says which, and why): see
     [Note: resuming after a crash]. Raises `CheckpointError` when there are checkpoints
-    and none loads; warns when `directory` does not exist. `client_state` /
+    and none loads; logs a fresh start when `directory` does not exist. `client_state` /
     `rank_state` are restored as by `load_checkpoint`.
     """
     root = Path(directory)
@@ -84,10 +89,7 @@ def resume_checkpoint(
         ag.from_rank0(agreed(everyone, label, listed, CHECKPOINT_ERRORS), label)
     )
     if not order.exists:
-        warn_on_rank0(
-            f"resume: {os.path.abspath(root)} does not exist: starting from step 0 (if you "
-            "meant to resume, the checkpoint directory is wrong)"
-        )
+        _log_fresh_start(root, "does not exist")
         return None
     skipped = list(order.skipped)
     for name in order.candidates:
@@ -108,4 +110,10 @@ def resume_checkpoint(
             f"step 0 over them: repair them, or move them aside to start fresh. "
             f"{_skipped_text(skipped)}"
         )
+    _log_fresh_start(root, "holds no checkpoint")
     return None
+
+
+def _log_fresh_start(root: Path, why: str) -> None:
+    if is_rank0():
+        log.info("resume: %s %s: starting from step 0", os.path.abspath(root), why)

@@ -1,0 +1,2 @@
+"""The summary that opens docs/benchmarks.md, from its run sections
+(`python -m benchmarks.summary`)."""
