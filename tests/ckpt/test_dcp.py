@@ -23,8 +23,8 @@ from torch import nn
 from tests._dist import run_ranks
 from zeroshard.ckpt import CheckpointError, CorruptFileError, UnsafePickleError, consolidate
 from zeroshard.ckpt._cli import main
-from zeroshard.ckpt._dcp import dcp_specs
 from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._dcp import dcp_specs
 
 
 class _Net(nn.Module):

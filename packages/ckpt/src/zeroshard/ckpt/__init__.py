@@ -14,15 +14,6 @@ described in docs/checkpoint-format.md.
 """
 
 from zeroshard.ckpt._consolidate import consolidate
-from zeroshard.ckpt._convert import convert_deepspeed
-from zeroshard.ckpt._deepspeed import (
-    DeepSpeedCheckpoint,
-    DeepSpeedCheckpointError,
-    MissingRankFileError,
-    read_deepspeed_checkpoint,
-)
-from zeroshard.ckpt._deepspeed_files import is_deepspeed_checkpoint
-from zeroshard.ckpt._deepspeed_optim import read_deepspeed_training_state
 from zeroshard.ckpt._errors import (
     CHECKPOINT_ERRORS,
     CheckpointError,
@@ -38,8 +29,6 @@ from zeroshard.ckpt._inspect import Summary, describe
 from zeroshard.ckpt._keys import MASTER, OPTIM_PREFIX, buffer_key, param_state_key, shard_key
 from zeroshard.ckpt._load import GroupPlacement, LoadedShards, load
 from zeroshard.ckpt._meta import CheckpointMeta, check_names_shapes
-from zeroshard.ckpt._named_reader import is_converted_checkpoint, read_named_state
-from zeroshard.ckpt._named_state import LossScaleState, NamedParamGroup, NamedTrainingState
 from zeroshard.ckpt._names import canonical_name
 from zeroshard.ckpt._paths import checkpoint_step, list_checkpoints, read_latest, remove_checkpoint
 from zeroshard.ckpt._resume_order import ResumeOrder, resume_order
@@ -48,8 +37,23 @@ from zeroshard.ckpt._stfile import pread_into
 from zeroshard.ckpt._stfile import read_header as read_safetensors_header
 from zeroshard.ckpt._stfile import st_code as safetensors_dtype_code
 from zeroshard.ckpt._stfile import st_dtype as safetensors_dtype
-from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
 from zeroshard.ckpt._writer import RangeSpec, WriteResult
+from zeroshard.ckpt.foreign import (
+    CorruptFileError,
+    DeepSpeedCheckpoint,
+    DeepSpeedCheckpointError,
+    LossScaleState,
+    MissingRankFileError,
+    NamedParamGroup,
+    NamedTrainingState,
+    UnsafePickleError,
+    convert_deepspeed,
+    is_converted_checkpoint,
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+    read_deepspeed_training_state,
+    read_named_state,
+)
 
 __all__ = [
     "CHECKPOINT_ERRORS",

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 
 from zeroshard.ckpt._consolidate import DTYPES, consolidate
-from zeroshard.ckpt._convert import convert_deepspeed
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._inspect import describe, format_summary
 from zeroshard.ckpt._plan import INDEX_FILE, parse_size
 from zeroshard.ckpt._writer import default_workers
+from zeroshard.ckpt.foreign import convert_deepspeed
 
 DEFAULT_MAX_SHARD = "5GB"
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroshard.ckpt._consolidate import deepspeed_checkpoint, is_zeroshard_checkpoint
-from zeroshard.ckpt._dcp import DCP_METADATA, dcp_specs, is_dcp_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import FORMAT_NAME
 from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.ckpt.foreign import DCP_METADATA, dcp_specs, is_dcp_checkpoint
 from zeroshard.partition import dtype_name
 
 

@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from zeroshard.ckpt._dcp_pickle import ChunkBytes, load_metadata, locate_chunk
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._names import canonical_name
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._stfile import pread_into
-from zeroshard.ckpt._unpickle import CorruptFileError
 from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._dcp_pickle import ChunkBytes, load_metadata, locate_chunk
+from zeroshard.ckpt.foreign._unpickle import CorruptFileError
 
 DCP_METADATA = ".metadata"
 SKIPPED_KEYS = ("optimizer", "optim")
