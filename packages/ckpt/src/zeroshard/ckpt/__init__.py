@@ -7,7 +7,10 @@ zeroshard checkpoint, a DeepSpeed ZeRO checkpoint (`read_deepspeed_checkpoint` r
 DeepSpeed's files without DeepSpeed, refusing unsafe pickles) or a PyTorch DCP
 directory; `read_deepspeed_training_state` reads a DeepSpeed run's optimizer state and
 loss scale by parameter name, to resume it, and `convert_deepspeed` rewrites it as a
-zeroshard checkpoint (read back by name with `read_named_state`). `resume_order` lists
+zeroshard checkpoint (read back by name with `read_named_state`);
+`read_dcp_training_state` reads an FSDP2 or torchtitan DCP checkpoint's weights,
+optimizer state and step the same way, and `convert_to_dcp` writes a zeroshard
+checkpoint as one an FSDP2 job loads. `resume_order` lists
 the checkpoints of a root a restart should try, best first. `read_safetensors_header`
 and `pread_into` read any safetensors file by byte range. The on-disk format is
 described in docs/checkpoint-format.md.
@@ -48,8 +51,11 @@ from zeroshard.ckpt.foreign import (
     NamedTrainingState,
     UnsafePickleError,
     convert_deepspeed,
+    convert_to_dcp,
     is_converted_checkpoint,
+    is_dcp_checkpoint,
     is_deepspeed_checkpoint,
+    read_dcp_training_state,
     read_deepspeed_checkpoint,
     read_deepspeed_training_state,
     read_named_state,
@@ -91,13 +97,16 @@ __all__ = [
     "checkpoint_step",
     "consolidate",
     "convert_deepspeed",
+    "convert_to_dcp",
     "describe",
     "is_converted_checkpoint",
+    "is_dcp_checkpoint",
     "is_deepspeed_checkpoint",
     "list_checkpoints",
     "load",
     "param_state_key",
     "pread_into",
+    "read_dcp_training_state",
     "read_deepspeed_checkpoint",
     "read_deepspeed_training_state",
     "read_latest",

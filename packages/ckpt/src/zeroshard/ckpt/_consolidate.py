@@ -31,7 +31,7 @@ from zeroshard.ckpt._writer import WriteResult, write_safetensors
 from zeroshard.ckpt.foreign import (
     DeepSpeedCheckpoint,
     dcp_specs,
-    is_dcp_checkpoint,
+    has_dcp_metadata,
     is_deepspeed_checkpoint,
     read_deepspeed_checkpoint,
 )
@@ -89,7 +89,7 @@ def source_specs(
             reader.close()
             raise
         return specs, aliases, reader
-    if is_dcp_checkpoint(src):
+    if has_dcp_metadata(src):
         return dcp_specs(src), {}, None
     ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=exclude_frozen)
     return list(ds.specs), dict(ds.aliases), None

@@ -232,8 +232,9 @@ def load_checkpoint(
 ) -> int:
     """Restore model and optimizer from a checkpoint saved at any world size; return its step.
 
-    `directory` is a checkpoint or the root holding `latest`, ours or DeepSpeed's ZeRO
-    1/2/3 (docs/deepspeed.md). A checkpoint of another model (names or shapes) raises
+    `directory` is a checkpoint or the root holding `latest`, ours, DeepSpeed's ZeRO
+    1/2/3 (docs/deepspeed.md) or a PyTorch DCP one of FSDP2 or torchtitan (or a root of
+    `step-N` ones: docs/coming-from.md). A checkpoint of another model (names or shapes) raises
     `zeroshard.ckpt.ModelMismatchError` listing the differences. Call on every rank.
 
     `client_state` / `rank_state` name the saved entries to restore, as saved by
@@ -251,15 +252,16 @@ def load_checkpoint(
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
     state.optimizer.settle()
-    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
+    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's (or converted), DCP's
         if client_state is not None or rank_state is not None:
             raise ValueError(
-                "DeepSpeed (named) checkpoints keep their client state in pickles, which "
-                "zeroshard does not load: pass neither client_state nor rank_state"
+                "DeepSpeed and DCP (named) checkpoints keep their client state in their own "
+                "records, which zeroshard does not load: pass neither client_state nor "
+                "rank_state"
             )
         if state.tensor_parallel is not None:
             raise ValueError(
-                "a DeepSpeed (named) checkpoint does not load under tensor parallelism "
+                "a DeepSpeed or DCP (named) checkpoint does not load under tensor parallelism "
                 "(device_mesh): load it without a mesh, save a zeroshard checkpoint, and load "
                 "that one"
             )
@@ -275,7 +277,7 @@ def load_checkpoint(
             # A named checkpoint holds one value per name: which instance would get it?
             raise ValueError(
                 f"parameters on a process group of their own ({own[:3]}...) load from "
-                "zeroshard checkpoints only, not from a DeepSpeed (named) one"
+                "zeroshard checkpoints only, not from a DeepSpeed or DCP (named) one"
             )
         return load_named(model, state, Path(directory), tag, step, aliases(model, state))
     shard_group = state.shard_group

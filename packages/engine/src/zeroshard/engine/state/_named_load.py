@@ -1,4 +1,5 @@
-"""Resume from a `NamedTrainingState` (a DeepSpeed ZeRO checkpoint) at any world size.
+"""Resume from a `NamedTrainingState` (a DeepSpeed ZeRO or PyTorch DCP checkpoint) at any
+world size.
 
 Each rank fills its own master shard and optimizer state shard slot by slot: for every
 parameter slice in the shard it reads the same elements of that parameter's tensors in
@@ -6,7 +7,7 @@ the checkpoint (`RangeSpec.read_range`), so no rank reads or holds more than its
 Everything is read and checked (`read_named_shards`) before anything changes
 (`apply_named_shards`), as `zeroshard.ckpt.load` does for our own checkpoints.
 Hyperparameters (lr, betas, eps, weight_decay...) are taken from the checkpoint's
-param groups, as DeepSpeed's own resume restores them; implementation switches
+param groups, as DeepSpeed's and FSDP2's own resumes restore them; implementation switches
 (foreach, fused, capturable, differentiable) stay the user's.
 """
 
@@ -28,7 +29,9 @@ from zeroshard.ckpt import (
     RangeSpec,
     check_names_shapes,
     is_converted_checkpoint,
+    is_dcp_checkpoint,
     is_deepspeed_checkpoint,
+    read_dcp_training_state,
     read_deepspeed_training_state,
     read_named_state,
 )
@@ -110,7 +113,7 @@ def _group_of(
                 f"{named.source}: your optimizer's param group {k} ({sorted(names)[:4]}...) "
                 "is not one of the checkpoint's param groups "
                 f"({[sorted(t)[:4] for t in theirs]}): build the param groups as the "
-                "DeepSpeed run did"
+                "run that saved it did"
             )
         mapping[k] = match[0]
     return mapping
@@ -226,8 +229,13 @@ def apply_named_shards(
 
 
 def is_named_checkpoint(path: Path, tag: str | None, step: int | None) -> bool:
-    """Whether `path` is read by parameter name: DeepSpeed's, or converted from DeepSpeed."""
-    return is_deepspeed_checkpoint(path) or is_converted_checkpoint(path, tag, step)
+    """Whether `path` is read by parameter name: DeepSpeed's, converted from DeepSpeed, or
+    PyTorch DCP's (FSDP2, torchtitan)."""
+    return (
+        is_deepspeed_checkpoint(path)
+        or is_converted_checkpoint(path, tag, step)
+        or is_dcp_checkpoint(path, tag, step)
+    )
 
 
 def load_named(
@@ -238,16 +246,22 @@ def load_named(
     step: int | None,
     aliases: Mapping[str, str],
 ) -> int:
-    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`)."""
+    """`load_checkpoint` of a DeepSpeed, converted or DCP checkpoint (`step=N`:
+    `global_stepN`, DCP's `step-N`)."""
 
     def read() -> tuple[NamedTrainingState, NamedShards]:
         if is_deepspeed_checkpoint(path):
             ds_tag = tag if step is None else f"global_step{step}"
             named = read_deepspeed_training_state(path, ds_tag)
+        elif is_dcp_checkpoint(path, tag, step):
+            named = read_dcp_training_state(path, tag=tag, step=step, buffers=buffer_names)
         else:
             named = read_named_state(path, tag, step)
         return named, read_named_shards(model, state, named, aliases)
 
+    # DCP does not say which of its tensors are buffers: the model's persistent ones.
+    persistent = {canonical_name(k) for k in model.state_dict(keep_vars=True)}
+    buffer_names = {n for n, _ in named_buffers(model) if n in persistent}
     # One outcome on every rank (a file bad on one rank fails the load everywhere), and
     # nothing is changed unless every rank read its shards.
     named, shards = agreed(
