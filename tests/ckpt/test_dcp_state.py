@@ -4,13 +4,19 @@ of hand-built state dicts; FSDP2's own checkpoints: tests/engine/test_dcp_resume
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from zeroshard.ckpt import CheckpointError, is_dcp_checkpoint, read_dcp_training_state
+from zeroshard.ckpt import (
+    CheckpointError,
+    UnsafePickleError,
+    is_dcp_checkpoint,
+    read_dcp_training_state,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -86,3 +92,22 @@ def test_refusals(tmp_path: Path) -> None:
         read_dcp_training_state(path)
     with pytest.raises(CheckpointError, match="is one DCP checkpoint"):
         read_dcp_training_state(path, step=3)
+
+
+class _Touch:
+    """Unpickling this runs `touch PATH` through os.system."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_crafted_value_is_not_run(tmp_path: Path) -> None:
+    # DCP pickles non-tensor entries (here the step) with torch.save: read weights-only.
+    marker = tmp_path / "pwned"
+    path = _save({"model": _model(), "step": _Touch(str(marker))}, tmp_path / "c")
+    with pytest.raises(UnsafePickleError, match=r"posix\.system"):
+        read_dcp_training_state(path)
+    assert not marker.exists()

@@ -8,6 +8,7 @@ level, the optimizer flattened, `train_state` and `lr_scheduler` beside it, unde
 either checkpoint into a model initialised differently (and an optimizer with another
 lr) at worlds 2 and 3 and stages 1-3, trains the same 2 steps on the same global batches and
 must agree with FSDP2: losses to rtol 1e-6 and weights to atol 1e-6 (fp32 on the CPU).
+A model-only checkpoint loads its weights bit for bit, the optimizer afresh.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _fsdp2_run(root: str) -> None:
         _train_step(model, opt, batch)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optimizer": osd, "step": 2}, checkpoint_id=f"{root}/fsdp2")
+    dcp.save({"model": msd}, checkpoint_id=f"{root}/model_only")
+    saved = {n: p.full_tensor() for n, p in model.named_parameters()}
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     msd, osd = get_state_dict(model, opt, options=flat)
     titan = {
@@ -97,7 +100,8 @@ def _fsdp2_run(root: str) -> None:
     losses = [_train_step(model, opt, batch) for batch in batches[2:]]
     weights = {n: p.full_tensor() for n, p in model.named_parameters()}
     if dist.get_rank() == 0:
-        torch.save({"batches": batches, "losses": losses, "weights": weights}, f"{root}/ref.pt")
+        ref = {"batches": batches, "losses": losses, "weights": weights, "saved": saved}
+        torch.save(ref, f"{root}/ref.pt")
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +149,30 @@ def _resume(root: str, source: str, stage: int) -> None:
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6, msg=name)
 
 
+def _model_only(root: str, stage: int) -> None:
+    # Weights only (torchtitan's last_save_model_only): step 0, the optimizer afresh.
+    ref = torch.load(f"{root}/ref.pt", weights_only=True)
+    model = _Net()
+    model, opt = zs.initialize(model, _optimizer(model, lr=1e-3), {"stage": stage})
+    assert zs.load_checkpoint(model, opt, Path(root) / "model_only") == 0
+    assert all(pg["lr"] == 1e-3 for pg in opt.param_groups)
+    assert not any(opt.inner.state[g.master] for g in zs.engine_state(model).groups)
+    got = zs.full_state_dict(model)
+    assert all(torch.equal(got[n], want) for n, want in ref["saved"].items())
+
+
 def _resume_all(root: str, runs: list[tuple[str, int]]) -> None:
     for source, stage in runs:
-        _resume(root, source, stage)
+        if source == "model_only":
+            _model_only(root, stage)
+        else:
+            _resume(root, source, stage)
 
 
 @pytest.mark.parametrize(
     ("world", "runs"),
     [
-        (2, [("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 3), ("titan", 3)]),
+        (2, [("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 3), ("titan", 3), ("model_only", 2)]),
         (3, [("fsdp2", 3), ("titan/step-2", 2)]),
     ],
 )

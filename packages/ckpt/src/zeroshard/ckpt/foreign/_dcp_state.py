@@ -273,7 +273,12 @@ def read_dcp_training_state(
         frozen=frozenset(n for n in model if n not in buffers and n not in trainable),
         param_groups=tuple(groups),
         optimizer_state=optimizer_state,
-        not_carried=_unread(ckpt, opt, set(saved_as.values())),
+        not_carried=_unread(ckpt, opt, set(saved_as.values()))
+        + (
+            ("optimizer state: none saved (a model-only checkpoint), the optimizer starts afresh",)
+            if optimizer is None
+            else ()
+        ),
     )
 
 

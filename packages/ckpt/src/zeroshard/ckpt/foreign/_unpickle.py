@@ -37,9 +37,9 @@ class UnsafePickleError(CheckpointError):
     def __init__(self, path: Path, global_name: str | None, detail: str = "") -> None:
         if global_name is not None:
             what = (
-                f"it asks for the global {global_name!r}, which is not one DeepSpeed checkpoints "
-                "need (allowed: tensors, containers, primitives and "
-                f"{', '.join(name for _, name in DEEPSPEED_GLOBALS)})"
+                f"it asks for the global {global_name!r}, which is not one DeepSpeed or DCP "
+                "checkpoints need (allowed: tensors, containers, primitives and, in DeepSpeed's "
+                f"files, {', '.join(name for _, name in DEEPSPEED_GLOBALS)})"
             )
         else:
             what = detail

@@ -86,8 +86,8 @@ def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) ->
     if unknown:
         raise ValueError(
             f"{named.source}: optimizer state {unknown} is not Adam's (exp_avg, exp_avg_sq, "
-            "step): the optimizer it was trained with has no torch.optim counterpart, so its "
-            "state cannot be carried over"
+            "step): only Adam's state is carried over by name (a DeepSpeed optimizer without "
+            "a torch.optim counterpart, SGD's momentum...), so it cannot be"
         )
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
@@ -99,7 +99,10 @@ def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) ->
 def _group_of(
     state: EngineState, named: NamedTrainingState, canonical: Mapping[str, str]
 ) -> dict[int, int]:
-    """Our param group index -> the checkpoint's, checked to hold the same parameters."""
+    """Our param group index -> the checkpoint's, checked to hold the same parameters
+    (none for a checkpoint without optimizer: the optimizer starts afresh)."""
+    if not named.param_groups:
+        return {}
     ours: dict[int, set[str]] = {}
     for g in state.groups:
         if g.trainable:
@@ -194,6 +197,9 @@ def apply_named_shards(
     for g in state.groups:
         g.master.copy_(shards.masters[g.index])
         if not g.trainable:
+            continue
+        if g.key.param_group not in shards.mapping:
+            inner.state.pop(g.master, None)  # no optimizer state saved: it starts afresh
             continue
         # Offloaded groups keep their optimizer state beside their master, on the host.
         opt_state: dict[str, Any] = {
