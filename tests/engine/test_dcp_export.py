@@ -3,10 +3,11 @@
 zeroshard (2 gloo ranks, stages 1 and 3, AdamW with two param groups) trains 2 steps,
 saves with `save_checkpoint`, then trains 2 more steps on stored batches. The checkpoint
 is converted (`convert_to_dcp`, and `zeroshard-ckpt to-dcp`) and FSDP2 (`fully_shard`
-at worlds 1 and 3) loads it the way an FSDP2 job loads its own: `get_state_dict`,
-`dcp.load`, `set_state_dict`, into a model initialised differently and an optimizer with
-another lr. Its next 2 steps must match zeroshard's continuation: losses to rtol 1e-6,
-weights to atol 1e-6 (fp32 on the CPU).
+at worlds 1 and 3) loads it the way an FSDP2 job loads its own (`get_state_dict`,
+`dcp.load`, `set_state_dict`) into a model initialised differently and an optimizer with
+another lr; the torchtitan layout as torchtitan's checkpointer does (the model at the top
+level, `flatten_optimizer_state_dict`, `train_state`). Its next 2 steps must match
+zeroshard's continuation: losses to rtol 1e-6, weights to atol 1e-6 (fp32 on the CPU).
 """
 
 from __future__ import annotations
@@ -56,9 +57,13 @@ def zs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _fsdp2_load(root: str, stage: int) -> None:
+def _fsdp2_load(root: str, stage: int, layout: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -70,11 +75,19 @@ def _fsdp2_load(root: str, stage: int) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = _optimizer(model, lr=1e-3)
-    msd, osd = get_state_dict(model, opt)
-    state: dict[str, Any] = {"model": msd, "optimizer": osd, "step": 0}
-    dcp.load(state, checkpoint_id=f"{root}/dcp{stage}")
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    assert state["step"] == 2
+    if layout == "fsdp2":
+        msd, osd = get_state_dict(model, opt)
+        state: dict[str, Any] = {"model": msd, "optimizer": osd, "step": 0}
+        dcp.load(state, checkpoint_id=f"{root}/{layout}{stage}")
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=state["optimizer"])
+        assert state["step"] == 2
+    else:  # torchtitan's CheckpointManager: the model at the top level, flattened optimizer
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        msd, osd = get_state_dict(model, opt, options=flat)
+        state = {**msd, "optimizer": osd, "train_state": {"step": 0, "ntokens_seen": -1}}
+        dcp.load(state, checkpoint_id=f"{root}/{layout}{stage}")
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=flat)
+        assert state["train_state"] == {"step": 2, "ntokens_seen": 0}
     assert [(pg["lr"], pg["weight_decay"]) for pg in opt.param_groups] == [(1e-2, 0.1), (1e-2, 0.0)]
     losses = [_train_step(model, opt, batch) for batch in ref["batches"][2:]]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)
@@ -86,21 +99,24 @@ def _fsdp2_load(root: str, stage: int) -> None:
     assert torch.equal(buffer, ref["weights"]["scale"])
 
 
-def _fsdp2_load_all(root: str, stages: list[int]) -> None:
-    for stage in stages:
-        _fsdp2_load(root, stage)
+def _fsdp2_load_all(root: str, runs: list[tuple[int, str]]) -> None:
+    for stage, layout in runs:
+        _fsdp2_load(root, stage, layout)
 
 
-@pytest.mark.parametrize(("world", "stages"), [(1, [3]), (3, [1, 3])])
+@pytest.mark.parametrize(
+    ("world", "runs"), [(1, [(3, "fsdp2")]), (3, [(1, "fsdp2"), (3, "fsdp2"), (3, "torchtitan")])]
+)
 def test_fsdp2_continues_a_zeroshard_checkpoint(
-    zs_root: Path, world: int, stages: list[int], monkeypatch: pytest.MonkeyPatch
+    zs_root: Path, world: int, runs: list[tuple[int, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Chunks of one row: every tensor is cut, and spread over two files.
     monkeypatch.setattr(_dcp_write, "CHUNK_ELEMENTS", 1)
-    for stage in stages:
-        if not (zs_root / f"dcp{stage}").exists():
-            convert_to_dcp(zs_root / f"zs{stage}", zs_root / f"dcp{stage}", workers=2)
-    run_ranks(_fsdp2_load_all, world, str(zs_root), stages)
+    for stage, layout in runs:
+        out = zs_root / f"{layout}{stage}"
+        if not out.exists():
+            convert_to_dcp(zs_root / f"zs{stage}", out, layout=layout, workers=2)
+    run_ranks(_fsdp2_load_all, world, str(zs_root), runs)
 
 
 def test_the_command_and_a_round_trip(zs_root: Path, tmp_path: Path) -> None:
@@ -117,8 +133,12 @@ def test_the_command_and_a_round_trip(zs_root: Path, tmp_path: Path) -> None:
     want, got = load_file(tmp_path / "zs.safetensors"), load_file(tmp_path / "dcp.safetensors")
     assert set(got) == {f"model.{k}" for k in want}
     assert all(torch.equal(got[f"model.{k}"], v) for k, v in want.items())
-    named = read_dcp_training_state(out, buffers={"scale"})
-    assert named.step == 2 and set(named.buffers) == {"scale"}
-    assert [dict(g.scalars) for g in named.param_groups] == [{"step": 2.0}] * 2
-    assert [g.hyperparameters["weight_decay"] for g in named.param_groups] == [0.1, 0.0]
-    assert set(named.optimizer_state) == {"exp_avg", "exp_avg_sq"}
+    titan = tmp_path / "titan" / "step-2"
+    convert_to_dcp(zs_root / "zs3", titan, layout="torchtitan")
+    for path in (out, titan.parent):
+        named = read_dcp_training_state(path, buffers={"scale"})
+        assert named.step == 2 and set(named.buffers) == {"scale"}
+        assert set(named.masters) == set(want) - {"scale"}
+        assert [dict(g.scalars) for g in named.param_groups] == [{"step": 2.0}] * 2
+        assert [g.hyperparameters["weight_decay"] for g in named.param_groups] == [0.1, 0.0]
+        assert set(named.optimizer_state) == {"exp_avg", "exp_avg_sq"}

@@ -13,7 +13,7 @@ from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._inspect import describe, format_summary
 from zeroshard.ckpt._plan import INDEX_FILE, parse_size
 from zeroshard.ckpt._writer import default_workers
-from zeroshard.ckpt.foreign import convert_deepspeed, convert_to_dcp
+from zeroshard.ckpt.foreign import DCP_LAYOUTS, convert_deepspeed, convert_to_dcp
 
 DEFAULT_MAX_SHARD = "5GB"
 
@@ -88,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("src", help="zeroshard checkpoint directory or root")
     d.add_argument("dst", help="DCP checkpoint directory to write")
     _add_selector(d)
+    d.add_argument(
+        "--layout",
+        choices=DCP_LAYOUTS,
+        default="fsdp2",
+        help="fsdp2: 'model', 'optimizer', 'step' (default); torchtitan: the model at the top "
+        "level, the optimizer flattened, 'train_state'",
+    )
     d.add_argument("--workers", type=int, help=f"threads (default: all cores, {default_workers()})")
     d.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     i = sub.add_parser("inspect", help="print what a checkpoint holds")
@@ -167,7 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if a.command == "to-dcp":
             out = convert_to_dcp(
-                a.src, a.dst, tag=a.tag, step=a.step, workers=a.workers, overwrite=a.overwrite
+                a.src,
+                a.dst,
+                tag=a.tag,
+                step=a.step,
+                layout=a.layout,
+                workers=a.workers,
+                overwrite=a.overwrite,
             )
             print(f"wrote {out}")
             return 0

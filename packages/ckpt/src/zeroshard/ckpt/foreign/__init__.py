@@ -12,6 +12,7 @@ from zeroshard.ckpt.foreign._dcp import dcp_specs as dcp_specs
 from zeroshard.ckpt.foreign._dcp import has_dcp_metadata as has_dcp_metadata
 from zeroshard.ckpt.foreign._dcp_state import is_dcp_checkpoint as is_dcp_checkpoint
 from zeroshard.ckpt.foreign._dcp_state import read_dcp_training_state as read_dcp_training_state
+from zeroshard.ckpt.foreign._dcp_write import DCP_LAYOUTS as DCP_LAYOUTS
 from zeroshard.ckpt.foreign._dcp_write import convert_to_dcp as convert_to_dcp
 from zeroshard.ckpt.foreign._deepspeed import DeepSpeedCheckpoint as DeepSpeedCheckpoint
 from zeroshard.ckpt.foreign._deepspeed import DeepSpeedCheckpointError as DeepSpeedCheckpointError

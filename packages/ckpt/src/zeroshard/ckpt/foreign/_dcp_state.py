@@ -273,25 +273,22 @@ def read_dcp_training_state(
         frozen=frozenset(n for n in model if n not in buffers and n not in trainable),
         param_groups=tuple(groups),
         optimizer_state=optimizer_state,
-        not_carried=_unread(ckpt, opt, set(saved_as.values()))
-        + (
-            ("optimizer state: none saved (a model-only checkpoint), the optimizer starts afresh",)
-            if optimizer is None
-            else ()
-        ),
+        not_carried=_unread(ckpt, opt, set(saved_as.values())),
     )
 
 
 def _unread(ckpt: DcpCheckpoint, opt: str | None, model: set[str]) -> tuple[str, ...]:
-    """The entries left unread (a scheduler, a data loader), by top-level name."""
+    """The entries left unread (a scheduler, a data loader), by top-level name, and the
+    optimizer's state when there is none."""
     unread: dict[str, list[str]] = {}
     for key in sorted({*ckpt.tensors, *ckpt.values} - model - {"step", "train_state.step"}):
         if opt is None or not key.startswith(opt):
             top, _, rest = key.partition(".")
             unread.setdefault(top, []).append(rest)
-    return tuple(
-        f"{top!r}"
-        + (f" ({', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''})" if rest[0] else "")
-        + ": a DCP entry zeroshard does not read"
-        for top, rest in unread.items()
-    )
+    out = []
+    for top, rest in unread.items():
+        some = f" ({', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''})" if rest[0] else ""
+        out.append(f"{top!r}{some}: a DCP entry zeroshard does not read")
+    if opt is None:
+        out.append("optimizer state: none saved (a model-only checkpoint), it starts afresh")
+    return tuple(out)

@@ -6,7 +6,10 @@ The output holds what `dcp.save({"model": m, "optimizer": o, "step": n})` writes
 `m, o = get_state_dict(model, optimizer)`: `model.<name>` (the masters, buffers; a tied
 name points at its canonical one's bytes), `optimizer.state.<name>.<key>` (Adam's
 moments, and `step` as the 0-dim float32 tensor torch keeps), the hyperparameters and
-`params` of each param group under `optimizer.param_groups.<i>.<key>`, and `step`.
+`params` of each param group under `optimizer.param_groups.<i>.<key>`, and `step`. In
+torchtitan's layout the model's names stand at the top level, each parameter carries its
+group's hyperparameters (`optimizer.param_groups.<name>.<key>`, as
+`flatten_optimizer_state_dict` gives them) and the step is `train_state.step`.
 Each tensor is cut into chunks of whole rows of at most `CHUNK_ELEMENTS` elements, each
 chunk one `torch.save` archive in a `.distcp` file ([Note: DCP on disk] in
 `_dcp_pickle`). Workers write one file each, reading every chunk straight from the rank
@@ -45,13 +48,25 @@ from zeroshard.ckpt.foreign._dcp import DCP_METADATA
 CHUNK_ELEMENTS = 4 * 2**20
 
 
+Key = tuple[str | int, ...]  # a path in the nested state dict; DCP's name joins it with "."
+DCP_LAYOUTS = ("fsdp2", "torchtitan")
+
+
 @dataclass(frozen=True)
 class _Tensor:
-    """One tensor to write, under its DCP name and its path in the nested state dict."""
+    """One tensor to write, at its path in the nested state dict."""
 
-    fqn: str
-    path: tuple[str | int, ...]
+    path: Key
     spec: RangeSpec
+
+    @property
+    def fqn(self) -> str:
+        """Its name in the checkpoint, as `dcp.save` flattens the path."""
+        return _fqn(self.path)
+
+
+def _fqn(path: Key) -> str:
+    return ".".join(map(str, path))
 
 
 @dataclass(frozen=True)
@@ -84,10 +99,12 @@ def _hyperparameter(value: Any) -> Any:
 
 
 def _contents(
-    reader: CheckpointReader,
-) -> tuple[list[_Tensor], dict[str, str], dict[str, tuple[tuple[str | int, ...], Any]]]:
-    """The tensors (model, optimizer state), tied names {alias: canonical DCP name} and
-    values {DCP name: (path, value)} of the output."""
+    reader: CheckpointReader, layout: str
+) -> tuple[list[_Tensor], dict[Key, str], dict[Key, Any]]:
+    """The tensors (model, optimizer state), tied names {alias's path: canonical name} and
+    values {path: value} of the output, laid out as FSDP2's `get_state_dict` saved under
+    `model` and `optimizer`, or as torchtitan saves it (the model at the top level, the
+    optimizer flattened: `flatten_optimizer_state_dict`)."""
     meta = reader.meta
     if meta.param_states:
         raise CheckpointError(
@@ -100,36 +117,49 @@ def _contents(
             f"{reader.path}: groups {several} hold several instances (parameters on a process "
             "group of their own, e.g. experts): one FSDP2 model has one value per name"
         )
+    titan = layout == "torchtitan"
+
+    def model(name: str) -> Key:
+        return (name,) if titan else ("model", name)
+
+    def state(name: str, key: str) -> Key:
+        return ("optimizer", f"state.{name}.{key}") if titan else ("optimizer", "state", name, key)
+
     specs, aliases = checkpoint_specs(reader)
     # A zeroshard checkpoint's specs all read ranges (`_source`).
-    tensors = [_Tensor(f"model.{s.name}", ("model", s.name), cast(RangeSpec, s)) for s in specs]
-    tied = {f"model.{a}": f"model.{c}" for a, c in aliases.items()}
-    values: dict[str, tuple[tuple[str | int, ...], Any]] = {"step": (("step",), meta.step)}
+    tensors = [_Tensor(model(s.name), cast(RangeSpec, s)) for s in specs]
+    tied = {model(a): _fqn(model(c)) for a, c in aliases.items()}
+    values: dict[Key, Any] = {}
+    if titan:
+        # torchtitan's TrainState: zeroshard counts no tokens.
+        values.update({("train_state", "step"): meta.step, ("train_state", "ntokens_seen"): 0})
+    else:
+        values[("step",)] = meta.step
     params: dict[int, list[str]] = {}
     for g in meta.groups:
         if not g.requires_grad or g.param_group is None:
             continue
         params.setdefault(g.param_group, []).extend(s.name for s in g.layout.slots)
         for slot in g.layout.slots:
-            state = {
+            kept = {
                 kind[len(OPTIM_PREFIX) :]: slot_spec(reader, g, slot, kind)
                 for kind in g.shards
                 if kind.startswith(OPTIM_PREFIX)
             }
-            state.update({k: _constant(slot.name, float(v)) for k, v in g.scalars.items()})
-            for key, spec in state.items():
-                fqn = f"optimizer.state.{slot.name}.{key}"
-                tensors.append(_Tensor(fqn, ("optimizer", "state", slot.name, key), spec))
+            kept.update({k: _constant(slot.name, float(v)) for k, v in g.scalars.items()})
+            tensors += [_Tensor(state(slot.name, key), spec) for key, spec in kept.items()]
     for i, names in sorted(params.items()):
         if i >= len(meta.param_groups):
             raise CheckpointError(f"{reader.path}: param group {i} has no saved hyperparameters")
-        entries = {k: _hyperparameter(v) for k, v in meta.param_groups[i].items()}
-        entries["params"] = names
-        for key, value in entries.items():
-            values[f"optimizer.param_groups.{i}.{key}"] = (
-                ("optimizer", "param_groups", i, key),
-                value,
-            )
+        hyper = {k: _hyperparameter(v) for k, v in meta.param_groups[i].items()}
+        if titan:  # each parameter's own copy, keyed by its name
+            for name in names:
+                values.update(
+                    {("optimizer", f"param_groups.{name}.{k}"): v for k, v in hyper.items()}
+                )
+        else:
+            for key, value in {**hyper, "params": names}.items():
+                values[("optimizer", "param_groups", i, key)] = value
     return tensors, tied, values
 
 
@@ -150,14 +180,14 @@ def _archive(obj: Any) -> memoryview:
 
 
 def _write_file(
-    path: Path, tensors: Sequence[_Tensor], values: Mapping[str, tuple[Any, Any]]
+    path: Path, tensors: Sequence[_Tensor], values: Mapping[Key, Any]
 ) -> list[_Written]:
     """One `.distcp` file: `values` then every chunk of `tensors`; fsynced."""
     out: list[_Written] = []
     with open(path, "wb") as f:
-        for fqn, (_, value) in values.items():
+        for key, value in values.items():
             data = _archive(value)
-            out.append(_Written(fqn, None, (), path.name, f.tell(), len(data)))
+            out.append(_Written(_fqn(key), None, (), path.name, f.tell(), len(data)))
             f.write(data)
         for t in tensors:
             row = math.prod(t.spec.shape[1:]) if t.spec.shape else 1
@@ -177,8 +207,8 @@ def _write_file(
 
 def _metadata(
     tensors: Sequence[_Tensor],
-    tied: Mapping[str, str],
-    values: Mapping[str, tuple[tuple[str | int, ...], Any]],
+    tied: Mapping[Key, str],
+    values: Mapping[Key, Any],
     written: Sequence[_Written],
     dst: Path,
 ) -> Any:
@@ -198,9 +228,10 @@ def _metadata(
         by_fqn.setdefault(w.fqn, []).append(w)
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    planner: dict[str, tuple[str | int, ...]] = {}
+    planner: dict[str, Key] = {}  # name -> path, as DCP's default planner records it
     names = {t.fqn: t for t in tensors}
-    for fqn, t in [*names.items(), *((a, names[c]) for a, c in tied.items())]:
+    for path, t in [*((t.path, t) for t in tensors), *((a, names[c]) for a, c in tied.items())]:
+        fqn = _fqn(path)
         chunks = by_fqn[t.fqn]
         entries[fqn] = TensorStorageMetadata(
             TensorProperties(dtype=t.spec.dtype),
@@ -214,8 +245,9 @@ def _metadata(
             storage[MetadataIndex(fqn, torch.Size(w.offsets or ()))] = _StorageInfo(
                 w.file, w.offset, w.length
             )
-        planner[fqn] = ("model", fqn.removeprefix("model.")) if fqn in tied else t.path
-    for fqn, (path, _) in values.items():
+        planner[fqn] = path
+    for path in values:
+        fqn = _fqn(path)
         entries[fqn] = BytesStorageMetadata()
         (w,) = by_fqn[fqn]
         storage[MetadataIndex(fqn)] = _StorageInfo(w.file, w.offset, w.length)
@@ -235,13 +267,20 @@ def convert_to_dcp(
     *,
     tag: str | None = None,
     step: int | None = None,
+    layout: str = "fsdp2",
     workers: int | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write zeroshard checkpoint `src` (a checkpoint, or a root and `tag` / `step`) as the
-    PyTorch DCP checkpoint directory `dst`, laid out as FSDP2's `get_state_dict` saves it
-    (`model`, `optimizer`, `step`): an FSDP2 job at any world size `dcp.load`s it into its
-    own `get_state_dict` and applies it with `set_state_dict`. Return `dst`."""
+    PyTorch DCP checkpoint directory `dst`; return `dst`.
+
+    `layout="fsdp2"`: as `dcp.save({"model": m, "optimizer": o, "step": n})` of
+    `get_state_dict`'s dicts, which an FSDP2 job at any world size `dcp.load`s into its own
+    and applies with `set_state_dict`. `"torchtitan"`: the model at the top level, the
+    optimizer flattened (`flatten_optimizer_state_dict`), `train_state` (step; tokens 0).
+    """
+    if layout not in DCP_LAYOUTS:
+        raise ValueError(f"layout must be one of {DCP_LAYOUTS}, got {layout!r}")
     check_output_apart(src, dst)
     out = Path(dst)
     if out.exists() and not overwrite:
@@ -249,7 +288,7 @@ def convert_to_dcp(
     reader = CheckpointReader(src, tag=tag, step=step)
     reader.check_present()
     reader.verify()
-    tensors, tied, values = _contents(reader)
+    tensors, tied, values = _contents(reader, layout)
     n = max(1, min(workers or default_workers(), len(tensors)))
     # Biggest tensors first, each to the least loaded file: the files end about even.
     files: list[list[_Tensor]] = [[] for _ in range(n)]
