@@ -12,6 +12,7 @@ zeroshard's continuation: losses to rtol 1e-6, weights to atol 1e-6 (fp32 on the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks
-from tests.engine.test_dcp_resume import BATCHES, GLOBAL_BATCH, SEQ, _Net, _optimizer, _train_step
+from tests.engine._dcp_model import BATCHES, GLOBAL_BATCH, SEQ, Net, optimizer, train_step
 from zeroshard.ckpt import OutputExistsError, consolidate, convert_to_dcp, read_dcp_training_state
 from zeroshard.ckpt._cli import main
 from zeroshard.ckpt.foreign import _dcp_write
@@ -30,18 +31,18 @@ from zeroshard.ckpt.foreign import _dcp_write
 
 def _zeroshard_run(root: str, stage: int) -> None:
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     cfg: dict[str, Any] = {"stage": stage}
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
-    model, opt = zs.initialize(model, _optimizer(model, lr=1e-2), cfg)
+    model, opt = zs.initialize(model, optimizer(model, lr=1e-2), cfg)
     batches = torch.randint(
         0, 11, (BATCHES, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1)
     )
     for batch in batches[:2]:
-        _train_step(model, opt, batch)
+        train_step(model, opt, batch)
     zs.save_checkpoint(model, opt, f"{root}/zs{stage}", step=2)
-    losses = [_train_step(model, opt, batch) for batch in batches[2:]]
+    losses = [train_step(model, opt, batch) for batch in batches[2:]]
     weights = zs.full_state_dict(model)
     if dist.get_rank() == 0:
         torch.save(
@@ -70,11 +71,11 @@ def _fsdp2_load(root: str, stage: int, layout: str) -> None:
     ref = torch.load(f"{root}/ref{stage}.pt", weights_only=True)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(99)  # not zeroshard's seed: every weight must come from the checkpoint
-    model = _Net()
+    model = Net()
     for layer in (model.embed, model.fc1, model.head):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = _optimizer(model, lr=1e-3)
+    opt = optimizer(model, lr=1e-3)
     if layout == "fsdp2":
         msd, osd = get_state_dict(model, opt)
         state: dict[str, Any] = {"model": msd, "optimizer": osd, "step": 0}
@@ -89,7 +90,7 @@ def _fsdp2_load(root: str, stage: int, layout: str) -> None:
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=flat)
         assert state["train_state"] == {"step": 2, "ntokens_seen": 0}
     assert [(pg["lr"], pg["weight_decay"]) for pg in opt.param_groups] == [(1e-2, 0.1), (1e-2, 0.0)]
-    losses = [_train_step(model, opt, batch) for batch in ref["batches"][2:]]
+    losses = [train_step(model, opt, batch) for batch in ref["batches"][2:]]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(
@@ -117,6 +118,21 @@ def test_fsdp2_continues_a_zeroshard_checkpoint(
         if not out.exists():
             convert_to_dcp(zs_root / f"zs{stage}", out, layout=layout, workers=2)
     run_ranks(_fsdp2_load_all, world, str(zs_root), runs)
+
+
+def test_chunks_are_bounded(zs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a worker holds at once is one chunk: none past CHUNK_ELEMENTS but a single row.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    monkeypatch.setattr(_dcp_write, "CHUNK_ELEMENTS", 12)
+    convert_to_dcp(zs_root / "zs1", tmp_path / "dcp", workers=3)
+    meta = FileSystemReader(tmp_path / "dcp").read_metadata()
+    tensors = {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
+    for name, entry in tensors.items():
+        row = math.prod(entry.size[1:])
+        assert all(math.prod(c.sizes) <= max(12, row) for c in entry.chunks), name
+    assert len(tensors["model.embed.weight"].chunks) == 6  # 11 rows of 6, 2 rows a chunk
+    assert len({i.relative_path for i in meta.storage_data.values()}) == 3
 
 
 def test_the_command_and_a_round_trip(zs_root: Path, tmp_path: Path) -> None:

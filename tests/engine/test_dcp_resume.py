@@ -20,50 +20,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks
-
-BATCHES, GLOBAL_BATCH, SEQ = 4, 6, 5  # global batches split evenly over 1, 2 or 3 ranks
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.fc1 = nn.Linear(6, 5)  # 5 rows over 2 ranks: uneven shards
-        self.norm = nn.LayerNorm(5)
-        self.head = nn.Linear(5, 11)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.fc1(self.embed(tokens) * self.scale)))
-
-
-def _optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
-    rest = [
-        p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)
-    ]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=lr
-    )
-
-
-def _train_step(model: nn.Module, opt: Any, batch: torch.Tensor) -> float:
-    """One step on this rank's slice of the global batch; the mean loss over the ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = batch.shape[0] // world
-    tokens = batch[rank * per : (rank + 1) * per]
-    logits = model(tokens)
-    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    return mean.item() / world
+from tests.engine._dcp_model import BATCHES, GLOBAL_BATCH, SEQ, Net, optimizer, train_step
 
 
 def _fsdp2_run(root: str) -> None:
@@ -74,16 +34,16 @@ def _fsdp2_run(root: str) -> None:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     for layer in (model.embed, model.fc1, model.head):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = _optimizer(model, lr=1e-2)
+    opt = optimizer(model, lr=1e-2)
     batches = torch.randint(
         0, 11, (BATCHES, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1)
     )
     for batch in batches[:2]:
-        _train_step(model, opt, batch)
+        train_step(model, opt, batch)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optimizer": osd, "step": 2}, checkpoint_id=f"{root}/fsdp2")
     dcp.save({"model": msd}, checkpoint_id=f"{root}/model_only")
@@ -97,7 +57,7 @@ def _fsdp2_run(root: str) -> None:
         "lr_scheduler": {"last_epoch": 2},
     }
     dcp.save(titan, checkpoint_id=f"{root}/titan/step-2")
-    losses = [_train_step(model, opt, batch) for batch in batches[2:]]
+    losses = [train_step(model, opt, batch) for batch in batches[2:]]
     weights = {n: p.full_tensor() for n, p in model.named_parameters()}
     if dist.get_rank() == 0:
         ref = {"batches": batches, "losses": losses, "weights": weights, "saved": saved}
@@ -123,11 +83,11 @@ class _Records(logging.Handler):
 def _resume(root: str, source: str, stage: int) -> None:
     ref = torch.load(f"{root}/ref.pt", weights_only=True)
     torch.manual_seed(99)  # not FSDP2's seed: every weight must come from the checkpoint
-    model = _Net()
+    model = Net()
     cfg: dict[str, Any] = {"stage": stage}
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
-    model, opt = zs.initialize(model, _optimizer(model, lr=1e-3), cfg)
+    model, opt = zs.initialize(model, optimizer(model, lr=1e-3), cfg)
     records = _Records()
     logging.getLogger("zeroshard.engine").addHandler(records)
     logging.getLogger("zeroshard.engine").setLevel(logging.INFO)
@@ -142,7 +102,7 @@ def _resume(root: str, source: str, stage: int) -> None:
     if dist.get_rank() == 0 and source.startswith("titan"):
         text = "\n".join(records.messages)
         assert "'lr_scheduler'" in text and "not carried over" in text, text
-    losses = [_train_step(model, opt, batch) for batch in ref["batches"][2:]]
+    losses = [train_step(model, opt, batch) for batch in ref["batches"][2:]]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)
     got = zs.full_state_dict(model)
     for name, want in ref["weights"].items():
@@ -152,8 +112,8 @@ def _resume(root: str, source: str, stage: int) -> None:
 def _model_only(root: str, stage: int) -> None:
     # Weights only (torchtitan's last_save_model_only): step 0, the optimizer afresh.
     ref = torch.load(f"{root}/ref.pt", weights_only=True)
-    model = _Net()
-    model, opt = zs.initialize(model, _optimizer(model, lr=1e-3), {"stage": stage})
+    model = Net()
+    model, opt = zs.initialize(model, optimizer(model, lr=1e-3), {"stage": stage})
     assert zs.load_checkpoint(model, opt, Path(root) / "model_only") == 0
     assert all(pg["lr"] == 1e-3 for pg in opt.param_groups)
     assert not any(opt.inner.state[g.master] for g in zs.engine_state(model).groups)

@@ -264,7 +264,7 @@ def read_dcp_training_state(
     trainable = {n for g in groups for n in g.names}
     return NamedTrainingState(
         source=f"{found} (PyTorch DCP)",
-        stage=3,
+        stage=3,  # FSDP2 shards parameters, gradients and optimizer state: ZeRO-3's
         world_size=ckpt.ranks,
         step=_training_step(ckpt, groups),
         masters={n: s for n, s in model.items() if n not in buffers},
