@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast, get_args
 
 import torch
 
@@ -49,7 +49,8 @@ CHUNK_ELEMENTS = 4 * 2**20
 
 
 Key = tuple[str | int, ...]  # a path in the nested state dict; DCP's name joins it with "."
-DCP_LAYOUTS = ("fsdp2", "torchtitan")
+DcpLayout = Literal["fsdp2", "torchtitan"]
+DCP_LAYOUTS: tuple[DcpLayout, ...] = get_args(DcpLayout)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def _hyperparameter(value: Any) -> Any:
 
 
 def _contents(
-    reader: CheckpointReader, layout: str
+    reader: CheckpointReader, layout: DcpLayout
 ) -> tuple[list[_Tensor], dict[Key, str], dict[Key, Any]]:
     """The tensors (model, optimizer state), tied names {alias's path: canonical name} and
     values {path: value} of the output, laid out as FSDP2's `get_state_dict` saved under
@@ -267,7 +268,7 @@ def convert_to_dcp(
     *,
     tag: str | None = None,
     step: int | None = None,
-    layout: str = "fsdp2",
+    layout: Literal["fsdp2", "torchtitan"] = "fsdp2",
     workers: int | None = None,
     overwrite: bool = False,
 ) -> Path:
