@@ -38,7 +38,7 @@ def make_rank(rank: int, world: int, args: argparse.Namespace, out: Path) -> Non
 
 def read(ckpt: Path) -> Checkpoint:
     """The model tensors zeroshard reads from the checkpoint, one rank file per rank."""
-    from zeroshard.ckpt._dcp import dcp_specs
+    from zeroshard.ckpt.foreign._dcp import dcp_specs
 
     shards = sorted(ckpt.glob("*.distcp"))
     return Checkpoint(dcp_specs(ckpt), len(shards), shards)

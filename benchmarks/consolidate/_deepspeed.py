@@ -52,7 +52,7 @@ def make_rank(rank: int, world: int, args: argparse.Namespace, out: Path) -> Non
 
 def read(ckpt: Path) -> Checkpoint:
     """The layout zeroshard reads from the checkpoint (fp32 masters, frozen, buffers)."""
-    from zeroshard.ckpt._deepspeed import read_deepspeed_checkpoint
+    from zeroshard.ckpt.foreign._deepspeed import read_deepspeed_checkpoint
 
     layout = read_deepspeed_checkpoint(ckpt)
     return Checkpoint(layout.specs, layout.world_size, sorted(ckpt.rglob("*_optim_states.pt")))

@@ -23,8 +23,8 @@ from torch import nn
 from tests._dist import run_ranks
 from zeroshard.ckpt import CheckpointError, CorruptFileError, UnsafePickleError, consolidate
 from zeroshard.ckpt._cli import main
-from zeroshard.ckpt._dcp import dcp_specs
 from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._dcp import dcp_specs
 
 
 class _Net(nn.Module):
@@ -159,13 +159,20 @@ def test_inspect(
     assert f"{sum(t.numel() for t in ref.values()):,} in {len(ref)} tensors" in text
 
 
-def test_column_chunks_are_read_whole(dcp_dirs: dict[str, Path]) -> None:
+def test_column_chunks_are_read_by_range(dcp_dirs: dict[str, Path]) -> None:
+    # Split along the second dimension: ranges crossing rows and chunks, a few rows read.
     specs = {s.name: s for s in dcp_specs(dcp_dirs["w2"])}
     spec = specs["model.tp.weight"]
-    assert not isinstance(spec, RangeSpec)
-    out = torch.full((spec.numel,), float("nan"))
-    spec.read(out)
-    assert torch.equal(out.view(5, 7), torch.arange(35, dtype=torch.float32).view(5, 7))
+    assert isinstance(spec, RangeSpec)
+    want = torch.arange(35, dtype=torch.float32)
+    for step in (1, 3, 8, 35):
+        out = torch.full((spec.numel,), float("nan"))
+        for start in range(0, spec.numel, step):
+            spec.read_range(start, out[start : start + step])
+        assert torch.equal(out, want), step
+    out = torch.full((spec.numel,), float("nan"), dtype=torch.float64)
+    spec.read(out)  # into another dtype: cast
+    assert torch.equal(out, want.double())
 
 
 def test_range_reads_assemble_every_tensor(dcp_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -28,9 +28,9 @@ from zeroshard.ckpt import (
     MissingShardError,
     read_deepspeed_checkpoint,
 )
-from zeroshard.ckpt._deepspeed_files import is_deepspeed_checkpoint
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._deepspeed_files import is_deepspeed_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3", "stage2_fp16", "stage3_fp16"]

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tests.ckpt._ds import digest
 from zeroshard.ckpt import consolidate, describe
 from zeroshard.ckpt._cli import main
-from zeroshard.ckpt._unpickle import load_torch_file
+from zeroshard.ckpt.foreign._unpickle import load_torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 CASES = ["stage1", "stage1_bf16", "stage2", "stage3", "stage3_w3", "stage2_fp16", "stage3_fp16"]

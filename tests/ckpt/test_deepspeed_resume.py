@@ -21,15 +21,15 @@ from zeroshard.ckpt import (
     CorruptFileError,
     OutputExistsError,
     UnsafePickleError,
-    _convert,
     consolidate,
     convert_deepspeed,
     is_converted_checkpoint,
     read_deepspeed_training_state,
     read_named_state,
 )
-from zeroshard.ckpt._unpickle import load_torch_file
 from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign import _convert
+from zeroshard.ckpt.foreign._unpickle import load_torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 RESUME = ["resume_stage1", "resume_stage2", "resume_stage3", "resume_stage2_fp16"]

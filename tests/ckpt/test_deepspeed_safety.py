@@ -24,8 +24,8 @@ from zeroshard.ckpt import (
     DeepSpeedCheckpointError,
     UnsafePickleError,
 )
-from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
-from zeroshard.ckpt._unpickle import FragmentAddress, LossScaler, ZeroStage, load_torch_file
+from zeroshard.ckpt.foreign._deepspeed_source import FlatSource, OpenFile
+from zeroshard.ckpt.foreign._unpickle import FragmentAddress, LossScaler, ZeroStage, load_torch_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
 TAG = "global_step2"
@@ -99,7 +99,7 @@ def test_allowed_globals_become_inert_stand_ins() -> None:
     mapping = state["param_slice_mappings"][0]
     assert all(isinstance(v, FragmentAddress) for v in mapping.values())
     # The stand-ins are ours; nothing of DeepSpeed was imported to build them.
-    assert type(state["loss_scaler"]).__module__ == "zeroshard.ckpt._unpickle"
+    assert type(state["loss_scaler"]).__module__ == "zeroshard.ckpt.foreign._unpickle"
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 Packages: comm <- partition <- ckpt <- engine <- compile (a package imports only those
 before it), no package imports another's underscore (private) modules, and compile
-reaches the engine through its public face only. The engine's
+reaches the engine through its public face only (and ckpt's `foreign/` folder is reached
+through its face, from other packages through ckpt's). The engine's
 parts (docs/design.md, "The engine's folders"): each imports only the parts
 `ENGINE_PARTS` allows, none imports the public face `zeroshard.engine`, and the top level
 holds nothing but that face. Every import counts: at module level, inside a function or
@@ -80,6 +81,27 @@ def package_violations(root: Path) -> list[str]:
                     )
                 elif name != "engine" and names[1] == "engine" and len(names) > 2:
                     out.append(f"{where}: {imported} is inside the engine; import zeroshard.engine")
+    return out
+
+
+def foreign_violations(root: Path) -> list[str]:
+    """Imports of ckpt's `foreign/` folder (other formats) past its face: ckpt's other
+    modules take its face's names, other packages take ckpt's public face."""
+    src = root / "packages" / "ckpt" / "src"
+    foreign = src / "zeroshard" / "ckpt" / "foreign"
+    out = []
+    for path in sorted((root / "packages").glob("*/src/zeroshard/**/*.py")):
+        pkg_src = root / "packages" / path.relative_to(root / "packages").parts[0] / "src"
+        module = _module_name(path, pkg_src)
+        for line, imported in _imports(path, module):
+            names = imported.split(".")
+            if names[:3] != ["zeroshard", "ckpt", "foreign"] or foreign in path.parents:
+                continue
+            where = f"{path.relative_to(root)}:{line}"
+            if pkg_src != src:
+                out.append(f"{where}: {imported} is inside ckpt; import zeroshard.ckpt")
+            elif len(names) > 3:
+                out.append(f"{where}: {imported} is past foreign/'s face")
     return out
 
 
@@ -185,6 +207,10 @@ def test_packages_import_downward_only() -> None:
     assert package_violations(ROOT) == []
 
 
+def test_foreign_formats_are_reached_through_their_face() -> None:
+    assert foreign_violations(ROOT) == []
+
+
 def test_engine_parts_import_in_order() -> None:
     assert engine_violations(ENGINE) == []
 
@@ -250,7 +276,11 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
         "from zeroshard.ckpt._meta import MASTER\n"
         "from zeroshard.ckpt import load\n"
         "def f():\n    import zeroshard.comm._group\n"
+        "from zeroshard.ckpt.foreign import dcp_specs\n"
     )
+    (ckpt_src / "_v.py").write_text("from zeroshard.ckpt.foreign._dcp import dcp_specs\n")
+    (ckpt_src / "foreign").mkdir()
+    (ckpt_src / "foreign" / "_u.py").write_text("from zeroshard.ckpt.foreign._dcp import X\n")
 
     assert engine_violations(engine) == [
         "zeroshard/engine/_stray.py: only the public face (__init__.py) lives at the top level",
@@ -268,4 +298,10 @@ def test_an_upward_import_is_reported(tmp_path: Path) -> None:
         "to comm; import its public names from zeroshard.comm",
         "packages/compile/src/zeroshard/compile/_y.py:1: zeroshard.engine.runtime._stats is "
         "private to engine; import its public names from zeroshard.engine",
+    ]
+    assert foreign_violations(tmp_path) == [
+        "packages/ckpt/src/zeroshard/ckpt/_v.py:1: zeroshard.ckpt.foreign._dcp is past "
+        "foreign/'s face",
+        "packages/engine/src/zeroshard/engine/state/_w.py:5: zeroshard.ckpt.foreign is inside "
+        "ckpt; import zeroshard.ckpt",
     ]

@@ -1,4 +1,5 @@
-"""The `zeroshard-ckpt` command: `consolidate SRC OUT`, `convert SRC DST` and `inspect SRC`."""
+"""The `zeroshard-ckpt` command: `consolidate SRC OUT`, `convert SRC DST`, `to-dcp SRC DST`
+and `inspect SRC`."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import sys
 from collections.abc import Sequence
 
 from zeroshard.ckpt._consolidate import DTYPES, consolidate
-from zeroshard.ckpt._convert import convert_deepspeed
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._inspect import describe, format_summary
 from zeroshard.ckpt._plan import INDEX_FILE, parse_size
 from zeroshard.ckpt._writer import default_workers
+from zeroshard.ckpt.foreign import DCP_LAYOUTS, convert_deepspeed, convert_to_dcp
 
 DEFAULT_MAX_SHARD = "5GB"
 
@@ -20,7 +21,8 @@ DEFAULT_MAX_SHARD = "5GB"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zeroshard-ckpt",
-        description="Inspect and consolidate zeroshard and DeepSpeed ZeRO checkpoints.",
+        description="Inspect, consolidate and convert zeroshard, DeepSpeed ZeRO and PyTorch "
+        "DCP checkpoints.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -75,6 +77,26 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--world-size", type=int, help="rank files to write (default: DeepSpeed's)")
     v.add_argument("--workers", type=int, help=f"threads (default: all cores, {default_workers()})")
     v.add_argument("--overwrite", action="store_true", help="replace DST/step-N if it exists")
+    d = sub.add_parser(
+        "to-dcp",
+        help="write a zeroshard checkpoint as a PyTorch DCP checkpoint for FSDP2",
+        description="Rewrite a zeroshard checkpoint (weights, buffers, Adam state, "
+        "hyperparameters, step) as a PyTorch DCP checkpoint directory DST laid out as "
+        "FSDP2's get_state_dict saves it ('model', 'optimizer', 'step'): an FSDP2 job at any "
+        "world size loads it with dcp.load and set_state_dict (docs/coming-from.md).",
+    )
+    d.add_argument("src", help="zeroshard checkpoint directory or root")
+    d.add_argument("dst", help="DCP checkpoint directory to write")
+    _add_selector(d)
+    d.add_argument(
+        "--layout",
+        choices=DCP_LAYOUTS,
+        default="fsdp2",
+        help="fsdp2: 'model', 'optimizer', 'step' (default); torchtitan: the model at the top "
+        "level, the optimizer flattened, 'train_state'",
+    )
+    d.add_argument("--workers", type=int, help=f"threads (default: all cores, {default_workers()})")
+    d.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     i = sub.add_parser("inspect", help="print what a checkpoint holds")
     i.add_argument("src", help="checkpoint directory or root (zeroshard or DeepSpeed)")
     _add_selector(i)
@@ -145,6 +167,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a.dst,
                 tag=a.tag,
                 world_size=a.world_size,
+                workers=a.workers,
+                overwrite=a.overwrite,
+            )
+            print(f"wrote {out}")
+            return 0
+        if a.command == "to-dcp":
+            out = convert_to_dcp(
+                a.src,
+                a.dst,
+                tag=a.tag,
+                step=a.step,
+                layout=a.layout,
                 workers=a.workers,
                 overwrite=a.overwrite,
             )

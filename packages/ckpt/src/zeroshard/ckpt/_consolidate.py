@@ -15,12 +15,6 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.ckpt._dcp import dcp_specs, is_dcp_checkpoint
-from zeroshard.ckpt._deepspeed import (
-    DeepSpeedCheckpoint,
-    is_deepspeed_checkpoint,
-    read_deepspeed_checkpoint,
-)
 from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
 from zeroshard.ckpt._paths import (
     METADATA,
@@ -34,6 +28,13 @@ from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._source import checkpoint_specs
 from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._writer import WriteResult, write_safetensors
+from zeroshard.ckpt.foreign import (
+    DeepSpeedCheckpoint,
+    dcp_specs,
+    has_dcp_metadata,
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,7 +89,7 @@ def source_specs(
             reader.close()
             raise
         return specs, aliases, reader
-    if is_dcp_checkpoint(src):
+    if has_dcp_metadata(src):
         return dcp_specs(src), {}, None
     ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=exclude_frozen)
     return list(ds.specs), dict(ds.aliases), None

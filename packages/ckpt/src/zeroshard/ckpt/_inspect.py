@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroshard.ckpt._consolidate import deepspeed_checkpoint, is_zeroshard_checkpoint
-from zeroshard.ckpt._dcp import DCP_METADATA, dcp_specs, is_dcp_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import FORMAT_NAME
 from zeroshard.ckpt._reader import CheckpointReader
+from zeroshard.ckpt.foreign import DCP_METADATA, dcp_specs, has_dcp_metadata
 from zeroshard.partition import dtype_name
 
 
@@ -82,7 +82,7 @@ def describe(
                 len(m.buffers),
                 groups,
             )
-    if is_dcp_checkpoint(src):
+    if has_dcp_metadata(src):
         return _describe_dcp(src)
     ds = deepspeed_checkpoint(src, tag=tag, step=step, exclude_frozen=False)
     files = [p for p in src.rglob("*.pt") if p.is_file()]

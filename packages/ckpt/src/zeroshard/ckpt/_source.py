@@ -22,8 +22,11 @@ from zeroshard.ckpt._writer import RangeSpec
 from zeroshard.partition import Slot
 
 
-def _param_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot, instance: int) -> RangeSpec:
-    kind = group.value_kind
+def slot_spec(
+    reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str, instance: int = 0
+) -> RangeSpec:
+    """Slot `slot` of `group`'s stored `kind` (`master`, `optim.exp_avg`, ...) as a full
+    tensor (pieces joined under tensor parallelism), read from the rank files."""
     if group.tensor_split is not None:
         return _split_spec(reader, group, slot, kind)
 
@@ -84,7 +87,7 @@ def checkpoint_specs(
         if exclude_frozen and not g.requires_grad:
             continue
         which = 0 if g.instances == 1 or instance is None else instance
-        specs += [_param_spec(reader, g, s, which) for s in g.layout.slots]
+        specs += [slot_spec(reader, g, s, g.value_kind, which) for s in g.layout.slots]
     specs += [_buffer_spec(reader, b) for b in meta.buffers]
     kept = {s.name for s in specs}
     aliases = {a: c for a, c in meta.tied.items() if c in kept}

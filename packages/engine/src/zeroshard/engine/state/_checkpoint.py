@@ -23,6 +23,7 @@ from zeroshard.ckpt import (
     LoadedShards,
     SaveHandle,
     checkpoint_step,
+    is_dcp_checkpoint,
     load,
     save,
 )
@@ -235,8 +236,9 @@ def load_checkpoint(
 ) -> int:
     """Restore model and optimizer from a checkpoint saved at any world size; return its step.
 
-    `directory` is a checkpoint or the root holding `latest`, ours or DeepSpeed's ZeRO
-    1/2/3 (docs/deepspeed.md). A checkpoint of another model (names or shapes) raises
+    `directory` is a checkpoint or the root holding `latest`, ours, DeepSpeed's ZeRO
+    1/2/3 (docs/deepspeed.md) or a PyTorch DCP one of FSDP2 or torchtitan (or a root of
+    `step-N` ones: docs/coming-from.md). A checkpoint of another model (names or shapes) raises
     `zeroshard.ckpt.ModelMismatchError` listing the differences. Call on every rank.
 
     `client_state` / `rank_state` name the saved entries to restore, as saved by
@@ -254,14 +256,21 @@ def load_checkpoint(
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
     state.optimizer.settle()
-    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's, or converted from it
+    if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's (or converted), DCP's
         if client_state is not None or rank_state is not None:
             raise ValueError(
-                "DeepSpeed (named) checkpoints keep their client state in pickles, which "
-                "zeroshard does not load: pass neither client_state nor rank_state"
+                "DeepSpeed and DCP (named) checkpoints keep their client state in their own "
+                "records, which zeroshard does not load: pass neither client_state nor "
+                "rank_state"
             )
         # Under tensor parallelism every group is on the mesh's dp group, one instance
         # per tp rank: the pieces of one whole tensor, which a named checkpoint holds.
+        if state.tensor_parallel is not None and is_dcp_checkpoint(directory, tag, step):
+            raise ValueError(
+                "a DCP checkpoint does not load under tensor parallelism (device_mesh) yet "
+                "(DeepSpeed's does): load it without a mesh, save a zeroshard checkpoint, and "
+                "load that one"
+            )
         own = sorted(
             {
                 n
@@ -273,9 +282,9 @@ def load_checkpoint(
         if own:
             raise ValueError(
                 f"parameters on a process group of their own ({own[:3]}...) hold a different "
-                "value on each group (experts), while a DeepSpeed (named) checkpoint holds one "
-                "tensor per name (DeepSpeed writes experts to files of their own, which "
-                "zeroshard does not read): load them from a zeroshard checkpoint"
+                "value on each group (experts), while a DeepSpeed or DCP (named) checkpoint "
+                "holds one tensor per name (DeepSpeed writes experts to files of their own, "
+                "which zeroshard does not read): load them from a zeroshard checkpoint"
             )
         names = aliases(model, state)
         return load_named(model, state, Path(directory), tag, step, names, everyone)

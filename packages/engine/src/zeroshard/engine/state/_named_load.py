@@ -1,4 +1,5 @@
-"""Resume from a `NamedTrainingState` (a DeepSpeed ZeRO checkpoint) at any world size.
+"""Resume from a `NamedTrainingState` (a DeepSpeed ZeRO or PyTorch DCP checkpoint) at any
+world size.
 
 Each rank fills its own master shard and optimizer state shard slot by slot: for every
 parameter slice in the shard it reads the same elements of that parameter's tensors in
@@ -6,7 +7,7 @@ the checkpoint (`RangeSpec.read_range`), so no rank reads or holds more than its
 Everything is read and checked (`read_named_shards`) before anything changes
 (`apply_named_shards`), as `zeroshard.ckpt.load` does for our own checkpoints.
 Hyperparameters (lr, betas, eps, weight_decay...) are taken from the checkpoint's
-param groups, as DeepSpeed's own resume restores them; implementation switches
+param groups, as DeepSpeed's and FSDP2's own resumes restore them; implementation switches
 (foreach, fused, capturable, differentiable) stay the user's.
 """
 
@@ -28,7 +29,9 @@ from zeroshard.ckpt import (
     RangeSpec,
     check_names_shapes,
     is_converted_checkpoint,
+    is_dcp_checkpoint,
     is_deepspeed_checkpoint,
+    read_dcp_training_state,
     read_deepspeed_training_state,
     read_named_state,
 )
@@ -87,8 +90,8 @@ def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) ->
     if unknown:
         raise ValueError(
             f"{named.source}: optimizer state {unknown} is not Adam's (exp_avg, exp_avg_sq, "
-            "step): the optimizer it was trained with has no torch.optim counterpart, so its "
-            "state cannot be carried over"
+            "step): only Adam's state is carried over by name (a DeepSpeed optimizer without "
+            "a torch.optim counterpart, SGD's momentum...), so it cannot be"
         )
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
@@ -100,7 +103,10 @@ def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) ->
 def _group_of(
     state: EngineState, named: NamedTrainingState, canonical: Mapping[str, str]
 ) -> dict[int, int]:
-    """Our param group index -> the checkpoint's, checked to hold the same parameters."""
+    """Our param group index -> the checkpoint's, checked to hold the same parameters
+    (none for a checkpoint without optimizer: the optimizer starts afresh)."""
+    if not named.param_groups:
+        return {}
     ours: dict[int, set[str]] = {}
     for g in state.groups:
         if g.trainable:
@@ -114,7 +120,7 @@ def _group_of(
                 f"{named.source}: your optimizer's param group {k} ({sorted(names)[:4]}...) "
                 "is not one of the checkpoint's param groups "
                 f"({[sorted(t)[:4] for t in theirs]}): build the param groups as the "
-                "DeepSpeed run did"
+                "run that saved it did"
             )
         mapping[k] = match[0]
     return mapping
@@ -196,6 +202,9 @@ def apply_named_shards(
         g.master.copy_(shards.masters[g.index])
         if not g.trainable:
             continue
+        if g.key.param_group not in shards.mapping:
+            inner.state.pop(g.master, None)  # no optimizer state saved: it starts afresh
+            continue
         # Offloaded groups keep their optimizer state beside their master, on the host.
         opt_state: dict[str, Any] = {
             k: v.to(g.master.device, copy=True) for k, v in shards.optimizer_state[g.index].items()
@@ -230,8 +239,13 @@ def apply_named_shards(
 
 
 def is_named_checkpoint(path: Path, tag: str | None, step: int | None) -> bool:
-    """Whether `path` is read by parameter name: DeepSpeed's, or converted from DeepSpeed."""
-    return is_deepspeed_checkpoint(path) or is_converted_checkpoint(path, tag, step)
+    """Whether `path` is read by parameter name: DeepSpeed's, converted from DeepSpeed, or
+    PyTorch DCP's (FSDP2, torchtitan)."""
+    return (
+        is_deepspeed_checkpoint(path)
+        or is_converted_checkpoint(path, tag, step)
+        or is_dcp_checkpoint(path, tag, step)
+    )
 
 
 def load_named(
@@ -243,17 +257,23 @@ def load_named(
     aliases: Mapping[str, str],
     everyone: Group,
 ) -> int:
-    """`load_checkpoint` of a DeepSpeed or converted checkpoint (`step=N`: `global_stepN`);
-    `everyone` is every rank of the job (under hybrid sharding, every replica too)."""
+    """`load_checkpoint` of a DeepSpeed, converted or DCP checkpoint (`step=N`:
+    `global_stepN`, DCP's `step-N`); `everyone` is every rank of the job (under hybrid
+    sharding, every replica too)."""
 
     def read() -> tuple[NamedTrainingState, NamedShards]:
         if is_deepspeed_checkpoint(path):
             ds_tag = tag if step is None else f"global_step{step}"
             named = read_deepspeed_training_state(path, ds_tag)
+        elif is_dcp_checkpoint(path, tag, step):
+            named = read_dcp_training_state(path, tag=tag, step=step, buffers=buffer_names)
         else:
             named = read_named_state(path, tag, step)
         return named, read_named_shards(model, state, named, aliases)
 
+    # DCP does not say which of its tensors are buffers: the model's persistent ones.
+    persistent = {canonical_name(k) for k in model.state_dict(keep_vars=True)}
+    buffer_names = {n for n, _ in named_buffers(model) if n in persistent}
     # One outcome on every rank (a file bad on one rank fails the load everywhere), and
     # nothing is changed unless every rank read its shards.
     named, shards = agreed(everyone, f"load_checkpoint({str(path)!r})", read, CHECKPOINT_ERRORS)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
+from zeroshard.ckpt.foreign._unpickle import CorruptFileError, UnsafePickleError
 
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from zeroshard.ckpt._deepspeed import (
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._deepspeed import (
     DeepSpeedCheckpoint,
     _Piece,
     _spec,
@@ -24,20 +26,18 @@ from zeroshard.ckpt._deepspeed import (
     _zero12_trainable,
     read_deepspeed_checkpoint,
 )
-from zeroshard.ckpt._deepspeed_files import (
+from zeroshard.ckpt.foreign._deepspeed_files import (
     DeepSpeedCheckpointError,
     find_files,
     load_model_states,
 )
-from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
-from zeroshard.ckpt._named_state import (
+from zeroshard.ckpt.foreign._deepspeed_source import FlatSource, OpenFile
+from zeroshard.ckpt.foreign._named_state import (
     LossScaleState,
     NamedParamGroup,
     NamedTrainingState,
 )
-from zeroshard.ckpt._spec import TensorSpec
-from zeroshard.ckpt._unpickle import load_torch_file
-from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._unpickle import load_torch_file
 
 
 def _base_state(optim: Mapping[str, Any], path: Path) -> dict[str, Any]:

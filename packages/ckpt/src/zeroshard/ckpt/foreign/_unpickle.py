@@ -12,11 +12,13 @@ we do not know) is refused with `UnsafePickleError` naming it, before anything i
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
 import enum
+import io
 import pickle
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +37,9 @@ class UnsafePickleError(CheckpointError):
     def __init__(self, path: Path, global_name: str | None, detail: str = "") -> None:
         if global_name is not None:
             what = (
-                f"it asks for the global {global_name!r}, which is not one DeepSpeed checkpoints "
-                "need (allowed: tensors, containers, primitives and "
-                f"{', '.join(name for _, name in DEEPSPEED_GLOBALS)})"
+                f"it asks for the global {global_name!r}, which is not one DeepSpeed or DCP "
+                "checkpoints need (allowed: tensors, containers, primitives and, in DeepSpeed's "
+                f"files, {', '.join(name for _, name in DEEPSPEED_GLOBALS)})"
             )
         else:
             what = detail
@@ -129,12 +131,24 @@ def load_torch_file(path: Path, *, mmap: bool = True) -> Any:
             "legacy non-zip serialization)"
         )
     allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = list(DEEPSPEED_GLOBALS)
+    with torch.serialization.safe_globals(allowed), _refusals(path):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def load_torch_bytes(data: bytes, where: str) -> Any:
+    """`torch.load` one `torch.save` archive held in memory (a DCP checkpoint's non-tensor
+    entry) with weights_only=True and no extra globals; `where` names it in errors."""
+    with _refusals(Path(where)):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+@contextlib.contextmanager
+def _refusals(path: Path) -> Iterator[None]:
+    """torch.load's failures as `UnsafePickleError` (naming the global asked for, never
+    the advice to retry with weights_only=False) or `CorruptFileError`."""
     try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        yield
     except pickle.UnpicklingError as e:
-        # weights_only refused the pickle: name the global it wanted (or what it tried),
-        # never the advice to retry with weights_only=False.
         detail = _refusal(str(e))
         match = _GLOBAL_RE.search(detail)
         raise UnsafePickleError(

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.ckpt._convert import CONVERTED_FROM
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._group_meta import GroupMeta
 from zeroshard.ckpt._keys import MASTER, OPTIM_PREFIX, buffer_key
-from zeroshard.ckpt._named_state import LossScaleState, NamedParamGroup, NamedTrainingState
 from zeroshard.ckpt._paths import resolve
 from zeroshard.ckpt._reader import CheckpointReader, read_meta
 from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._convert import CONVERTED_FROM
+from zeroshard.ckpt.foreign._named_state import LossScaleState, NamedParamGroup, NamedTrainingState
 
 
 def is_converted_checkpoint(

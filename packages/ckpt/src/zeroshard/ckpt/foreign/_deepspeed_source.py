@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from zeroshard.ckpt._stfile import pread_into
-from zeroshard.ckpt._unpickle import CorruptFileError
+from zeroshard.ckpt.foreign._unpickle import CorruptFileError
 
 
 class OpenFile:

@@ -22,7 +22,7 @@ from typing import Any
 
 from zeroshard.ckpt._errors import CheckpointError, MissingShardError
 from zeroshard.ckpt._names import canonical_name
-from zeroshard.ckpt._unpickle import load_torch_file
+from zeroshard.ckpt.foreign._unpickle import load_torch_file
 
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

@@ -28,7 +28,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroshard.ckpt._deepspeed_files import (
+from zeroshard.ckpt._spec import TensorSpec
+from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._deepspeed_files import (
     DeepSpeedCheckpointError,
     MissingRankFileError,
     find_files,
@@ -38,10 +40,8 @@ from zeroshard.ckpt._deepspeed_files import (
     load_optim_states,
     resolve_tag_directory,
 )
-from zeroshard.ckpt._deepspeed_source import FlatSource, OpenFile
-from zeroshard.ckpt._spec import TensorSpec
-from zeroshard.ckpt._unpickle import CorruptFileError, UnsafePickleError
-from zeroshard.ckpt._writer import RangeSpec
+from zeroshard.ckpt.foreign._deepspeed_source import FlatSource, OpenFile
+from zeroshard.ckpt.foreign._unpickle import CorruptFileError, UnsafePickleError
 
 __all__ = [
     "CorruptFileError",
