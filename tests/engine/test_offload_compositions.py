@@ -1,10 +1,12 @@
 """CPU offload composed with the other features, against a plain single-process torch run
 of the same optimizers on the global batch (the same seed and data), on 2 gloo ranks.
 
-Several optimizers (SGD with momentum on the blocks, AdamW on the rest): each steps its
-own flat groups, those CPU offload holds on the host; at stages 2 and 3, fully and
-partially offloaded (`offload_ratio`), with accumulation and clipping; a checkpoint saved
-in the combination resumes bit for bit. fp32: rtol 1e-5 / atol 1e-6, as test_parity.py.
+Several optimizers (SGD with momentum on the blocks, AdamW on the rest), and torch's
+Muon recipe (Muon on the hidden matrices, AdamW on the rest: Muon's momentum on the
+host, each matrix orthogonalized on its owner's device): each optimizer steps its own
+flat groups, those CPU offload holds on the host; at stages 2 and 3, fully and partially
+offloaded (`offload_ratio`), with accumulation and clipping; a checkpoint saved in the
+combination resumes bit for bit. fp32: rtol 1e-5 / atol 1e-6, as test_parity.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
-from tests.engine._models import global_batches, loss_fn, make_model
+from tests.engine._models import global_batches, loss_fn, make_model, muon_and_adamw
 
 STEPS = 3
 MICRO = 2
@@ -67,18 +69,22 @@ def _train(model: Any, opts: Any, batches: torch.Tensor, steps: range, clip: boo
             o.zero_grad()
 
 
-def _several_optimizers(stage: int, ratio: float, accum: int, root: str) -> None:
+MAKERS = {"sgd+adamw": _sgd_and_adamw, "muon+adamw": lambda m: muon_and_adamw(m)}
+
+
+def _several_optimizers(stage: int, ratio: float, accum: int, kind: str, root: str) -> None:
+    make = MAKERS[kind]
     model = make_model(seed=stage)
     batches = global_batches(STEPS, accum, dist.get_world_size(), MICRO)
     ref = copy.deepcopy(model)
-    _train(ref, _sgd_and_adamw(ref), batches, range(STEPS), clip=True)
-    model, opt = zs.initialize(model, _sgd_and_adamw(model), _config(stage, ratio))
+    _train(ref, make(ref), batches, range(STEPS), clip=True)
+    model, opt = zs.initialize(model, make(model), _config(stage, ratio))
     on_host = [g for g in opt.flat_groups if g.trainable and g.home.kind is zs.HomeKind.HOST]
     held = {g.key.param_group for g in on_host}
     # Fully offloaded, both optimizers step groups on the host; partially, some at least.
     assert held == {0, 1} if ratio == 1 else bool(held), held
     _train(model, opt, batches, range(STEPS - 1), clip=True)
-    path = Path(root) / f"s{stage}r{ratio}a{accum}"
+    path = Path(root) / f"{kind}s{stage}r{ratio}a{accum}"
     zs.save_checkpoint(model, opt, path, step=STEPS - 1)
     _train(model, opt, batches, range(STEPS - 1, STEPS), clip=True)
     full = zs.full_state_dict(model)
@@ -86,7 +92,7 @@ def _several_optimizers(stage: int, ratio: float, accum: int, root: str) -> None
         torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=name)
     # The same combination resumed from the checkpoint ends with the same bits.
     again = make_model(seed=stage)
-    again, opt2 = zs.initialize(again, _sgd_and_adamw(again), _config(stage, ratio))
+    again, opt2 = zs.initialize(again, make(again), _config(stage, ratio))
     zs.load_checkpoint(again, opt2, path)
     _train(again, opt2, batches, range(STEPS - 1, STEPS), clip=True)
     for name, value in zs.full_state_dict(again).items():
@@ -96,7 +102,8 @@ def _several_optimizers(stage: int, ratio: float, accum: int, root: str) -> None
 def _all(root: str) -> None:
     run_each(
         [
-            dict(stage=stage, ratio=ratio, accum=accum)
+            dict(stage=stage, ratio=ratio, accum=accum, kind=kind)
+            for kind in MAKERS
             for stage, ratio, accum in ((2, 1.0, 1), (3, 1.0, 2), (3, 0.5, 1))
         ],
         lambda **c: _several_optimizers(**c, root=root),

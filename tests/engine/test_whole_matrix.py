@@ -324,8 +324,9 @@ def _refusals() -> None:
     # The parameters where the optimizer goes (it said "optimizer 0 is a Parameter").
     with pytest.raises(TypeError, match=r"takes the optimizer built on them: pass torch.optim"):
         zs.initialize(model, model.parameters(), _config(2))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"offload_optimizer: Muon steps whole matrices"):
-        zs.initialize(model, [muon, adamw], _config(2, offload_optimizer=True))
+    declared, rest = _make("declared")(model)
+    with pytest.raises(ValueError, match=r"offload_optimizer: DeclaredMuon steps whole param"):
+        zs.initialize(model, [declared, rest], _config(2, offload_optimizer=True))
     with pytest.raises(ValueError, match="with 2 optimizers it is not built yet"):
         sgd = torch.optim.SGD(muon.param_groups[0]["params"], lr=0.1)
         delayed = _config(2, offload_optimizer=True, offload_delay_param_update=True)

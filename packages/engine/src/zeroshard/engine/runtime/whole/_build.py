@@ -19,17 +19,16 @@ from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
     """Refuse what the whole-matrix and combined steps do not run yet with CPU offload: a
-    whole-matrix optimizer's step on offloaded groups, and several optimizers' delayed
-    steps."""
+    declared whole-matrix optimizer's step on offloaded groups (torch's Muon runs there),
+    and several optimizers' delayed steps."""
     if not cfg.offload.optimizer:
         return
-    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
-    if whole:
+    declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
+    if declared:
         raise ValueError(
-            f"offload_optimizer: {', '.join(whole)} steps whole matrices, each on one rank's "
-            "device; offloading its state is not built yet: turn offload_optimizer off (its "
-            "state is sharded on the devices like AdamW's: 4 bytes per parameter over the "
-            "ranks)"
+            f"offload_optimizer: {', '.join(declared)} steps whole parameters at their owner "
+            "with its own step(); on offloaded groups that is not built yet (torch's Muon "
+            "is): turn offload_optimizer off, or give the matrices torch.optim.Muon"
         )
     if len(optimizers) > 1 and cfg.offload.delay_param_update:
         raise ValueError(

@@ -15,6 +15,7 @@ they came from in its shard.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,14 @@ class ExchangingStep(OnDevice):
 
     def bind(self) -> None:
         """A stepper's own set-up, once its groups and exchanges are known."""
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """Refused: the matrices are stepped at their owners after backward."""
+        raise ValueError(
+            "step_in_backward(): a whole-matrix optimizer steps each matrix at its owner "
+            "after backward, every group's exchange one collective; stepping them in "
+            "backward is not built yet"
+        )
 
 
 def _in_shard(layout: FlatLayout, s: Slot, rank: int) -> bool:

@@ -14,6 +14,13 @@ NS returns). Per exchanged element that is 2 bytes to the owner and 2 back.
 
 Once per `step()`: the gradient it reads is the window's accumulated, reduced one.
 
+A group CPU offload homes on the host keeps its master and momentum there: the
+elementwise parts run on the host (the gradient read block by block through its
+destination, its clipping factors applied), only the bf16 update goes up to the device
+for the exchange and Newton-Schulz, the orthogonalized update comes back down to be added,
+and the home's compute shard is rewritten from the stepped master afterwards. The bits
+are the device step's: the same elementwise ops on the same values.
+
 [Note: Muon under tensor parallelism]
 A matrix split over tp is a piece on each tensor-parallel rank, in a flat group of its
 own sharded over dp with the same layout on every tp rank; so the same dp rank owns the
@@ -33,6 +40,7 @@ from typing import Any
 import torch
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._home import HomeKind, refresh_homes
 from zeroshard.engine.runtime._stepper import StepOutcome
 from zeroshard.engine.runtime._tensor_parallel import split_dim
 from zeroshard.engine.runtime.whole._declare import muon_functions
@@ -79,7 +87,8 @@ class MuonStep(ExchangingStep):
         split]). Each group's sends start before its own matrices are orthogonalized, and
         every group's before any owner waits, so the collectives overlap the work."""
         arriving = []
-        for g in (g for g in self.groups if g.master.grad is not None):
+        stepped = [g for g in self.groups if g.grad_shard is not None]
+        for g in stepped:
             pg = self.optimizer.param_groups[g.key.param_group - self.offset]
             update = self._update(g, pg)
             ex = self.exchanges[g.index]
@@ -110,6 +119,9 @@ class MuonStep(ExchangingStep):
             handle.wait()
             for piece, chunk in self.exchanges[g.index].split_back(back):
                 self._add(g, piece, chunk, pg)
+        # What gathers read of a master homed on the host follows it (the device's
+        # masters are read as they are).
+        refresh_homes([g for g in stepped if g.home.kind is HomeKind.HOST])
         return StepOutcome.PUBLISH
 
     def _add(
@@ -121,17 +133,21 @@ class MuonStep(ExchangingStep):
         shape = self.splits[name][1] if name in self.splits else torch.Size(piece.slot.shape)
         alpha = -self.adjusted_lr(float(pg["lr"]), pg["adjust_lr_fn"], shape)
         target = g.master[piece.start : piece.start + piece.numel]
-        target.view_as(update).add_(update, alpha=alpha)
+        target.view_as(update).add_(update.to(target.device), alpha=alpha)
 
     def _update(self, g: FlatParamGroup, pg: Mapping[str, Any]) -> torch.Tensor:
-        """Momentum and Nesterov blend of `g`'s shard; the update cast to bf16."""
-        grad = g.master.grad
-        assert grad is not None
+        """Momentum and Nesterov blend of `g`'s shard, where its master lives (the
+        gradient read through its destination: [Note: Muon's step, split]); the update
+        cast to bf16, on the device the exchange runs on."""
         state = self.optimizer.state[g.master]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad)
+            state["momentum_buffer"] = torch.zeros_like(g.master)
         buf: torch.Tensor = state["momentum_buffer"]
         momentum = pg["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if pg["nesterov"] else buf
-        return update.bfloat16()
+        update = torch.empty_like(buf, dtype=torch.bfloat16)
+        for start, grad in g.grads.read(g):
+            end = start + grad.numel()
+            grad = grad.to(buf.dtype)
+            part = buf[start:end].lerp_(grad, 1 - momentum)
+            update[start:end] = grad.lerp(part, momentum) if pg["nesterov"] else part
+        return update.to(g.process_group.device)
