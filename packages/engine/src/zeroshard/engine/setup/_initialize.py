@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig, as_config
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._float8 import unwrap_float8_weights
 from zeroshard.engine.runtime._grad_guard import install_grad_guards
 from zeroshard.engine.runtime._loss_scale import LossScaler
@@ -28,6 +29,7 @@ from zeroshard.engine.runtime._optimizer import ZeroOptimizer, bind_masters
 from zeroshard.engine.runtime._optimizers import as_optimizers, combine
 from zeroshard.engine.runtime._precision import install_precision_hooks
 from zeroshard.engine.runtime._reduce import GradReducer
+from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
@@ -126,16 +128,7 @@ def initialize(
     # 5. Gradients in, the step, parameters out.
     scaler = _loss_scaler(cfg, everyone)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
-    reducer = GradReducer(
-        groups if stage3 is None else stage3.reduce_order(),
-        stage=cfg.stage,
-        reduce_dtype=cfg.precision.grad_reduce_dtype,
-        overlap=cfg.comm.overlap,
-        max_inflight=cfg.comm.max_inflight_reductions,
-        replicate=placement.replicate,
-        events=stage3,
-        stats=None if stage3 is None else stats,
-    )
+    reducer = _reducer(cfg, groups, stage3, placement.replicate, stats)
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
     bind_masters(inner, groups)
     tensor_parallel = None if mesh is None else mesh.tensor_parallel
@@ -164,19 +157,44 @@ def initialize(
     attach_state(model, state)
     install_state_dict_hooks(model, state)
     if everyone.rank == 0:
-        tiers = sorted({g.tier.value for g in groups})
-        log.info(
-            "zeroshard stage %d: %d params in %d flat groups over %d ranks, compute %s, "
-            "flattened on %s in %.2fs",
-            cfg.stage,
-            sum(g.layout.numel for g in groups),
-            len(groups),
-            placement.shard_group.size,
-            cfg.precision.compute_dtype,
-            "/".join(tiers),
-            time.perf_counter() - start,
-        )
+        _log_built(state, time.perf_counter() - start)
     return model, zopt
+
+
+def _reducer(
+    cfg: ZeroConfig,
+    groups: tuple[FlatParamGroup, ...],
+    stage3: Stage3Runtime | None,
+    replicate: Group | None,
+    stats: EngineStats,
+) -> GradReducer:
+    """The reducer of `groups` (at stage 3 in the runtime's launch order, which it hears)."""
+    return GradReducer(
+        groups if stage3 is None else stage3.reduce_order(),
+        stage=cfg.stage,
+        reduce_dtype=cfg.precision.grad_reduce_dtype,
+        overlap=cfg.comm.overlap,
+        max_inflight=cfg.comm.max_inflight_reductions,
+        replicate=replicate,
+        events=stage3,
+        stats=None if stage3 is None else stats,
+    )
+
+
+def _log_built(state: EngineState, seconds: float) -> None:
+    """One line on what was built, and how long the flattening took."""
+    groups = state.groups
+    log.info(
+        "zeroshard stage %d: %d params in %d flat groups over %d ranks, compute %s, "
+        "flattened on %s in %.2fs",
+        state.config.stage,
+        sum(g.layout.numel for g in groups),
+        len(groups),
+        state.shard_group.size,
+        state.config.precision.compute_dtype,
+        "/".join(sorted({g.tier.value for g in groups})),
+        seconds,
+    )
 
 
 def _loss_scaler(cfg: ZeroConfig, everyone: Group) -> LossScaler | None:
