@@ -102,7 +102,10 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
             path.unlink(missing_ok=True)
             print(f"[before_after] round {r + 1}, {tree}: {shlex.join(args.command)}", flush=True)
             subprocess.run(args.command, cwd=ROOT, env=env, check=True)
-            for row, seconds in rows_of(json.loads(path.read_text())).items():
+            rows = rows_of(json.loads(path.read_text()))
+            # Each run's rows as it ends: a run cut short by a time limit keeps these.
+            print(f"[before_after] round {r + 1}, {tree}: {json.dumps(rows)}", flush=True)
+            for row, seconds in rows.items():
                 out[tree].setdefault(row, []).append(seconds)
     return out
 
