@@ -10,7 +10,7 @@ pinned when the platform allows it.
 
 from zeroshard.partition._chunks import CHUNK_FORMAT_VERSION, ChunkLayout
 from zeroshard.partition._flatten import FlattenTier, flatten_params, flatten_shard, unflatten
-from zeroshard.partition._groups import GroupKey, group_parameters
+from zeroshard.partition._groups import DEFAULT_GROUP_LABEL, GroupKey, group_parameters
 from zeroshard.partition._host import empty_host
 from zeroshard.partition._layout import (
     FORMAT_VERSION,
@@ -23,6 +23,7 @@ from zeroshard.partition._layout import (
 
 __all__ = [
     "CHUNK_FORMAT_VERSION",
+    "DEFAULT_GROUP_LABEL",
     "FORMAT_VERSION",
     "ChunkLayout",
     "FlatLayout",

@@ -11,10 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+# The label of the parameters sharded over the default process group (the world, or
+# one shard group of hybrid sharding).
+DEFAULT_GROUP_LABEL = "default"
+
 
 @dataclass(frozen=True)
 class GroupKey:
-    """What parameters must share to live in one flat buffer."""
+    """What parameters must share to live in one flat buffer. `process_group` is a label,
+    not a process group: which one the parameters are sharded over (`DEFAULT_GROUP_LABEL`,
+    a module path with a group of its own, or tensor parallelism's split label); the
+    engine maps it to its `Group`."""
 
     dtype: torch.dtype
     requires_grad: bool
@@ -53,7 +60,7 @@ def group_parameters(
         else:
             # Frozen and not optimized: its key differs by requires_grad anyway.
             index = 0
-        pg = "default" if process_group_of is None else process_group_of(name, p)
+        pg = DEFAULT_GROUP_LABEL if process_group_of is None else process_group_of(name, p)
         key = GroupKey(p.dtype, p.requires_grad, index, pg)
         groups.setdefault(key, []).append((name, p))
     return groups

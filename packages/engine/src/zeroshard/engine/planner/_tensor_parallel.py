@@ -40,6 +40,7 @@ from zeroshard.engine.planner._groups import (
     state_rows,
 )
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
+from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 GIB = 2**30
 COLWISE, ROWWISE, EMBEDDING, GATHERED = "colwise", "rowwise", "embedding", "colwise, gathered"
@@ -290,7 +291,7 @@ def plan_tensor_parallel(
         cfg,
         world_size // tp,
         groups_of,
-        process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else "default",
+        process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
     return TensorParallelPlan(
         tp,

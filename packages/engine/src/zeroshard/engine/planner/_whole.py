@@ -28,6 +28,7 @@ from zeroshard.engine.runtime.whole import (
     steps_whole,
     torch_muon,
 )
+from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 # Bytes per exchanged element, to the owner and back ([module docstring]).
 SPLIT_BYTES = (2, 2)
@@ -115,14 +116,18 @@ def whole_matrix_cost(
     }
     if not ns:
         return None
-    owners = plan_owners(((g.key, g.layout) for g in groups), ns).get("default")
+    owners = plan_owners(((g.key, g.layout) for g in groups), ns).get(DEFAULT_GROUP_LABEL)
     if owners is None:
         return None
     size = owners.size
     sent, received = [0] * size, [0] * size
     exchanges = 0
     for g in groups:
-        if not g.trainable or g.key.param_group not in ns or g.key.process_group != "default":
+        if (
+            not g.trainable
+            or g.key.param_group not in ns
+            or g.key.process_group != DEFAULT_GROUP_LABEL
+        ):
             continue
         split = split_muon(of[g.key.param_group])
         out, back = SPLIT_BYTES if split else WHOLE_BYTES

@@ -16,7 +16,7 @@ from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._names import canonical_name
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, split_dim
 from zeroshard.engine.setup._mesh import MeshGroups, check_dtensor_params, mesh_groups
-from zeroshard.partition import GroupKey
+from zeroshard.partition import DEFAULT_GROUP_LABEL, GroupKey
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,11 @@ class Placement:
         """The longest module path of `own` that contains parameter `name`, or 'default'
         (with a mesh: whether `param` is split over tp)."""
         if self.mesh is not None:
-            return SPLIT_LABEL if split_dim(param) is not None else "default"
-        best = "default"
+            return SPLIT_LABEL if split_dim(param) is not None else DEFAULT_GROUP_LABEL
+        best = DEFAULT_GROUP_LABEL
         for path in self.own:
             inside = name.startswith(canonical_name(path) + ".")
-            if inside and (best == "default" or len(path) > len(best)):
+            if inside and (best == DEFAULT_GROUP_LABEL or len(path) > len(best)):
                 best = path
         return best
 
@@ -47,7 +47,11 @@ class Placement:
         """The process group of a GroupKey."""
         if self.mesh is not None:
             return self.mesh.data_parallel
-        return self.shard_group if key.process_group == "default" else self.own[key.process_group]
+        return (
+            self.shard_group
+            if key.process_group == DEFAULT_GROUP_LABEL
+            else self.own[key.process_group]
+        )
 
 
 def place(

@@ -15,6 +15,7 @@ from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
 from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
+from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
@@ -92,7 +93,9 @@ class WholeMatrices:
         parameters (`WholeParamStep`)."""
         if split_muon(optimizer):
             return MuonStep(optimizer, groups, self._owners, offset, self._tensor_parallel)
-        own = sorted({n for g in groups if g.key.process_group != "default" for n in g.names})
+        own = sorted(
+            {n for g in groups if g.key.process_group != DEFAULT_GROUP_LABEL for n in g.names}
+        )
         if own:
             # Their state is checkpointed by name, and several instances share names.
             raise ValueError(
