@@ -2,7 +2,7 @@
 
 [Note: functional capture]
 Eager stage 3 gathers in module hooks, which Dynamo cannot keep in one graph. Here the
-forward is rewritten as `forward(shards, args, kwargs)`: every flat group's fp32 master
+forward is rewritten as `forward(shards, args, kwargs)`: every flat group's master
 shard is gathered with `zeroshard::gather` (then cast to the compute dtype, which
 `fuse_downcast` folds into the gather), viewed into the group's parameters, and the
 module runs with those views in place of its parameters. Dynamo sees one graph with no

@@ -66,7 +66,7 @@ class ZeroConfig:
     concern. Build from a dict with `ZeroConfig.from_dict`; `to_dict` gives the flat keys."""
 
     stage: int = 2
-    """1 shards optimizer state and fp32 master weights; 2 also gradients; 3 also
+    """1 shards optimizer state and master weights; 2 also gradients; 3 also
     parameters, gathered unit by unit around their forward and backward."""
 
     shard_group_size: int | None = None

@@ -171,10 +171,10 @@ class Stage3Policy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """CPU offload of optimizer state, fp32 master weights and (stage 3) parameter shards."""
+    """CPU offload of optimizer state, master weights and (stage 3) parameter shards."""
 
     optimizer: bool = False
-    """fp32 master weights and optimizer state live in CPU memory and the optimizer steps
+    """master weights and optimizer state live in CPU memory and the optimizer steps
     there; gradient shards go to the CPU during backward and updated compute-dtype shards
     come back to the device (stages 1-3; flat key `offload_optimizer`)."""
 
@@ -192,7 +192,7 @@ class OffloadPolicy:
     warning where pinning fails; flat key `offload_pin_memory`)."""
 
     chunk_bytes: int = 64 * 2**20
-    """Offloaded state is cut into chunks holding this many bytes of fp32 master per rank;
+    """Offloaded state is cut into chunks holding this many bytes of master per rank;
     host-to-device copies go chunk by chunk (flat key `offload_chunk_bytes`)."""
 
     delay_param_update: bool = False
@@ -239,5 +239,5 @@ class OffloadPolicy:
         if self.params and not self.optimizer:
             raise ValueError(
                 "offload.params (offload_params) needs offload.optimizer=True: the parameter "
-                "shards are cast from the fp32 masters, which must be on the CPU too"
+                "shards are cast from the masters, which must be on the CPU too"
             )

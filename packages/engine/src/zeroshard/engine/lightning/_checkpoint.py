@@ -3,7 +3,7 @@
 [Note: a Lightning checkpoint on disk]
 `trainer.save_checkpoint(path)`, `ModelCheckpoint` and `fabric.save(path, state)` write a
 directory at `path` (Lightning's `.ckpt` name kept, as its DeepSpeed strategy does): a
-zeroshard checkpoint root holding `checkpoint/` (each rank's shards of the fp32 masters
+zeroshard checkpoint root holding `checkpoint/` (each rank's shards of the masters
 and of the optimizer state, with their layouts, so any number of ranks loads it and
 `zeroshard-ckpt consolidate PATH OUT` writes full safetensors) and the `latest` pointer
 naming it. Saving again over the same path (`last.ckpt`) replaces it atomically.

@@ -1,18 +1,19 @@
-"""Lightning's `precision` flag on zeroshard: the engine's compute dtype, fp32 masters always.
+"""Lightning's `precision` flag on zeroshard: the engine's compute dtype; the masters'
+dtype is the config's (`master_dtype`, fp32 by default).
 
 [Note: precision under the strategy]
 zeroshard's own mixed precision replaces Lightning's autocast and GradScaler: the engine
-keeps fp32 master shards, casts them to the compute dtype for forward and backward, casts
-float inputs to it, and under fp16 scales the loss itself. Lightning's precision flag
-picks that compute dtype:
+keeps master shards (fp32 unless the config's `master_dtype` says bf16), casts them to
+the compute dtype for forward and backward, casts float inputs to it, and under fp16
+scales the loss itself. Lightning's precision flag picks that compute dtype:
 
 - "32-true": fp32 compute;
 - "bf16-mixed": bf16 compute (the whole forward, as DeepSpeed's bf16 does, not autocast's
-  per-op choice), fp32 masters and gradient shards;
+  per-op choice), the config's masters and gradient shards (fp32 by default);
 - "16-mixed": fp16 compute with the engine's dynamic loss scaling, fp32 masters;
 - "bf16-true": the model is created and kept in bf16, as Lightning does, and computes
-  in bf16; the masters the optimizer steps are fp32 all the same (zeroshard always keeps
-  them in fp32, where plain Lightning would step bf16 weights).
+  in bf16; the masters the optimizer steps are the config's (fp32 by default, where
+  plain Lightning would step bf16 weights; `master_dtype` bf16 steps bf16 ones).
 
 Anything else ("16-true", "64-true", transformer-engine, bitsandbytes, a plugin of one's
 own) has no meaning for the engine and is refused by name. The connector builds its own
@@ -62,7 +63,7 @@ def compute_dtype_of(precision: str) -> torch.dtype:
     if dtype is None:
         raise ValueError(
             f"zeroshard: precision={precision!r} is not supported; choose one of "
-            f"{', '.join(COMPUTE_DTYPES)} (zeroshard keeps fp32 master weights and computes "
+            f"{', '.join(COMPUTE_DTYPES)} (zeroshard keeps its master weights and computes "
             "in fp32, bf16 or fp16)"
         )
     return dtype

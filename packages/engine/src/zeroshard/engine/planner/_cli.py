@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         "--offload",
         choices=("none", "optimizer", "params"),
         default="none",
-        help="CPU offload: of optimizer state and fp32 masters, or also (stage 3) of the "
+        help="CPU offload: of optimizer state and masters, or also (stage 3) of the "
         "parameter shards (default none)",
     )
     p.add_argument(

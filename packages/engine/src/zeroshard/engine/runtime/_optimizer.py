@@ -1,4 +1,4 @@
-"""`ZeroOptimizer`: the user's torch optimizer, stepping this rank's fp32 master shards.
+"""`ZeroOptimizer`: the user's torch optimizer, stepping this rank's master shards.
 
 It is a `torch.optim.Optimizer` (LR schedulers and optimizer hooks work) that shares
 `param_groups` and `state` with the wrapped optimizer, whose `params` lists now hold

@@ -1,6 +1,6 @@
 """How the engine's state maps onto a checkpoint: group names, rank sets, contents.
 
-Each flat group is stored under `group{index}` with its layout: the fp32 master shard
+Each flat group is stored under `group{index}` with its layout: the master shard
 and every optimizer state tensor shaped like it (`optim.exp_avg`, ...); per-group
 optimizer scalars (Adam's `step`) go into the metadata.
 

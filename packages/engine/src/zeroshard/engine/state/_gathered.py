@@ -1,7 +1,7 @@
 """`gathered_parameters`: full fp32 parameters, readable and editable outside forward.
 
 [Note: what the context holds]
-For every flat group that holds a requested parameter, the fp32 master shards of all
+For every flat group that holds a requested parameter, the master shards of all
 ranks are all-gathered into one full fp32 buffer and the group's parameters become views
 of it: inside the context a parameter holds the exact master value, not its compute-dtype
 rounding, at every stage. The granularity is the flat group, so the buffer may hold more

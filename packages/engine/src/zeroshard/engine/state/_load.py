@@ -5,7 +5,7 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (per 
 dtype, shape, [begin, end) byte offsets into the data that follows) and the raw
 little-endian data, row-major. A flat group's slot piece on this rank is a contiguous run
 of its parameter's flattened elements, hence a contiguous byte range of the file: we read
-exactly that range (positioned reads, no seek-and-read-all) into the fp32 master shard,
+exactly that range (positioned reads, no seek-and-read-all) into the master shard,
 in chunks so a huge piece never needs a second full-size host copy. A parameter split by
 tensor parallelism holds a piece of the file's tensor: its elements are contiguous runs
 of the tensor's (one per index before the split dim, `full_runs`), each read as above.

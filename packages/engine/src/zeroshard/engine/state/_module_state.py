@@ -1,11 +1,11 @@
 """`model.state_dict()` and `model.load_state_dict()` on the engine's model, as on the original.
 
 [Note: state dicts of a sharded model]
-Stage 3 keeps only fp32 master shards, so torch's own `state_dict()` would return empty
+Stage 3 keeps only master shards, so torch's own `state_dict()` would return empty
 tensors and `load_state_dict()` of full tensors would fail on their shapes. Hooks on the
 model make both behave as on the module before `initialize()`:
 
-- `state_dict()` gives every parameter the value of its fp32 master in the parameter's
+- `state_dict()` gives every parameter the value of its master in the parameter's
   original dtype, at every stage, under its names (tied parameters share one tensor):
   what the module before `initialize()` would hold, and what `save_pretrained` should
   write (FSDP2's full state dict does the same). Stage 3 all-gathers the masters one flat
@@ -19,7 +19,7 @@ model make both behave as on the module before `initialize()`:
   get an empty dict (FSDP's full state dict with `rank0_only` and `offload_to_cpu`).
   `state_dict(keep_vars=True)` returns the live (sharded) parameters, untouched.
 - `load_state_dict(full)` (every stage) copies each rank's range of every full tensor into
-  the fp32 masters and republishes them (stages 1/2: the parameters; stage 3: the next
+  the masters and republishes them (stages 1/2: the parameters; stage 3: the next
   gather reads the masters), so the masters follow and the next step starts from the
   loaded values. It is collective too; every rank passes the whole dict.
 

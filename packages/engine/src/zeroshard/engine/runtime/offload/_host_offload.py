@@ -1,4 +1,4 @@
-"""CPU offload: the fp32 masters, gradients and optimizer state of flat groups on the host.
+"""CPU offload: the masters, gradients and optimizer state of flat groups on the host.
 
 The offloaded groups' shards are laid end to end in one rank-local "chunk space" cut by a
 `ChunkLayout` into fixed-size chunks; every rank holds the same number of chunks of the
@@ -44,7 +44,7 @@ gathers issued before may still read the compute shards on the device ([Note: up
 stream order] in _upload.py); with offload_params,
 `begin_upload` synchronizes the current stream, as the CPU rewrites the host copies those
 gathers read. The step says which blocks of masters it finished (`written`); as soon as
-all of a chunk is final the H2D stream copies its fp32 masters to the device, casts them
+all of a chunk is final the H2D stream copies its masters to the device, casts them
 there and records its event, so the copy of one chunk overlaps the CPU step of the next
 ([Note: offload upload] in _upload.py). A gather or publish of a group makes the
 current stream wait on the events of the group's chunks, so nothing reads a half-copied
@@ -82,7 +82,7 @@ from zeroshard.engine.runtime.offload._upload import ShardUpload
 @dataclass(frozen=True)
 class OffloadBytes:
     """Bytes one rank holds for offload (on the host, pinned of those, on the device: the
-    compute shards and their fp32 staging chunk) and sends up per step (the fp32 masters,
+    compute shards and their staging chunk) and sends up per step (the masters,
     or with offload_params the compute shards)."""
 
     chunks: int

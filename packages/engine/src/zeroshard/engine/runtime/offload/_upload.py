@@ -1,10 +1,10 @@
-"""The compute-dtype shards of offloaded groups, rewritten from their fp32 masters.
+"""The compute-dtype shards of offloaded groups, rewritten from their masters.
 
 [Note: offload upload]
 After a step (or any change of the masters) the compute shards are rewritten chunk by
 chunk ([Note: offload stream order] in _host_offload.py). `begin` names the chunk-space
 ranges that will change; `written(lo, hi)` says that the masters of [lo, hi) are final.
-Once all of a chunk's part in those ranges is final, the chunk goes up: its fp32 masters
+Once all of a chunk's part in those ranges is final, the chunk goes up: its masters
 (pinned) are copied by the H2D stream into an fp32 staging chunk on the device and cast
 there into the device shards. The CPU writes no cast at all: the step's loop reads the
 gradient and the master and moments and writes those back, nothing more ([Note: compiled

@@ -4,7 +4,7 @@ each matrix at its owner ([Note: whole-matrix optimizers] in `_declare.py`).
 [Note: whole parameters]
 The optimizer steps one `nn.Parameter` per matrix this rank owns (`params`, the same
 objects for the whole run, so its state is keyed by them): during `step()` their data
-and gradient are the full fp32 master and gradient, as views of this rank's shard where
+and gradient are the full master and gradient, as views of this rank's shard where
 the matrix lies whole in it, else of the owner's buffer the exchange filled; between
 steps they hold no memory. Its state (momentum, preconditioners) lives on the owner only,
 full-shape, and checkpoints store it by parameter name. Per exchanged element a step
