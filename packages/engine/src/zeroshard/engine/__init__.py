@@ -25,6 +25,7 @@ from zeroshard.engine.config._policies import (
 from zeroshard.engine.planner._cluster import Cluster, Link
 from zeroshard.engine.planner._estimate import Estimate, estimate
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.recovery import Resumed, Snapshots
 from zeroshard.engine.runtime._float8_gather import Float8Wire, float8_wire
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._stage3 import DivergentRanksError
@@ -64,7 +65,9 @@ __all__ = [
     "OffloadPolicy",
     "PrecisionPolicy",
     "RNGState",
+    "Resumed",
     "SafetensorsLoadError",
+    "Snapshots",
     "Stage3Policy",
     "Stateful",
     "WrapsEngineModel",

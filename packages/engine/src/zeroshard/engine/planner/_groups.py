@@ -111,6 +111,28 @@ def state_bytes(
     return out
 
 
+def snapshot_bytes(
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: Mapping[int, int]
+) -> tuple[int, int]:
+    """One rank's snapshot (`zeroshard.engine.Snapshots`: its masters and optimizer state,
+    what its checkpoint file holds) in bytes, and the part of it on the device (copied
+    through pinned host memory)."""
+    master = cfg.precision.master_dtype.itemsize
+    total = device = 0
+    for g in plan.groups:
+        n = g.layout.shard_numel * master
+        if g.trainable:
+            n += (
+                g.layout.shard_numel
+                * optimizer_bytes_per_element.get(g.key.param_group, 8)
+                * master
+                // 4
+            )
+        total += n
+        device += 0 if g.offloaded else n
+    return total, device
+
+
 def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:
     """The memory table's rows of the model states: the header, each kind held, their
     sum, and the gradient shards a step adds."""
