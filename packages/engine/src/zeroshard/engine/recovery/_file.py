@@ -17,7 +17,6 @@ import json
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,11 @@ from zeroshard.ckpt import (
     safetensors_dtype,
     safetensors_dtype_code,
 )
+from zeroshard.engine.recovery._crc import crc32
 
 _MAGIC = b"zsnap001"
 _TRAILER = struct.Struct("<8sQI4x")
 _ALIGN = 64
-_CHUNK = 64 * 1024 * 1024
 _EXTRA = "extra."
 
 
@@ -119,11 +118,7 @@ def slots(buf: torch.Tensor, planned: Planned) -> dict[str, torch.Tensor]:
 
 
 def _crc(buf: torch.Tensor, end: int) -> int:
-    data = buf.numpy().data  # zlib releases the GIL on large inputs
-    crc = 0
-    for i in range(0, end, _CHUNK):
-        crc = zlib.crc32(data[i : min(end, i + _CHUNK)], crc)
-    return crc
+    return crc32(buf.numpy().data[:end])
 
 
 def seal(buf: torch.Tensor) -> int:

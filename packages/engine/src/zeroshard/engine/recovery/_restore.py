@@ -53,8 +53,9 @@ class Source(NamedTuple):
 
 class Resumed(NamedTuple):
     """What `Snapshots.resume` did: the step (None: a fresh start), where from
-    ('memory', 'disk' or 'fresh'), and how long finding and fetching the snapshots
-    (`fetch_s`) and putting the state back (`load_s`) took on this rank."""
+    ('memory', 'disk' or 'fresh'), how long finding and fetching the snapshots
+    (`fetch_s`) and putting the state back (`load_s`) took on this rank, and the bytes it
+    received from another rank (0: read from its own node's memory, or from disk)."""
 
     step: int | None
     source: str
@@ -206,7 +207,8 @@ def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Callable[[], tor
         _keep_only(snaps, step)
         if why:
             warn_on_rank0(f"resume: skipped damaged snapshots ({'; '.join(why)})")
-        done = Resumed(step, "memory", fetch_s, time.perf_counter() - t1, buf.numel())
+        got = 0 if src.server == me else buf.numel()
+        done = Resumed(step, "memory", fetch_s, time.perf_counter() - t1, got)
         return done, _republisher(snaps, step, src, buf)
     _keep_only(snaps, None)
     t1 = time.perf_counter()

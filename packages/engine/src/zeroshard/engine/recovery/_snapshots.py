@@ -5,10 +5,10 @@ another node, to restart from after a worker or a node is lost.
 `take(step)`, on every rank at the same steps:
 1. The previous snapshot's background work is waited for (its error raised here).
 2. On the calling thread: the rank's contents (`rank_contents`: what a checkpoint
-   holds), a new '.'-named file of the planned size in the node's shared memory (see
+   holds) laid out in one of its two slots in the node's shared memory ([Note: slots],
    [Note: a node's folder]); host tensors are copied into it now, device tensors start
    their copy on a side stream ([Note: the copy and the next step]). Training goes on.
-3. A background thread finishes the copy, seals the file (crc32) and renames it into
+3. A background thread waits for the copy, seals the bytes (crc32) and links them into
    place: the rank's own copy. Then it sends the bytes to the rank's buddy and
    receives its wards' ([Note: the snapshots' process group]), each sealed file
    renamed into place: the replicas. An all-reduce then says every rank's copy and
@@ -37,6 +37,7 @@ from zeroshard.engine.recovery._contents import rank_contents
 from zeroshard.engine.recovery._host_copy import HostCopy
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._restore import Resumed, resume
+from zeroshard.engine.recovery._slots import Slots
 from zeroshard.engine.recovery._store import OWN, REPLICA, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
@@ -87,6 +88,8 @@ class Snapshots:
                 "worker's crash, not the node's loss (the disk checkpoint does)"
             )
         self._copy = HostCopy()
+        on_device = any(g.master.device.type == "cuda" for g in self._state.groups)
+        self._slots = Slots(self.store, self.rank, pin=on_device)
         self._hook = self._state.optimizer.register_step_pre_hook(
             lambda *_: self._copy.wait_before_step()
         )
@@ -110,15 +113,15 @@ class Snapshots:
             step, self.rank, self.world_size, meta, items, None if extra is None else extra.text
         )
         final = self.store.path(step, self.rank, self.world_size, OWN)
-        temp = self.store.temp(final)
-        buf = _file.mapped(temp, planned.size)
+        slot = self._slots.next(planned.size)
+        buf = slot.buf
         _file.fill_header(buf, planned)
         finish = self._copy.start(items, _file.slots(buf, planned))
 
         def own() -> torch.Tensor:
             finish()
             _file.seal(buf)
-            self.store.commit(temp, final)
+            self.store.link(slot.path, final)
             return buf
 
         self._start(step, own)
@@ -185,6 +188,8 @@ class Snapshots:
         says how many steps that costs); return the step, None on a fresh start. Call on
         every rank before the first `take` (collective). See [Note: restoring from memory]."""
         self.wait()
+        # Fresh slots: the restored step may be linked to one of the old ones.
+        self._slots.close()
         self.last_resume, republish = resume(self, Path(directory))
         if republish is not None:
             self._start(self.last_resume.step or 0, republish)
@@ -197,6 +202,7 @@ class Snapshots:
             self.wait()
         finally:
             self._hook.remove()
+            self._slots.close()
             dist.barrier(group=self._pg)  # no rank of the node still writes
             self.store.remove()
             dist.barrier(group=self._pg)  # every node's folder on this host is gone

@@ -1,5 +1,6 @@
 """A node's snapshots in shared memory: one folder per step, one file per rank and kind.
 
+[Note: a node's snapshots]
 `{node folder}/step-{S}/own-rank{r}-of-{W}.snap` is rank r's own copy of its state at
 step S in a world of W ranks, `replica-...` the copy a rank keeps for a rank of another
 node (see [Note: the replica's rank]). A file is written under a '.'-name and renamed
@@ -24,7 +25,8 @@ _FILE = re.compile(r"(own|replica)-rank(\d+)-of-(\d+)\.snap")
 _STEP = re.compile(r"step-(\d+)")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -64,6 +66,13 @@ class NodeStore:
         """Put a sealed file in its place (atomic: a rename within the folder)."""
         os.rename(temp, final)
 
+    def link(self, slot: Path, final: Path) -> None:
+        """Put a sealed slot's bytes in place under `final` (a hard link, atomically)."""
+        temp = self.temp(final)
+        temp.unlink(missing_ok=True)
+        os.link(slot, temp)
+        self.commit(temp, final)
+
     def held(self) -> list[Held]:
         """Every committed snapshot file of this node, by step, rank and kind."""
         out = []
@@ -100,7 +109,7 @@ class NodeStore:
         host, _ = self.folder.name.rsplit("-", 1)
         for other in self.folder.parent.glob(f"{host}-*"):
             pid = other.name.rsplit("-", 1)[1]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not alive(int(pid)):
                 shutil.rmtree(other, ignore_errors=True)
 
     def remove_job(self) -> None:
