@@ -41,7 +41,7 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         (["tiny", "--world", "6", "--shard-group-size", "4"], "does not divide --world 6"),
         (["gpt-9000", "--world", "2"], "unknown preset 'gpt-9000'"),
         (["tiny", "--world", "0"], "--world must be >= 1"),
-        (["1.3b", "--world", "1", "--snapshots", "32"], "snapshots do not fit in host memory"),
+        (["1.3b", "--world", "1", "--snapshots", "24"], "snapshots do not fit in host memory"),
         (["tiny", "--world", "2", "--snapshots", "0"], "--snapshots takes the host memory"),
         (["tiny", "--world", "2", "--stage", "2", "--offload", "params"], "needs --stage 3"),
         (["tiny", "--world", "2", "--offload-overlap", "backward"], "needs --offload"),

@@ -249,8 +249,8 @@ def _snapshot_rows(e: Estimate, host_gib: float, ranks: int) -> str:
     node = (peak + e.host) * ranks
     offload = f" and offload's {e.host * ranks / GIB:.2f}" if e.host else ""
     text = (
-        f"\nsnapshots in host memory per rank: {e.snapshot / GIB:.2f} GiB own copy, "
-        f"{steady / GIB:.2f} GiB with the replica it keeps between snapshots, "
+        f"\nsnapshots in host memory per rank: {e.snapshot / GIB:.2f} GiB a copy; "
+        f"{steady / GIB:.2f} GiB between snapshots (two slots, pinned, and a replica), "
         f"{peak / GIB:.2f} GiB while one is taken; a node of {ranks} ranks needs "
         f"{node / GIB:.2f} GiB (snapshots{offload}) of its {host_gib:g} GiB"
     )

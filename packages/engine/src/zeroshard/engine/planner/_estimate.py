@@ -78,16 +78,16 @@ class Estimate:
     # Whole-matrix optimizers (Muon): owners, Newton-Schulz FLOPs, bytes exchanged.
     whole_matrix: WholeMatrixCost | None = None
     snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
-    snapshot_on_device: int = 0  # the part of it on the device (staged in pinned memory)
 
     @property
     def snapshot_host(self) -> tuple[int, int]:
-        """Host bytes per rank that snapshots every N steps take: between snapshots (the
-        newest complete step, its own copy and the replica it keeps for another rank),
-        and at the peak while one is taken (the next step's too, and the pinned staging
-        of the device's part): see docs/reliability.md, "Recovery from memory"."""
-        steady = self.snapshot * (1 if self.world_size == 1 else 2)  # no replica when alone
-        return steady, 2 * steady + self.snapshot_on_device
+        """Host bytes per rank that snapshots every N steps take (docs/reliability.md,
+        "Recovery from memory"): between snapshots, its two slots (the newest complete
+        step and the one before, pinned under CUDA) and the replica it keeps for a rank
+        of another node; while one is taken, a second replica too. One rank alone keeps
+        no replica."""
+        replica = 0 if self.world_size == 1 else self.snapshot
+        return 2 * self.snapshot + replica, 2 * self.snapshot + 2 * replica
 
     @property
     def states_total(self) -> int:
@@ -289,7 +289,6 @@ def estimate_on_trace(
         moved = sum(g.layout.shard_numel for g in plan.groups if g.offloaded and g.trainable)
         host = plan.offload.host_bytes + moved * optimizer_bytes_per_element
         pinned = plan.offload.pinned_bytes
-    snapshot, snapshot_on_device = snapshot_bytes(plan, cfg, state_per_element)
     step = None
     if compute is not None:
         step = project_step(
@@ -317,6 +316,5 @@ def estimate_on_trace(
         step=step,
         float8=sum(g.layout.numel for g in plan.groups if g.float8),
         whole_matrix=whole,
-        snapshot=snapshot,
-        snapshot_on_device=snapshot_on_device,
+        snapshot=snapshot_bytes(plan, cfg, state_per_element),
     )

@@ -113,24 +113,17 @@ def state_bytes(
 
 def snapshot_bytes(
     plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: Mapping[int, int]
-) -> tuple[int, int]:
-    """One rank's snapshot (`zeroshard.engine.Snapshots`: its masters and optimizer state,
-    what its checkpoint file holds) in bytes, and the part of it on the device (copied
-    through pinned host memory)."""
+) -> int:
+    """One rank's snapshot (`zeroshard.engine.Snapshots`) in bytes: its masters and
+    optimizer state, what its checkpoint file holds."""
     master = cfg.precision.master_dtype.itemsize
-    total = device = 0
+    total = 0
     for g in plan.groups:
-        n = g.layout.shard_numel * master
+        total += g.layout.shard_numel * master
         if g.trainable:
-            n += (
-                g.layout.shard_numel
-                * optimizer_bytes_per_element.get(g.key.param_group, 8)
-                * master
-                // 4
-            )
-        total += n
-        device += 0 if g.offloaded else n
-    return total, device
+            per = optimizer_bytes_per_element.get(g.key.param_group, 8)
+            total += g.layout.shard_numel * per * master // 4
+    return total
 
 
 def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:

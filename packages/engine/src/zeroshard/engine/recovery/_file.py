@@ -180,8 +180,9 @@ def mapped(path: Path, size: int | None = None) -> torch.Tensor:
     flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if size is not None else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        if size is not None:
-            os.ftruncate(fd, size)
+        if size is not None and size > 0:
+            # Reserved now: a full /dev/shm is an OSError here, not a SIGBUS at a write.
+            os.posix_fallocate(fd, 0, size)
         length = os.fstat(fd).st_size
         if length == 0:
             return torch.empty(0, dtype=torch.uint8)

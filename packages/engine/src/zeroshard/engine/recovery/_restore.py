@@ -221,7 +221,10 @@ def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Callable[[], tor
     )
     if newest is not None:
         at = 0 if disk is None else disk
-        reason = "; ".join(why) if why else "some rank's snapshot is on no node left"
+        worlds = {h.world_size for held in inventory.values() for h in held}
+        reason = "; ".join(why) or "some rank's snapshot is on no node left"
+        if snaps.world_size not in worlds:
+            reason = f"they are of {sorted(worlds)} ranks, this job has {snaps.world_size}"
         warn_on_rank0(
             f"resume: no step is covered by the snapshots in memory ({reason}): resumed "
             f"from {'step 0' if disk is None else f'the checkpoint of step {disk}'} on "

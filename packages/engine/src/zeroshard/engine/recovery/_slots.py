@@ -73,7 +73,13 @@ class Slots:
         # A new file, not the old one resized: a step may still link the old bytes.
         path = self._folder / f"rank{self._rank:05d}-{os.getpid()}-{k}.buf"
         path.unlink(missing_ok=True)
-        buf = mapped(path, size)
+        try:
+            buf = mapped(path, size)
+        except OSError as e:
+            raise RuntimeError(
+                f"snapshots: no room for a snapshot of {size:,} bytes in {self._folder} "
+                f"({e.strerror or e}): see zeroshard-plan --snapshots for what they need"
+            ) from e
         if self._pin:
             _pin(buf)
         slot = Slot(path, buf, self._pin)

@@ -88,7 +88,7 @@ class Snapshots:
                 "worker's crash, not the node's loss (the disk checkpoint does)"
             )
         self._copy = HostCopy()
-        on_device = any(g.master.device.type == "cuda" for g in self._state.groups)
+        on_device = self._state.shard_group.device.type == "cuda"
         self._slots = Slots(self.store, self.rank, pin=on_device)
         self._hook = self._state.optimizer.register_step_pre_hook(
             lambda *_: self._copy.wait_before_step()
