@@ -37,6 +37,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps per block (default 20)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--every", default="1,10", help="N of every N-th step (default 1,10)")
+    p.add_argument(
+        "--shm",
+        default="/dev/shm",
+        help="shared memory for overhead's snapshots and DCP's folder (default /dev/shm)",
+    )
     p.add_argument("--width", type=int, default=512, help="recovery's GPT width (default 512)")
     p.add_argument("--layers", type=int, default=8, help="recovery's GPT depth (default 8)")
     return p.parse_args()
@@ -57,6 +62,7 @@ def _overhead_part(a: argparse.Namespace) -> None:
             rounds=1 if a.smoke else a.rounds,
             every=(1, 2) if a.smoke else every,
             on_gpu=placement.on_gpus,
+            shm=a.shm,
             out=str(out),
         )
         spawn_ranks(_overhead.run, placement, (s,))
