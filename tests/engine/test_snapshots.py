@@ -11,11 +11,12 @@ import random
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks
+from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from zeroshard.engine.recovery import Snapshots
 from zeroshard.engine.recovery._places import Placement
@@ -23,8 +24,8 @@ from zeroshard.engine.recovery._restore import plan_restore
 from zeroshard.engine.recovery._store import OWN, REPLICA, Held
 
 
-def _build(stage: int) -> tuple[torch.nn.Module, zs.ZeroOptimizer, object]:
-    model = make_model(11)
+def _build(stage: int, device: str) -> tuple[torch.nn.Module, zs.ZeroOptimizer, object]:
+    model = make_model(11).to(device)
     config = {"stage": stage, "min_unit_params": 1}
     model, opt = zs.initialize(model, make_optimizer(model), config)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -34,7 +35,7 @@ def _build(stage: int) -> tuple[torch.nn.Module, zs.ZeroOptimizer, object]:
 def _step(model: torch.nn.Module, opt: zs.ZeroOptimizer, sched: object, step: int) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = global_batches(8, 1, 12, 1)[step, 0]
-    x = batch.reshape(world, -1, batch.shape[-1])[rank]
+    x = batch.reshape(world, -1, batch.shape[-1])[rank].to(next(model.parameters()).device)
     noise = torch.rand(())  # an RNG draw per step: the restored RNG must give it again
     loss = loss_fn(model, x) * (1 + 0.01 * noise)
     loss.backward()
@@ -68,12 +69,12 @@ def _damage(snaps: Snapshots, step: int, rank: int, kinds: list[str], how: str) 
             path.write_bytes(data)
 
 
-def _restore(folder: str, stage: int, damage: str) -> None:
+def _restore(folder: str, stage: int, damage: str, device: str) -> None:
     root, disk = f"{folder}/shm", f"{folder}/ckpt"
     rank = dist.get_rank()
     torch.manual_seed(7 + rank)
     random.seed(rank)
-    model, opt, sched = _build(stage)
+    model, opt, sched = _build(stage, device)
     data = {"next_step": 0}
     client = {"sched": sched, "data": data}
     mine = {"rng": zs.RNGState()}
@@ -139,18 +140,24 @@ def _restore(folder: str, stage: int, damage: str) -> None:
 CASES = [(1, "none"), (3, "own-lost"), (3, "own-flipped"), (2, "both-flipped")]
 
 
-def _cases(folder: str) -> None:
+def _cases(folder: str, device: str) -> None:
     run_each(
-        [{"folder": f"{folder}/{i}", "stage": s, "damage": d} for i, (s, d) in enumerate(CASES)],
+        [
+            {"folder": f"{folder}/{i}", "stage": s, "damage": d, "device": device}
+            for i, (s, d) in enumerate(CASES)
+        ],
         _restore,
     )
 
 
-def test_restore_from_memory(tmp_path: Path) -> None:
+@pytest.mark.gpu
+def test_restore_from_memory(tmp_path: Path, device: str) -> None:
     """Stage 1 from the own copies; stage 3 with rank 1's own copy lost (from the replica
     on the other node), or flipped (the replica, one warning); stage 2 with both flipped
-    (from disk, one warning saying how many steps behind)."""
-    run_ranks(_cases, 2, str(tmp_path))
+    (from disk, one warning saying how many steps behind). On CUDA the device's copy
+    goes straight into pinned shared memory on a side stream, the next step waiting."""
+    world_fits(device, 2)
+    run_ranks(_cases, 2, str(tmp_path), device, device=device)
 
 
 def test_placement_puts_replicas_on_the_next_node() -> None:
