@@ -153,7 +153,7 @@ def bench(session: nox.Session) -> None:
     """Smoke-run every benchmark in benchmarks/ at CPU sizes (real figures come from GPUs)."""
     _install(session, "numpy", "matplotlib", LIGHTNING)
     session.install(TORCHAO)
-    for script in ("flatten", "leaf_fetch", "lightning", "float8_loss"):
+    for script in ("flatten", "leaf_fetch", "lightning", "float8_loss", "snapshots"):
         session.run("python", "-m", f"benchmarks.{script}", "--smoke", *session.posargs)
     session.run("python", "-m", "benchmarks.consolidate", "--source", "dcp", "--smoke")
     session.run(

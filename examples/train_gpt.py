@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save every N steps; 0 = never")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="snapshot every N steps into host memory, replicated to another node, and "
+        "restart from there (docs/reliability.md); 0 = never",
+    )
+    p.add_argument(
         "--resume",
         default="auto",
         choices=["auto", "never"],
@@ -130,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps, --batch and --accum must be positive")
     if args.save_every < 0 or (args.save_every and args.ckpt_dir is None):
         p.error("--save-every needs --ckpt-dir and a count >= 0")
+    if args.snapshot_every < 0 or (args.snapshot_every and args.ckpt_dir is None):
+        p.error("--snapshot-every needs --ckpt-dir (the fallback) and a count >= 0")
     if args.ckpt_dir is not None and args.stage == 0:
         p.error("--ckpt-dir needs a ZeRO stage (1-3)")
     if args.shard_group_size is not None and args.stage == 0:
@@ -365,12 +374,29 @@ def main() -> None:
     data = {"next_step": 0}
     client_state: dict[str, Any] = {"scheduler": sched, "data": data}
     rank_state = None if args.shard_group_size else {"rng": zs.RNGState()}
-    if args.ckpt_dir is not None and args.resume == "auto":
-        # Logs, on rank 0, the checkpoint it resumed from, its step and the world sizes
-        # then and now (or the fresh start).
-        zs.resume_checkpoint(
-            model, opt, args.ckpt_dir, client_state=client_state, rank_state=rank_state
+    snapshots = None
+    if args.snapshot_every:
+        snapshots = zs.Snapshots(
+            model,
+            opt,
+            every=args.snapshot_every,
+            client_state=client_state,
+            rank_state=rank_state,
         )
+    if args.ckpt_dir is not None and args.resume == "auto":
+        if snapshots is not None:  # memory first, else the newest checkpoint on disk
+            resumed = snapshots.resume(args.ckpt_dir)
+            last = snapshots.last_resume
+            if resumed is not None:
+                memory = last is not None and last.source == "memory"
+                where = "the snapshots in memory" if memory else str(args.ckpt_dir)
+                log.info("resumed from step %d of %s", resumed, where)
+        else:
+            # Logs, on rank 0, the checkpoint it resumed from, its step and the world
+            # sizes then and now (or the fresh start).
+            zs.resume_checkpoint(
+                model, opt, args.ckpt_dir, client_state=client_state, rank_state=rank_state
+            )
         data = client_state["data"]  # plain data comes back as a new value
 
     first_step = data["next_step"]  # 0, or the step a resumed run goes on from
@@ -416,8 +442,10 @@ def main() -> None:
             bar.update()
         else:
             bar.n += 1  # shown once, by close(), with the whole run's rate
+        data["next_step"] = step + 1
+        if snapshots is not None:
+            snapshots.take(step + 1)
         if args.save_every and (step + 1) % args.save_every == 0:
-            data["next_step"] = step + 1
             pending = zs.save_checkpoint(
                 model,
                 opt,
@@ -433,6 +461,8 @@ def main() -> None:
     bar.close()
     if pending is not None:
         pending.wait()  # commit the last async save on every rank before exiting
+    if snapshots is not None:
+        snapshots.close()  # a normal end: the snapshots in memory go
 
     end_loss = evaluate(model, corpus, args, rank, world, device, autocast)
     log.info(

@@ -42,6 +42,8 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         (["tiny", "--world", "6", "--shard-group-size", "4"], "does not divide --world 6"),
         (["gpt-9000", "--world", "2"], "unknown preset 'gpt-9000'"),
         (["tiny", "--world", "0"], "--world must be >= 1"),
+        (["1.3b", "--world", "1", "--snapshots", "24"], "snapshots do not fit in host memory"),
+        (["tiny", "--world", "2", "--snapshots", "0"], "--snapshots takes the host memory"),
         (["tiny", "--world", "2", "--stage", "2", "--offload", "params"], "needs --stage 3"),
         (["tiny", "--world", "2", "--offload-overlap", "backward"], "needs --offload"),
         (
@@ -90,12 +92,15 @@ def test_cli_prints_table_and_recommendation(capsys: pytest.CaptureFixture[str])
                 "10",
                 "--memory-limit-gib",
                 "1",
+                "--snapshots",
+                "64",
             ]
         )
         == 0
     )
     out = capsys.readouterr().out
     assert "= projected peak" in out and "tokens/s/GPU" in out and " * stage" in out
+    assert "snapshots in host memory per rank" in out and "of its 64 GiB" in out
 
 
 def test_without_compute_figures_the_recommendation_says_why(

@@ -27,6 +27,7 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "state": {"config", "runtime"},
     "setup": {"config", "runtime", "state"},
     "planner": {"config", "runtime"},
+    "recovery": {"config", "runtime", "state"},
     "huggingface": {"config", "runtime", "state", "setup"},
     "lightning": {"config", "runtime", "state", "setup"},
 }

@@ -26,6 +26,7 @@ from zeroshard.engine.config._policies import (
 from zeroshard.engine.planner._cluster import Cluster, Link
 from zeroshard.engine.planner._estimate import Estimate, estimate
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.recovery import Resumed, Snapshots
 from zeroshard.engine.runtime._collectives import (
     average_replicas,
     gather_shards,
@@ -76,7 +77,9 @@ __all__ = [
     "OffloadPolicy",
     "PrecisionPolicy",
     "RNGState",
+    "Resumed",
     "SafetensorsLoadError",
+    "Snapshots",
     "Stage3Policy",
     "Stateful",
     "Wire",

@@ -153,6 +153,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="also recommend the config predicted best within this many GiB per GPU",
     )
+    p.add_argument(
+        "--snapshots",
+        type=float,
+        metavar="HOST_GIB",
+        help="price snapshots in host memory (zeroshard.engine.Snapshots) on nodes of this "
+        "many GiB of host memory; refused when they do not fit",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument(
         "--internode-gbps",
@@ -231,6 +238,8 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError("--offload-overlap needs --offload")
     if a.micro_batch < 1 or (a.seq is not None and a.seq < 1):
         raise ValueError("--micro-batch and --seq must be >= 1")
+    if a.snapshots is not None and not a.snapshots > 0:
+        raise ValueError(f"--snapshots takes the host memory per node in GiB, got {a.snapshots}")
     if a.memory_limit_gib is not None and not a.memory_limit_gib > 0:
         raise ValueError(f"--memory-limit-gib must be > 0, got {a.memory_limit_gib}")
     if (a.achieved_tflops is None) != (a.flops_per_token is None):
@@ -258,11 +267,32 @@ def _check(a: argparse.Namespace) -> None:
                 ("--shard-group-size", a.shard_group_size is not None),
                 ("--offload", a.offload != "none"),
                 ("--memory-limit-gib", a.memory_limit_gib is not None),
+                ("--snapshots", a.snapshots is not None),
             )
             if given
         ]
         if taken:
             raise ValueError(f"--tp cannot be combined with {', '.join(taken)} yet")
+
+
+def _snapshot_rows(e: Estimate, host_gib: float, ranks: int) -> str:
+    """What snapshots take of a node's host memory; ValueError when they do not fit."""
+    steady, peak = e.snapshot_host
+    node = (peak + e.host) * ranks
+    offload = f" and offload's {e.host * ranks / GIB:.2f}" if e.host else ""
+    text = (
+        f"\nsnapshots in host memory per rank: {e.snapshot / GIB:.2f} GiB a copy; "
+        f"{steady / GIB:.2f} GiB between snapshots (two slots, pinned, and a replica), "
+        f"{peak / GIB:.2f} GiB while one is taken; a node of {ranks} ranks needs "
+        f"{node / GIB:.2f} GiB (snapshots{offload}) of its {host_gib:g} GiB"
+    )
+    if node > host_gib * GIB:
+        raise ValueError(
+            f"snapshots do not fit in host memory: {text.strip()}. Taking them less often "
+            "does not help (two steps are held while one is taken): more nodes, less "
+            "offload, or checkpoints on disk only"
+        )
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -331,7 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 step_in_backward=in_backward,
             )
 
-        print(run(cfg).table())
+        first = run(cfg)
+        print(first.table())
+        if a.snapshots is not None:
+            print(_snapshot_rows(first, a.snapshots, min(a.gpus_per_node, a.world)))
         if a.memory_limit_gib is not None:
             stage3 = cfg.replace(stage=3, offload_delay_param_update=False)
             units = plan_groups(model, stage3, 1).units

@@ -31,6 +31,7 @@ from zeroshard.engine.planner._groups import (
     GroupPlan,
     grad_shard_bytes,
     plan_groups,
+    snapshot_bytes,
     state_bytes,
     state_rows,
 )
@@ -76,6 +77,17 @@ class Estimate:
     float8: int = 0  # stage 3: parameters gathered in fp8 (torchao's fp8 weights)
     # Whole-matrix optimizers (Muon): owners, Newton-Schulz FLOPs, bytes exchanged.
     whole_matrix: WholeMatrixCost | None = None
+    snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
+
+    @property
+    def snapshot_host(self) -> tuple[int, int]:
+        """Host bytes per rank that snapshots every N steps take (docs/reliability.md,
+        "Recovery from memory"): between snapshots, its two slots (the newest complete
+        step and the one before, pinned under CUDA) and the replica it keeps for a rank
+        of another node; while one is taken, a second replica too. One rank alone keeps
+        no replica."""
+        replica = 0 if self.world_size == 1 else self.snapshot
+        return 2 * self.snapshot + replica, 2 * self.snapshot + 2 * replica
 
     @property
     def states_total(self) -> int:
@@ -310,4 +322,5 @@ def estimate_on_trace(
         step=step,
         float8=sum(g.layout.numel for g in plan.groups if g.wire is WireKind.FLOAT8),
         whole_matrix=whole,
+        snapshot=snapshot_bytes(plan, cfg, state_per_element),
     )

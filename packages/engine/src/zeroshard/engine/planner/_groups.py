@@ -114,6 +114,21 @@ def state_bytes(
     return out
 
 
+def snapshot_bytes(
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: Mapping[int, int]
+) -> int:
+    """One rank's snapshot (`zeroshard.engine.Snapshots`) in bytes: its masters and
+    optimizer state, what its checkpoint file holds."""
+    master = cfg.precision.master_dtype.itemsize
+    total = 0
+    for g in plan.groups:
+        total += g.layout.shard_numel * master
+        if g.trainable:
+            per = optimizer_bytes_per_element.get(g.key.param_group, 8)
+            total += g.layout.shard_numel * per * master // 4
+    return total
+
+
 def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:
     """The memory table's rows of the model states: the header, each kind held, their
     sum, and the gradient shards a step adds."""

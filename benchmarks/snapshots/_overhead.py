@@ -1,0 +1,158 @@
+"""The step time with snapshots in host memory against torch DCP's async save, one rank.
+
+One process trains the GPT (zeroshard, `stage`, bf16 on CUDA, fp32 on the CPU; AdamW
+fused on CUDA) on random tokens and times blocks of `steps` steps in turn: nothing saved
+(`none`), `Snapshots.take` every N-th step (`snapshot`), and torch DCP's `async_save`
+every N-th step of the same tensors (the masters and optimizer state `save_checkpoint`
+holds) into a folder in shared memory (`--shm`), each save first waiting for the one
+before (`dcp-async`, as torchtitan does). Two snapshots and two DCP saves run untimed
+first (mapping and pinning the snapshots' two slots). A block's time runs
+from its first step to the end of its last save (the background work waited for), so its
+mean step includes any wait a save caused; `take` (or `async_save`) alone is timed too.
+Rounds alternate the order of the modes; each mode's figure is its median block.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import async_save
+
+import zeroshard.engine as zs
+from benchmarks._common import adamw, bench_model, sync
+from zeroshard.engine import engine_state
+from zeroshard.engine.state._checkpoint_layout import checkpoint_contents
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one overhead run measures."""
+
+    preset: str
+    smoke: bool
+    stage: int
+    micro_batch: int
+    steps: int
+    warmup: int
+    rounds: int
+    every: tuple[int, ...]
+    on_gpu: bool
+    shm: str
+    out: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One mode's result: mean step (median of its blocks) and its save call's mean."""
+
+    mode: str
+    every: int
+    step_ms: float
+    blocks_ms: tuple[float, ...]
+    call_ms: float
+    snapshot_bytes: int
+
+
+def run(rank: int, world: int, s: Settings) -> None:
+    """Measure on this (only) rank; write the rows as JSON to `s.out`."""
+    bench = bench_model(
+        "gpt", s.preset, smoke=s.smoke, seq_len=None, activation_checkpointing=False
+    )
+    device = torch.device("cuda", 0) if s.on_gpu else torch.device("cpu")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = bench.build()
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    model, opt = zs.initialize(
+        model, adamw(model.parameters(), device), {"stage": s.stage, "compute_dtype": dtype}
+    )
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, bench.vocab_size, (s.micro_batch, bench.seq_len), generator=g).to(device)
+    y = torch.randint(0, bench.vocab_size, (s.micro_batch, bench.seq_len), generator=g).to(device)
+
+    def step() -> None:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    shm = Path(tempfile.mkdtemp(prefix="zeroshard-bench-", dir=s.shm))
+    # One Snapshots for every N (its two slots reused): the modes call it every N-th step.
+    snaps = zs.Snapshots(model, opt, every=1, root=shm / "snap")
+    state = engine_state(model)
+    _, tensors = checkpoint_contents(model, state)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    del tensors
+    calls: dict[str, list[float]] = {}
+    pending: list[Any] = []
+    # DCP's async save needs a CPU process group (training's may be NCCL alone).
+    cpu_group = dist.new_group(backend="gloo")
+
+    def dcp_save(n: int) -> None:
+        if pending:
+            pending.pop().result()
+        _, tensors = checkpoint_contents(model, state)
+        writer = FileSystemWriter(shm / "dcp", overwrite=True)
+        pending.append(async_save(tensors, storage_writer=writer, process_group=cpu_group))
+
+    def dcp_wait() -> None:
+        if pending:
+            pending.pop().result()
+
+    def every(e: int, save: Callable[[int], object]) -> Callable[[int], object]:
+        return lambda n: save(n) if n % e == 0 else None
+
+    Mode = tuple[str, int, Callable[[int], object], Callable[[], None]]
+    modes: list[Mode] = [("none", 1, lambda n: None, lambda: None)]
+    for e in s.every:
+        modes.append(("snapshot", e, every(e, snaps.take), snaps.wait))
+        modes.append(("dcp-async", e, every(e, dcp_save), dcp_wait))
+    blocks: dict[tuple[str, int], list[float]] = {}
+    try:
+        for _ in range(s.warmup):
+            step()
+        # Untimed: the first two snapshots map (and pin) the two slots, DCP warms up.
+        for n in (1, 2):
+            snaps.take(n)
+            dcp_save(n)
+        snaps.wait()
+        dcp_wait()
+        n = 0
+        for r in range(s.rounds):
+            for mode, e, save, finish in modes if r % 2 == 0 else modes[::-1]:
+                sync(device)
+                start = time.perf_counter()
+                for _ in range(s.steps):
+                    step()
+                    n += 1
+                    t = time.perf_counter()
+                    save(n)
+                    calls.setdefault(f"{mode}-{e}", []).append(time.perf_counter() - t)
+                finish()
+                sync(device)
+                blocks.setdefault((mode, e), []).append((time.perf_counter() - start) / s.steps)
+    finally:
+        snaps.close()
+        shutil.rmtree(shm, ignore_errors=True)
+    rows = [
+        Row(
+            mode,
+            e,
+            statistics.median(b) * 1e3,
+            tuple(x * 1e3 for x in b),
+            statistics.mean(calls[f"{mode}-{e}"]) * 1e3,
+            size,
+        )
+        for (mode, e), b in blocks.items()
+    ]
+    Path(s.out).write_text(json.dumps([asdict(r) for r in rows]))

@@ -1,0 +1,58 @@
+"""The two sections' markdown: the step-time overhead and the recovery time."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from benchmarks._common import markdown_table
+
+
+def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
+    """The overhead table: each mode's mean step against no saving."""
+    base = next(r["step_ms"] for r in rows if r["mode"] == "none")
+    table = [
+        (
+            r["mode"],
+            "-" if r["mode"] == "none" else r["every"],
+            f"{r['step_ms']:.1f}",
+            "-" if r["mode"] == "none" else f"{100 * (r['step_ms'] / base - 1):+.1f}%",
+            "-" if r["mode"] == "none" else f"{r['call_ms']:.1f}",
+            " ".join(f"{b:.1f}" for b in r["blocks_ms"]),
+        )
+        for r in sorted(rows, key=lambda r: (r["mode"] != "none", r["every"], r["mode"]))
+    ]
+    size = rows[0]["snapshot_bytes"] / 2**20
+    return (
+        f"{shape}. Each rank's snapshot: {size:,.0f} MiB (masters and optimizer state). "
+        "Mean step over a block (its saves' background work waited for at its end), the "
+        "median of the blocks; the save call alone (`take` or DCP's `async_save`, which "
+        "first waits for the save before it), its mean over every step of the block.\n\n"
+        + markdown_table(
+            ["mode", "every N steps", "step ms", "vs none", "save call ms", "blocks ms"], table
+        )
+    )
+
+
+def recovery(
+    fresh: Sequence[Mapping[str, float]], rec: Sequence[Mapping[str, float]], shape: str
+) -> str:
+    """The recovery table: the medians of the rounds, the fresh start beside it."""
+
+    def med(runs: Sequence[Mapping[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    parts = ["rendezvous", "worker_start", "setup", "fetch", "load", "first_step", "total"]
+    rows = [
+        ("fresh start (launch to first step)", *(f"{med(fresh, k):.2f}" for k in parts)),
+        ("node lost, replaced (kill to first new step)", *(f"{med(rec, k):.2f}" for k in parts)),
+    ]
+    return (
+        f"{shape}. Seconds, the median of {len(rec)} rounds (each a fresh start and a "
+        f"recovery). Node a's ranks read their own memory; the new node's ranks fetched "
+        f"{med(rec, 'fetched_mib'):.1f} MiB each from node a's replicas. `rendezvous` runs "
+        "from the launch (or the kill) to the last worker's start, `worker_start` to the "
+        "last rank's process group up, `setup` to `Snapshots.resume`; fetch and load are "
+        "the slowest rank's.\n\n" + markdown_table(["run", *parts], rows)
+    )

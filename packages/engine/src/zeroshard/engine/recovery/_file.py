@@ -1,0 +1,193 @@
+"""One rank's snapshot as bytes: what `save_checkpoint` writes for the rank (the same
+metadata, tensors and user state), laid out for a copy into memory, with a checksum.
+
+[Note: the snapshot file]
+8 bytes, the header's length n (little-endian); n bytes of JSON: the step, the rank, the
+world size, the checkpoint metadata's own JSON (`CheckpointMeta.to_json`), the user
+state's (`RankExtra.text`) and each tensor's key, dtype, shape and offset; then the
+tensors' bytes, each at a multiple of 64; then a 16-byte trailer: `zsnap001`, the
+payload's length and its crc32 (the checkpoints' checksum). Bytes whose trailer is
+missing or whose crc32 differs are no snapshot (a killed write, a flipped bit): `check`
+raises `ChecksumError`, as a damaged checkpoint file does.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from zeroshard.ckpt import (
+    CheckpointError,
+    CheckpointMeta,
+    ChecksumError,
+    RankExtra,
+    safetensors_dtype,
+    safetensors_dtype_code,
+)
+from zeroshard.engine.recovery._crc import crc32
+
+_MAGIC = b"zsnap001"
+_TRAILER = struct.Struct("<8sQI4x")
+_ALIGN = 64
+_EXTRA = "extra."
+
+
+class Planned(NamedTuple):
+    """Where everything goes in a snapshot of `size` bytes (trailer included)."""
+
+    header: bytes
+    entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], int]]
+    size: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A parsed snapshot: its tensors are views of the bytes it was parsed from."""
+
+    step: int
+    rank: int
+    world_size: int
+    meta: CheckpointMeta
+    tensors: Mapping[str, torch.Tensor]
+    extra: RankExtra | None
+
+
+def file_tensors(
+    tensors: Mapping[str, torch.Tensor], extra: RankExtra | None
+) -> dict[str, torch.Tensor]:
+    """Every tensor a snapshot holds, by its key there: `tensors` and the extra's."""
+    out = dict(tensors)
+    if extra is not None:
+        out.update({_EXTRA + k: v for k, v in extra.tensors.items()})
+    return out
+
+
+def plan(
+    step: int,
+    rank: int,
+    world_size: int,
+    meta: CheckpointMeta,
+    items: Mapping[str, torch.Tensor],
+    extra_text: str | None,
+) -> Planned:
+    """The layout of a snapshot of `items` (`file_tensors`): see [Note: the snapshot file]."""
+    entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+    at = 0
+    for key, t in items.items():
+        entries[key] = (t.dtype, tuple(t.shape), at)
+        at += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    doc = {
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "meta": meta.to_json(),
+        "extra": extra_text,
+        "tensors": {k: [safetensors_dtype_code(d), list(s), o] for k, (d, s, o) in entries.items()},
+    }
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    head = struct.pack("<Q", len(text)) + text
+    shifted = {k: (d, s, o + len(head)) for k, (d, s, o) in entries.items()}
+    return Planned(head, shifted, len(head) + at + _TRAILER.size)
+
+
+def _view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], at: int) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return buf[at : at + n * dtype.itemsize].view(dtype).view(shape)
+
+
+def fill_header(buf: torch.Tensor, planned: Planned) -> None:
+    """Write the header into `buf`."""
+    head = planned.header
+    buf[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+
+
+def slots(buf: torch.Tensor, planned: Planned) -> dict[str, torch.Tensor]:
+    """Every planned tensor's place in `buf`, as a tensor of its dtype and shape."""
+    return {key: _view(buf, d, s, at) for key, (d, s, at) in planned.entries.items()}
+
+
+def _crc(buf: torch.Tensor, end: int) -> int:
+    return crc32(buf.numpy().data[:end])
+
+
+def seal(buf: torch.Tensor) -> int:
+    """Write the trailer (the crc32 of everything before it); return the crc32."""
+    end = buf.numel() - _TRAILER.size
+    crc = _crc(buf, end)
+    tail = _TRAILER.pack(_MAGIC, end, crc)
+    buf[end:].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
+    return crc
+
+
+def trailer_crc(buf: torch.Tensor, where: str) -> int:
+    """The crc32 the trailer records; ChecksumError when there is no trailer."""
+    if buf.numel() < _TRAILER.size:
+        raise ChecksumError(f"{where}: {buf.numel()} bytes, too short for a snapshot")
+    magic, end, crc = _TRAILER.unpack(bytes(buf[-_TRAILER.size :].numpy()))
+    if magic != _MAGIC or end != buf.numel() - _TRAILER.size:
+        raise ChecksumError(f"{where}: no intact snapshot trailer (a write that did not end?)")
+    return int(crc)
+
+
+def check(buf: torch.Tensor, where: str) -> None:
+    """ChecksumError unless the bytes are a whole snapshot with the crc32 it records."""
+    want = trailer_crc(buf, where)
+    got = _crc(buf, buf.numel() - _TRAILER.size)
+    if got != want:
+        raise ChecksumError(f"{where}: crc32 is {got:08x}, the snapshot records {want:08x}")
+
+
+def parse(buf: torch.Tensor, where: str) -> Snapshot:
+    """The snapshot in checked bytes `buf` (CheckpointError when it is malformed)."""
+    try:
+        (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
+        doc = json.loads(bytes(buf[8 : 8 + n].numpy()))
+        tensors = {  # offsets count from the end of the header
+            key: _view(buf, safetensors_dtype(code), tuple(shape), 8 + n + at)
+            for key, (code, shape, at) in doc["tensors"].items()
+        }
+        meta = CheckpointMeta.from_json(doc["meta"])
+        extra = None
+        if doc["extra"] is not None:
+            # Copies: the user's state outlives the bytes (and torch's set_rng_state wants
+            # a tensor of its own, not a view at an offset).
+            mine = {k[len(_EXTRA) :]: t.clone() for k, t in tensors.items() if k.startswith(_EXTRA)}
+            extra = RankExtra(str(doc["extra"]), mine)
+        tensors = {k: t for k, t in tensors.items() if not k.startswith(_EXTRA)}
+        return Snapshot(
+            int(doc["step"]), int(doc["rank"]), int(doc["world_size"]), meta, tensors, extra
+        )
+    except (KeyError, TypeError, ValueError, struct.error) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{where}: malformed snapshot ({e!r})") from e
+
+
+def mapped(path: Path, size: int | None = None) -> torch.Tensor:
+    """The bytes of file `path` as a uint8 tensor over shared memory: a new file of
+    `size` bytes, or (None) the existing one, copy-on-write (writes stay private)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if size is not None else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size is not None and size > 0:
+            # Reserved now: a full /dev/shm is an OSError here, not a SIGBUS at a write.
+            os.posix_fallocate(fd, 0, size)
+        length = os.fstat(fd).st_size
+        if length == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        access = mmap.ACCESS_WRITE if size is not None else mmap.ACCESS_COPY
+        # The tensor keeps the map alive; the memory goes when the last view does.
+        return torch.frombuffer(mmap.mmap(fd, length, access=access), dtype=torch.uint8)
+    finally:
+        os.close(fd)

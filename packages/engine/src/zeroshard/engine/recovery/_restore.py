@@ -1,0 +1,242 @@
+"""Restarting from the newest step the snapshots in memory cover, else from disk.
+
+[Note: restoring from memory]
+1. Inventory: the first rank of each node lists the node's snapshot files, and every
+   rank gets every node's list (over the snapshots' group).
+2. Plan (`plan_restore`, the same on every rank): the newest step S at which every
+   rank r of this world has a file of its state at S, for this world size, on some
+   node, none of those found bad; each rank's source is its own node's file if there
+   is one (read from shared memory), else the first node's that holds one (its first
+   rank sends it).
+3. Fetch and check: every rank reads or receives its file and checks its crc32, that it
+   is its own state at S, and that it fits this engine (`check_snapshot`). The ranks
+   then share their outcomes: if any file failed, it is marked bad on every rank and
+   the plan is made again (the other copy may be whole), else
+4. every rank puts its state back (`apply_snapshot`, the checkpoint's own phases), each
+   node keeps step S only, and the background thread writes each rank's own copy
+   where it was fetched from another node and replicates every rank's state again,
+   so a second failure before the next snapshot finds S whole.
+5. When no step is covered, the snapshots are dropped and `resume_checkpoint` loads
+   the newest intact checkpoint from disk; one warning on rank 0 says why, and how many
+   steps behind the newest snapshot that is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.ckpt import CheckpointError
+from zeroshard.comm import warn_on_rank0
+from zeroshard.engine.recovery import _file, _wire
+from zeroshard.engine.recovery._contents import apply_snapshot, check_snapshot
+from zeroshard.engine.recovery._store import OWN, Held
+from zeroshard.engine.state._checkpoint import every_rank
+from zeroshard.engine.state._resume import resume_checkpoint
+
+if TYPE_CHECKING:
+    from zeroshard.engine.recovery._snapshots import Snapshots
+
+
+class Source(NamedTuple):
+    """Where a rank's snapshot comes from: a file of `node`, read by rank `server`."""
+
+    node: str
+    held: Held
+    server: int
+
+
+class Resumed(NamedTuple):
+    """What `Snapshots.resume` did: the step (None: a fresh start), where from
+    ('memory', 'disk' or 'fresh'), how long finding and fetching the snapshots
+    (`fetch_s`) and putting the state back (`load_s`) took on this rank, and the bytes it
+    received from another rank (0: read from its own node's memory, or from disk)."""
+
+    step: int | None
+    source: str
+    fetch_s: float
+    load_s: float
+    fetched_bytes: int
+
+
+Bad = tuple[str, Held]
+
+
+def plan_restore(
+    world_size: int,
+    nodes: Sequence[str],
+    inventory: Mapping[str, Sequence[Held]],
+    bad: set[Bad],
+) -> tuple[int, list[Source]] | None:
+    """The newest step every rank's snapshot covers and each rank's source (see [Note:
+    restoring from memory]); None when no step is covered. `nodes[r]` is rank r's node."""
+    first = {n: nodes.index(n) for n in dict.fromkeys(nodes)}
+    holders: dict[tuple[int, int], list[tuple[str, Held]]] = {}
+    for node in sorted(inventory, key=lambda n: first.get(n, len(nodes))):
+        for h in inventory[node]:
+            if h.world_size == world_size and (node, h) not in bad and node in first:
+                holders.setdefault((h.step, h.rank), []).append((node, h))
+    steps = sorted({s for s, _ in holders}, reverse=True)
+    for step in steps:
+        sources = []
+        for rank in range(world_size):
+            there = holders.get((step, rank), [])
+            if not there:
+                break
+            # Its own node first (no transfer), its own copy before a replica.
+            node, held = min(there, key=lambda nh: (nh[0] != nodes[rank], nh[1].kind != OWN))
+            sources.append(Source(node, held, rank if node == nodes[rank] else first[node]))
+        else:
+            return step, sources
+    return None
+
+
+def _inventory(snaps: Snapshots) -> dict[str, list[Held]]:
+    placement = snaps.placement
+    me = snaps.rank
+    node = placement.nodes[me]
+    mine = snaps.store.held() if placement.node_ranks(node)[0] == me else None
+    everyone: list[list[Held] | None] = [None] * snaps.world_size
+    dist.all_gather_object(everyone, mine, group=snaps._pg)
+    return {
+        placement.nodes[r]: [Held(*h) for h in held]
+        for r, held in enumerate(everyone)
+        if held is not None
+    }
+
+
+def _fetch(snaps: Snapshots, step: int, sources: list[Source]) -> torch.Tensor:
+    """This rank's snapshot bytes (serving the ranks it is the source of)."""
+    me, world = snaps.rank, snaps.world_size
+    works: _wire.Works = []
+    keep = []
+    for target, src in enumerate(sources):
+        if src.server == me and target != me:
+            h = src.held
+            try:
+                buf = _file.mapped(snaps.store.path(step, h.rank, world, h.kind))
+            except OSError:  # gone meanwhile: the target finds the bytes bad, not hangs
+                buf = torch.zeros(0, dtype=torch.uint8)
+            if buf.numel() != h.size:
+                buf = torch.zeros(h.size, dtype=torch.uint8)
+            keep.append(buf)
+            works += _wire.send_bytes(snaps._pg, buf, target)
+    src = sources[me]
+    if src.server == me:
+        out = _file.mapped(snaps.store.path(step, me, world, src.held.kind))
+    else:
+        out = torch.empty(src.held.size, dtype=torch.uint8)
+        works += _wire.recv_bytes(snaps._pg, out, src.server)
+    _wire.wait(works)
+    return out
+
+
+def _outcomes(snaps: Snapshots, problem: str | None) -> list[str | None]:
+    everyone: list[str | None] = [None] * snaps.world_size
+    dist.all_gather_object(everyone, problem, group=snaps._pg)
+    return everyone
+
+
+def _republisher(
+    snaps: Snapshots, step: int, src: Source, buf: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """What the background thread runs first after a restore: this rank's own copy of
+    `step` written to its node where it came from elsewhere; its bytes returned."""
+
+    def own() -> torch.Tensor:
+        if src.node == snaps.placement.nodes[snaps.rank] and src.held.kind == OWN:
+            return buf
+        final = snaps.store.path(step, snaps.rank, snaps.world_size, OWN)
+        temp = snaps.store.temp(final)
+        copy = _file.mapped(temp, buf.numel())
+        copy.copy_(buf)
+        snaps.store.commit(temp, final)
+        return copy
+
+    return own
+
+
+@torch.no_grad()
+def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Callable[[], torch.Tensor] | None]:
+    """See [Note: restoring from memory]; the republish to start in the background."""
+    state, model = snaps._state, snaps._model
+    me = snaps.rank
+    t0 = time.perf_counter()
+    inventory = _inventory(snaps)
+    newest = max((h.step for held in inventory.values() for h in held), default=None)
+    bad: set[Bad] = set()
+    why: list[str] = []
+    label = f"Snapshots.resume({str(directory)!r})"
+    while (
+        found := plan_restore(snaps.world_size, snaps.placement.nodes, inventory, bad)
+    ) is not None:
+        step, sources = found
+        src = sources[me]
+        where = f"snapshot of rank {me} at step {step} (node {src.node}, {src.held.kind})"
+        problem = None
+        fetch_s = 0.0
+        try:
+            buf = _fetch(snaps, step, sources)
+            _file.check(buf, where)
+            snap = _file.parse(buf, where)
+            if (snap.step, snap.rank, snap.world_size) != (step, me, snaps.world_size):
+                raise CheckpointError(
+                    f"{where} holds rank {snap.rank}'s state at step {snap.step} of "
+                    f"{snap.world_size} ranks"
+                )
+            fetch_s = time.perf_counter() - t0
+            checked = check_snapshot(state, snap, where, snaps.client_state, snaps.rank_state)
+        except (CheckpointError, OSError) as e:
+            problem = str(e)
+        outcomes = _outcomes(snaps, problem)
+        if any(outcomes):
+            for rank, text in enumerate(outcomes):
+                if text is not None:
+                    bad.add((sources[rank].node, sources[rank].held))
+                    why.append(text)
+            continue
+        t1 = time.perf_counter()
+        apply_snapshot(
+            model, state, every_rank(state), label, checked, snaps.client_state, snaps.rank_state
+        )
+        _keep_only(snaps, step)
+        if why:
+            warn_on_rank0(f"resume: skipped damaged snapshots ({'; '.join(why)})")
+        got = 0 if src.server == me else buf.numel()
+        done = Resumed(step, "memory", fetch_s, time.perf_counter() - t1, got)
+        return done, _republisher(snaps, step, src, buf)
+    _keep_only(snaps, None)
+    t1 = time.perf_counter()
+    disk = resume_checkpoint(
+        model,
+        state.optimizer,
+        directory,
+        client_state=snaps.client_state,
+        rank_state=snaps.rank_state,
+    )
+    if newest is not None:
+        at = 0 if disk is None else disk
+        worlds = {h.world_size for held in inventory.values() for h in held}
+        reason = "; ".join(why) or "some rank's snapshot is on no node left"
+        if snaps.world_size not in worlds:
+            reason = f"they are of {sorted(worlds)} ranks, this job has {snaps.world_size}"
+        warn_on_rank0(
+            f"resume: no step is covered by the snapshots in memory ({reason}): resumed "
+            f"from {'step 0' if disk is None else f'the checkpoint of step {disk}'} on "
+            f"disk, {newest - at} step(s) behind the newest snapshot (step {newest}), "
+            "which are redone"
+        )
+    source = "fresh" if disk is None else "disk"
+    return Resumed(disk, source, t1 - t0, time.perf_counter() - t1, 0), None
+
+
+def _keep_only(snaps: Snapshots, step: int | None) -> None:
+    """Each node keeps only `step`'s snapshots (none: no step)."""
+    if snaps.placement.node_ranks(snaps.placement.nodes[snaps.rank])[0] == snaps.rank:
+        snaps.store.drop(step)
+    dist.barrier(group=snaps._pg)

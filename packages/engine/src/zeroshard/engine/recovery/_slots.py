@@ -1,0 +1,94 @@
+"""A rank's two snapshot buffers in shared memory, written step after step.
+
+[Note: slots]
+A snapshot is written into one of the rank's two slot files (`slots/` in the node's
+folder, named by rank and process), each mapped once and, with CUDA, registered once as
+pinned memory, so device tensors are copied straight into shared memory (no staging
+buffer, no second copy) and pages are not faulted in anew at every step. The committed
+snapshot is a hard link to the slot file, under the step's name ([Note: a node's
+snapshots]). The two slots alternate: the one written next held the step before the
+newest complete one, whose folder was removed when the newest completed. A restarted
+process never writes into a dead process's slots (their steps may still be linked and
+needed): it makes its own, and removes the dead ones' names (their bytes live on while a
+step links them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroshard.engine.recovery._file import mapped
+from zeroshard.engine.recovery._store import NodeStore, alive
+
+
+@dataclass
+class Slot:
+    """One slot file and its mapping (`pinned`: registered with CUDA)."""
+
+    path: Path
+    buf: torch.Tensor
+    pinned: bool
+
+
+def _pin(buf: torch.Tensor) -> None:
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+    if err != 0:
+        raise RuntimeError(f"snapshots: registering {buf.numel()} bytes as pinned failed ({err})")
+
+
+def _unpin(slot: Slot) -> None:
+    if slot.pinned:
+        torch.cuda.cudart().cudaHostUnregister(slot.buf.data_ptr())  # type: ignore[no-untyped-call]
+        slot.pinned = False
+
+
+class Slots:
+    """This process's two slots for rank `rank` in `store`'s node folder."""
+
+    def __init__(self, store: NodeStore, rank: int, pin: bool) -> None:
+        self._folder = store.folder / "slots"
+        self._rank = rank
+        self._pin = pin
+        self._slots: list[Slot | None] = [None, None]
+        self._turn = 0
+        self._folder.mkdir(parents=True, exist_ok=True)
+        for f in self._folder.glob("rank*-*-*.buf"):
+            pid = f.name.split("-")[1]
+            if pid.isdigit() and not alive(int(pid)):
+                f.unlink(missing_ok=True)
+
+    def next(self, size: int) -> Slot:
+        """The slot to write a snapshot of `size` bytes into (see [Note: slots])."""
+        k, self._turn = self._turn, 1 - self._turn
+        slot = self._slots[k]
+        if slot is not None and slot.buf.numel() == size:
+            return slot
+        if slot is not None:
+            _unpin(slot)
+        # A new file, not the old one resized: a step may still link the old bytes.
+        path = self._folder / f"rank{self._rank:05d}-{os.getpid()}-{k}.buf"
+        path.unlink(missing_ok=True)
+        try:
+            buf = mapped(path, size)
+        except OSError as e:
+            raise RuntimeError(
+                f"snapshots: no room for a snapshot of {size:,} bytes in {self._folder} "
+                f"({e.strerror or e}): see zeroshard-plan --snapshots for what they need"
+            ) from e
+        if self._pin:
+            _pin(buf)
+        slot = Slot(path, buf, self._pin)
+        self._slots[k] = slot
+        return slot
+
+    def close(self) -> None:
+        """Unregister and drop both slots (their files go with the node's folder)."""
+        for slot in self._slots:
+            if slot is not None:
+                _unpin(slot)
+        self._slots = [None, None]
