@@ -130,10 +130,6 @@ class ExchangingStep(OnDevice):
             g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
             for g in self.groups
         }
-        self.bind()
-
-    def bind(self) -> None:
-        """A stepper's own set-up, once its groups and exchanges are known."""
 
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
         """Refused: the matrices are stepped at their owners after backward."""

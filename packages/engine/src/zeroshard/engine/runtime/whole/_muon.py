@@ -42,9 +42,10 @@ import torch
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._home import HomeKind, refresh_homes
 from zeroshard.engine.runtime._stepper import StepOutcome
-from zeroshard.engine.runtime._tensor_parallel import split_dim
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel, split_dim
 from zeroshard.engine.runtime.whole._declare import muon_functions
 from zeroshard.engine.runtime.whole._exchange import ExchangingStep, ShardPiece
+from zeroshard.engine.runtime.whole._owners import MatrixOwners
 from zeroshard.partition import Slot
 
 
@@ -52,9 +53,17 @@ class MuonStep(ExchangingStep):
     """torch.optim.Muon (`optimizer`, whose first param group is the combined optimizer's
     `offset`-th) on `groups`, its flat groups; `owners` by process-group label."""
 
-    def bind(self) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: Sequence[FlatParamGroup],
+        owners: Mapping[str, MatrixOwners],
+        offset: int,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
         """torch's own Newton-Schulz and learning-rate adjustment, so the bits are its; the
         whole shape and split dim of each matrix split over tp, by name."""
+        super().__init__(optimizer, groups, owners, offset, tensor_parallel)
         functions = muon_functions()
         assert functions is not None  # split_muon() checked it
         self.newton_schulz, self.adjusted_lr = functions

@@ -13,11 +13,16 @@ moves 4 bytes of gradient and 4 of master to the owner and 4 of master back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import nn
 
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import StepOutcome, WholeParams
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._exchange import ExchangingStep
+from zeroshard.engine.runtime.whole._owners import MatrixOwners
 
 
 class WholeParamStep(ExchangingStep):
@@ -25,9 +30,17 @@ class WholeParamStep(ExchangingStep):
     whole parameters at their owners; `owners` by process-group label. Binds the
     optimizer's param groups to this rank's whole parameters (`params`, by name)."""
 
-    def bind(self) -> None:
-        """One empty whole parameter per matrix this rank owns, in its param group."""
-        optimizer = self.optimizer
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: Sequence[FlatParamGroup],
+        owners: Mapping[str, MatrixOwners],
+        offset: int,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
+        """Bind the optimizer's param groups to one empty whole parameter per matrix this
+        rank owns (they replace the masters `bind_masters` gave it)."""
+        super().__init__(optimizer, groups, owners, offset, tensor_parallel)
         self.params: dict[str, nn.Parameter] = {}
         bound: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for g in self.groups:
