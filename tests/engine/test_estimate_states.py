@@ -104,9 +104,18 @@ MORE: list[dict[str, Any]] = [
     {"stage": 2, "dtype": "fp32"},
     {"stage": 3, "dtype": "bf16"},
     {"stage": 1, "dtype": "fp32", "offload_optimizer": True, "offload_ratio": 0.5},
-    # bf16 masters: masters, gradient shards and AdamW's state at half the bytes.
+    # bf16 masters: masters, gradient shards and AdamW's state at half the bytes; on the
+    # host too.
     {"stage": 1, "dtype": "bf16", "master_dtype": "bf16"},
     {"stage": 3, "dtype": "bf16", "master_dtype": "bf16"},
+    {"stage": 2, "dtype": "bf16", "master_dtype": "bf16", "offload_optimizer": True},
+    {
+        "stage": 3,
+        "dtype": "bf16",
+        "master_dtype": "bf16",
+        "offload_optimizer": True,
+        "offload_ratio": 0.5,
+    },
 ]
 HYBRID: list[dict[str, Any]] = [
     {"stage": 3, "dtype": "bf16", "shard": 2},

@@ -73,19 +73,20 @@ class BlockedStep:
         master: torch.Tensor,
         grad: torch.Tensor,
         factors: Sequence[torch.Tensor | float],
-        upcast: torch.Tensor,
+        scratch: tuple[torch.Tensor, torch.Tensor | None],
         written: Written,
     ) -> None:
         """Step `master` (with `state`, its step count advanced) on `grad`, in its reduce
-        dtype with `factors` still to apply, or fp32 with them applied; `upcast` is the
-        scratch (one block of fp32); after each block `written(lo, hi, master)`."""
+        dtype with `factors` still to apply, or fp32 with them applied; `scratch` is the
+        fp32 upcast (one block) and, for bf16 masters, its cast back to their dtype; after
+        each block `written(lo, hi, master)`."""
         names = _STATE[: 3 if adam.amsgrad else 2]
         tensors = (master, *(state[k] for k in names))
         cached = self._views.get(key)
         if cached is None or any(a is not b for a, b in zip(cached[0], tensors, strict=True)):
             cached = self._views[key] = (tensors, _blocks_of(tensors, adam.amsgrad))
         blocks = cached[1]
-        _run(blocks, adam, state["step"], grad.view(-1), factors, upcast, written)
+        _run(blocks, adam, state["step"], grad.view(-1), factors, scratch, written)
 
 
 def _run(
@@ -94,18 +95,20 @@ def _run(
     step: torch.Tensor,
     grad: torch.Tensor,
     factors: Sequence[torch.Tensor | float],
-    upcast: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor | None],
     written: Written,
 ) -> None:
     """Step `blocks` one after another ([Note: blocked step loop]); the kernel takes the
     gradient in the master's dtype (fp32, or bf16 with bf16 masters)."""
     steps, options = [step], adam.options
+    upcast, narrow_scratch = scratch
     master = blocks[0].params[0].dtype if blocks else torch.float32
     narrow = grad.dtype != torch.float32
     # bf16 masters step on a bf16 gradient: the upcast (its factors applied) cast to it,
     # or the gradient itself where it needs neither.
     as_is = grad.dtype == master and not factors
-    cast = None if master == torch.float32 or as_is else torch.empty_like(upcast, dtype=master)
+    cast = None if master == torch.float32 or as_is else narrow_scratch
+    assert cast is not None or master == torch.float32 or as_is
     # No autograd: this may run on a thread of its own, where grad mode is on.
     with torch.no_grad():
         for b in blocks:

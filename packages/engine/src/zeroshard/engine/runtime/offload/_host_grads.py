@@ -67,6 +67,11 @@ class HostGrads:
         # The step's fp32 upcast: one block, or one group's where the step is not blocked
         # (grown to that on first need); pageable: only the CPU reads it.
         self._upcast = memory.alloc(sizes.upcast_numel, torch.float32, False)
+        # bf16 masters step on a bf16 gradient: the upcast (its factors applied) cast back
+        # into this, of the upcast's size (None with fp32 masters).
+        self._narrow: torch.Tensor | None = None
+        if sizes.master_dtype != torch.float32:
+            self._narrow = memory.alloc(sizes.upcast_numel, sizes.master_dtype, False)
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._down = SideStream(device)
@@ -81,6 +86,12 @@ class HostGrads:
     def upcast(self) -> torch.Tensor:
         """The step's fp32 scratch (one block, or one group's)."""
         return self._upcast
+
+    @property
+    def narrow(self) -> torch.Tensor | None:
+        """With bf16 masters, the scratch the upcast is cast back into for the step (one
+        block, or one group's); None with fp32 masters."""
+        return self._narrow
 
     def _part(self, t: torch.Tensor, index: int) -> torch.Tensor:
         lo = self._offset[index]

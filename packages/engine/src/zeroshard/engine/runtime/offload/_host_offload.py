@@ -186,9 +186,9 @@ class HostOffload:
         def written(lo: int, hi: int, src: torch.Tensor) -> None:
             self._out.written(base + lo, base + hi, src)
 
-        upcast = self.grads.upcast
+        scratch = (self.grads.upcast, self.grads.narrow)
         self._blocked.step(
-            g.index, adam, state, g.master, grad.tensor, grad.factors, upcast, written
+            g.index, adam, state, g.master, grad.tensor, grad.factors, scratch, written
         )
 
     def _step_compiled(

@@ -185,7 +185,11 @@ def _step_group(
         return
     grad = offload.grads.grad_fp32(g)
     if grad is not None:
-        g.master.grad = grad.to(g.master.dtype)
+        # bf16 masters step on the upcast cast back into their scratch.
+        narrow = offload.grads.narrow
+        if narrow is not None:
+            grad = narrow[: grad.numel()].view_as(grad).copy_(grad)
+        g.master.grad = grad
         _step_masters(step, inner, [g.master])
         g.master.grad = None
     offload.stepped(g)
