@@ -195,3 +195,16 @@ def test_disk_full_mid_write(tmp_path: Path) -> None:
     assert load(root, rank=0, world_size=1).meta.step == 1
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+def test_convert_recognises_a_zeroshard_checkpoint(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`zeroshard-ckpt convert` of a zeroshard root (its two-line `latest` once read as
+    DeepSpeed's pointer) or checkpoint says what it is and writes nothing."""
+    out = tmp_path / "out"
+    for src in (ckpt, ckpt / "step-11"):
+        assert main(["convert", str(src), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "is a zeroshard checkpoint already" in err and "zs.load_checkpoint" in err, err
+    assert not out.exists()

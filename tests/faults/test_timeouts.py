@@ -2,8 +2,11 @@
 
 A peer that stops answering (alive, elsewhere) at each stage's step, and the common
 mistake of calling a collective API on rank 0 only: rank 0 gets `CollectiveTimeoutError`
-naming the call within the timeout. Each case runs on a fresh subgroup, which the
-abandoned collective leaves unusable, while the peer waits on the world group.
+naming the call within the timeout (a step's collective), or within the arrival window
+(`zeroshard.comm.arrive`: save, `full_state_dict`, `model.state_dict()` at stage 3, the
+DDP habit, whose error names `zs.state_dict_on_rank0`; the engine stays usable, so
+both ranks then take its state dict on rank 0). Each case runs on a fresh subgroup, which
+an abandoned collective leaves unusable, while the peer waits on the world group.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
             "step": lambda: train_step(model, opt, 0),
             "save": lambda: zs.save_checkpoint(model, opt, root, step=10 + stage),
             "full_state_dict": lambda: zs.full_state_dict(model),
+            "state_dict": lambda: model.state_dict(),
         }
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError) as info:
@@ -45,6 +49,10 @@ def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
         assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
     # The peer is alive meanwhile, here, on the world group.
     Group().barrier(label="case done")
+    if call == "state_dict":  # an arrival abandons no collective: the engine goes on
+        with zs.state_dict_on_rank0(model):
+            full = model.state_dict()
+        assert (len(full) > 0) == (dist.get_rank() == 0)
 
 
 def _cases(root: str) -> None:
@@ -52,8 +60,9 @@ def _cases(root: str) -> None:
     cases = [
         {"stage": 1, "call": "step", "expect": "reduce_scatter for 'grads of group"},
         {"stage": 2, "call": "step", "expect": "reduce_scatter for 'grads of group"},
-        {"stage": 2, "call": "save", "expect": "save of 'step-12'"},
-        {"stage": 1, "call": "full_state_dict", "expect": "'full_state_dict of group 0'"},
+        {"stage": 2, "call": "save", "expect": "'zs.save_checkpoint'"},
+        {"stage": 1, "call": "full_state_dict", "expect": "'zs.full_state_dict'"},
+        {"stage": 3, "call": "state_dict", "expect": "inside `with zs.state_dict_on_rank0"},
     ]
     run_each([dict(c, root=root) for c in cases], _rank0_alone)
 

@@ -36,6 +36,7 @@ from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stepper import DeviceStep, Stepper
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, split_dim
 from zeroshard.engine.runtime._unit_plan import UnitPlan
+from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload._compiled_step import compile_variants
 from zeroshard.engine.runtime.offload._fused_adam import fused_adam, steps_in_blocks
 from zeroshard.engine.runtime.offload._host_offload import HostOffload
@@ -345,6 +346,8 @@ def initialize(
         stepper=stepper,
         hooks=stage3,
         tensor_parallel=None if mesh is None else mesh.tensor_parallel,
+        # Last: what the engine was built on ([Note: changes after initialize]).
+        watch=ChangeWatch(model, groups, [optimizer, *optimizers]),
     )
     seconds = time.perf_counter() - start
     state = EngineState(

@@ -80,10 +80,13 @@ def _check_optimizers(inner: torch.optim.Optimizer, meta: CheckpointMeta, where:
     run's same param group: its state and hyperparameters would be another algorithm's
     (Muon's momentum and lr under AdamW). The checkpoint's record names the class
     (format version 6); an older checkpoint's param group is another optimizer's when it
-    has hyperparameters this one does not know while lacking some this one has."""
+    has hyperparameters this one does not know while lacking some this one has. An
+    optimizer declaring `zeroshard_never_steps` (an evaluation-only engine's) takes any."""
     owners = stepped_by(inner)
     differ = []
     for k, (owner, saved) in enumerate(zip(owners, meta.param_groups, strict=True)):
+        if getattr(owner, "zeroshard_never_steps", False):
+            continue
         here = class_path(owner)
         if meta.optimizers:
             # By class name: torch moves optimizers between modules (Muon: torch.optim._muon).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.comm import Handle
+from zeroshard.comm import Handle, arrive
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
 from zeroshard.engine.runtime._names import named_parameters
 from zeroshard.engine.runtime._state import (
@@ -185,6 +185,7 @@ def gathered_parameters(
     are discarded otherwise, and also when the block raises. See [Note: what the context holds].
     """
     state, named = _resolve(module_or_params, model)
+    arrive(state.shard_group, "zs.gathered_parameters", "Enter it on every rank")
     # The masters of every step() so far, a delayed one (delay_param_update) included.
     state.optimizer.settle()
     size = state.shard_group.size
