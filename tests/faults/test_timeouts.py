@@ -19,10 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 import zeroshard.engine as zs
 from tests._dist import free_port, run_each, run_ranks
+from tests.engine._models import make_model
 from tests.faults._engine import SLACK_S, TIMEOUT_S, build, train_step
 from zeroshard.comm import CollectiveTimeoutError, Group
 
@@ -38,6 +41,7 @@ def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
             "save": lambda: zs.save_checkpoint(model, opt, root, step=10 + stage),
             "full_state_dict": lambda: zs.full_state_dict(model),
             "state_dict": lambda: model.state_dict(),
+            "load_safetensors": lambda: zs.load_safetensors(model, Path(root) / "w.safetensors"),
         }
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError) as info:
@@ -53,9 +57,15 @@ def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
         with zs.state_dict_on_rank0(model):
             full = model.state_dict()
         assert (len(full) > 0) == (dist.get_rank() == 0)
+    if call == "load_safetensors":  # nothing was read on rank 0, the same weights
+        weights = zs.full_state_dict(model)
+        assert all(torch.equal(weights[k], v) for k, v in make_model(11).state_dict().items())
 
 
 def _cases(root: str) -> None:
+    if dist.get_rank() == 0:
+        weights = make_model(12).state_dict()  # other weights than build()'s
+        save_file({k: v for k, v in weights.items() if k != "head.weight"}, f"{root}/w.safetensors")
     # Stage 3's step is covered by tests/engine (it honoured the timeout before).
     cases = [
         {"stage": 1, "call": "step", "expect": "reduce_scatter for 'grads of group"},
@@ -63,6 +73,7 @@ def _cases(root: str) -> None:
         {"stage": 2, "call": "save", "expect": "'zs.save_checkpoint'"},
         {"stage": 1, "call": "full_state_dict", "expect": "'zs.full_state_dict'"},
         {"stage": 3, "call": "state_dict", "expect": "inside `with zs.state_dict_on_rank0"},
+        {"stage": 2, "call": "load_safetensors", "expect": "'zs.load_safetensors'"},
     ]
     run_each([dict(c, root=root) for c in cases], _rank0_alone)
 
