@@ -7,7 +7,8 @@ layer frozen at initialize stayed unchanged after two steps); a parameter unfroz
 frozen, a module converted by torchao (fp8 with its fp8 all-gather, which once trained
 to wrong weights), replaced or added, a parameter replaced or added, and a param group
 appended by hand raise at the next forward or step, naming the change; nothing of that
-kind (the same module assigned again, a parameter-less activation swapped) trains on.
+kind (the same module assigned again, a parameter-less activation added) trains on, and
+so does a module replaced and then put back.
 Unfreezing the way the errors say (a param group at lr 0, its lr set later) keeps the
 layer's weights until then and trains them after.
 """
@@ -111,12 +112,18 @@ def _changes(stage: int) -> None:
         [{"stage": stage, "change": c, "match": m} for c, m in CHANGES.values()],
         _checked,
     )
-    # What the engine needs not follow trains on.
+    # What the engine needs not follow trains on; a change undone does too.
     model, opt, _ = _build(stage)
     model.l1 = model.l1  # the same module
     model.blocks[0].up.weight = model.blocks[0].up.weight  # the same parameter
     model.act = nn.GELU()  # no parameters
     train_step(model, opt, 0)
+    l2 = model.l2
+    model.l2 = nn.Linear(29, 13)
+    with pytest.raises(RuntimeError, match="module 'l2' was replaced"):
+        train_step(model, opt, 1)
+    model.l2 = l2
+    train_step(model, opt, 1)
 
 
 def _float8_converted(stage: int) -> None:

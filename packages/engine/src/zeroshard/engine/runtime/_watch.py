@@ -18,7 +18,8 @@ would compute with parameters the engine does not publish. So:
   param group added or given other parameters by hand raise at the model's next forward
   (a pre-hook of the root module) or `step()`, naming the change and what to do.
   Assigning the object already there, or a module without parameters where none were
-  (an activation), is no change the engine needs to follow.
+  (an activation), is no change the engine needs to follow; putting back what was there
+  at `initialize` undoes the change.
 
 Each rank checks its own model: in a script that changes the model on every rank alike,
 every rank raises the same error. The cost per forward and step is one read of each
@@ -81,7 +82,8 @@ class ChangeWatch:
         self._trainable = tuple(map(_requires_grad, self._params))
         self._optimizers = list({id(o): o for o in optimizers}.values())
         self._param_lists = self._param_groups()
-        self._change = ""
+        # (module, "module" or "parameter", name) -> what was there, and what changed.
+        self._moved: dict[tuple[int, str, str], tuple[object, str]] = {}
         for path, module in model.named_modules():
             _WATCHED[module] = (self, path)
         if not _HOOKS:
@@ -105,15 +107,22 @@ class ChangeWatch:
             for o in self._optimizers
         ]
 
-    def changed(self, what: str) -> None:
-        """Record a change to the model the engine cannot follow (the first one is told)."""
-        self._change = self._change or what
+    def assigned(
+        self, module: nn.Module, kind: str, name: str, old: object, new: object, what: str
+    ) -> None:
+        """`new` is put where `old` is, in `module`: a change the engine cannot follow,
+        undone when what was there at `initialize` is put back."""
+        key = (id(module), kind, name)
+        original, _ = self._moved.setdefault(key, (old, what))
+        if new is original:
+            del self._moved[key]
 
     def check(self, where: str) -> None:
         """RuntimeError naming the first change since `initialize` (none: nothing)."""
-        if self._change:
+        if self._moved:
+            change = next(iter(self._moved.values()))[1]
             raise RuntimeError(
-                f"{self._change} after zeroshard.engine.initialize() (found at {where}): "
+                f"{change} after zeroshard.engine.initialize() (found at {where}): "
                 f"{_REBUILD}. Make the change before initialize() (convert, replace or add "
                 "modules first), or save a checkpoint and initialize the changed model anew"
             )
@@ -174,12 +183,12 @@ def _module_assigned(module: nn.Module, name: str, submodule: nn.Module | None) 
     where = _path(path, name)
     if _has_parameters(old) or _has_parameters(submodule):
         if submodule is None:
-            watch.changed(f"module {where!r} was removed")
+            what = f"module {where!r} was removed"
         elif old is None:
             what = f"module {where!r} ({type(submodule).__name__}) was added"
-            watch.changed(what)
         else:
-            watch.changed(f"module {where!r} was replaced by a {type(submodule).__name__}")
+            what = f"module {where!r} was replaced by a {type(submodule).__name__}"
+        watch.assigned(module, "module", name, old, submodule, what)
     elif submodule is not None:
         # Nothing to shard: watch what it holds from now on.
         for sub, sub_module in submodule.named_modules(prefix=where):
@@ -188,11 +197,12 @@ def _module_assigned(module: nn.Module, name: str, submodule: nn.Module | None) 
 
 def _parameter_assigned(module: nn.Module, name: str, param: nn.Parameter) -> None:
     watched = _WATCHED.get(module)
-    if watched is None or module._parameters.get(name) is param:
+    old = module._parameters.get(name)
+    if watched is None or old is param:
         return
     watch, path = watched
-    done = "replaced" if module._parameters.get(name) is not None else "added"
-    watch.changed(f"parameter {_path(path, name)!r} was {done}")
+    what = f"parameter {_path(path, name)!r} was {'replaced' if old is not None else 'added'}"
+    watch.assigned(module, "parameter", name, old, param, what)
 
 
 class _RefuseAddParamGroup:

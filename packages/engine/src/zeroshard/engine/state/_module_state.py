@@ -130,11 +130,12 @@ def state_dict_on_rank0(model: EngineModel) -> Iterator[None]:
     mode = getattr(engine_module(model), _MODE_ATTR, None)
     if not isinstance(mode, _Mode):
         raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
-    mode.rank0_only = True
+    # Nested blocks: the outer one's mode holds again after the inner one.
+    outer, mode.rank0_only = mode.rank0_only, True
     try:
         yield
     finally:
-        mode.rank0_only = False
+        mode.rank0_only = outer
 
 
 def _names_by_param(module: nn.Module, prefix: str) -> dict[int, list[str]]:
