@@ -24,7 +24,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import make_model, muon_and_adamw
 from tests.faults._engine import assert_same_bits, train_step
-from zeroshard.ckpt import CheckpointError, CheckpointMeta
+from zeroshard.ckpt import CheckpointError, CheckpointMeta, describe
 
 FIXTURES = Path(__file__).parents[1] / "ckpt" / "fixtures"
 
@@ -98,6 +98,7 @@ def _other_optimizers(root_s: str) -> None:
     if torch.distributed.get_rank() == 0:
         meta = json.loads((root / "muon" / "step-1" / "metadata.json").read_text())
         assert meta["optimizers"] == ["torch.optim.Muon", "torch.optim.adamw.AdamW"]
+        assert describe(root / "muon").optimizers == tuple(meta["optimizers"])
         _as_version5(root / "muon" / "step-1", root / "muon5")
     torch.distributed.barrier()
 

@@ -89,15 +89,17 @@ class ChangeWatch:
         if not _HOOKS:
             _HOOKS.append(register_module_module_registration_hook(_module_assigned))
             _HOOKS.append(register_module_parameter_registration_hook(_parameter_assigned))
-        # First, before anything of the forward reads a parameter.
-        model.register_forward_pre_hook(self._before_forward, prepend=True)
         for o in self._optimizers:
             o.add_param_group = _RefuseAddParamGroup()  # type: ignore[method-assign]
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        # Not while torch.compile traces the forward: the step checks compiled models.
-        if not torch.compiler.is_compiling():
-            self.check("the model's forward")
+        # A function, not a bound method: a deepcopy of the model (an EMA) copies no watch.
+        def before_forward(module: nn.Module, args: Any) -> None:
+            # Not while torch.compile traces the forward: the step checks compiled models.
+            if not torch.compiler.is_compiling():
+                self.check("the model's forward")
+
+        # First, before anything of the forward reads a parameter.
+        model.register_forward_pre_hook(before_forward, prepend=True)
 
     def _param_groups(self) -> list[tuple[int, list[tuple[list[Any], int]]]]:
         # By the params lists themselves: torch's load_state_dict makes new group dicts
