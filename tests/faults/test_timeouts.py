@@ -2,11 +2,12 @@
 
 A peer that stops answering (alive, elsewhere) at each stage's step, and the common
 mistake of calling a collective API on rank 0 only: rank 0 gets `CollectiveTimeoutError`
-naming the call within the timeout (a step's collective), or within the arrival window
-(`zeroshard.comm.arrive`: save, `full_state_dict`, `model.state_dict()` at stage 3, the
-DDP habit, whose error names `zs.state_dict_on_rank0`; the engine stays usable, so
-both ranks then take its state dict on rank 0). Each case runs on a fresh subgroup, which
-an abandoned collective leaves unusable, while the peer waits on the world group.
+naming the call within the timeout (a step's, a save's collective), or within the
+arrival window (`zeroshard.comm.arrive`: `full_state_dict`, `load_safetensors`,
+`model.state_dict()` at stage 3, the DDP habit, whose error names `zs.state_dict_on_rank0`;
+the engine stays usable, so both ranks then take its state dict on rank 0). Each case
+runs on a fresh subgroup, which an abandoned collective leaves unusable, while the peer
+waits on the world group.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _cases(root: str) -> None:
     cases = [
         {"stage": 1, "call": "step", "expect": "reduce_scatter for 'grads of group"},
         {"stage": 2, "call": "step", "expect": "reduce_scatter for 'grads of group"},
-        {"stage": 2, "call": "save", "expect": "'zs.save_checkpoint'"},
+        {"stage": 2, "call": "save", "expect": "save of 'step-12'"},
         {"stage": 1, "call": "full_state_dict", "expect": "'zs.full_state_dict'"},
         {"stage": 3, "call": "state_dict", "expect": "inside `with zs.state_dict_on_rank0"},
         {"stage": 2, "call": "load_safetensors", "expect": "'zs.load_safetensors'"},

@@ -179,7 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         if self.watch is not None:
-            self.watch.check("optimizer.step()")
+            self.watch.check("optimizer.step()", param_lists=False)
         if self.hooks is not None:
             self.hooks.before_step()
         self.settle()

@@ -119,8 +119,11 @@ class ChangeWatch:
         if new is original:
             del self._moved[key]
 
-    def check(self, where: str) -> None:
-        """RuntimeError naming the first change since `initialize` (none: nothing)."""
+    def check(self, where: str, *, param_lists: bool = True) -> None:
+        """RuntimeError naming the first change since `initialize` (none: nothing).
+        `param_lists`: compare each param group's parameter list too, not only their
+        number (not at `step()`: offload's step in backward may still be stepping one
+        group alone, its params list swapped, until the step drains it)."""
         if self._moved:
             change = next(iter(self._moved.values()))[1]
             raise RuntimeError(
@@ -130,17 +133,19 @@ class ChangeWatch:
             )
         if tuple(map(_requires_grad, self._params)) != self._trainable:
             self._requires_grad_flipped(where)
-        if self._groups_changed():
+        if self._groups_changed(param_lists):
             raise RuntimeError(
                 f"the optimizer's param groups changed after zeroshard.engine.initialize() "
                 f"(found at {where}: a group added, or parameters put in or taken out of one): "
                 f"{_REBUILD}. {_UNFREEZE}"
             )
 
-    def _groups_changed(self) -> bool:
+    def _groups_changed(self, param_lists: bool) -> bool:
         for o, (n, lists) in zip(self._optimizers, self._param_lists, strict=True):
             if len(o.param_groups) != n:
                 return True
+            if not param_lists:
+                continue
             for pg, (ps, k) in zip(o.param_groups, lists, strict=True):
                 if pg["params"] is not ps or len(ps) != k:
                     return True

@@ -25,7 +25,7 @@ from zeroshard.ckpt import (
     load,
     save,
 )
-from zeroshard.comm import Agreement, Group, agreed, arrive
+from zeroshard.comm import Agreement, Group, agreed
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
 from zeroshard.engine.state._checkpoint_apply import (
     apply_loaded,
@@ -48,9 +48,6 @@ from zeroshard.engine.state._user_state import (
     encode_state,
     saved_scope,
 )
-
-# What `arrive` tells a rank that saved or loaded alone.
-EVERY_RANK = "Call it on every rank: each saves or loads its own shards"
 
 
 def save_checkpoint(
@@ -94,7 +91,6 @@ def save_checkpoint(
     # Labelled as the save's later agreements are (ckpt's `save of 'step-N': ...`); the
     # name is only formatted here, checked inside the agreed save below.
     name = tag if tag is not None else f"step-{step}"
-    arrive(everyone, "zs.save_checkpoint", EVERY_RANK)
     check_same_call(everyone, "save_checkpoint", f"save of {name!r}", fields)
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
@@ -251,7 +247,6 @@ def load_checkpoint(
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     everyone = every_rank(state)
     fields = [*call_fields(tag, client_state, rank_state), ("step", repr(step))]
-    arrive(everyone, "zs.load_checkpoint", EVERY_RANK)
     check_same_call(everyone, "load_checkpoint", f"load_checkpoint({str(directory)!r})", fields)
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.

@@ -34,10 +34,9 @@ from zeroshard.ckpt import (
     ResumeOrder,
     resume_order,
 )
-from zeroshard.comm import Agreement, agreed, arrive, warn_on_rank0
+from zeroshard.comm import Agreement, agreed, warn_on_rank0
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 from zeroshard.engine.state._checkpoint import (
-    EVERY_RANK,
     call_fields,
     check_same_call,
     every_rank,
@@ -74,7 +73,6 @@ def resume_checkpoint(
     everyone = every_rank(engine_state(engine_module(model)))
     call = f"resume_checkpoint({str(directory)!r})"
     fields = call_fields(None, client_state, rank_state)
-    arrive(everyone, "zs.resume_checkpoint", EVERY_RANK)
     check_same_call(everyone, "resume_checkpoint", call, fields)
     ag = Agreement(everyone)
     label = f"{call}: the checkpoints"
