@@ -23,9 +23,8 @@ would compute with parameters the engine does not publish. So:
 
 Each rank checks its own model: in a script that changes the model on every rank alike,
 every rank raises the same error. The cost per forward and step is one read of each
-parameter's `requires_grad` and of each param group's parameter list (a few
-microseconds for hundreds of parameters: docs/reliability.md); assignments cost nothing
-until they happen.
+parameter's `requires_grad` and of each param group's parameter list (17 us of CPU
+for 325 parameters: docs/reliability.md, 4); assignments cost nothing until they happen.
 """
 
 from __future__ import annotations
