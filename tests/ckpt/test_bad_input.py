@@ -73,13 +73,13 @@ def test_missing_rank_file(ckpt: Path, tmp_path: Path) -> None:
 def test_unknown_format_version(ckpt: Path, tmp_path: Path) -> None:
     meta = ckpt / "step-11" / "metadata.json"
     d = json.loads(meta.read_text())
-    d["version"] = 6
+    d["version"] = 7
     meta.write_text(json.dumps(d))
     _both_refuse(
         ckpt,
         tmp_path,
         FormatVersionError,
-        r"format version 6 is not supported.*reads versions \(1, 2, 3, 4, 5\)",
+        r"format version 7 is not supported.*reads versions \(1, 2, 3, 4, 5, 6\)",
     )
 
 
@@ -110,7 +110,7 @@ def test_checkpoint_of_another_model(ckpt: Path) -> None:
     b = build(2, 3)
     layouts = {g.name: g.layout for g in b.meta.groups}
     layouts["g1"] = FlatLayout.build([("block.0.bias", (17,))], torch.float32, 2)
-    with pytest.raises(ModelMismatchError, match=r"group 'g1'.*block\.2\.bias"):
+    with pytest.raises(ModelMismatchError, match=r"not in the model: block\.2\.bias"):
         load(ckpt, rank=0, world_size=2, layouts=layouts)
 
 
@@ -195,3 +195,16 @@ def test_disk_full_mid_write(tmp_path: Path) -> None:
     assert load(root, rank=0, world_size=1).meta.step == 1
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+def test_convert_recognises_a_zeroshard_checkpoint(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`zeroshard-ckpt convert` of a zeroshard root (its two-line `latest` once read as
+    DeepSpeed's pointer) or checkpoint says what it is and writes nothing."""
+    out = tmp_path / "out"
+    for src in (ckpt, ckpt / "step-11"):
+        assert main(["convert", str(src), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "is a zeroshard checkpoint already" in err and "zs.load_checkpoint" in err, err
+    assert not out.exists()

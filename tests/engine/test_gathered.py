@@ -167,7 +167,7 @@ def _case(device: str, stage: int, dtype: str) -> None:
 
 def _errors(device: str) -> None:
     model = make_model(seed=1).to(device)
-    model, _ = zs.initialize(model, make_optimizer(model), _config(3, "fp32"))
+    model, opt = zs.initialize(model, make_optimizer(model), _config(3, "fp32"))
     stranger = nn.Parameter(torch.zeros(3, device=device))
     for match, args, kwargs in [
         ("not managed by this zeroshard engine", ([model.l1.weight, stranger],), {"model": model}),
@@ -190,6 +190,18 @@ def _errors(device: str) -> None:
     assert all(p.numel() == 0 for p in model.parameters())
     with gathered_parameters(model):  # and a later context still works
         assert model.l1.weight.shape == (29, 13)
+    # A step inside an editing block is refused at its exit, on every rank: writing the
+    # edits back would undo it (it once did, silently). The step stays.
+    tokens = global_batches(1, 1, dist.get_world_size(), 2)[0, 0, dist.get_rank()].to(device)
+    before = zs.full_state_dict(model)
+    refused = pytest.raises(RuntimeError, match=r"changed inside gathered_parameters\(modifier")
+    with refused, gathered_parameters(model, modifier_rank=0):
+        with torch.no_grad():
+            model.l1.weight.mul_(2)
+        _step(model, opt, tokens)
+    after = zs.full_state_dict(model)
+    assert not torch.equal(after["l2.weight"], before["l2.weight"]), "the step was undone"
+    assert not torch.equal(after["l1.weight"], 2 * before["l1.weight"]), "an edit was kept"
 
 
 def _all(device: str) -> None:

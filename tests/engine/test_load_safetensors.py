@@ -171,6 +171,10 @@ def _errors(device: str, root: str) -> None:
             load_safetensors(model, bad / name)
     with pytest.raises(SafetensorsLoadError, match=r"neither model\.safetensors\.index\.json"):
         load_safetensors(model, bad)
+    # A file only rank 0 finds: the same error on every rank, before rank 0 reads it.
+    mine = Path(root) / SINGLE if dist.get_rank() == 0 else bad / "nothing-here"
+    with pytest.raises(SafetensorsLoadError, match=r"failed on rank\(s\) \[1"):
+        load_safetensors(model, mine)
     after = zs.full_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before), "a failed load changed weights"
 

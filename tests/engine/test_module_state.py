@@ -66,6 +66,8 @@ def _plain_case(stage: int, dtype: str) -> None:
     # gathered at stage 3 and in mixed precision, read off the parameters at stages 1/2 fp32.
     _assert_same(sd, full, "state_dict")
     with zs.state_dict_on_rank0(model):
+        with zs.state_dict_on_rank0(model):  # nested: the outer block's mode holds after
+            pass
         on0 = model.state_dict()
     if rank == 0:
         assert all(v.device.type == "cpu" for v in on0.values())

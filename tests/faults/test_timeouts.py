@@ -2,8 +2,12 @@
 
 A peer that stops answering (alive, elsewhere) at each stage's step, and the common
 mistake of calling a collective API on rank 0 only: rank 0 gets `CollectiveTimeoutError`
-naming the call within the timeout. Each case runs on a fresh subgroup, which the
-abandoned collective leaves unusable, while the peer waits on the world group.
+naming the call within the timeout (a step's, a save's collective), or within the
+arrival window (`zeroshard.comm.arrive`: `full_state_dict`, `load_safetensors`,
+`model.state_dict()` at stage 3, the DDP habit, whose error names `zs.state_dict_on_rank0`;
+the engine stays usable, so both ranks then take its state dict on rank 0). Each case
+runs on a fresh subgroup, which an abandoned collective leaves unusable, while the peer
+waits on the world group.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 import zeroshard.engine as zs
 from tests._dist import free_port, run_each, run_ranks
+from tests.engine._models import make_model
 from tests.faults._engine import SLACK_S, TIMEOUT_S, build, train_step
 from zeroshard.comm import CollectiveTimeoutError, Group
 
@@ -34,6 +41,8 @@ def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
             "step": lambda: train_step(model, opt, 0),
             "save": lambda: zs.save_checkpoint(model, opt, root, step=10 + stage),
             "full_state_dict": lambda: zs.full_state_dict(model),
+            "state_dict": lambda: model.state_dict(),
+            "load_safetensors": lambda: zs.load_safetensors(model, Path(root) / "w.safetensors"),
         }
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError) as info:
@@ -45,15 +54,27 @@ def _rank0_alone(stage: int, call: str, root: str, expect: str) -> None:
         assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
     # The peer is alive meanwhile, here, on the world group.
     Group().barrier(label="case done")
+    if call == "state_dict":  # an arrival abandons no collective: the engine goes on
+        with zs.state_dict_on_rank0(model):
+            full = model.state_dict()
+        assert (len(full) > 0) == (dist.get_rank() == 0)
+    if call == "load_safetensors":  # nothing was read on rank 0, the same weights
+        weights = zs.full_state_dict(model)
+        assert all(torch.equal(weights[k], v) for k, v in make_model(11).state_dict().items())
 
 
 def _cases(root: str) -> None:
+    if dist.get_rank() == 0:
+        weights = make_model(12).state_dict()  # other weights than build()'s
+        save_file({k: v for k, v in weights.items() if k != "head.weight"}, f"{root}/w.safetensors")
     # Stage 3's step is covered by tests/engine (it honoured the timeout before).
     cases = [
         {"stage": 1, "call": "step", "expect": "reduce_scatter for 'grads of group"},
         {"stage": 2, "call": "step", "expect": "reduce_scatter for 'grads of group"},
         {"stage": 2, "call": "save", "expect": "save of 'step-12'"},
-        {"stage": 1, "call": "full_state_dict", "expect": "'full_state_dict of group 0'"},
+        {"stage": 1, "call": "full_state_dict", "expect": "'zs.full_state_dict'"},
+        {"stage": 3, "call": "state_dict", "expect": "inside `with zs.state_dict_on_rank0"},
+        {"stage": 2, "call": "load_safetensors", "expect": "'zs.load_safetensors'"},
     ]
     run_each([dict(c, root=root) for c in cases], _rank0_alone)
 

@@ -44,6 +44,8 @@ class Summary:
     tied: int
     buffers: int
     groups: tuple[GroupSummary, ...] = ()
+    optimizers: tuple[str, ...] = ()
+    """The class of the optimizer stepping each param group (zeroshard format 6)."""
 
 
 def describe(
@@ -81,6 +83,7 @@ def describe(
                 len(m.tied),
                 len(m.buffers),
                 groups,
+                m.optimizers,
             )
     if has_dcp_metadata(src):
         return _describe_dcp(src)
@@ -150,6 +153,9 @@ def format_summary(s: Summary) -> str:
         ("frozen / tied / buffers", f"{s.frozen} / {s.tied} / {s.buffers}"),
         ("bytes", f"{_human(s.bytes)} in {s.files} files"),
     ]
+    if s.optimizers:
+        steps = ", ".join(f"{k}: {o}" for k, o in enumerate(s.optimizers))
+        rows.append(("optimizers (param group)", steps))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if s.groups:

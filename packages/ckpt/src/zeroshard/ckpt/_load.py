@@ -171,7 +171,12 @@ def _target_layouts(
                 f"layout of group {name!r} is for world size {dst.world_size}, not {world_size}"
             )
     have = {g.name: g for g in meta.groups}
-    if have.keys() == layouts.keys():
+    # Group names alone do not say the grouping is the same: at another stage the
+    # checkpoint's `group0` may hold other parameters than this run's `group0`.
+    if have.keys() == layouts.keys() and all(
+        {s.name for s in g.layout.slots} == {s.name for s in layouts[g.name].slots}
+        for g in meta.groups
+    ):
         for g in meta.groups:
             check_names_shapes(
                 {s.name: g.full_shape(s) for s in g.layout.slots},

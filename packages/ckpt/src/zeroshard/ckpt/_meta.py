@@ -13,9 +13,11 @@ checksum]); versions 1 and 2, which have none, are read unchecked. Version 4 add
 `GroupMeta.tensor_split` (tensor parallelism: a group's instances are the pieces of one
 model). Version 5 added `param_states`: optimizer state kept whole per parameter (a
 whole-matrix optimizer's, such as Shampoo's preconditioners), stored in the rank file of
-the rank that owned the parameter under `"pstate.{param}/{state}"`. A checkpoint is
-written as the lowest version that holds what it has (version 3 without either), so
-earlier builds read what they can.
+the rank that owned the parameter under `"pstate.{param}/{state}"`. Version 6 added
+`optimizers`: the class of the optimizer stepping each param group, so that a load into
+another optimizer is refused (versions 1 to 5 have none: their loads compare the param
+groups' hyperparameter keys instead). A checkpoint is written as the lowest version that
+holds what it has (version 3 without any of these), so earlier builds read what they can.
 
 [Note: the metadata's own checksum]
 The last field of `metadata.json` is `"checksum": "crc32:{digest}"`, the crc32 of the
@@ -49,17 +51,18 @@ from zeroshard.ckpt._keys import buffer_key, param_state_key, shard_key
 from zeroshard.partition import dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
 # 2 is 3 without the metadata's own checksum, 3 is 4 without `tensor_split`, 4 is 5
-# without `param_states`.
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# without `param_states`, 5 is 6 without `optimizers`.
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # The first version whose metadata.json carries its own checksum.
 CHECKSUMMED_VERSION = 3
-# The first version with `tensor_split`, the first with `param_states`, and the one
-# written without either.
+# The first version with `tensor_split`, the first with `param_states`, the first with
+# `optimizers`, and the one written without any of them.
 TENSOR_SPLIT_VERSION = 4
 PARAM_STATES_VERSION = 5
+OPTIMIZERS_VERSION = 6
 PLAIN_VERSION = 3
 _BLANK_DIGEST = b"00000000"
 _CHECKSUM_TAIL = re.compile(rb'\n "checksum": "crc32:([0-9a-f]{8})"\n\}\n\Z')
@@ -75,9 +78,11 @@ class CheckpointMeta:
     buffers stored in rank 0's file and `buffer_shapes` their shapes (`save` fills it;
     empty in checkpoints written before it existed); `extra` is free JSON for the caller
     (scheduler state, engine config). `param_states` holds, by parameter name, the
-    optimizer state kept whole (a whole-matrix optimizer's). `version` is the format
-    version (0: the lowest that holds them: `PARAM_STATES_VERSION` with param states,
-    else `TENSOR_SPLIT_VERSION` with a `tensor_split`, else `PLAIN_VERSION`).
+    optimizer state kept whole (a whole-matrix optimizer's). `optimizers` names, per
+    param group, the class of the optimizer that steps it (`"torch.optim.adamw.AdamW"`;
+    empty: not recorded). `version` is the format version (0: the lowest that holds
+    them: `OPTIMIZERS_VERSION` with optimizers, else `PARAM_STATES_VERSION` with param
+    states, else `TENSOR_SPLIT_VERSION` with a `tensor_split`, else `PLAIN_VERSION`).
     """
 
     world_size: int
@@ -93,10 +98,12 @@ class CheckpointMeta:
     version: int = 0
     buffer_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     param_states: Mapping[str, ParamState] = field(default_factory=dict)
+    optimizers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "param_states", dict(self.param_states))
+        set_(self, "optimizers", tuple(self.optimizers))
         set_(self, "groups", tuple(self.groups))
         set_(self, "param_groups", tuple(dict(p) for p in self.param_groups))
         set_(self, "tied", dict(self.tied))
@@ -107,7 +114,8 @@ class CheckpointMeta:
         split = any(g.tensor_split is not None for g in self.groups)
         if self.version == 0:
             lowest = TENSOR_SPLIT_VERSION if split else PLAIN_VERSION
-            set_(self, "version", PARAM_STATES_VERSION if self.param_states else lowest)
+            lowest = PARAM_STATES_VERSION if self.param_states else lowest
+            set_(self, "version", OPTIMIZERS_VERSION if self.optimizers else lowest)
         if self.version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
@@ -123,6 +131,17 @@ class CheckpointMeta:
             raise CheckpointError(
                 f"format version {self.version} has no param states: metadata is malformed"
             )
+        if self.optimizers and self.version < OPTIMIZERS_VERSION:
+            raise CheckpointError(
+                f"format version {self.version} has no optimizers: metadata is malformed"
+            )
+        if self.optimizers and len(self.optimizers) != len(self.param_groups):
+            raise CheckpointError(
+                f"{len(self.optimizers)} optimizers recorded for {len(self.param_groups)} "
+                "param groups: metadata is malformed"
+            )
+        if not all(isinstance(o, str) and o for o in self.optimizers):
+            raise CheckpointError(f"optimizers must be class names, got {list(self.optimizers)}")
         if self.world_size < 1:
             raise CheckpointError(f"world_size must be >= 1, got {self.world_size}")
         if self.stage not in (0, 1, 2, 3):
@@ -247,6 +266,7 @@ class CheckpointMeta:
                 if self.param_states
                 else {}
             ),
+            **({"optimizers": list(self.optimizers)} if self.optimizers else {}),
         }
 
     def to_json(self) -> str:
@@ -284,6 +304,10 @@ class CheckpointMeta:
             raise CheckpointError(
                 f"format version {version} has no param states: metadata is malformed"
             )
+        if d.get("optimizers") and version < OPTIMIZERS_VERSION:
+            raise CheckpointError(
+                f"format version {version} has no optimizers: metadata is malformed"
+            )
         try:
             meta = CheckpointMeta(
                 world_size=int(d["world_size"]),
@@ -307,6 +331,7 @@ class CheckpointMeta:
                 param_states={
                     str(n): ParamState.from_dict(ps) for n, ps in d.get("param_states", {}).items()
                 },
+                optimizers=tuple(_names(d.get("optimizers", []))),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed checkpoint metadata: missing or bad {e}") from e
@@ -349,6 +374,12 @@ class CheckpointMeta:
                 "file is damaged (or was edited by hand)"
             )
         return CheckpointMeta.from_dict(d)
+
+
+def _names(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise CheckpointError(f"optimizers must be a list of class names, got {value!r}")
+    return value
 
 
 def expected_shard_keys(meta: CheckpointMeta) -> dict[str, tuple[torch.dtype, int]]:

@@ -6,10 +6,12 @@ finishes it or raises `CollectiveTimeoutError` naming the operation and a label.
 the default group from the launcher's environment, safely across torchrun restarts.
 `warn_on_rank0` / `warn_tagged` warn once per job (or per rank, naming it) at the
 user's line. `Agreement` (and `agreed`) brings every rank to one outcome: the same
-error on every rank when one failed, or when a value differs between ranks.
+error on every rank when one failed, or when a value differs between ranks. `arrive`
+fails a call made on some ranks only within seconds, not the collective timeout.
 """
 
 from zeroshard.comm._agree import Agreement, agreed
+from zeroshard.comm._arrive import ARRIVAL_WINDOW, arrive
 from zeroshard.comm._errors import CollectiveTimeoutError
 from zeroshard.comm._group import DEFAULT_TIMEOUT, Group, Handle, ReduceOp, completed_handle
 from zeroshard.comm._hybrid import HybridGroups, make_hybrid_groups
@@ -17,6 +19,7 @@ from zeroshard.comm._init import init_process_group
 from zeroshard.comm._warn import is_rank0, process_rank, warn_on_rank0, warn_tagged
 
 __all__ = [
+    "ARRIVAL_WINDOW",
     "DEFAULT_TIMEOUT",
     "Agreement",
     "CollectiveTimeoutError",
@@ -25,6 +28,7 @@ __all__ = [
     "HybridGroups",
     "ReduceOp",
     "agreed",
+    "arrive",
     "completed_handle",
     "init_process_group",
     "is_rank0",

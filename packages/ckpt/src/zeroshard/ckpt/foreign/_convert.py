@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zeroshard.ckpt._consolidate import is_zeroshard_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._group_meta import FileMeta, GroupMeta
 from zeroshard.ckpt._keys import MASTER, OPTIM_PREFIX, buffer_key, rank_file, shard_key
@@ -142,6 +143,14 @@ def convert_deepspeed(
     `latest`) of `world_size` rank files (default: DeepSpeed's); return its directory."""
     # Writing into the DeepSpeed checkpoint would replace its `latest` with ours.
     check_output_apart(src, dst)
+    if is_zeroshard_checkpoint(Path(src), tag):
+        # Its two-line `latest` would otherwise be read as DeepSpeed's one-line pointer.
+        raise CheckpointError(
+            f"{src} is a zeroshard checkpoint already, not a DeepSpeed one: it needs no "
+            "conversion. Load it as it is (zs.load_checkpoint / zs.resume_checkpoint, at any "
+            "world size and stage), or write its weights as safetensors with "
+            "'zeroshard-ckpt consolidate'"
+        )
     named = read_deepspeed_training_state(Path(src), tag)
     size = world_size or named.world_size
     if size < 1:

@@ -58,6 +58,14 @@ class EngineRoot(nn.Module):
         return self._orig_mod(*args, **kwargs)
 
 
+class _NeverSteps(torch.optim.SGD):
+    """An evaluation-only engine's optimizer: it never steps, so a checkpoint of any
+    optimizer loads into it (`zeroshard_never_steps`: the load checks no optimizer
+    class against the checkpoint's; the state it gets is dropped)."""
+
+    zeroshard_never_steps = True
+
+
 def engine_root(module: nn.Module) -> EngineRoot | None:
     """The engine already built on `module` (or on the module `module` marks), if any."""
     if isinstance(module, EngineRoot):
@@ -77,7 +85,7 @@ def build_engine(
     if optimizer is None:
         # initialize() needs an optimizer; this one is never stepped (a later fit on this
         # engine is refused: see `reuse_engine`).
-        optimizer = torch.optim.SGD(list(module.parameters()), lr=0.0)
+        optimizer = _NeverSteps(list(module.parameters()), lr=0.0)
     root = EngineRoot(module, config, eval_only=eval_only)
     _, root._optimizer = initialize(root, optimizer, config)
     object.__setattr__(module, _MARK, root)  # outside the module tree: no cycle in it

@@ -25,6 +25,7 @@ from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, squares_counted_once
+from zeroshard.engine.runtime._watch import ADD_PARAM_GROUP, ChangeWatch
 from zeroshard.engine.runtime._wire import refresh_wires
 
 
@@ -70,8 +71,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stepper: Stepper,
         hooks: StepHooks | None = None,
         tensor_parallel: TensorParallel | None = None,
+        watch: ChangeWatch | None = None,
     ) -> None:
         self.inner = inner
+        self.watch = watch
         self.tensor_parallel = tensor_parallel
         self.stepper = stepper
         self.hooks = hooks
@@ -93,6 +96,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # share those too, or an LR scheduler on this optimizer would set learning rates
         # the inner one never reads again.
         inner.register_load_state_dict_post_hook(lambda _: self._share_inner())
+        self._built = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once built: see [Note: changes after initialize] in `_watch.py`
+        (torch's constructor adds the masters' group through it)."""
+        if getattr(self, "_built", False):
+            raise ValueError(ADD_PARAM_GROUP)
+        super().add_param_group(param_group)
 
     def _share_inner(self) -> None:
         self.param_groups = self.inner.param_groups
@@ -178,6 +189,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Step the master shards, then all-gather the parameters (skipped on fp16 overflow)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
+        if self.watch is not None:
+            self.watch.check("optimizer.step()", param_lists=False)
         if self.hooks is not None:
             self.hooks.before_step()
         self.settle()

@@ -101,6 +101,19 @@ def _own_state_dict(o: torch.optim.Optimizer) -> dict[str, Any]:
         o.state = shared
 
 
+def stepped_by(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizer that steps each of `optimizer`'s param groups, in order: itself, or
+    for a `CombinedOptimizer` the one of those it combines that holds the group."""
+    if not isinstance(optimizer, CombinedOptimizer):
+        return [optimizer] * len(optimizer.param_groups)
+    return [o for o in optimizer.optimizers for _ in o.param_groups]
+
+
+def class_path(o: object) -> str:
+    """`o`'s class as `module.QualName` (`torch.optim.adamw.AdamW`)."""
+    return f"{type(o).__module__}.{type(o).__qualname__}"
+
+
 def as_optimizers(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     model: nn.Module | None = None,

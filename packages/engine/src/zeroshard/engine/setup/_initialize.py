@@ -32,6 +32,7 @@ from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
 from zeroshard.engine.runtime.whole import check_whole_mesh, check_whole_optimizers
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
@@ -143,6 +144,8 @@ def initialize(
         stepper=stepper,
         hooks=stage3,
         tensor_parallel=tensor_parallel,
+        # Last: what the engine was built on ([Note: changes after initialize]).
+        watch=ChangeWatch(model, groups, [inner, *optimizers]),
     )
     state = EngineState(
         cfg,

@@ -23,10 +23,12 @@ from zeroshard.ckpt import (
     MASTER,
     OPTIM_PREFIX,
     CheckpointError,
+    CheckpointMeta,
     LoadedShards,
 )
 from zeroshard.comm import Group, agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._optimizers import class_path, stepped_by
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name
 from zeroshard.engine.state._user_state import Stateful
@@ -44,6 +46,7 @@ def check_optimizer_structure(state: EngineState, loaded: LoadedShards) -> None:
             f"{where} holds an optimizer with {len(saved)} param group(s), this optimizer "
             f"has {len(inner.param_groups)}: build it with the param groups it was saved with"
         )
+    _check_optimizers(inner, loaded.meta, where)
     saved_group = {
         s.name: g.param_group for g in loaded.meta.groups if g.requires_grad for s in g.layout.slots
     }
@@ -63,6 +66,46 @@ def check_optimizer_structure(state: EngineState, loaded: LoadedShards) -> None:
         raise CheckpointError(
             f"{where} keeps whole-parameter optimizer state for {sharded[:5]}, which this "
             "run's optimizer keeps in shards: load it with the optimizer it was saved with"
+        )
+
+
+# What torch's LR schedulers add to a param group (not an optimizer's hyperparameters).
+_SCHEDULER_KEYS = frozenset(
+    {"initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"}
+)
+
+
+def _check_optimizers(inner: torch.optim.Optimizer, meta: CheckpointMeta, where: str) -> None:
+    """CheckpointError when a saved param group was stepped by another optimizer than this
+    run's same param group: its state and hyperparameters would be another algorithm's
+    (Muon's momentum and lr under AdamW). The checkpoint's record names the class
+    (format version 6); an older checkpoint's param group is another optimizer's when it
+    has hyperparameters this one does not know while lacking some this one has. An
+    optimizer declaring `zeroshard_never_steps` (an evaluation-only engine's) takes any."""
+    owners = stepped_by(inner)
+    differ = []
+    for k, (owner, saved) in enumerate(zip(owners, meta.param_groups, strict=True)):
+        if getattr(owner, "zeroshard_never_steps", False):
+            continue
+        here = class_path(owner)
+        if meta.optimizers:
+            # By class name: torch moves optimizers between modules (Muon: torch.optim._muon).
+            there = meta.optimizers[k]
+            if there.rsplit(".", 1)[-1] != here.rsplit(".", 1)[-1]:
+                differ.append(f"param group {k}: {there} there, {here} here")
+            continue
+        foreign = sorted(set(saved) - set(inner.param_groups[k]) - _SCHEDULER_KEYS)
+        lacking = sorted(set(owner.defaults) - set(saved))
+        if foreign and lacking:
+            differ.append(
+                f"param group {k}: hyperparameters {foreign} there, which {here} lacks, "
+                f"and not its {lacking}"
+            )
+    if differ:
+        raise CheckpointError(
+            f"{where} was saved with another optimizer ({'; '.join(differ[:5])}): load it "
+            "into the optimizers it was saved with, in the same order and param groups (its "
+            "state and hyperparameters are that algorithm's)"
         )
 
 

@@ -38,6 +38,7 @@ from zeroshard.ckpt import (
 )
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_parameters
+from zeroshard.engine.runtime._optimizers import class_path, stepped_by
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._tensor_parallel import split_dim
 
@@ -235,5 +236,6 @@ def checkpoint_contents(
         buffers=tuple(buffers),
         extra={"loss_scaler": None if scaler is None else scaler.state_dict()},
         param_states=whole,
+        optimizers=tuple(class_path(o) for o in stepped_by(inner)),
     )
     return meta, tensors

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.comm import Handle
+from zeroshard.comm import Handle, agreed, arrive
 from zeroshard.engine.runtime._flat_group import FlatParamGroup, slot_views
 from zeroshard.engine.runtime._home import refresh_homes
 from zeroshard.engine.runtime._names import named_parameters
@@ -153,6 +153,18 @@ def _restore(sel: _Selection) -> None:
             g.expose()
 
 
+def _check_unchanged(sel: _Selection, versions: list[int]) -> None:
+    """RuntimeError if a master changed inside an editing block: the edits, made on the
+    values from before, would be written over it (the step or load lost)."""
+    changed = [g.index for g, v in zip(sel.groups, versions, strict=True) if g.master._version != v]
+    if changed:
+        raise RuntimeError(
+            f"the masters of flat groups {changed} changed inside gathered_parameters("
+            "modifier_rank=...) (optimizer.step(), a load): writing the block's edits back "
+            "would undo that. Nothing was written back; step and load outside the block"
+        )
+
+
 def _write_back(sel: _Selection, fulls: list[torch.Tensor], modifier_rank: int) -> None:
     """Broadcast the modifier's buffers, copy each rank's range into its master, publish."""
     handles = [
@@ -188,6 +200,7 @@ def gathered_parameters(
     are discarded otherwise, and also when the block raises. See [Note: what the context holds].
     """
     state, named = _resolve(module_or_params, model)
+    arrive(state.shard_group, "zs.gathered_parameters", "Enter it on every rank")
     # The masters of every step() so far, a delayed one (delay_param_update) included.
     state.optimizer.settle()
     size = state.shard_group.size
@@ -208,6 +221,8 @@ def gathered_parameters(
         for g, full in zip(sel.groups, fulls, strict=True):
             _expose(g, full)
     _ACTIVE.update(id(g) for g in sel.groups)
+    # Each master's version now: a step or a load inside the block writes them.
+    versions = [g.master._version for g in sel.groups]
     completed = False
     try:
         yield
@@ -217,6 +232,11 @@ def gathered_parameters(
             # A block that raised skips the broadcast: the other ranks may not have
             # raised, and a collective they never join would hang this rank instead.
             if completed and modifier_rank is not None:
+                agreed(
+                    state.shard_group,
+                    "gathered_parameters(modifier_rank=...)",
+                    lambda: _check_unchanged(sel, versions),
+                )
                 with torch.no_grad():
                     _write_back(sel, fulls, modifier_rank)
         finally:

@@ -37,9 +37,11 @@ from zeroshard.ckpt import (
     safetensors_dtype,
     safetensors_dtype_code,
 )
+from zeroshard.comm import agreed, arrive
 from zeroshard.engine.runtime._names import named_buffers, named_parameters
-from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
+from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
 from zeroshard.engine.runtime._tensor_parallel import full_runs, is_dtensor
+from zeroshard.engine.state._checkpoint import every_rank
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -193,16 +195,44 @@ def _find(entries: dict[str, TensorEntry], aliases: list[str]) -> TensorEntry | 
 def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadReport:
     """Load full weights into an initialized model; each rank reads only its shard's bytes.
 
-    `path` is a .safetensors file or a directory with a Hugging Face index. Collective at
-    stages 1/2 (the parameters are re-gathered). Optimizer state is left as it is: load
-    before training. See [Note: reading only this rank's bytes].
+    `path` is a .safetensors file or a directory with a Hugging Face index. Collective:
+    call it on every rank (a rank calling it alone fails within seconds, naming it). A
+    file that is missing, damaged or of another model on any rank is the same error on
+    every rank, before any weight changes; a read that fails midway fails every rank
+    too (load again). Optimizer state is left as it is: load before training. See
+    [Note: reading only this rank's bytes].
     """
     if sys.byteorder != "little":
         raise SafetensorsLoadError("safetensors data is little-endian; this host is not")
     model = engine_module(model)
     state = engine_state(model)
+    everyone = every_rank(state)
+    arrive(everyone, "zs.load_safetensors", "Call it on every rank: each reads its own shard")
     # A delayed step in flight (delay_param_update) must not write over what is loaded.
     state.optimizer.settle()
+    label = f"load_safetensors({str(path)!r})"
+    kinds = (SafetensorsLoadError, OSError)
+    planned = agreed(everyone, label, lambda: _plan(model, state, path), kinds)
+    report = agreed(everyone, f"{label}: reading", lambda: _read(state, planned), kinds)
+    # Offloaded masters are recast and uploaded, stages 1/2 all-gather the parameters and
+    # stage 3 drops gathered units, whose buffers now hold the old weights.
+    state.optimizer.republish()
+    return report
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What `_plan` found in the file for each parameter and buffer, checked."""
+
+    plan: dict[str, TensorEntry]
+    buffers: list[tuple[torch.Tensor, TensorEntry]]
+    header_bytes: int
+    unexpected: tuple[str, ...]
+
+
+def _plan(model: torch.nn.Module, state: EngineState, path: str | os.PathLike[str]) -> _Planned:
+    """Every slot of every group checked against the file (not only this rank's: all
+    ranks then agree); SafetensorsLoadError listing what does not fit."""
     entries, header_bytes = index_tensors(path)
     aliases: dict[int, list[str]] = {}
     for name, p in named_parameters(model, remove_duplicate=False):
@@ -213,7 +243,6 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
         buffer_names.setdefault(id(b), []).append(name)
         buffers[id(b)] = b
 
-    # Check every slot of every group (not only this rank's): all ranks then agree.
     plan: dict[str, TensorEntry] = {}
     missing: list[str] = []
     problems: list[str] = []
@@ -250,7 +279,12 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
         raise SafetensorsLoadError("cannot load safetensors:\n  " + "\n  ".join(problems))
     # A tied weight stored under several of its names is loaded once, yet expected.
     known = {n for names in (*aliases.values(), *buffer_names.values()) for n in names}
+    return _Planned(plan, found_buffers, header_bytes, tuple(sorted(set(entries) - known)))
 
+
+def _read(state: EngineState, planned: _Planned) -> LoadReport:
+    """Copy this rank's ranges of the planned tensors into its masters and the buffers."""
+    plan = planned.plan
     reader = _RangeReader()
     pieces = 0
     try:
@@ -268,20 +302,17 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
                         master[at : at + chunk.numel()].copy_(chunk)
                 pieces += 1
         param_bytes = reader.bytes_read
-        for b, entry in found_buffers:
+        for b, entry in planned.buffers:
             parts = [chunk for _, chunk in reader.chunks(entry, 0, entry.numel)]
             if parts:
                 b.copy_(torch.cat(parts).view(b.shape))  # casts to the buffer's own dtype
     finally:
         reader.close()
-    # Offloaded masters are recast and uploaded, stages 1/2 all-gather the parameters and
-    # stage 3 drops gathered units, whose buffers now hold the old weights.
-    state.optimizer.republish()
     return LoadReport(
         param_bytes=param_bytes,
         buffer_bytes=reader.bytes_read - param_bytes,
-        header_bytes=header_bytes,
+        header_bytes=planned.header_bytes,
         pieces=pieces,
-        buffers=len(found_buffers),
-        unexpected=tuple(sorted(set(entries) - known)),
+        buffers=len(planned.buffers),
+        unexpected=planned.unexpected,
     )

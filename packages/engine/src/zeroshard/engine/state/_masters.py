@@ -7,10 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
-from zeroshard.comm import Handle
+from zeroshard.comm import Handle, arrive
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
+
+# What `arrive` tells a rank that called a gathering function alone.
+COLLECTIVE = (
+    "Call it on every rank (each gets the whole dict); to keep the values on rank 0 only, "
+    "call model.state_dict() on every rank inside `with zs.state_dict_on_rank0(model):`"
+)
 
 
 def gather_masters(groups: Sequence[FlatParamGroup], label: str) -> list[torch.Tensor]:
@@ -44,6 +50,7 @@ def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     """
     model = engine_module(model)
     state = engine_state(model)
+    arrive(state.shard_group, "zs.full_state_dict", COLLECTIVE)
     # The masters of every step() so far, a delayed one (delay_param_update) included.
     state.optimizer.settle()
     full: dict[int, torch.Tensor] = {}

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.comm import is_rank0
+from zeroshard.comm import arrive, is_rank0
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module
 from zeroshard.engine.runtime._tensor_parallel import is_dtensor, like_param, local_piece
@@ -130,11 +130,12 @@ def state_dict_on_rank0(model: EngineModel) -> Iterator[None]:
     mode = getattr(engine_module(model), _MODE_ATTR, None)
     if not isinstance(mode, _Mode):
         raise ValueError("this model was not initialized with zeroshard.engine.initialize()")
-    mode.rank0_only = True
+    # Nested blocks: the outer one's mode holds again after the inner one.
+    outer, mode.rank0_only = mode.rank0_only, True
     try:
         yield
     finally:
-        mode.rank0_only = False
+        mode.rank0_only = outer
 
 
 def _names_by_param(module: nn.Module, prefix: str) -> dict[int, list[str]]:
@@ -157,6 +158,15 @@ def _fill_full(
     # On rank 0 alone, a parameter split by tensor parallelism is joined whole.
     join = tp is not None and mode.rank0_only
     if join or not _parameters_hold_masters(state):
+        # Before the first gather: the DDP habit (rank 0 alone) fails in seconds.
+        arrive(
+            state.shard_group,
+            "model.state_dict()",
+            "It gathers every flat group (stage 3, or masters in another dtype than the "
+            "parameters): call it on every rank. To keep the values on rank 0 only (the DDP "
+            "habit `if rank == 0: torch.save(model.state_dict(), path)`), call it on every "
+            "rank inside `with zs.state_dict_on_rank0(model):`; the other ranks get {}",
+        )
         state.optimizer.settle()  # the masters of every step() so far
         for g in state.groups:  # the same order on every rank keeps the gathers matched
             (full,) = gather_masters([g], "state_dict")
