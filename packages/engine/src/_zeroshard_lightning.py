@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-# Name -> (description, the `config=` the strategy is built with): the table of
-# zeroshard.engine.lightning._registry, which a test keeps equal to this one.
+# Name -> (description, the `config=` the strategy is built with); zeroshard.engine.
+# lightning registers its classes under the same table.
 STRATEGIES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "zeroshard": ("zeroshard, its default config (ZeRO stage 2)", None),
     "zeroshard_stage_1": ("zeroshard ZeRO stage 1", {"stage": 1}),

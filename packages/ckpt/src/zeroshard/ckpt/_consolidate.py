@@ -16,14 +16,7 @@ from pathlib import Path
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError, OutputExistsError
-from zeroshard.ckpt._paths import (
-    METADATA,
-    check_output_apart,
-    checkpoint_name,
-    list_checkpoints,
-    old_dir,
-    read_latest,
-)
+from zeroshard.ckpt._paths import METADATA, check_output_apart, is_zeroshard_checkpoint
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._source import checkpoint_specs
 from zeroshard.ckpt._spec import TensorSpec
@@ -37,16 +30,6 @@ from zeroshard.ckpt.foreign import (
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def is_zeroshard_checkpoint(path: Path, tag: str | None = None, step: int | None = None) -> bool:
-    """True if `path` is a zeroshard checkpoint, or a root holding one (any tag or step)."""
-    if (path / METADATA).is_file() or list_checkpoints(path):
-        return True
-    name = checkpoint_name(step or 0, tag) if (tag or step is not None) else read_latest(path)
-    if name is None:
-        return False
-    return any((d / METADATA).is_file() for d in (path / name, old_dir(path, name)))
 
 
 def deepspeed_checkpoint(

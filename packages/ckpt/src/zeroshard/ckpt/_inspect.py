@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from zeroshard.ckpt._consolidate import deepspeed_checkpoint, is_zeroshard_checkpoint
+from zeroshard.ckpt._consolidate import deepspeed_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._meta import FORMAT_NAME
+from zeroshard.ckpt._paths import is_zeroshard_checkpoint
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt.foreign import DCP_METADATA, dcp_specs, has_dcp_metadata
 from zeroshard.partition import dtype_name

@@ -185,6 +185,16 @@ def remove_checkpoint(root: str | os.PathLike[str], name: str) -> None:
     shutil.rmtree(doomed)
 
 
+def is_zeroshard_checkpoint(path: Path, tag: str | None = None, step: int | None = None) -> bool:
+    """True if `path` is a zeroshard checkpoint, or a root holding one (any tag or step)."""
+    if (path / METADATA).is_file() or list_checkpoints(path):
+        return True
+    name = checkpoint_name(step or 0, tag) if (tag or step is not None) else read_latest(path)
+    if name is None:
+        return False
+    return any((d / METADATA).is_file() for d in (path / name, old_dir(path, name)))
+
+
 def check_output_apart(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
     """Refuse an output that is, holds or lies inside the source (symlinks followed).
 

@@ -24,12 +24,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroshard.ckpt._consolidate import is_zeroshard_checkpoint
 from zeroshard.ckpt._errors import CheckpointError
 from zeroshard.ckpt._group_meta import FileMeta, GroupMeta
 from zeroshard.ckpt._keys import MASTER, OPTIM_PREFIX, buffer_key, rank_file, shard_key
 from zeroshard.ckpt._meta import CheckpointMeta
-from zeroshard.ckpt._paths import check_output_apart, checkpoint_name, temp_dir
+from zeroshard.ckpt._paths import (
+    check_output_apart,
+    checkpoint_name,
+    is_zeroshard_checkpoint,
+    temp_dir,
+)
 from zeroshard.ckpt._save import _prepare, _publish
 from zeroshard.ckpt._stfile import fsync_dir, plan_header, tensor_bytes
 from zeroshard.ckpt._writer import RangeSpec, default_workers
