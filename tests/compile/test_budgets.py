@@ -1,4 +1,6 @@
-"""Compile's budgets default from the engine's config (bytes); offload is refused."""
+"""Compile's budgets default from the engine's config (bytes); offload_params is refused
+(the graph takes every shard at its start; offload_optimizer alone compiles:
+test_compiled_offload.py)."""
 
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ def _offload_case(device: str) -> None:
     base = make_model(seed=8).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unfused-optimizer hint
-        model, _ = zs.initialize(base, make_optimizer(base), {**CONFIG, "offload_optimizer": True})
-    with pytest.raises(ValueError, match="offload_optimizer"):
+        config = {**CONFIG, "offload_optimizer": True, "offload_params": True}
+        model, _ = zs.initialize(base, make_optimizer(base), config)
+    with pytest.raises(ValueError, match="offload_params: the compiled graph takes every"):
         zc.compile(model, backend="aot_eager")
 
 
@@ -60,6 +63,6 @@ def _cases(device: str) -> None:
 
 
 @pytest.mark.gpu
-def test_budgets_default_from_the_engine_and_offload_is_refused(device: str) -> None:
+def test_budgets_default_from_the_engine_and_offload_params_is_refused(device: str) -> None:
     world_fits(device, 2)
     run_ranks(_cases, 2, device, device=device)
