@@ -45,13 +45,17 @@ def _die() -> None:
 
 
 def _on_forward(step: int | None, act: Callable[[], None]) -> None:
-    """Call `act` in the training forward of step `step` (None: the attempt's first)."""
+    """Call `act` in the training forward of step `step` (None: the attempt's first),
+    once the snapshot taken before it is complete: "mid-step" is then S however slowly
+    the background replication ran (a loaded machine made it S - 1 otherwise)."""
     real_init, real_resume = zs.initialize, zs.Snapshots.resume
     first = [0]  # the step this attempt starts at
+    snapshots: list[zs.Snapshots] = []
 
     def resume(self: zs.Snapshots, directory: Any) -> int | None:
         got = real_resume(self, directory)
         first[0] = got or 0
+        snapshots.append(self)
         return got
 
     def initialize(*args: Any, **kwargs: Any) -> Any:
@@ -61,6 +65,8 @@ def _on_forward(step: int | None, act: Callable[[], None]) -> None:
         def hook(module: nn.Module, _: Any) -> None:
             if module.training:  # one training forward per step (no accumulation)
                 if (step is None and forwards[0] == 0) or first[0] + forwards[0] == step:
+                    for snaps in snapshots:
+                        snaps.wait()
                     act()
                 forwards[0] += 1
 

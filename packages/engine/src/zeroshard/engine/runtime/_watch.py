@@ -59,8 +59,10 @@ ADD_PARAM_GROUP = (
 )
 
 _requires_grad = operator.attrgetter("requires_grad")
-# Every module of every watched model -> its model's watch and its path there.
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, tuple[ChangeWatch, str]] = (
+# Every module of every watched model -> its model's watch (weakly: the watch reaches the
+# modules through the engine, and a value that holds its key keeps it alive for ever) and
+# its path there.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ChangeWatch], str]] = (
     weakref.WeakKeyDictionary()
 )
 _HOOKS: list[Any] = []
@@ -84,7 +86,7 @@ class ChangeWatch:
         # (module, "module" or "parameter", name) -> what was there, and what changed.
         self._moved: dict[tuple[int, str, str], tuple[object, str]] = {}
         for path, module in model.named_modules():
-            _WATCHED[module] = (self, path)
+            _WATCHED[module] = (weakref.ref(self), path)
         if not _HOOKS:
             _HOOKS.append(register_module_module_registration_hook(_module_assigned))
             _HOOKS.append(register_module_parameter_registration_hook(_parameter_assigned))
@@ -178,8 +180,15 @@ def _has_parameters(module: nn.Module | None) -> bool:
     return module is not None and any(True for _ in module.parameters())
 
 
-def _module_assigned(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+def _watch_of(module: nn.Module) -> tuple[ChangeWatch, str] | None:
+    """The watch of the model `module` belongs to, and its path there (None: unwatched)."""
     watched = _WATCHED.get(module)
+    watch = None if watched is None else watched[0]()
+    return None if watch is None or watched is None else (watch, watched[1])
+
+
+def _module_assigned(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    watched = _watch_of(module)
     if watched is None:
         return
     old = module._modules.get(name)
@@ -198,11 +207,11 @@ def _module_assigned(module: nn.Module, name: str, submodule: nn.Module | None) 
     elif submodule is not None:
         # Nothing to shard: watch what it holds from now on.
         for sub, sub_module in submodule.named_modules(prefix=where):
-            _WATCHED.setdefault(sub_module, (watch, sub))
+            _WATCHED.setdefault(sub_module, (weakref.ref(watch), sub))
 
 
 def _parameter_assigned(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    watched = _WATCHED.get(module)
+    watched = _watch_of(module)
     old = module._parameters.get(name)
     if watched is None or old is param:
         return
