@@ -5,10 +5,11 @@ On 2 gloo ranks at stages 1, 2 and 3 (see [Note: changes after initialize]):
 [Muon, AdamW] raises at the call on every rank, naming the way to unfreeze (once, the
 layer frozen at initialize stayed unchanged after two steps); a parameter unfrozen or
 frozen, a module converted by torchao (fp8 with its fp8 all-gather, which once trained
-to wrong weights), replaced or added, a parameter replaced or added, and a param group
-appended by hand raise at the next forward or step, naming the change; nothing of that
-kind (the same module assigned again, a parameter-less activation added) trains on, and
-so does a module replaced and then put back.
+to wrong weights), replaced or added, a parameter replaced, added, set to None or
+deleted, the model converted by `half()` and a param group appended by hand raise at the
+next forward or step (`half()` at stages 2 and 3 at the call), naming the change;
+nothing of that kind (the same module assigned again, a parameter-less activation added)
+trains on, and so does a module replaced and then put back.
 Unfreezing the way the errors say (a param group at lr 0, its lr set later) keeps the
 layer's weights until then and trains them after.
 """
@@ -67,11 +68,12 @@ def _add_param_group(stage: int) -> None:
 
 
 def _checked(stage: int, change: Callable[[nn.Module, Any], None], match: str) -> None:
-    """`change` after a step is refused at the next forward or step, on every rank."""
+    """`change` after a step is refused (at the call, or at the next forward or step) on
+    every rank."""
     model, opt, _ = _build(stage)
     train_step(model, opt, 0)
-    change(model, opt)
     with pytest.raises(RuntimeError, match=match):
+        change(model, opt)
         train_step(model, opt, 1)
 
 
@@ -99,6 +101,20 @@ CHANGES: dict[str, tuple[Callable[[nn.Module, Any], None], str]] = {
     "parameter added": (
         lambda m, o: _set(m.l1, "gain", nn.Parameter(torch.ones(1))),
         r"parameter 'l1\.gain' was added",
+    ),
+    "parameter set to None": (
+        lambda m, o: _set(m.blocks[0].up, "bias", None),
+        r"parameter 'blocks\.0\.up\.bias' was removed \(set to None or deleted\)",
+    ),
+    "parameter deleted": (
+        lambda m, o: delattr(m.l2, "bias"),
+        r"parameter 'l2\.bias' was removed",
+    ),
+    "model.half()": (
+        lambda m, o: m.half(),
+        # Stages 2 and 3 hold a guard in .grad, which half() converts: refused at the call.
+        r"(parameter '[\w.]+' was torch\.float32 .* and is torch\.float16 now|"
+        r"the model was converted \(model\.half\(\).*) .*precision\.compute_dtype",
     ),
     "param group appended": (
         lambda m, o: o.param_groups.append({**o.param_groups[0], "params": []}),

@@ -60,6 +60,15 @@ class GradGuard(torch.Tensor):
             return args[0]
         if func is torch.ops.aten.detach.default:
             return GradGuard(args[0].shape, args[0].dtype, args[0].device)
+        if func is torch.ops.aten._to_copy.default:
+            # nn.Module._apply converts each parameter's .grad with its data.
+            raise RuntimeError(
+                "the model was converted (model.half(), .to(dtype) or .to(device)) after "
+                "zeroshard.engine.initialize(): the engine computes in the dtype its config "
+                "names, on the device it was built on, and publishes into the buffers it "
+                "built then. Set precision.compute_dtype (compute_dtype) instead, and convert "
+                "or move the model before initialize(), if at all"
+            )
         raise RuntimeError(f"parameter.grad is not readable ({func}): {GUIDANCE}")
 
 

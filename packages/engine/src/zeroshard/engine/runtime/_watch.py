@@ -20,11 +20,14 @@ would compute with parameters the engine does not publish. So:
   Assigning the object already there, or a module without parameters where none were
   (an activation), is no change the engine needs to follow; putting back what was there
   at `initialize` undoes the change.
+- A parameter set to None or deleted (no registration hook sees that), or converted to
+  another dtype (`model.half()`, `.to(dtype)`: the engine publishes into the buffers it
+  built, in its compute dtype) raises at the next forward or `step()` too.
 
 Each rank checks its own model: in a script that changes the model on every rank alike,
 every rank raises the same error. The cost per forward and step is one read of each
-parameter's `requires_grad` and of each param group's parameter list (17 us of CPU
-for 325 parameters: docs/reliability.md, 4); assignments cost nothing until they happen.
+parameter's `requires_grad`, dtype and registration and of each param group's
+parameter list (docs/reliability.md, 4); assignments cost nothing until they happen.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ ADD_PARAM_GROUP = (
 )
 
 _requires_grad = operator.attrgetter("requires_grad")
+_dtype = operator.attrgetter("dtype")
 # Every module of every watched model -> its model's watch (weakly: the watch reaches the
 # modules through the engine, and a value that holds its key keeps it alive for ever) and
 # its path there.
@@ -81,6 +85,16 @@ class ChangeWatch:
         self._names = [n for n, _ in named]
         self._params = tuple(p for _, p in named)
         self._trainable = tuple(map(_requires_grad, self._params))
+        self._dtypes = tuple(map(_dtype, self._params))
+        # Where each watched parameter is registered (every name of a tied one): set to
+        # None or deleted, it is gone without passing the registration hooks.
+        watched = {id(p) for p in self._params}
+        self._slots = [
+            (m._parameters, n, _path(path, n), p)
+            for path, m in model.named_modules(remove_duplicate=False)
+            for n, p in m._parameters.items()
+            if p is not None and id(p) in watched
+        ]
         self._optimizers = list({id(o): o for o in optimizers}.values())
         self._param_lists = self._param_groups()
         # (module, "module" or "parameter", name) -> what was there, and what changed.
@@ -134,6 +148,11 @@ class ChangeWatch:
             )
         if tuple(map(_requires_grad, self._params)) != self._trainable:
             self._requires_grad_flipped(where)
+        for registered, leaf, name, p in self._slots:
+            if registered.get(leaf) is not p:
+                self._parameter_removed(name, where)
+        if tuple(map(_dtype, self._params)) != self._dtypes:
+            self._dtype_changed(where)
         if self._groups_changed(param_lists):
             raise RuntimeError(
                 f"the optimizer's param groups changed after zeroshard.engine.initialize() "
@@ -151,6 +170,28 @@ class ChangeWatch:
                 if pg["params"] is not ps or len(ps) != k:
                     return True
         return False
+
+    def _parameter_removed(self, name: str, where: str) -> None:
+        raise RuntimeError(
+            f"parameter {name!r} was removed (set to None or deleted) after "
+            f"zeroshard.engine.initialize() (found at {where}): {_REBUILD}. Freeze it "
+            "instead (its param group's lr and weight_decay at 0), or save a checkpoint and "
+            "initialize the changed model anew"
+        )
+
+    def _dtype_changed(self, where: str) -> None:
+        name, was, now = next(
+            (n, was, p.dtype)
+            for n, p, was in zip(self._names, self._params, self._dtypes, strict=True)
+            if p.dtype != was
+        )
+        raise RuntimeError(
+            f"parameter {name!r} was {was} at zeroshard.engine.initialize() and is {now} "
+            f"now (found at {where}: model.half(), .to(dtype) or p.data = ...): the engine "
+            "computes in the dtype its config names and publishes into the buffers it built "
+            "then. Set precision.compute_dtype (compute_dtype) instead, and convert the "
+            "model before initialize(), if at all"
+        )
 
     def _requires_grad_flipped(self, where: str) -> None:
         for name, p, was in zip(self._names, self._params, self._trainable, strict=True):
