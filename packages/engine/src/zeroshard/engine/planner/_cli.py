@@ -265,7 +265,6 @@ def _check(a: argparse.Namespace) -> None:
             flag
             for flag, given in (
                 ("--shard-group-size", a.shard_group_size is not None),
-                ("--offload", a.offload != "none"),
                 ("--memory-limit-gib", a.memory_limit_gib is not None),
                 ("--snapshots", a.snapshots is not None),
             )
