@@ -15,11 +15,18 @@ A host group holds its rank's local tp pieces as a device group does; the cases:
   applied by hand (and not the unlagged one);
 - a 3-D mesh, (dp_replicate, dp_shard, tp) = (2, 1, 2) at stage 3 with
   `offload_params`: the host gradient shards averaged over the replicas.
+- torch's Muon recipe at stage 2, fully offloaded: Muon's momentum on the host, each
+  split matrix's pieces brought whole to its owner's device and orthogonalized there.
+
+At stage 2, and at stage 3 with `offload_params`, `zeroshard-plan --tp 2`'s host bytes and
+device model states per rank are the engine's, to the byte.
 
 Each case saves a checkpoint after two steps and trains a third; a fresh engine of the
 same combination loads it and trains that step bit for bit (under `delay_param_update`
 the loaded masters and optimizer state are the saved ones bit for bit: its first step
-after a load computes at the loaded weights, without the lag).
+after a load computes at the loaded weights, without the lag). The 2-D cases' checkpoints
+also load into the unsplit model at dp 4 without a mesh, offloaded alike, and take that
+step as the split run did.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine import _tp
+from tests.engine._models import muon_and_adamw
 from tests.engine.test_tensor_parallel import engine_config
 from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
 
@@ -49,6 +57,11 @@ def _adamw(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
         for g in _tp.make_optimizer(model).param_groups
     ]
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=fused)
+
+
+def _optimizers(model: nn.Module, muon: bool, fused: bool) -> list[torch.optim.Optimizer]:
+    """torch's Muon recipe (Muon on the hidden matrices, AdamW on the rest), or AdamW."""
+    return muon_and_adamw(model) if muon else [_adamw(model, fused)]
 
 
 def _planned_host_matches(model: nn.Module, opt: zs.ZeroOptimizer, sp: bool) -> None:
@@ -96,13 +109,13 @@ def _planned_host_matches(model: nn.Module, opt: zs.ZeroOptimizer, sp: bool) -> 
 
 
 def _reference(
-    model: nn.Module, data: torch.Tensor, clip: bool, lag: bool
+    model: nn.Module, data: torch.Tensor, clip: bool, lag: bool, muon: bool
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Losses, clip norms and final masters of `model` (unsplit) trained in one process
     on each step's whole global batch; with `lag`, forward computes with the masters of
     the step before the last (see tests/engine/test_offload_delayed.py)."""
     live, master = model, copy.deepcopy(model)
-    opt = _adamw(master, lag)
+    opts = _optimizers(master, muon, lag)
     pairs = list(zip(live.parameters(), master.parameters(), strict=True))
     losses, norms = [], []
     for step in data:
@@ -114,8 +127,9 @@ def _reference(
             p_master.grad, p_live.grad = p_live.grad, None
             if lag:
                 p_live.data.copy_(p_master.data)
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         if not lag:
             for p_live, p_master in pairs:
                 p_live.data.copy_(p_master.data)
@@ -166,6 +180,7 @@ def _case(
     clip: bool = True,
     in_backward: bool = False,
     planned: bool = False,
+    muon: bool = False,
 ) -> None:
     mesh = _mesh(shape)
     delayed = bool(offload.get("offload_delay_param_update"))
@@ -173,11 +188,14 @@ def _case(
 
     def build() -> tuple[nn.Module, zs.ZeroOptimizer]:
         model, _ = _tp.split_model(mesh, sp=sp, seed=stage)
-        return zs.initialize(model, _adamw(model, delayed), config, device_mesh=mesh)
+        opts = _optimizers(model, muon, delayed)
+        return zs.initialize(model, opts if muon else opts[0], config, device_mesh=mesh)
 
     data = _tp.batches(STEPS, 1, _dp(mesh)[0])
     _, reference = _tp.split_model(mesh, sp=sp, seed=stage)
-    ref_losses, ref_norms, ref_state = _reference(copy.deepcopy(reference), data, clip, delayed)
+    ref_losses, ref_norms, ref_state = _reference(
+        copy.deepcopy(reference), data, clip, delayed, muon
+    )
     model, opt = build()
     homes = {g.home.kind for g in opt.flat_groups if g.trainable}
     want = {zs.HomeKind.HOST} if offload.get("offload_ratio", 1.0) == 1 else set(zs.HomeKind)
@@ -191,11 +209,11 @@ def _case(
     for k, v in ref_state.items():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
     if delayed:
-        _, _, unlagged = _reference(copy.deepcopy(reference), data, clip, False)
+        _, _, unlagged = _reference(copy.deepcopy(reference), data, clip, False, muon)
         assert not all(torch.allclose(full[k], v, 1e-5, 1e-6) for k, v in unlagged.items())
 
     # A checkpoint of the combination, resumed.
-    path = Path(root) / f"{'x'.join(map(str, shape))}s{stage}{sorted(offload)}"
+    path = Path(root) / f"{'x'.join(map(str, shape))}s{stage}{sorted(offload)}{'muon' * muon}"
     model, opt = build()
     _train(model, opt, data, range(2), mesh, clip, in_backward)
     zs.save_checkpoint(model, opt, path, step=2, overwrite=True)
@@ -212,6 +230,38 @@ def _case(
     want_full, got = zs.full_state_dict(model), zs.full_state_dict(again)
     for k, v in want_full.items():
         assert torch.equal(got[k], v), f"{k}: the resume is not bit-identical"
+    if len(shape) == 2:
+        _loads_without_tp(config, path, data, saved, want_full, clip, muon)
+
+
+def _loads_without_tp(
+    config: dict[str, Any],
+    path: Path,
+    data: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    after: dict[str, torch.Tensor],
+    clip: bool,
+    muon: bool,
+) -> None:
+    """The checkpoint of a split run loads into the unsplit model at dp 4, offloaded alike:
+    the saved weights bit for bit, and the third step (its host optimizer state the split
+    run's, joined) as the split run took it."""
+    rank = dist.get_rank()
+    torch.manual_seed(99)  # every weight must come from the checkpoint
+    plain = _tp.TPModel()
+    opts = _optimizers(plain, muon, False)
+    plain, opt = zs.initialize(plain, opts if muon else opts[0], config)
+    assert zs.load_checkpoint(plain, opt, path) == 2
+    for k, v in zs.full_state_dict(plain).items():
+        assert torch.equal(v, saved[k]), k
+    tokens = data[2, 0].reshape(-1, data.shape[-1])[rank : rank + 1]
+    _tp.loss_fn(plain, tokens).backward()
+    if clip:
+        opt.clip_grad_norm_(CLIP)
+    opt.step()
+    full = zs.full_state_dict(plain)
+    for k, v in after.items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 CASES: list[dict[str, Any]] = [
@@ -233,6 +283,7 @@ CASES: list[dict[str, Any]] = [
     ),
     dict(shape=(2, 2), stage=2, sp=False, offload={"offload_delay_param_update": True}),
     dict(shape=(2, 1, 2), stage=3, sp=True, offload={"offload_params": True}),
+    dict(shape=(2, 2), stage=2, sp=False, offload={}, muon=True),
 ]
 
 
