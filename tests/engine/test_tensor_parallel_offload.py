@@ -19,9 +19,12 @@ A host group holds its rank's local tp pieces as a device group does; the cases:
   split matrix's pieces brought whole to its owner's device and orthogonalized there.
 
 At stage 2, and at stage 3 with `offload_params`, `zeroshard-plan --tp 2`'s host bytes and
-device model states per rank are the engine's, to the byte.
+device model states per rank are the engine's, to the byte. At stage 3 the state API
+(`full_grad`, `grad_norms`, `full_optimizer_state`, `gathered_parameters`,
+`model.state_dict()` and `load_state_dict` of whole tensors, `state_dict_on_rank0`,
+`load_safetensors`) gives and takes the same bits with `offload_params` as without.
 
-Each case saves a checkpoint after two steps and trains a third; a fresh engine of the
+Each case saves a checkpoint after two of its three steps; a fresh engine of the
 same combination loads it and trains that step bit for bit (under `delay_param_update`
 the loaded masters and optimizer state are the saved ones bit for bit: its first step
 after a load computes at the loaded weights, without the lag). The 2-D cases' checkpoints
@@ -200,9 +203,14 @@ def _case(
     homes = {g.home.kind for g in opt.flat_groups if g.trainable}
     want = {zs.HomeKind.HOST} if offload.get("offload_ratio", 1.0) == 1 else set(zs.HomeKind)
     assert homes == want, homes
-    losses, norms = _train(model, opt, data, range(STEPS), mesh, clip, in_backward)
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
+    # Two steps, a checkpoint of the combination, the third step.
+    path = Path(root) / f"{'x'.join(map(str, shape))}s{stage}{sorted(offload)}{'muon' * muon}"
+    losses, norms = _train(model, opt, data, range(2), mesh, clip, in_backward)
+    zs.save_checkpoint(model, opt, path, step=2, overwrite=True)
+    saved, saved_state = zs.full_state_dict(model), _state(opt)
+    more = _train(model, opt, data, range(2, STEPS), mesh, clip, in_backward)
+    torch.testing.assert_close(losses + more[0], ref_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norms + more[1], ref_norms, rtol=1e-5, atol=1e-6)
     if planned:
         _planned_host_matches(model, opt, sp)
     full = zs.full_state_dict(model)
@@ -212,13 +220,7 @@ def _case(
         _, _, unlagged = _reference(copy.deepcopy(reference), data, clip, False, muon)
         assert not all(torch.allclose(full[k], v, 1e-5, 1e-6) for k, v in unlagged.items())
 
-    # A checkpoint of the combination, resumed.
-    path = Path(root) / f"{'x'.join(map(str, shape))}s{stage}{sorted(offload)}{'muon' * muon}"
-    model, opt = build()
-    _train(model, opt, data, range(2), mesh, clip, in_backward)
-    zs.save_checkpoint(model, opt, path, step=2, overwrite=True)
-    saved, saved_state = zs.full_state_dict(model), _state(opt)
-    _train(model, opt, data, range(2, 3), mesh, clip, in_backward)
+    # The same combination resumed from the checkpoint.
     again, opt2 = build()
     assert zs.load_checkpoint(again, opt2, path) == 2
     if delayed:
@@ -227,11 +229,11 @@ def _case(
         torch.testing.assert_close(_state(opt2), saved_state, rtol=0, atol=0)
         return
     _train(again, opt2, data, range(2, 3), mesh, clip, in_backward)
-    want_full, got = zs.full_state_dict(model), zs.full_state_dict(again)
-    for k, v in want_full.items():
+    got = zs.full_state_dict(again)
+    for k, v in full.items():
         assert torch.equal(got[k], v), f"{k}: the resume is not bit-identical"
     if len(shape) == 2:
-        _loads_without_tp(config, path, data, saved, want_full, clip, muon)
+        _loads_without_tp(config, path, data, saved, full, clip, muon)
 
 
 def _loads_without_tp(
@@ -287,8 +289,78 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
+def _state_apis(root: str) -> dict[str, Any]:
+    """What the state API reads and writes, for stage 3 at dp 2 x tp 2 with sequence
+    parallelism (device homes, or `offload_params`) in the same steps."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    mesh = _mesh((2, 2))
+    me = mesh.get_local_rank("dp")
+    data = _tp.batches(2, 1, 2)
+    out: dict[str, dict[str, Any]] = {}
+    for offload in (False, True):
+        model, _ = _tp.split_model(mesh, sp=True, seed=3)
+        cfg = {**engine_config(3, "fp32"), "offload_optimizer": offload, "offload_params": offload}
+        model, opt = zs.initialize(model, _adamw(model, True), cfg, device_mesh=mesh)
+        r: dict[str, Any] = {}
+        for step in range(2):
+            _tp.loss_fn(model, data[step, 0, me]).backward()
+            r[f"norms{step}"] = zs.grad_norms(model)
+            for name in ("blocks.0.up.weight", "blocks.1.down.weight", "blocks.0.norm.weight"):
+                r[f"grad{step} {name}"] = zs.full_grad(model, name)
+            opt.step()
+            opt.zero_grad()
+        for name in ("blocks.0.down.weight", "emb.weight", "norm.bias"):
+            r[f"state {name}"] = zs.full_optimizer_state(model, name)
+        with zs.gathered_parameters(model):
+            r["gathered"] = model.blocks[0].up.weight.full_tensor().clone()
+        whole = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+            for k, v in model.state_dict().items()
+        }
+        r["state_dict"] = whole
+        with zs.state_dict_on_rank0(model):
+            r["on rank 0"] = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict({k: v * 0.5 for k, v in whole.items()})
+        r["load_state_dict"] = zs.full_state_dict(model)
+        file = Path(root) / f"weights{offload}.safetensors"
+        if dist.get_rank() == 0:
+            save_file({k: v.contiguous() for k, v in whole.items()}, file)
+        dist.barrier()
+        zs.load_safetensors(model, file)
+        _tp.loss_fn(model, data[1, 0, me]).backward()
+        opt.step()
+        r["a step after load_safetensors"] = zs.full_state_dict(model)
+        out["host" if offload else "device"] = r
+    return out
+
+
+def _same_state_apis(root: str) -> None:
+    """The state API sees no home: offloaded pieces read and load as the device's do, bit
+    for bit (gradients, norms, optimizer state, gathered and state-dict values, loads)."""
+    apis = _state_apis(root)
+    # Nothing compared is empty (a gradient read when none is held, a state before a step).
+    # ("on rank 0" is {} on the other ranks.)
+    held = {k: v for k, v in apis["host"].items() if k != "on rank 0"}
+    assert all(v is not None and len(v) for v in held.values()), held.keys()
+
+    def same(a: Any, b: Any, where: str) -> None:
+        if isinstance(a, dict):
+            assert a.keys() == b.keys(), where
+            for k in a:
+                same(a[k], b[k], f"{where}: {k}")
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a.cpu(), b.cpu()), where
+        else:
+            assert a == b, (where, a, b)
+
+    same(apis["device"], apis["host"], "device vs host")
+
+
 def _all(root: str) -> None:
     run_each(CASES, lambda **c: _case(**c, root=root))
+    run_each([{}], lambda: _same_state_apis(root))
     # The 3-D mesh's replicas finish apart (nothing after the last save spans both): the
     # first must not leave, taking the store rank 0 holds, while the other still works.
     dist.barrier()
