@@ -75,10 +75,14 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     assert main(["tiny", "--world", "4", "--tp", "2", "--sequence-parallel"]) == 0
     out = capsys.readouterr().out
     assert "tp 2, sequence parallel x dp 2" in out and "tensor-parallel collectives" in out
+    # Offload under tensor parallelism: each rank's host holds its pieces' share.
+    assert main(["tiny", "--world", "4", "--tp", "2", "--stage", "3", "--offload", "params"]) == 0
+    out = capsys.readouterr().out
+    assert "offload optimizer + params" in out and "| host (offload), of it pinned |" in out
     for argv, why in [
         (["--tp", "3"], "--tp 3 does not divide --world 4"),
         (["--sequence-parallel"], "--sequence-parallel needs --tp above 1"),
-        (["--tp", "2", "--offload", "optimizer"], "--tp cannot be combined with --offload"),
+        (["--tp", "2", "--snapshots", "64"], "--tp cannot be combined with --snapshots"),
     ]:
         assert main(["tiny", "--world", "4", *argv]) == 2
         assert why in capsys.readouterr().err

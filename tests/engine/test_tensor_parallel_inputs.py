@@ -1,8 +1,8 @@
 """What `initialize(..., device_mesh=...)` refuses, on every rank, before it changes
 anything: DTensor parameters without a mesh, a mesh of other dims (3-D ones in another
-order included), combinations not supported yet (offload, shard_group_size, the fp8
-gather), a split that does not divide, one rank without the mesh (the same error on both,
-no hang)."""
+order included), combinations not supported yet (shard_group_size, the fp8 gather), a
+split that does not divide, one rank without the mesh (the same error on both, no
+hang)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,6 @@ def _refusals() -> None:
         cube = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=names)
         refused(r"\('dp_replicate', 'dp_shard', 'tp'\), got", split(), device_mesh=cube)
 
-    def offload() -> None:
-        config = {"stage": 3, "offload_optimizer": True}
-        refused(r"cannot be combined with offload_optimizer", split(), config, device_mesh=mesh)
-
     def shard_group_size() -> None:
         config = {"stage": 2, "shard_group_size": 1}
         refused(r"cannot be combined with shard_group_size", split(), config, device_mesh=mesh)
@@ -78,7 +74,6 @@ def _refusals() -> None:
         no_mesh,
         other_dims,
         hybrid_dims_misordered,
-        offload,
         shard_group_size,
         float8_gather,
         uneven,

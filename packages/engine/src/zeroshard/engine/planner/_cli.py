@@ -265,7 +265,6 @@ def _check(a: argparse.Namespace) -> None:
             flag
             for flag, given in (
                 ("--shard-group-size", a.shard_group_size is not None),
-                ("--offload", a.offload != "none"),
                 ("--memory-limit-gib", a.memory_limit_gib is not None),
                 ("--snapshots", a.snapshots is not None),
             )
@@ -312,7 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         compute = _compute(a, a.micro_batch * seq)
         if compute is None:
             print(f"({NOT_PRICED}: memory only)")
-        if a.offload != "none" and compute is not None and a.cpu_adam_params_per_s is None:
+        # Under --tp the step is not projected (see plan_tensor_parallel's table).
+        priced = compute is not None and a.tp == 1
+        if a.offload != "none" and priced and a.cpu_adam_params_per_s is None:
             raise ValueError("offload step time needs --cpu-adam-params-per-s (a measured rate)")
         cluster = Cluster(
             a.gpus_per_node,

@@ -30,6 +30,7 @@ from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import (
     GroupPlan,
     grad_shard_bytes,
+    host_bytes,
     plan_groups,
     snapshot_bytes,
     state_bytes,
@@ -46,7 +47,6 @@ from zeroshard.engine.planner._whole import (
     whole_matrix_cost,
 )
 from zeroshard.engine.runtime._float8 import unwrap_float8_weights
-from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._optimizers import as_optimizers
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
@@ -282,19 +282,7 @@ def estimate_on_trace(
     # The engine's own rule where the optimizers are known (`state_floats`), else the
     # figure given for every param group.
     state_per_element = {k: 4 * n for k, n in state_floats_by_param_group(optimizers).items()}
-    host = pinned = 0
-    if plan.offload is not None:
-        # torch's optimizers keep their state in the master's dtype.
-        master = cfg.precision.master_dtype.itemsize
-        host = plan.offload.host_bytes + sum(
-            g.layout.shard_numel
-            * state_per_element.get(g.key.param_group, optimizer_bytes_per_element)
-            * master
-            // 4
-            for g in plan.groups
-            if g.home is HomeKind.HOST and g.trainable
-        )
-        pinned = plan.offload.pinned_bytes
+    host, pinned = host_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     step = None
     if compute is not None:
         step = project_step(

@@ -114,6 +114,31 @@ def state_bytes(
     return out
 
 
+def host_bytes(
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
+) -> tuple[int, int]:
+    """Offload's host bytes per rank (its buffers, the masters and the optimizer state of
+    the groups on the host) and the pinned ones of them; (0, 0) with nothing offloaded.
+    `optimizer_bytes_per_element` as `state_bytes` takes it."""
+    if plan.offload is None:
+        return 0, 0
+    # torch's optimizers keep their state in the master's dtype.
+    master = cfg.precision.master_dtype.itemsize
+    state = sum(
+        g.layout.shard_numel
+        * (
+            optimizer_bytes_per_element.get(g.key.param_group, 8)
+            if isinstance(optimizer_bytes_per_element, Mapping)
+            else optimizer_bytes_per_element
+        )
+        * master
+        // 4
+        for g in plan.groups
+        if g.home is HomeKind.HOST and g.trainable
+    )
+    return plan.offload.host_bytes + state, plan.offload.pinned_bytes
+
+
 def snapshot_bytes(
     plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: Mapping[int, int]
 ) -> int:

@@ -35,6 +35,7 @@ from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._groups import (
     grad_shard_bytes,
+    host_bytes,
     plan_groups,
     state_bytes,
     state_rows,
@@ -104,6 +105,8 @@ class TensorParallelPlan:
     grad_shards: int
     collectives: tuple[Collective, ...]
     cluster: Cluster
+    host: int = 0  # offload: host bytes per rank (as `Estimate.host`)
+    pinned: int = 0  # of them pinned
 
     @property
     def dp(self) -> int:
@@ -118,12 +121,22 @@ class TensorParallelPlan:
     def table(self) -> str:
         """A readable table of the plan."""
         sp = ", sequence parallel" if self.sequence_parallel else ""
+        offload = self.config.offload
+        off = ""
+        if offload.optimizer:
+            off = ", offload optimizer" + (" + params" if offload.params else "")
         lines = [
             f"{self.parameters / 1e9:.2f}B parameters, tp {self.tp}{sp} x dp {self.dp}, stage "
-            f"{self.config.stage}: {self.split / 1e9:.2f}B split over tp, each rank holds "
+            f"{self.config.stage}{off}: {self.split / 1e9:.2f}B split over tp, each rank holds "
             f"{self.per_rank / 1e9:.2f}B, sharded over dp {self.dp}",
             "",
             *state_rows(self.states, self.grad_shards),
+        ]
+        if self.host:
+            lines.append(
+                f"| host (offload), of it pinned | {self.host / GIB:.2f}, {self.pinned / GIB:.2f} |"
+            )
+        lines += [
             "",
             "| tensor-parallel collectives of a micro-batch | per micro-batch | MiB each | ms |",
             "|---|---|---|---|",
@@ -285,7 +298,8 @@ def plan_tensor_parallel(
     groups_of = None
     if param_group_of is not None:
         groups_of = {id(pieces.get(i, p)): param_group_of[i] for i, p in before.items()}
-    # Flat groups as initialize() forms them: the split parameters apart.
+    # Flat groups as initialize() forms them: the split parameters apart; a host group
+    # holds a rank's pieces as a device group does.
     plan = plan_groups(
         model,
         cfg,
@@ -293,6 +307,7 @@ def plan_tensor_parallel(
         groups_of,
         process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
+    host, pinned = host_bytes(plan, cfg, optimizer_bytes_per_element)
     return TensorParallelPlan(
         tp,
         world_size,
@@ -305,4 +320,6 @@ def plan_tensor_parallel(
         grad_shard_bytes(plan, cfg),
         ops,
         cluster,
+        host,
+        pinned,
     )

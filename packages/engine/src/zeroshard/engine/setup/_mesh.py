@@ -113,7 +113,6 @@ def check_mesh_inputs(
             ("group", group is not None),
             ("process_groups", bool(process_groups)),
             ("shard_group_size", cfg.shard_group_size is not None),
-            ("offload_optimizer", cfg.offload.optimizer),
         )
         if given
     ]
