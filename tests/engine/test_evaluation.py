@@ -3,7 +3,8 @@
 At stages 1-3 (eager, and at stage 3 `zeroshard.compile`) the forward of an engine built
 without an optimizer equals the plain model's (same seed) bit for bit, as do its
 `state_dict`, `full_state_dict` and `gathered_parameters`; meta-device init gives the
-weights an engine with an optimizer gets. A backward that reaches a parameter, and the
+weights an engine with an optimizer gets, and a tensor-parallel model (a device mesh)
+evaluates as its unsplit reference. A backward that reaches a parameter, and the
 calls that need the optimizer, raise an error naming it, on every rank, and the engine
 still evaluates afterwards. A checkpoint a training engine saved at 2 ranks loads into
 evaluation-only engines at another stage and at 1 and 2 ranks and gives the trained
@@ -99,7 +100,7 @@ def _normal(module: torch.nn.Module) -> None:
 
 def _meta_and_compiled() -> None:
     """Stage 3 on the meta device: the weights an engine with an optimizer initializes;
-    `zeroshard.compile` of it forwards as eager does."""
+    `zeroshard.compile` of it forwards as eager does, and refuses a backward too."""
     import zeroshard.compile as zc
 
     def built(optimizer: bool) -> torch.nn.Module:
@@ -112,10 +113,16 @@ def _meta_and_compiled() -> None:
     trained, evaluated = built(True), built(False)
     _same(zs.full_state_dict(evaluated), zs.full_state_dict(trained), "meta-device init")
     tokens = _tokens()
+    compiled = zc.compile(evaluated, backend="aot_eager")
     with torch.no_grad():
         want = evaluated(tokens)
-        got = zc.compile(evaluated, backend="aot_eager")(tokens)
-    assert torch.equal(got, want), "compiled forward"
+        assert torch.equal(compiled(tokens), want), "compiled forward"
+    # The compiled graph's gradients would go to the masters: refused there.
+    out = compiled(tokens)
+    with pytest.raises(RuntimeError, match="initialized without an optimizer"):
+        out.float().pow(2).mean().backward()
+    with torch.no_grad():
+        assert torch.equal(compiled(tokens), want), "compiled forward after the refusal"
 
 
 def _llama_case() -> None:
@@ -139,6 +146,22 @@ def _llama_case() -> None:
         got = model(input_ids=tokens).logits
         want = ref(input_ids=tokens).logits
     assert torch.equal(got, want), "Llama logits at stage 3"
+
+
+def _tensor_parallel_case() -> None:
+    """Under a device mesh (tp 2): the split model's forward and full weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.engine import _tp
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model, ref = _tp.split_model(mesh, sp=False, seed=3)
+    model, _ = zs.initialize(model, None, _config(3), device_mesh=mesh)
+    _same(zs.full_state_dict(model), ref.state_dict(), "tensor parallel: full_state_dict")
+    tokens = _tp.batches(1, 1, 1)[0, 0, 0][..., :-1]
+    with torch.no_grad():
+        # The rowwise layers sum their pieces over tp: the reference's sums, reordered.
+        torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-6, atol=1e-6)
 
 
 def _train_and_save(root: str, stage: int) -> None:
@@ -207,6 +230,7 @@ def _at_two(root: str) -> None:
     run_each(subtests({"stage": [1, 2, 3], "root": [root]}), _forward_case)
     run_each([{}], _meta_and_compiled)
     run_each([{}], _llama_case)
+    run_each([{}], _tensor_parallel_case)
     for stage in (2, 3):
         _train_and_save(root, stage)
     run_each(

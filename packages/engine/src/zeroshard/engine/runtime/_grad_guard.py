@@ -134,7 +134,8 @@ def _after_accumulate(
 # `engine.backward` ("must provide optimizer during init in order to use backward"). We
 # refuse as DeepSpeed does, with its reason: the first gradient that reaches a trainable
 # parameter raises, on every rank alike (each runs the same backward), before anything is
-# written into `.grad`.
+# written into `.grad`. The masters get the same hook: a `zeroshard.compile`d graph takes
+# them as its inputs and accumulates its gradients into them, not into the parameters.
 NO_BACKWARD = (
     "zeroshard: this model was initialized without an optimizer (evaluation only), so "
     "its gradients have nowhere to go: run forward under torch.no_grad(), or initialize "
@@ -143,11 +144,11 @@ NO_BACKWARD = (
 
 
 def refuse_backward(groups: Sequence[FlatParamGroup]) -> None:
-    """Make a backward that reaches a trainable parameter of `groups` raise `NO_BACKWARD`
-    (see [Note: backward without an optimizer])."""
+    """Make a backward that reaches a trainable parameter of `groups` (or its master)
+    raise `NO_BACKWARD` (see [Note: backward without an optimizer])."""
     for g in groups:
         if g.trainable:
-            for p in g.params:
+            for p in (*g.params, g.master):
                 p.register_hook(_refuse)  # type: ignore[no-untyped-call]  # untyped in torch
 
 
