@@ -4,13 +4,14 @@ At stages 1-3 (eager, and at stage 3 `zeroshard.compile`) the forward of an engi
 without an optimizer equals the plain model's (same seed) bit for bit, as do its
 `state_dict`, `full_state_dict` and `gathered_parameters`; meta-device init gives the
 weights an engine with an optimizer gets, and a tensor-parallel model (a device mesh)
-evaluates as its unsplit reference. A backward that reaches a parameter, and the
-calls that need the optimizer, raise an error naming it, on every rank, and the engine
-still evaluates afterwards. A checkpoint a training engine saved at 2 ranks loads into
-evaluation-only engines at another stage and at 1 and 2 ranks and gives the trained
-model's outputs (as do its consolidated weights through `load_safetensors`); a DeepSpeed
-checkpoint loads the weights a training engine loads from it (DCP's: test_dcp_resume.py).
-A transformers Llama built from a config evaluates at stage 3 as the plain model.
+evaluates as its unsplit reference, as does a block on a process group of its own. A
+backward that reaches a parameter, and the calls that need the optimizer, raise an error
+naming it, on every rank, and the engine still evaluates afterwards. A checkpoint a
+training engine saved at 2 ranks loads into evaluation-only engines at another stage and
+at 1 and 2 ranks and gives the trained model's outputs (as do its consolidated weights
+through `load_safetensors`); a DeepSpeed checkpoint loads the weights a training engine
+loads from it (DCP's: test_dcp_resume.py). A transformers Llama built from a config
+evaluates at stage 3 as the plain model.
 """
 
 from __future__ import annotations
@@ -164,6 +165,19 @@ def _tensor_parallel_case() -> None:
         torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-6, atol=1e-6)
 
 
+def _process_groups_case() -> None:
+    """A block on a process group of each rank alone (as experts are): the same forward."""
+    from zeroshard.comm import Group
+
+    alone = [Group(dist.new_group([r])) for r in range(dist.get_world_size())]
+    ref = make_model(11)
+    groups = {"blocks.0": alone[dist.get_rank()]}
+    model, _ = zs.initialize(make_model(11), None, _config(3), process_groups=groups)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), ref(tokens)), "process_groups: forward"
+
+
 def _train_and_save(root: str, stage: int) -> None:
     """A training engine at `stage` takes 2 steps and saves; rank 0 writes its weights."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -231,6 +245,7 @@ def _at_two(root: str) -> None:
     run_each([{}], _meta_and_compiled)
     run_each([{}], _llama_case)
     run_each([{}], _tensor_parallel_case)
+    run_each([{}], _process_groups_case)
     for stage in (2, 3):
         _train_and_save(root, stage)
     run_each(
