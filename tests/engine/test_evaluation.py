@@ -16,6 +16,7 @@ evaluates at stage 3 as the plain model.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,23 @@ def _deepspeed_weights(stage: int) -> None:
     _same(zs.full_state_dict(evaluated), zs.full_state_dict(trained), "DeepSpeed's weights")
 
 
+def _fabric_offload_case() -> None:
+    """Fabric's `setup(model)` under an `..._offload` strategy evaluates (the engine it
+    builds has no optimizer, so no offload)."""
+    from lightning.fabric import Fabric
+
+    import zeroshard.engine.lightning  # noqa: F401  (its strategies in Fabric's registry)
+
+    fabric = Fabric(strategy="zeroshard_stage_3_offload", accelerator="cpu", devices=1)
+    fabric.launch()
+    ref = make_model(11)
+    model = fabric.setup(make_model(11))
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), ref(tokens)), "Fabric, offload strategy"
+    assert zs.engine_state(model).config.offload.optimizer is False
+
+
 def _at_two(root: str) -> None:
     run_each(subtests({"stage": [1, 2, 3], "root": [root]}), _forward_case)
     run_each([{}], _meta_and_compiled)
@@ -255,10 +273,12 @@ def _at_two(root: str) -> None:
     run_each([{"stage": 3}], _deepspeed_weights)
 
 
-def _at_one(root: str) -> None:
+def _at_one(root: str, lightning: bool) -> None:
     run_each(subtests({"root": [root], "saved": [2, 3], "stage": [1, 3]}), _evaluate_trained)
+    if lightning:
+        run_each([{}], _fabric_offload_case)
 
 
 def test_evaluation_without_an_optimizer(tmp_path: Path) -> None:
     run_ranks(_at_two, 2, str(tmp_path))
-    run_ranks(_at_one, 1, str(tmp_path))
+    run_ranks(_at_one, 1, str(tmp_path), importlib.util.find_spec("lightning") is not None)
