@@ -8,7 +8,8 @@ level, the optimizer flattened, `train_state` and `lr_scheduler` beside it, unde
 either checkpoint into a model initialised differently (and an optimizer with another
 lr) at worlds 2 and 3 and stages 1-3, trains the same 2 steps on the same global batches and
 must agree with FSDP2: losses to rtol 1e-6 and weights to atol 1e-6 (fp32 on the CPU).
-A model-only checkpoint loads its weights bit for bit, the optimizer afresh.
+A model-only checkpoint loads its weights bit for bit, the optimizer afresh, and so does
+either checkpoint into a model initialized without an optimizer (for evaluation).
 """
 
 from __future__ import annotations
@@ -121,10 +122,21 @@ def _model_only(root: str, stage: int) -> None:
     assert all(torch.equal(got[n], want) for n, want in ref["saved"].items())
 
 
+def _evaluation(root: str, source: str, stage: int) -> None:
+    # A model initialized without an optimizer loads the weights alone, bit for bit.
+    ref = torch.load(f"{root}/ref.pt", weights_only=True)
+    model, _ = zs.initialize(Net(), None, {"stage": stage})
+    assert zs.load_checkpoint(model, None, Path(root) / source) == 2
+    got = zs.full_state_dict(model)
+    assert all(torch.equal(got[n], want) for n, want in ref["saved"].items())
+
+
 def _resume_all(root: str, runs: list[tuple[str, int]]) -> None:
     for source, stage in runs:
         if source == "model_only":
             _model_only(root, stage)
+        elif source.startswith("eval:"):
+            _evaluation(root, source.removeprefix("eval:"), stage)
         else:
             _resume(root, source, stage)
 
@@ -133,7 +145,7 @@ def _resume_all(root: str, runs: list[tuple[str, int]]) -> None:
     ("world", "runs"),
     [
         (2, [("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 3), ("titan", 3), ("model_only", 2)]),
-        (3, [("fsdp2", 3), ("titan/step-2", 2)]),
+        (3, [("fsdp2", 3), ("titan/step-2", 2), ("eval:fsdp2", 3), ("eval:titan", 1)]),
     ],
 )
 def test_resume_matches_fsdp2(fsdp2_root: Path, world: int, runs: list[tuple[str, int]]) -> None:

@@ -54,9 +54,7 @@ def load_sharded(root: EngineRoot, path: str | os.PathLike[str]) -> dict[str, An
     """Load the checkpoint `path` into `root`'s engine, saved at any world size; Lightning's
     state saved with it (collective)."""
     client: dict[str, Any] = {_CLIENT_KEY: None}
+    # An evaluation-only engine (no optimizer) loads the weights alone.
     load_checkpoint(root, root.optimizer, Path(path), client_state=client)
-    if root.eval_only:
-        # The saved optimizer state went into an optimizer that never steps: free it.
-        root.optimizer.state.clear()
     loaded: dict[str, Any] = client[_CLIENT_KEY]
     return loaded

@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.config._policies import OffloadPolicy
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._state import engine_state
 from zeroshard.engine.setup._initialize import initialize
 
 _MARK = "zeroshard_module"
@@ -37,33 +39,26 @@ class EngineRoot(nn.Module):
     """The engine's model: the user's module as its only child (see [Note: the engine's
     root]), with what the strategies built it with."""
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, *, eval_only: bool) -> None:
+    def __init__(self, module: nn.Module, config: ZeroConfig) -> None:
         super().__init__()
         self._orig_mod = module
         self.config = config
-        self.eval_only = eval_only
-        """Built without the user's optimizer: it never steps."""
         self.schedulers: list[Any] = []
         """The Trainer's LR scheduler configs, for a later `fit` on the same engine."""
-        self._optimizer: ZeroOptimizer | None = None
 
     @property
-    def optimizer(self) -> ZeroOptimizer:
-        """The engine's optimizer."""
-        assert self._optimizer is not None, "EngineRoot before build_engine"
-        return self._optimizer
+    def optimizer(self) -> ZeroOptimizer | None:
+        """The engine's optimizer; None where it was built for evaluation only."""
+        return engine_state(self).optimizer
+
+    @property
+    def eval_only(self) -> bool:
+        """Built without the user's optimizer, for evaluation only."""
+        return self.optimizer is None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The user's module called with the same arguments."""
         return self._orig_mod(*args, **kwargs)
-
-
-class _NeverSteps(torch.optim.SGD):
-    """An evaluation-only engine's optimizer: it never steps, so a checkpoint of any
-    optimizer loads into it (`zeroshard_never_steps`: the load checks no optimizer
-    class against the checkpoint's; the state it gets is dropped)."""
-
-    zeroshard_never_steps = True
 
 
 def engine_root(module: nn.Module) -> EngineRoot | None:
@@ -80,14 +75,14 @@ def build_engine(
     config: ZeroConfig,
 ) -> EngineRoot:
     """Shard `module` and `optimizer` (fresh, on its parameters) with `config`; without an
-    optimizer, for evaluation only: an optimizer that never steps stands in for one."""
-    eval_only = optimizer is None
+    optimizer, for evaluation only (a later fit on it is refused: see `reuse_engine`)."""
+    root = EngineRoot(module, config)
     if optimizer is None:
-        # initialize() needs an optimizer; this one is never stepped (a later fit on this
-        # engine is refused: see `reuse_engine`).
-        optimizer = _NeverSteps(list(module.parameters()), lr=0.0)
-    root = EngineRoot(module, config, eval_only=eval_only)
-    _, root._optimizer = initialize(root, optimizer, config)
+        # CPU offload is of an optimizer's state and step, which initialize() refuses
+        # without one; the strategies named `..._offload` evaluate with the rest of theirs.
+        initialize(root, None, config.replace(offload=OffloadPolicy()))
+    else:
+        initialize(root, optimizer, config)
     object.__setattr__(module, _MARK, root)  # outside the module tree: no cycle in it
     return root
 

@@ -140,6 +140,7 @@ class ZeroShardFabricStrategy(DDPStrategy):
         if reuse_engine(module, self.zero_config(), training=True) is not None:
             raise ValueError("zeroshard: this module was set up already; set it up once")
         root = build_engine(module, optimizers[0], self.zero_config())
+        assert root.optimizer is not None  # built with one
         return root, [root.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
@@ -247,5 +248,6 @@ def _split_state(state: Mapping[str, Any]) -> tuple[EngineRoot, dict[str, Any]]:
             f"shards are the checkpoint), found {found}"
         )
     ((key, root),) = roots.items()
-    rest = {k: v for k, v in state.items() if k != key and v is not root.optimizer}
+    mine = {id(root.optimizer)} if root.optimizer is not None else set()
+    rest = {k: v for k, v in state.items() if k != key and id(v) not in mine}
     return root, rest

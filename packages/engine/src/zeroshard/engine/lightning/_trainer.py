@@ -181,6 +181,7 @@ class ZeroShardStrategy(DDPStrategy):
             root.schedulers = schedulers
         self.model = root
         if training:
+            assert root.optimizer is not None  # reuse_engine refuses an evaluation-only one
             self.optimizers = [root.optimizer]
             self.lr_scheduler_configs = list(root.schedulers)
         if config.stage == 3:

@@ -66,7 +66,8 @@ class Snapshots:
     ) -> None:
         self._model = engine_module(model)
         self._state = engine_state(self._model)
-        if optimizer is not self._state.optimizer:
+        engine_optimizer = self._state.needs_optimizer("Snapshots")
+        if optimizer is not engine_optimizer:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
@@ -90,7 +91,7 @@ class Snapshots:
         self._copy = HostCopy()
         on_device = self._state.shard_group.device.type == "cuda"
         self._slots = Slots(self.store, self.rank, pin=on_device)
-        self._hook = self._state.optimizer.register_step_pre_hook(
+        self._hook = engine_optimizer.register_step_pre_hook(
             lambda *_: self._copy.wait_before_step()
         )
         self._thread: threading.Thread | None = None
@@ -104,7 +105,7 @@ class Snapshots:
         if step % self.every:
             return False
         self.wait()
-        self._state.optimizer.settle()  # a delayed step in flight is part of this step
+        self._state.settle()  # a delayed step in flight is part of this step
         meta, tensors, extra = rank_contents(
             self._model, self._state, step, self.client_state, self.rank_state
         )

@@ -215,13 +215,15 @@ def build_flat_group(
     tier: FlattenTier,
     home: HomeBuilder,
     wire: WireBuilder,
+    takes_grads: bool = True,
 ) -> FlatParamGroup:
     """Flatten `named` (one GroupKey, laid out as `layout`) into a flat group whose master
     shard `home` keeps and whose shard travels by `wire`.
 
     Stages 1/2 keep the parameters whole, as views of a compute-dtype buffer (stage 1 also
-    a full gradient buffer), flattened on `tier`; stage 3 keeps only the master shard and
-    frees the parameters' memory.
+    a full gradient buffer, unless the engine `takes_grads` not: it has no optimizer),
+    flattened on `tier`; stage 3 keeps only the master shard and frees the parameters'
+    memory.
     """
     _check_params(named, process_group)
     params = tuple(p for _, p in named)
@@ -251,7 +253,7 @@ def build_flat_group(
         group_home = home.build(index, flat[lo:hi], key.requires_grad)
         param_buffer = flat if compute_dtype == flat.dtype else flat.to(compute_dtype)
         del flat  # the full-precision copy is no longer needed once master and params exist
-        keep_grads = stage == 1 and key.requires_grad
+        keep_grads = stage == 1 and key.requires_grad and takes_grads
         grad_buffer = torch.zeros_like(param_buffer) if keep_grads else None
         storage = ReplicatedStorage(param_buffer, slot_views(param_buffer, layout), grad_buffer)
         slots = []

@@ -131,3 +131,35 @@ def _after_accumulate(
         p.grad = guard if p.shape == guard.shape else GradGuard(p.shape, p.dtype, p.device)
 
     return hook
+
+
+# [Note: backward without an optimizer]
+# A model initialized without an optimizer (evaluation only) gets no reducer, no gradient
+# shards and no guards: its gradients would have nowhere to go. Left in `.grad` they would
+# be each rank's unreduced gradient (stages 1/2), and at stage 3 the units backward gathers
+# would stay gathered (what releases them is the reducer's "gradients in"). FSDP2 builds
+# its reduce-scatter whatever the optimizer; DeepSpeed's engine without one
+# (`deepspeed.initialize(model=m)`, built for inference) runs forward and refuses
+# `engine.backward` ("must provide optimizer during init in order to use backward"). We
+# refuse as DeepSpeed does, with its reason: the first gradient that reaches a trainable
+# parameter raises, on every rank alike (each runs the same backward), before anything is
+# written into `.grad`. The masters get the same hook: a `zeroshard.compile`d graph takes
+# them as its inputs and accumulates its gradients into them, not into the parameters.
+NO_BACKWARD = (
+    "zeroshard: this model was initialized without an optimizer (evaluation only), so "
+    "its gradients have nowhere to go: run forward under torch.no_grad(), or initialize "
+    "it with its optimizer to train (see [Note: backward without an optimizer])"
+)
+
+
+def refuse_backward(groups: Sequence[FlatParamGroup]) -> None:
+    """Make a backward that reaches a trainable parameter of `groups` (or its master)
+    raise `NO_BACKWARD` (see [Note: backward without an optimizer])."""
+    for g in groups:
+        if g.trainable:
+            for p in (*g.params, g.master):
+                p.register_hook(_refuse)  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def _refuse(grad: torch.Tensor) -> None:
+    raise RuntimeError(NO_BACKWARD)

@@ -49,6 +49,35 @@ def bind_masters(inner: torch.optim.Optimizer, groups: Sequence[FlatParamGroup])
         pg["params"] = [g.master for g in groups if g.trainable and g.key.param_group == k]
 
 
+def publish_masters(
+    groups: Iterable[FlatParamGroup], allgather_bucket_bytes: int, *, uploaded: bool = False
+) -> None:
+    """Make what forward computes with follow `groups`' masters (stages 1/2 all-gather the
+    parameters); `uploaded`: a step rewrote their compute shards already."""
+    groups = list(groups)
+    # What gathers send follows the masters first: the homes' compute shards where
+    # the masters changed outside a step (a load; a step rewrote them itself), then
+    # what the wires take from those (fp8's scales).
+    if not uploaded:
+        refresh_homes(groups)
+    refresh_wires(groups)
+    # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
+    # of gathers are in flight, which bounds the temporary send buffers.
+    inflight: deque[tuple[int, Handle]] = deque()
+    pending = 0
+    for g in groups:
+        handle = g.publish()
+        nbytes = 0 if g.sharded else g.param_buffer.nbytes
+        inflight.append((nbytes, handle))
+        pending += nbytes
+        while pending > allgather_bucket_bytes and len(inflight) > 1:
+            done, oldest = inflight.popleft()
+            oldest.wait()
+            pending -= done
+    for _, handle in inflight:
+        handle.wait()
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps master shards, then publishes them (stages 1/2 all-gather the parameters).
 
@@ -250,28 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
         """Publish `groups`' masters; `uploaded`: the step rewrote their compute shards."""
-        groups = list(groups)
-        # What gathers send follows the masters first: the homes' compute shards where
-        # the masters changed outside a step (a load; a step rewrote them itself), then
-        # what the wires take from those (fp8's scales).
-        if not uploaded:
-            refresh_homes(groups)
-        refresh_wires(groups)
-        # Stages 1/2 all-gather each group's updated shard; at most `allgather_bucket_bytes`
-        # of gathers are in flight, which bounds the temporary send buffers.
-        inflight: deque[tuple[int, Handle]] = deque()
-        pending = 0
-        for g in groups:
-            handle = g.publish()
-            nbytes = 0 if g.sharded else g.param_buffer.nbytes
-            inflight.append((nbytes, handle))
-            pending += nbytes
-            while pending > self.allgather_bucket_bytes and len(inflight) > 1:
-                done, oldest = inflight.popleft()
-                oldest.wait()
-                pending -= done
-        for _, handle in inflight:
-            handle.wait()
+        publish_masters(groups, self.allgather_bucket_bytes, uploaded=uploaded)
         self.stepper.published()
         if self.hooks is not None:
             self.hooks.after_publish()

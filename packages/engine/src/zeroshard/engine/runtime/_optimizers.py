@@ -124,7 +124,10 @@ def as_optimizers(
         return [optimizer]
     optimizers = list(optimizer)
     if not optimizers:
-        raise ValueError("initialize() needs an optimizer (or a sequence of them), got none")
+        raise ValueError(
+            "initialize() needs an optimizer (or a sequence of them), got none (pass None "
+            "to shard the model for evaluation only)"
+        )
     if all(isinstance(o, torch.Tensor) for o in optimizers):
         # `initialize(model, model.parameters(), cfg)`: the parameters, not an optimizer.
         raise TypeError(

@@ -11,13 +11,20 @@ from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._home import HomeKind, HomeStore
-from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer, publish_masters
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime._stepper import WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 
 _ATTR = "_zeroshard_engine"
+
+NO_OPTIMIZER = (
+    "needs the optimizer, and this model was initialized without one "
+    "(zeroshard.engine.initialize(model, None, config): evaluation only); initialize it "
+    "with its optimizer to train, save a checkpoint or read optimizer state"
+)
+"""What a call that needs the optimizer says on an evaluation-only engine, after its name."""
 
 
 @dataclass(frozen=True)
@@ -30,17 +37,40 @@ class EngineState:
     and `shard_group` is every rank of the job, as with groups on process groups of
     their own (each tensor-parallel rank's pieces are one instance of them).
     `whole_params`: what whole-matrix optimizers that keep their state per parameter
-    step whole (`whole/_whole_step.py`); None where no optimizer does.
+    step whole (`whole/_whole_step.py`); None where no optimizer does. `optimizer` is None
+    for a model initialized without one, for evaluation (`needs_optimizer`).
     """
 
     config: ZeroConfig
     shard_group: Group
     replicate: Group | None
     groups: tuple[FlatParamGroup, ...]
-    optimizer: ZeroOptimizer
+    optimizer: ZeroOptimizer | None
     stage3: Stage3Runtime | None
     tensor_parallel: TensorParallel | None = None
     whole_params: WholeParams | None = None
+
+    def needs_optimizer(self, call: str) -> ZeroOptimizer:
+        """The optimizer, or a ValueError naming `call` where there is none (the same on
+        every rank: whether there is one is agreed at initialize)."""
+        if self.optimizer is None:
+            raise ValueError(f"{call} {NO_OPTIMIZER}")
+        return self.optimizer
+
+    def settle(self) -> None:
+        """Wait for the optimizer's step in flight, if any (`ZeroOptimizer.settle`)."""
+        if self.optimizer is not None:
+            self.optimizer.settle()
+
+    def republish(self) -> None:
+        """Make every master what forward computes with, after it changed in place (a
+        load): `ZeroOptimizer.republish`, which an evaluation-only engine does itself."""
+        if self.optimizer is not None:
+            self.optimizer.republish()
+            return
+        publish_masters(self.groups, self.config.comm.allgather_bucket_bytes)
+        if self.stage3 is not None:
+            self.stage3.release_all()
 
     @property
     def offload(self) -> HomeStore | None:

@@ -33,17 +33,20 @@ def describe_rank(
     config: Any,
     world: Group,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     mesh: DeviceMesh | None = None,
 ) -> list[tuple[str, str]]:
-    """What must be equal on every rank, as (field, value) strings in a fixed order."""
+    """What must be equal on every rank, as (field, value) strings in a fixed order
+    (`optimizer` None: initialized for evaluation only)."""
     fields = list(_config_fields("config", config))
     fields.append(("world size", str(world.size)))
     combined = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
-    fields.append(("optimizers", ", ".join(type(o).__name__ for o in combined)))
+    names = ", ".join(type(o).__name__ for o in combined if o is not None)
+    fields.append(("optimizers", names or "none"))
     shape = None if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
     fields.append(("device_mesh", str(shape)))
-    group_of = {id(p): k for k, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
+    groups = [] if optimizer is None else optimizer.param_groups
+    group_of = {id(p): k for k, pg in enumerate(groups) for p in pg["params"]}
     # Buffers before parameters: the first difference of a model with an extra layer is
     # then its first parameter, shown against "(absent)".
     for i, (name, b) in enumerate(model.named_buffers()):

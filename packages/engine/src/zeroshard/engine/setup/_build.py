@@ -32,12 +32,14 @@ log = logging.getLogger("zeroshard.engine")
 @dataclass(frozen=True)
 class GroupsPlan:
     """The plan of every flat group, and the builders of the homes and wires it names
-    (`host`: CPU offload's host storage, None when nothing is offloaded)."""
+    (`host`: CPU offload's host storage, None when nothing is offloaded; `takes_grads`:
+    False for an engine without an optimizer, which takes no gradients)."""
 
     plan: FlatGroupPlan
     homes: Mapping[HomeKind, HomeBuilder]
     wires: Mapping[WireKind, WireBuilder]
     host: HostOffload | None
+    takes_grads: bool
 
 
 def plan_groups(
@@ -46,7 +48,7 @@ def plan_groups(
     placement: Placement,
     everyone: Group,
     optimizers: Sequence[torch.optim.Optimizer],
-    param_group_of: Mapping[int, int],
+    param_group_of: Mapping[int, int] | None,
     stats: EngineStats,
 ) -> GroupsPlan:
     """Plan the flat groups of `model` and make their homes' and wires' builders (the host
@@ -84,7 +86,7 @@ def plan_groups(
     homes: dict[HomeKind, HomeBuilder] = {HomeKind.DEVICE: DeviceHomes(cfg.precision.master_dtype)}
     if host is not None:
         homes[HomeKind.HOST] = host
-    return GroupsPlan(plan, homes, wires, host)
+    return GroupsPlan(plan, homes, wires, host, takes_grads=bool(optimizers))
 
 
 def build_groups(
@@ -141,4 +143,5 @@ def _build(
         tier=FlattenTier(cfg.flatten_tier),
         home=planned.homes[g.home],
         wire=planned.wires[g.wire],
+        takes_grads=planned.takes_grads,
     )

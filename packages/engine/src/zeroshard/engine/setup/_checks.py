@@ -36,6 +36,19 @@ def check_model(model: nn.Module, cfg: ZeroConfig) -> None:
         )
 
 
+def check_evaluation_config(cfg: ZeroConfig) -> None:
+    """Refuse, for a model initialized without an optimizer, the settings that exist only
+    for one: CPU offload is of an optimizer's state and step (its other settings need
+    `offload.optimizer`). The rest of the config (loss scaling, reduce dtype and buckets)
+    concerns gradients, which such a model never takes: ignored."""
+    if cfg.offload.optimizer:
+        raise ValueError(
+            "offload.optimizer (offload_optimizer) offloads an optimizer's state and step, "
+            "and initialize() was given no optimizer (evaluation only): turn it off (and "
+            "offload_params with it, which needs it)"
+        )
+
+
 def check_module_paths(model: nn.Module, process_groups: Mapping[str, Any]) -> None:
     """Every key of `process_groups` names a module of `model`."""
     paths = {name for name, _ in model.named_modules()}

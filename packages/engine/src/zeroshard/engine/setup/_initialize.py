@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from zeroshard.comm import Group
 from zeroshard.engine.config._config import ZeroConfig, as_config
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._float8 import unwrap_float8_weights
-from zeroshard.engine.runtime._grad_guard import install_grad_guards
+from zeroshard.engine.runtime._grad_guard import install_grad_guards, refuse_backward
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer, bind_masters
 from zeroshard.engine.runtime._optimizers import as_optimizers, combine
@@ -32,22 +32,30 @@ from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._state import EngineState, attach_state
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._stepper import WholeParams
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
 from zeroshard.engine.runtime.whole import check_whole_mesh, check_whole_optimizers
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine.setup._broadcast import broadcast_initial_state
-from zeroshard.engine.setup._build import build_groups, plan_groups
-from zeroshard.engine.setup._checks import check_model, check_module_paths, param_group_index
+from zeroshard.engine.setup._build import GroupsPlan, build_groups, plan_groups
+from zeroshard.engine.setup._checks import (
+    check_evaluation_config,
+    check_model,
+    check_module_paths,
+    param_group_index,
+)
 from zeroshard.engine.setup._materialize import ParamInit, reset_parameters
 from zeroshard.engine.setup._mesh import check_mesh_inputs
-from zeroshard.engine.setup._placement import place
+from zeroshard.engine.setup._placement import Placement, place
 from zeroshard.engine.setup._steppers import build_steppers
 from zeroshard.engine.state._module_state import install_state_dict_hooks
 
 log = logging.getLogger("zeroshard.engine")
 
 
+@overload
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
@@ -58,14 +66,45 @@ def initialize(
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
     device_mesh: DeviceMesh | None = None,
-) -> tuple[nn.Module, ZeroOptimizer]:
+) -> tuple[nn.Module, ZeroOptimizer]: ...
+
+
+@overload
+def initialize(
+    model: nn.Module,
+    optimizer: None,
+    config: ZeroConfig | Mapping[str, Any] | None = None,
+    *,
+    group: Group | None = None,
+    process_groups: Mapping[str, Group] | None = None,
+    param_init: ParamInit = reset_parameters,
+    init_seed: int = 0,
+    device_mesh: DeviceMesh | None = None,
+) -> tuple[nn.Module, None]: ...
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    config: ZeroConfig | Mapping[str, Any] | None = None,
+    *,
+    group: Group | None = None,
+    process_groups: Mapping[str, Group] | None = None,
+    param_init: ParamInit = reset_parameters,
+    init_seed: int = 0,
+    device_mesh: DeviceMesh | None = None,
+) -> tuple[nn.Module, ZeroOptimizer | None]:
     """Shard `model`'s training state over `group` (default: the world) per `config`.
 
     Returns the same module (its parameters now views of flat compute-dtype buffers,
     with hooks installed) and a `ZeroOptimizer` that wraps `optimizer`, which must be
     freshly built on the model's parameters (no state yet): one torch optimizer, or a
     sequence of them over disjoint parameters (torch.optim.Muon on the hidden matrices
-    and AdamW on the rest), stepped, clipped, scheduled and saved as one. Whole-matrix
+    and AdamW on the rest), stepped, clipped, scheduled and saved as one. With
+    `optimizer=None` the model is sharded for evaluation only and None comes back in the
+    optimizer's place: forward, `load_checkpoint(model, None, path)` (the weights),
+    `full_state_dict` and `gathered_parameters` work; a backward that reaches a
+    trainable parameter, and what needs the optimizer, raise (docs/config.md). Whole-matrix
     optimizers (torch.optim.Muon, or one that declares `zeroshard_whole_params = True`)
     step each matrix whole, on one rank ([Note: whole-matrix optimizers]). At stage 3
     the model may be built on the meta device: each unit is then materialized and initialized by
@@ -87,12 +126,14 @@ def initialize(
     # 1. The inputs, checked where every rank fails alike (no collective yet).
     cfg = as_config(config)
     check_model(model, cfg)
-    optimizers = as_optimizers(optimizer, model)
+    if optimizer is None:
+        check_evaluation_config(cfg)
+    optimizers = [] if optimizer is None else as_optimizers(optimizer, model)
     # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
     unwrap_float8_weights(model, optimizers)
     check_whole_optimizers(optimizers, cfg)
     check_offload(optimizers, cfg)
-    inner = combine(optimizers)
+    inner = combine(optimizers) if optimizers else None
     check_module_paths(model, process_groups or {})
     # 2. Every rank agrees on them, then on where each parameter is sharded.
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
@@ -114,7 +155,7 @@ def initialize(
     if cfg.offload.compiled_step:
         # After the checks above, which fail at once; this may take a minute.
         compile_host_step(everyone, optimizers, cfg)
-    param_group_of = param_group_index(model, inner)
+    param_group_of = None if inner is None else param_group_index(model, inner)
     # 3. One set of initial weights, before anything is flattened.
     mesh = placement.mesh
     broadcast_initial_state(model, everyone, placement.own, () if mesh is None else mesh.pieces)
@@ -126,27 +167,18 @@ def initialize(
     groups, stage3 = build_groups(
         planned, cfg, placement, stats, param_init=param_init, init_seed=init_seed
     )
-    # 5. Gradients in, the step, parameters out.
-    scaler = _loss_scaler(cfg, everyone)
+    # 5. Gradients in, the step, parameters out (without an optimizer: none of them).
+    scaler = None if inner is None else _loss_scaler(cfg, everyone)
     install_precision_hooks(model, cfg.precision.compute_dtype, scaler)
-    reducer = _reducer(cfg, groups, stage3, placement.replicate, stats)
-    install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
-    bind_masters(inner, groups)
     tensor_parallel = None if mesh is None else mesh.tensor_parallel
-    stepper, whole = build_steppers(optimizers, groups, planned.host, cfg, tensor_parallel)
-    zopt = ZeroOptimizer(
-        inner,
-        groups,
-        reducer,
-        placement.shard_group,
-        scaler,
-        cfg.comm.allgather_bucket_bytes,
-        stepper=stepper,
-        hooks=stage3,
-        tensor_parallel=tensor_parallel,
-        # Last: what the engine was built on ([Note: changes after initialize]).
-        watch=ChangeWatch(model, groups, [inner, *optimizers]),
-    )
+    zopt, whole = None, None
+    if inner is None:
+        refuse_backward(groups)
+        ChangeWatch(model, groups, [])  # the model's own hook holds it
+    else:
+        zopt, whole = _zero_optimizer(
+            model, inner, optimizers, groups, stage3, planned, placement, scaler, stats, cfg
+        )
     state = EngineState(
         cfg,
         placement.shard_group,
@@ -162,6 +194,42 @@ def initialize(
     if everyone.rank == 0:
         _log_built(state, time.perf_counter() - start)
     return model, zopt
+
+
+def _zero_optimizer(
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
+    groups: tuple[FlatParamGroup, ...],
+    stage3: Stage3Runtime | None,
+    planned: GroupsPlan,
+    placement: Placement,
+    scaler: LossScaler | None,
+    stats: EngineStats,
+    cfg: ZeroConfig,
+) -> tuple[ZeroOptimizer, WholeParams | None]:
+    """The reducer, the steppers and the `ZeroOptimizer` over them, and what whole-matrix
+    optimizers step whole by name."""
+    reducer = _reducer(cfg, groups, stage3, placement.replicate, stats)
+    install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
+    bind_masters(inner, groups)
+    mesh = placement.mesh
+    tensor_parallel: TensorParallel | None = None if mesh is None else mesh.tensor_parallel
+    stepper, whole = build_steppers(optimizers, groups, planned.host, cfg, tensor_parallel)
+    zopt = ZeroOptimizer(
+        inner,
+        groups,
+        reducer,
+        placement.shard_group,
+        scaler,
+        cfg.comm.allgather_bucket_bytes,
+        stepper=stepper,
+        hooks=stage3,
+        tensor_parallel=tensor_parallel,
+        # Last: what the engine was built on ([Note: changes after initialize]).
+        watch=ChangeWatch(model, groups, [inner, *optimizers]),
+    )
+    return zopt, whole
 
 
 def _reducer(

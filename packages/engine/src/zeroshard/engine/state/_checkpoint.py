@@ -19,6 +19,7 @@ import torch
 
 from zeroshard.ckpt import (
     CHECKPOINT_ERRORS,
+    MASTER,
     CheckpointError,
     LoadedShards,
     SaveHandle,
@@ -56,7 +57,7 @@ log = logging.getLogger("zeroshard.engine")
 
 def save_checkpoint(
     model: EngineModel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     directory: str | os.PathLike[str],
     *,
     step: int,
@@ -78,10 +79,13 @@ def save_checkpoint(
     rank 0; `rank_state` is each rank's own (`RNGState()`, its data position). Entries
     are `state_dict()` / `load_state_dict()` objects or plain data: see [Note: user
     state]. Both are snapshotted with the shards, so an async save keeps this step's.
+    A model initialized without an optimizer has no checkpoint to save (ValueError): its
+    weights are `full_state_dict(model)`'s.
     """
     model = engine_module(model)
     state = engine_state(model)
-    if optimizer is not state.optimizer:
+    # A checkpoint is what a run resumes from: masters and optimizer state together.
+    if optimizer is not state.needs_optimizer("save_checkpoint"):
         raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
     everyone = every_rank(state)
     fields = [
@@ -98,7 +102,7 @@ def save_checkpoint(
     check_same_call(everyone, "save_checkpoint", f"save of {name!r}", fields)
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
-    state.optimizer.settle()
+    state.settle()
     # Encoded on every rank, client_state too (only rank 0 stores it), so that bad input
     # fails on every rank alike, before any file is touched.
     extra = agreed(
@@ -226,7 +230,7 @@ def _user_state(
 @torch.no_grad()
 def load_checkpoint(
     model: EngineModel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     directory: str | os.PathLike[str],
     *,
     tag: str | None = None,
@@ -245,17 +249,23 @@ def load_checkpoint(
     `save_checkpoint`: objects are loaded in place, plain data is put back into the
     mapping. `rank_state` loads only at the world size it was saved at (a clear error
     on every rank otherwise). Nothing is changed unless everything could be read.
+
+    A model initialized without an optimizer (`optimizer` None: evaluation only) loads the
+    weights alone, from a checkpoint of any optimizer.
     """
     model = engine_module(model)
     state = engine_state(model)
     if optimizer is not state.optimizer:
-        raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
+        raise ValueError(
+            "pass the optimizer returned by zeroshard.engine.initialize() (None where it "
+            "was given none)"
+        )
     everyone = every_rank(state)
     fields = [*call_fields(tag, client_state, rank_state), ("step", repr(step))]
     check_same_call(everyone, "load_checkpoint", f"load_checkpoint({str(directory)!r})", fields)
     _refuse_rank_state_replicated(state, rank_state)
     # A delayed step in flight (delay_param_update) is part of this step's state.
-    state.optimizer.settle()
+    state.settle()
     if is_named_checkpoint(Path(directory), tag, step):  # DeepSpeed's (or converted), DCP's
         if client_state is not None or rank_state is not None:
             raise ValueError(
@@ -312,6 +322,8 @@ def load_checkpoint(
             device=shard_group.device,
             extras=extras,
             param_states=sorted(state.whole_params.owned) if state.whole_params else (),
+            # Without an optimizer the weights alone: its state is not even read.
+            kinds=(MASTER,) if state.optimizer is None else None,
         )
         check_optimizer_structure(state, got)
         return (got, *_user_state(got, me, size, client_state, rank_state))

@@ -37,7 +37,10 @@ from zeroshard.engine.state._user_state import Stateful
 def check_optimizer_structure(state: EngineState, loaded: LoadedShards) -> None:
     """CheckpointError naming what differs when the checkpoint's optimizer has other
     param groups than this one (their number, or which parameters are in which), as
-    torch's own `load_state_dict` refuses them."""
+    torch's own `load_state_dict` refuses them. A model initialized without an optimizer
+    takes a checkpoint of any (it loads the weights only)."""
+    if state.optimizer is None:
+        return
     inner = state.optimizer.inner
     saved = loaded.meta.param_groups
     where = f"checkpoint {loaded.path}"
@@ -80,13 +83,10 @@ def _check_optimizers(inner: torch.optim.Optimizer, meta: CheckpointMeta, where:
     run's same param group: its state and hyperparameters would be another algorithm's
     (Muon's momentum and lr under AdamW). The checkpoint's record names the class
     (format version 6); an older checkpoint's param group is another optimizer's when it
-    has hyperparameters this one does not know while lacking some this one has. An
-    optimizer declaring `zeroshard_never_steps` (an evaluation-only engine's) takes any."""
+    has hyperparameters this one does not know while lacking some this one has."""
     owners = stepped_by(inner)
     differ = []
     for k, (owner, saved) in enumerate(zip(owners, meta.param_groups, strict=True)):
-        if getattr(owner, "zeroshard_never_steps", False):
-            continue
         here = class_path(owner)
         if meta.optimizers:
             # By class name: torch moves optimizers between modules (Muon: torch.optim._muon).
@@ -159,9 +159,15 @@ def apply_loaded(
     state: EngineState, loaded: LoadedShards, buffers: Mapping[str, torch.Tensor]
 ) -> None:
     """Copy a checked checkpoint's masters, optimizer state and hyperparameters, buffers
-    and loss scale into the engine, then republish the parameters."""
+    and loss scale into the engine (without an optimizer: the masters and buffers), then
+    republish the parameters."""
+    if state.optimizer is None:
+        _copy_weights(state, loaded, buffers)
+        state.republish()
+        return
     meta = loaded.meta
-    inner = state.optimizer.inner
+    optimizer = state.optimizer
+    inner = optimizer.inner
     states: list[tuple[FlatParamGroup, dict[str, Any]]] = []
     for g in state.groups:
         if not g.trainable:
@@ -200,8 +206,7 @@ def apply_loaded(
             kept[key] = t.to(p.device if on_device else "cpu", copy=True)
         whole_states.append((p, kept))
     # Every new tensor exists now (an allocation that fails has changed nothing): copy.
-    for g in state.groups:
-        g.master.copy_(loaded.shard(checkpoint_group_name(g), MASTER))
+    _copy_weights(state, loaded, buffers)
     for g, opt_state in states:
         inner.state[g.master] = opt_state
     for p, kept in whole_states:
@@ -209,9 +214,17 @@ def apply_loaded(
     for pg, saved in zip(inner.param_groups, meta.param_groups, strict=True):
         for key, value in saved.items():
             pg[key] = tuple(value) if isinstance(pg.get(key), tuple) else value
+    scaler_state = meta.extra.get("loss_scaler")
+    if optimizer.scaler is not None and scaler_state is not None:
+        optimizer.scaler.load_state_dict(scaler_state)
+    state.republish()
+
+
+def _copy_weights(
+    state: EngineState, loaded: LoadedShards, buffers: Mapping[str, torch.Tensor]
+) -> None:
+    """The checkpoint's masters and buffers into the engine's."""
+    for g in state.groups:
+        g.master.copy_(loaded.shard(checkpoint_group_name(g), MASTER))
     for name, value in loaded.buffers.items():
         buffers[name].copy_(value)
-    scaler_state = meta.extra.get("loss_scaler")
-    if state.optimizer.scaler is not None and scaler_state is not None:
-        state.optimizer.scaler.load_state_dict(scaler_state)
-    state.optimizer.republish()

@@ -142,7 +142,7 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
     whole = state.whole_params
     if whole is None:
         return {}, {}
-    inner = state.optimizer.inner
+    inner = state.needs_optimizer("save_checkpoint").inner
     tensors: dict[str, torch.Tensor] = {}
     mine: dict[str, dict[str, Any]] = {}
     for name, p in whole.owned.items():
@@ -194,7 +194,8 @@ def checkpoint_contents(
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     """This rank's checkpoint of the engine: the metadata and the tensors of its file
     (collective over the shard group when there are groups on their own process group)."""
-    inner = state.optimizer.inner
+    optimizer = state.needs_optimizer("save_checkpoint")
+    inner = optimizer.inner
     groups: list[GroupMeta] = []
     tensors: dict[str, torch.Tensor] = {}
     sets = rank_sets(state)
@@ -223,7 +224,7 @@ def checkpoint_contents(
     buffers = module_buffers(model)
     if state.shard_group.rank == 0:
         tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
-    scaler = state.optimizer.scaler
+    scaler = optimizer.scaler
     meta = CheckpointMeta(
         world_size=state.shard_group.size,
         groups=tuple(groups),

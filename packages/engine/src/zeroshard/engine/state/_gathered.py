@@ -202,7 +202,7 @@ def gathered_parameters(
     state, named = _resolve(module_or_params, model)
     arrive(state.shard_group, "zs.gathered_parameters", "Enter it on every rank")
     # The masters of every step() so far, a delayed one (delay_param_update) included.
-    state.optimizer.settle()
+    state.settle()
     size = state.shard_group.size
     if modifier_rank is not None and state.tensor_parallel is not None:
         raise ValueError(

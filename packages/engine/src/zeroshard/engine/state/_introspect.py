@@ -45,6 +45,7 @@ from zeroshard.comm import Agreement, Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._host_norm import shard_norm
 from zeroshard.engine.runtime._names import canonical_name, named_parameters
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, split_dim
 
@@ -93,11 +94,14 @@ def _agreed_slot(
     return found
 
 
-def _gradients_ready(state: EngineState) -> None:
+def _gradients_ready(state: EngineState, call: str) -> ZeroOptimizer:
     """Every gradient of this window where the functions below read it: the delayed step
-    done with the host's upcast, and stage 1's accumulated gradients reduced."""
-    state.optimizer.settle()
-    state.optimizer.reducer.reduce_pending()
+    done with the host's upcast, and stage 1's accumulated gradients reduced. The
+    optimizer, which reduced them (a ValueError naming `call` without one)."""
+    optimizer = state.needs_optimizer(call)
+    optimizer.settle()
+    optimizer.reducer.reduce_pending()
+    return optimizer
 
 
 def _assemble(
@@ -138,16 +142,17 @@ def full_grad(model: EngineModel, param: torch.Tensor | str) -> torch.Tensor | N
     readable] in state/_introspect.py."""
     model = engine_module(model)
     state = engine_state(model)
+    state.needs_optimizer("full_grad")
     slot = _agreed_slot(state, model, param, "full_grad")
     g = slot.group
     if not g.trainable:
         return None
-    _gradients_ready(state)
+    optimizer = _gradients_ready(state, "full_grad")
     if g.grad_shard is None:
         return None
     local = _assemble(slot, g.grads.read(g), g.master.dtype, f"gradient of {slot.name}")
     full = _joined(state.tensor_parallel, slot, local)
-    scale = state.optimizer.grad_scale
+    scale = optimizer.grad_scale
     return full if scale == 1.0 else full.div_(scale)
 
 
@@ -159,9 +164,9 @@ def full_optimizer_state(model: EngineModel, param: torch.Tensor | str) -> dict[
     parameter. Collective: every rank calls it with the same parameter."""
     model = engine_module(model)
     state = engine_state(model)
+    optimizer = state.needs_optimizer("full_optimizer_state")
     slot = _agreed_slot(state, model, param, "full_optimizer_state")
     g = slot.group
-    optimizer = state.optimizer
     # The state of every step() so far, a delayed one included.
     optimizer.settle()
     whole = state.whole_params
@@ -192,7 +197,7 @@ def _owner_state(state: EngineState, slot: _Slot) -> dict[str, Any]:
     assert state.whole_params is not None
     group = slot.group.process_group
     p = state.whole_params.owned.get(slot.name)
-    kept = {} if p is None else state.optimizer.inner.state.get(p, {})
+    kept = {} if p is None else state.needs_optimizer("full_optimizer_state").inner.state.get(p, {})
     # What the owner keeps (the others, None): every rank learns the owner and the shapes.
     mine = None
     if p is not None:
@@ -226,7 +231,7 @@ def grad_norms(model: EngineModel) -> dict[str, float]:
     tensor-parallel one counts once ([Note: the clip norm under tensor parallelism]).
     Collective. What it reads, and when: [Note: when a gradient is readable]."""
     state = engine_state(model)
-    _gradients_ready(state)
+    optimizer = _gradients_ready(state, "grad_norms")
     tp = state.tensor_parallel
     held = [g for g in state.groups if g.trainable and g.grad_shard is not None]
     by_group: dict[int, tuple[Group, list[FlatParamGroup]]] = {}
@@ -238,7 +243,7 @@ def grad_norms(model: EngineModel) -> dict[str, float]:
     for over, groups in by_group.values():
         squares = torch.cat([_squares(g, tp) for g in groups])
         sums.append((groups, squares, over.all_reduce(squares, label="gradient norms")))
-    scale = state.optimizer.grad_scale
+    scale = optimizer.grad_scale
     out: dict[str, float] = {}
     for groups, squares, handle in sums:
         handle.wait()

@@ -209,14 +209,14 @@ def load_safetensors(model: EngineModel, path: str | os.PathLike[str]) -> LoadRe
     everyone = every_rank(state)
     arrive(everyone, "zs.load_safetensors", "Call it on every rank: each reads its own shard")
     # A delayed step in flight (delay_param_update) must not write over what is loaded.
-    state.optimizer.settle()
+    state.settle()
     label = f"load_safetensors({str(path)!r})"
     kinds = (SafetensorsLoadError, OSError)
     planned = agreed(everyone, label, lambda: _plan(model, state, path), kinds)
     report = agreed(everyone, f"{label}: reading", lambda: _read(state, planned), kinds)
     # Offloaded masters are recast and uploaded, stages 1/2 all-gather the parameters and
     # stage 3 drops gathered units, whose buffers now hold the old weights.
-    state.optimizer.republish()
+    state.republish()
     return report
 
 

@@ -52,7 +52,7 @@ def full_state_dict(model: EngineModel) -> dict[str, torch.Tensor]:
     state = engine_state(model)
     arrive(state.shard_group, "zs.full_state_dict", COLLECTIVE)
     # The masters of every step() so far, a delayed one (delay_param_update) included.
-    state.optimizer.settle()
+    state.settle()
     full: dict[int, torch.Tensor] = {}
     tp = state.tensor_parallel
     for g in state.groups:

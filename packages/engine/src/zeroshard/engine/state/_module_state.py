@@ -88,7 +88,7 @@ def install_state_dict_hooks(model: nn.Module, state: EngineState) -> None:
                 "load without assign (values are copied into the shards)"
             )
         # A delayed step in flight (delay_param_update) must not write over what is loaded.
-        state.optimizer.settle()
+        state.settle()
         taken.update(_scatter(state, module, state_dict, prefix, error_msgs))
 
     def post_load(module: nn.Module, incompatible: Any) -> None:
@@ -167,7 +167,7 @@ def _fill_full(
             "habit `if rank == 0: torch.save(model.state_dict(), path)`), call it on every "
             "rank inside `with zs.state_dict_on_rank0(model):`; the other ranks get {}",
         )
-        state.optimizer.settle()  # the masters of every step() so far
+        state.settle()  # the masters of every step() so far
         for g in state.groups:  # the same order on every rank keeps the gathers matched
             (full,) = gather_masters([g], "state_dict")
             values = [full[s.offset : s.end].view(s.shape) for s in g.layout.slots]
@@ -247,7 +247,7 @@ def _scatter(
             g.master[start - lo : end - lo].copy_(piece)
     # Every group, on every rank: the publishes are collectives (stages 1/2), and
     # stage 3 drops what is gathered, which holds the old values.
-    state.optimizer.republish()
+    state.republish()
     return taken
 
 

@@ -165,16 +165,18 @@ def read_named_shards(
     `aliases` maps the model's tied parameter names to the canonical ones of its groups.
     """
     _check_names(model, state, named, aliases)
-    _check_optimizer(state.optimizer.inner, named)
+    if state.optimizer is not None:  # without one (evaluation only): the weights alone
+        _check_optimizer(state.optimizer.inner, named)
     canonical = dict(named.aliases)
-    out = NamedShards(mapping=_group_of(state, named, canonical))
+    mapping = {} if state.optimizer is None else _group_of(state, named, canonical)
+    out = NamedShards(mapping=mapping)
     for g in state.groups:
         # The masters and their optimizer state in the run's master dtype, as saved
         # in fp32 or not (torch's optimizers keep their state in the parameter's dtype).
         host = torch.empty(g.master.numel(), dtype=g.master.dtype)
         _fill(g, {n: named.masters[canonical.get(n, n)] for n in g.names}, host)
         out.masters[g.index] = host
-        if not g.trainable:
+        if not g.trainable or state.optimizer is None:
             continue
         opt_state = {}
         for key, specs in named.optimizer_state.items():
@@ -197,11 +199,12 @@ def apply_named_shards(
 ) -> int:
     """Install what `read_named_shards` read, then republish the parameters (collective);
     return the checkpoint's step."""
-    inner = state.optimizer.inner
+    optimizer = state.optimizer
     for g in state.groups:
         g.master.copy_(shards.masters[g.index])
-        if not g.trainable:
+        if not g.trainable or optimizer is None:
             continue
+        inner = optimizer.inner
         if g.key.param_group not in shards.mapping:
             inner.state.pop(g.master, None)  # no optimizer state saved: it starts afresh
             continue
@@ -216,19 +219,19 @@ def apply_named_shards(
             device = g.master.device if on_device else torch.device("cpu")
             opt_state[key] = torch.tensor(value, dtype=torch.float32, device=device)
         inner.state[g.master] = opt_state
-    notes = _hyperparameters(inner, named, shards.mapping)
+    notes = [] if optimizer is None else _hyperparameters(optimizer.inner, named, shards.mapping)
     buffers = dict(named_buffers(model))
     for name, loaded in shards.buffers.items():
         buffers[name].copy_(loaded)
     dropped = list(named.not_carried)
-    scaler = state.optimizer.scaler
+    scaler = None if optimizer is None else optimizer.scaler
     if scaler is not None and named.loss_scale is not None:
         scaler.load_state_dict(
             {"scale": named.loss_scale.scale, "good_steps": named.loss_scale.good_steps}
         )
-    elif named.loss_scale is not None:
+    elif named.loss_scale is not None and optimizer is not None:
         dropped.append("the fp16 loss scale (this run does not compute in fp16)")
-    state.optimizer.republish()
+    state.republish()
     if state.shard_group.rank == 0:
         log.info(RESUMED, named.source, named.step, named.world_size, state.shard_group.size)
         for note in notes:

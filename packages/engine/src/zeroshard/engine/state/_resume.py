@@ -59,7 +59,7 @@ def _skipped_text(skipped: list[tuple[str, str]]) -> str:
 
 def resume_checkpoint(
     model: EngineModel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     directory: str | os.PathLike[str],
     *,
     client_state: MutableMapping[str, Any] | None = None,
