@@ -100,9 +100,9 @@ def plan_lines(results: dict[str, dict[str, Any]]) -> str:
         "blocks",
         "params",
         "steps run",
-        "GPU peak GiB measured / planned (planned / measured)",
-        "host peak RSS GiB / planned",
-        "engine's host GiB / planned",
+        "GPU peak GiB: measured / planned (planned / measured)",
+        "host peak RSS GiB: measured / planned (ratio)",
+        "engine's host GiB: measured / planned (ratio)",
         "",
     ]
     body = (
