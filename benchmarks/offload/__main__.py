@@ -4,6 +4,9 @@
     python -m benchmarks.offload --smoke         # tiny model on the CPU, gloo
     python -m benchmarks.offload --rounds 3      # train rows: median of 3 rounds
     python -m benchmarks.offload --search-layers 40,48,56 --stage 3 --offload-params
+    python -m benchmarks.offload --parts train-zs-overlap,train-zs-overlap-bf16,train-ds-bf16
+    python -m benchmarks.offload --search-layers 60,62 --stage 3 --offload-params \
+        --search-part train-zs-overlap-bf16
 
 Training rows: zeroshard with `offload_optimizer` (stage 2 by default) stepping the CPU
 inside backward (`train-zs-overlap`, `step_in_backward`), the same with only
@@ -28,7 +31,15 @@ AdamW and DeepSpeedCPUAdam, whose extension `ds-build` builds first, an untimed 
 gradients in, fused AdamW, the fp32 masters up to be cast on the device, no forward or
 backward) over as many parameters. A zeroshard part named with `-compiled` after it
 (`train-zs-dpu-compiled`, `adam-zs-host-compiled`, ...) is the same with
-`offload_compiled_step`, so both run, alternated, in one run. Every part runs in a process
+`offload_compiled_step`, so both run, alternated, in one run; one named with `-bf16` after
+it (`train-zs-bf16`, `train-zs-overlap-bf16`, `adam-zs-host-bf16`, ...) is the same with
+bf16 masters (`precision.master_dtype`: the masters and AdamW's moments bf16 on the host),
+and `train-ds-bf16` is DeepSpeed's closest setting (`bf16_master_weights_and_grads` with
+`bf16_optimizer_states`: DeepSpeedCPUAdam's moments bf16 too). Where a run has a `-bf16`
+row, the report gives each row's host bytes a parameter (its peak RSS, and zeroshard's own
+count of what its offload holds: buffers and optimizer state) and, for each `-bf16` row
+against its fp32 twin and the DeepSpeed rows, issue 73's goals (want 3), met or missed by
+the run's figures. Every part runs in a process
 of its own under a time limit, so an out-of-memory (host or GPU), a failed JIT build or a
 timeout becomes a row saying so. `--rounds R` runs the `train-*` parts and
 `adam-torch-fused` R times, each time in a process of its own, in alternating order (as
@@ -41,8 +52,11 @@ peaks and the median init; a part that fails is not run again and its row is the
 failure. `--budget-s` covers every round: runs it has no time for become skipped rows, or a
 count of skipped rounds beside a row's done ones. `--search-layers` instead trains
 zeroshard alone at each block count in turn, up to the first that fails: the largest that
-trains, with its peaks. A full run writes the "offload" section of docs/benchmarks.md (a
-search writes "offload-largest-stage<N>"); --smoke writes bench-out/.
+trains, with its peaks (`--search-part` names the part it trains, `train-zs-overlap` by
+default), each size beside what `zeroshard.engine.estimate` (the planner behind
+`zeroshard-plan`) predicts for the same model and config, run in this process. A full run
+writes the "offload" section of docs/benchmarks.md (a search writes
+"offload-largest-stage<N>", "-bf16" after it for a `-bf16` part); --smoke writes bench-out/.
 """
 
 from __future__ import annotations
@@ -57,6 +71,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import place_ranks, publish
+from benchmarks.offload._bf16 import BF16
+from benchmarks.offload._plan import predict
 from benchmarks.offload._report import report
 from benchmarks.offload._rounds import (
     CPU_RESOURCE,
@@ -101,6 +117,11 @@ def parse_args() -> argparse.Namespace:
         help="train-zs-ratio: the share of masters and optimizer state on the host",
     )
     p.add_argument("--search-layers", default="", help="e.g. 40,48,56: largest that trains")
+    p.add_argument(
+        "--search-part",
+        default=None,
+        help="the zeroshard train part --search-layers trains (default train-zs-overlap)",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--adam-params", type=int, default=10**9)
@@ -121,11 +142,18 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--offload-ratio must be in (0, 1), not {args.offload_ratio}")
     if args.offload_params and args.stage != 3:
         p.error("--offload-params needs --stage 3")
+    if args.search_part is not None and not args.search_layers:
+        p.error("--search-part names the part --search-layers trains; give --search-layers")
+    args.search_part = args.search_part or "train-zs-overlap"
+    if args.search_part not in LIMITS or not args.search_part.startswith("train-zs"):
+        p.error(f"--search-part must be a zeroshard train part, not {args.search_part!r}")
     if args.stage == 3:
         # delay_param_update is for stages 1/2 (the next forward gathers what it rewrites).
         args.parts = ",".join(x for x in args.parts.split(",") if "train-zs-dpu" not in x)
     if not args.section:
-        args.section = f"offload-largest-stage{args.stage}" if args.search_layers else "offload"
+        bf16 = "-bf16" if args.search_part.endswith(BF16) else ""
+        largest = f"offload-largest-stage{args.stage}{bf16}"
+        args.section = largest if args.search_layers else "offload"
     if args.smoke:
         args.preset, args.layers, args.seq_len, args.micro_batch = "tiny", 2, 64, 2
         args.adam_params, args.chunk, args.adam_steps, args.steps = 2 * 10**6, 2**19, 2, 2
@@ -161,6 +189,9 @@ LIMITS = {
     "adam-ds": 40.0,
     "train-ds": 150.0,
 }
+# The same parts with bf16 masters take as long at most (the compiled step refuses them).
+_BF16_TWINS = ("adam-zs-host", "train-zs-overlap", "train-zs-ratio", "train-zs-dpu", "train-zs")
+LIMITS |= {f"{p}{BF16}": LIMITS[p] for p in (*_BF16_TWINS, "train-zs-clip", "train-ds")}
 UNTIMED = {"ds-build"}
 
 
@@ -190,6 +221,11 @@ def run_part(part: str, args: dict[str, Any], limit: float) -> dict[str, Any]:
         if not result["ok"]:
             print(f"{part}: {result['error']}\n{result.get('trace', '')}", file=sys.stderr)
         return result
+
+
+def _shown(result: dict[str, Any]) -> str:
+    """A part's result as one line of JSON, without the trace (stderr has it)."""
+    return json.dumps({k: v for k, v in result.items() if k != "trace"})
 
 
 def _limit(part: str, left: float, smoke: bool) -> float:
@@ -222,7 +258,7 @@ def run_parts(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dic
             spent += ran[-1]["wall_s"]
         again = args.rounds > 1 and runs_every_round(part)
         where = f" (round {index + 1}/{args.rounds})" if again else ""
-        print(f"{part}{where}: {json.dumps(ran[-1])[:300]}", flush=True)
+        print(f"{part}{where}: {_shown(ran[-1])}", flush=True)
     tokens = args.micro_batch * args.seq_len
     rows = {}
     for p, rs in runs.items():
@@ -234,17 +270,25 @@ def run_parts(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dic
 
 
 def search(args: argparse.Namespace, shared: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """zeroshard alone at each block count of `--search-layers`, up to the first failure."""
+    """zeroshard alone (`--search-part`) at each block count of `--search-layers`, up to
+    the first failure; each size that ran with the planner's prediction beside it."""
     results: dict[str, dict[str, Any]] = {}
     deadline = time.perf_counter() + args.budget_s
+    part = args.search_part
     for layers in sorted(int(x) for x in args.search_layers.split(",")):
         left = deadline - time.perf_counter()
         if left < 10:
-            results[f"train-zs-overlap@{layers}"] = {"ok": False, "error": SKIPPED}
+            results[f"{part}@{layers}"] = {"ok": False, "error": SKIPPED}
             break
-        r = run_part("train-zs-overlap", {**shared, "layers": layers}, min(left, 200.0))
-        results[f"train-zs-overlap@{layers}"] = r
-        print(f"{layers} blocks: {json.dumps(r)[:300]}", flush=True)
+        r = run_part(part, {**shared, "layers": layers}, min(left, 200.0))
+        # After the run, so that the planner's few seconds on the meta device are not
+        # charged to the part's time limit; they are to the budget.
+        try:
+            r["plan"] = predict({**shared, "layers": layers}, part)
+        except Exception as e:  # the measured row is kept; the planner's failure beside it
+            r["plan"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+        results[f"{part}@{layers}"] = r
+        print(f"{layers} blocks: {_shown(r)}", flush=True)
         if not r["ok"]:
             break
     return results

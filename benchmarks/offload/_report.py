@@ -6,6 +6,8 @@ import argparse
 from typing import Any
 
 from benchmarks._common import markdown_table
+from benchmarks.offload._bf16 import BF16, goals, host_table
+from benchmarks.offload._plan import plan_lines
 from benchmarks.offload._rounds import SKIPPED
 
 
@@ -21,11 +23,23 @@ NAMES = {
     "train-zs-clip": "zeroshard offload_optimizer, clip_grad_norm_",
     "train-ds": "DeepSpeed ZeRO-Offload",
 }
-# The zeroshard rows again with offload_compiled_step (part name + "-compiled").
+# The zeroshard rows again with offload_compiled_step (part name + "-compiled"), and with
+# bf16 masters (+ BF16), DeepSpeed's too.
 ZS_ROWS = ("train-zs-overlap", "train-zs-ratio", "train-zs-dpu", "train-zs", "train-zs-clip")
 NAMES.update({f"{k}-compiled": f"{NAMES[k]}, compiled_step" for k in ZS_ROWS})
-# zeroshard's offloaded step alone, without and with compiled_step (what its lines add).
-HOST_STEP_PARTS = (("adam-zs-host", ""), ("adam-zs-host-compiled", ", compiled_step"))
+NAMES.update({f"{k}{BF16}": f"{NAMES[k]}, bf16 masters" for k in ZS_ROWS})
+NAMES[f"train-ds{BF16}"] = "DeepSpeed ZeRO-Offload, bf16 masters and optimizer states"
+# zeroshard's offloaded step alone, as each kind of row runs it (what its lines add).
+HOST_STEP_PARTS = (
+    ("adam-zs-host", ""),
+    ("adam-zs-host-compiled", ", compiled_step"),
+    (f"adam-zs-host{BF16}", ", bf16 masters"),
+)
+
+
+def _kind(part: str) -> str:
+    """Which offloaded step alone a part's row runs: the name ending of its `adam-zs-host`."""
+    return "-compiled" if "-compiled" in part else BF16 if part.endswith(BF16) else ""
 
 
 def _name(part: str, args: argparse.Namespace) -> str:
@@ -101,7 +115,7 @@ def _resources(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> 
     """The step against the GPU, the bus and the CPU alone (what overlap can reach); a row
     with an offload ratio against the bus's and the CPU's work for its share."""
     fb, tr, adam = (results.get(k, {}) for k in ("fwd-bwd", "transfer", "adam-torch-fused"))
-    runs = {k: results.get(k, {}) for k in NAMES if k != "train-ds"}
+    runs = {k: results.get(k, {}) for k in NAMES if not k.startswith("train-ds")}
     done = {k: r for k, r in runs.items() if r.get("ok")}
     if not (fb.get("ok") and tr.get("ok") and adam.get("ok") and done):
         return ""
@@ -155,7 +169,7 @@ def _against_own_step(
     lines = []
     for part, what in HOST_STEP_PARTS:
         host = results.get(part, {})
-        rows = {k: r for k, r in done.items() if k.endswith("-compiled") == bool(what)}
+        rows = {k: r for k, r in done.items() if _kind(k) == _kind(part)}
         if not (host.get("ok") and rows):
             continue
         own = params / host["params_per_s"]
@@ -263,12 +277,15 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             )
         else:
             body += f"\n\nLargest that trains: {fits[-1]['params'] / 1e9:.2f}B."
+        body += plan_lines(results)
     ds = results.get("train-ds", {})
-    for k in (k for k in NAMES if k != "train-ds" and "clip" not in k):
+    for k in (k for k in NAMES if not k.startswith("train-ds") and "clip" not in k):
         zs = results.get(k, {})
         if zs.get("ok") and ds.get("ok"):
             ratio = zs["tokens_per_s"] / ds["tokens_per_s"]
             body += f"\n\n{_name(k, args)} / DeepSpeed tokens/s: {ratio:.2f}"
+    body += host_table(results, lambda part: _name(part, args))
+    body += goals(results)
     body += _resources(args, results)
     body += _host_memory(results)
     adam_names = {
@@ -277,6 +294,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         "adam-ds": "DeepSpeedCPUAdam",
         "adam-zs-host": "zeroshard offloaded step alone (bf16 grads in, fp32 masters up)",
         "adam-zs-host-compiled": "the same with offload_compiled_step",
+        f"adam-zs-host{BF16}": "the same with bf16 masters and moments (bf16 shards out)",
     }
     adam_rows = []
     for p, label in adam_names.items():

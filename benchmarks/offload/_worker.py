@@ -5,7 +5,8 @@
 PART is `train-zs`, `train-zs-overlap`, `train-zs-dpu`, `train-zs-clip`, `train-ds`, `fwd-bwd`,
 `transfer`, `host-stream`, `ds-build`, `adam-torch-fused`, `adam-torch-foreach`, `adam-ds`
 or `adam-zs-host`; a zeroshard part with `-compiled` after its name runs with
-`offload_compiled_step`.
+`offload_compiled_step`, and a zeroshard or DeepSpeed part with `-bf16` after its name
+with bf16 masters (`BF16`).
 Each part runs alone so that a host or device out-of-memory, or a crash in a JIT-built
 extension, costs only its own row, and so that every part starts with the host memory
 empty. The result (or the
@@ -21,13 +22,14 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks._common import join, place_ranks
+from benchmarks.offload._bf16 import BF16
 from examples.gpt import GPT, GPTConfig, parameters_count
 
 LR = 1e-4
@@ -88,12 +90,13 @@ def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
     steps the CPU inside backward (`step_in_backward`), `zs-ratio` too but with only
     `offload_ratio` of the shards offloaded (the rest steps on the device), `zs-dpu` beside
     the next forward and backward (`offload_delay_param_update`: weights one step behind),
-    `zs-clip` clips the gradients' global norm first."""
+    `zs-clip` clips the gradients' global norm first; `BF16` after any: bf16 masters."""
     device = _join_alone(a["smoke"])
     torch.manual_seed(0)
     start = time.perf_counter()
     model, cfg = _gpt(a, device)
-    step = _setup_ds(model, a) if engine == "ds" else _setup_zs(model, a, mode=engine)
+    setup = _setup_ds if engine.removesuffix(BF16) == "ds" else _setup_zs
+    step, held = setup(model, a, engine)
     init_s = time.perf_counter() - start
     gen = torch.Generator(device=device).manual_seed(1)
     shape = (a["micro_batch"], cfg.seq_len)
@@ -107,6 +110,7 @@ def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
         "params": parameters_count(cfg),
         "init_s": init_s,
         "step_s": seconds,
+        "steps_run": a["warmup"] + a["steps"],
         # The offloaded step's speed moves from step to step (docs/benchmarks.md).
         "fastest_step_s": min(times),
         "slowest_step_s": max(times),
@@ -115,49 +119,98 @@ def train(a: dict[str, Any], engine: str) -> dict[str, Any]:
         if device.type == "cuda"
         else 0.0,
         "host_peak_gib": _host_peak_gib(),
+        **held(),
     }
 
 
-def _setup_zs(model: torch.nn.Module, a: dict[str, Any], *, mode: str) -> Callable[..., None]:
-    import zeroshard.engine as zs
+# A row's step, and what its engine holds, read after the steps.
+Setup = tuple[Callable[..., None], Callable[[], dict[str, Any]]]
 
-    # A `-compiled` part is the same row with offload_compiled_step.
-    compiled = mode.endswith("-compiled")
-    mode = mode.removesuffix("-compiled")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
-    config = {
+
+def zs_config(a: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The zeroshard config of the part `train-<engine>` (`zs-overlap-bf16`, ...): a
+    `-compiled` part is its row with offload_compiled_step, a `BF16` one with bf16 masters."""
+    mode = engine.removesuffix(BF16).removesuffix("-compiled")
+    return {
         "stage": a["stage"],
         "compute_dtype": "bf16",
+        "master_dtype": "bf16" if engine.endswith(BF16) else "fp32",
         "offload_optimizer": True,
         "offload_params": a["offload_params"],
         "offload_ratio": a["offload_ratio"] if mode == "zs-ratio" else 1.0,
         "offload_delay_param_update": mode == "zs-dpu",
-        "offload_compiled_step": compiled,
+        "offload_compiled_step": "-compiled" in engine,
     }
-    zmodel, zopt = zs.initialize(model, opt, config)
+
+
+def steps_in_backward(engine: str) -> bool:
+    """Whether the part `train-<engine>` steps the CPU inside backward."""
+    return engine.startswith(("zs-overlap", "zs-ratio"))
+
+
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """Every zeroshard row's optimizer (DeepSpeed's config names the same)."""
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=True)
+
+
+def _setup_zs(model: torch.nn.Module, a: dict[str, Any], engine: str) -> Setup:
+    import zeroshard.engine as zs
+
+    zmodel, zopt = zs.initialize(model, adamw(model.parameters()), zs_config(a, engine))
+    in_backward = steps_in_backward(engine)
+    clip = engine.startswith("zs-clip")
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = zmodel(x, y)
-        if mode in ("zs-overlap", "zs-ratio"):
+        if in_backward:
             with zopt.step_in_backward():
                 loss.backward()
         else:
             loss.backward()
-        if mode == "zs-clip":
+        if clip:
             zopt.clip_grad_norm_(1.0)
         zopt.step()
         zopt.zero_grad()
 
-    return step
+    return step, lambda: _zs_held(zmodel, zopt)
 
 
-def _setup_ds(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
+def _zs_held(zmodel: torch.nn.Module, zopt: Any) -> dict[str, Any]:
+    """The host bytes zeroshard's offload holds by its own count: its buffers (masters,
+    gradients, staging; with offload_params the compute shards) and the optimizer's state
+    of the groups homed on the host (AdamW's moments, in the masters' dtype)."""
+    import zeroshard.engine as zs
+    from zeroshard.engine.runtime.offload import HostOffload
+
+    state = zs.engine_state(zmodel)
+    store = state.offload
+    assert isinstance(store, HostOffload), "an offload row homes groups on the host"
+    masters = [g.home.master for g in state.groups if g.home.kind is zs.HomeKind.HOST]
+    moments = [
+        t
+        for m in masters
+        for t in zopt.state.get(m, {}).values()
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
+    ]
+    return {
+        "master_dtype": str(masters[0].dtype).removeprefix("torch."),
+        "moments_dtype": str(moments[0].dtype).removeprefix("torch.") if moments else "none",
+        "engine_host_bytes": store.nbytes().host + sum(t.nbytes for t in moments),
+    }
+
+
+def _setup_ds(model: torch.nn.Module, a: dict[str, Any], engine: str) -> Setup:
+    """DeepSpeed ZeRO-Offload; `ds-bf16`: its bf16 masters, gradients and optimizer states
+    (DeepSpeedCPUAdam with `fp32_optimizer_states=False`), else its default fp32 ones."""
     import deepspeed  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
+    precision: dict[str, Any] = {"enabled": True}
+    if engine.endswith(BF16):
+        precision |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     config = {
         "train_micro_batch_size_per_gpu": a["micro_batch"],
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "bf16": precision,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95]}},
         "zero_optimization": {
             "stage": a["stage"],
@@ -172,15 +225,26 @@ def _setup_ds(model: torch.nn.Module, a: dict[str, Any]) -> Callable[..., None]:
         },
         "steps_per_print": 1 << 30,
     }
-    engine, *_ = deepspeed.initialize(
+    ds, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
     )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        engine.backward(engine(x, y))
-        engine.step()
+        ds.backward(ds(x, y))
+        ds.step()
 
-    return step
+    def held() -> dict[str, Any]:
+        # What DeepSpeed runs with, read back rather than assumed from the config (where
+        # its optimizer does not say, "not reported": the measured row is kept).
+        masters = getattr(ds.optimizer, "master_weights_and_grads_dtype", None)
+        cpu_adam = getattr(ds.optimizer, "optimizer", None)
+        fp32_moments = getattr(cpu_adam, "fp32_optimizer_states", None)
+        if masters is None or fp32_moments is None:
+            return {"master_dtype": "not reported", "moments_dtype": "not reported"}
+        master = str(masters).removeprefix("torch.")
+        return {"master_dtype": master, "moments_dtype": "float32" if fp32_moments else master}
+
+    return step, held
 
 
 def _chunk_sizes(n: int, chunk: int) -> list[int]:
@@ -302,13 +366,15 @@ def adam(a: dict[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
-def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
+def zs_host(a: dict[str, Any], *, compiled: bool, bf16: bool) -> dict[str, Any]:
     """zeroshard's offloaded step alone, as `train-zs` runs it after backward: bf16
     gradients on the host in, torch's fused AdamW on the fp32 masters (or the compiled
-    step: `adam-zs-host-compiled`), the fp32 masters up to be cast on the device; no
-    forward or backward. The same element count as the CPU optimizer rows, in tensors of
-    `a['chunk']` elements."""
+    step: `adam-zs-host-compiled`; `bf16`: on bf16 masters and moments,
+    `adam-zs-host-bf16`), the masters up to be cast on the device; no forward or backward.
+    The same element count as the CPU optimizer rows, in tensors of `a['chunk']`
+    elements."""
     import zeroshard.engine as zs
+    from zeroshard.engine.runtime.offload import HostOffload
     from zeroshard.engine.runtime.offload._step import step_offloaded
 
     device = _join_alone(a["smoke"])
@@ -317,10 +383,11 @@ def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
         torch.nn.Parameter(torch.zeros(min(chunk, n - i), device=device).normal_(0, 0.02))
         for i in range(0, n, chunk)
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), fused=True)
+    opt = adamw(model.parameters())
     config = {
         "stage": 2,
         "compute_dtype": "bf16",
+        "master_dtype": "bf16" if bf16 else "fp32",
         "offload_optimizer": True,
         "offload_compiled_step": compiled,
     }
@@ -328,7 +395,7 @@ def zs_host(a: dict[str, Any], *, compiled: bool) -> dict[str, Any]:
     wrapped, zopt = zs.initialize(model, opt, config)
     init_s = time.perf_counter() - start
     offload = zs.engine_state(wrapped).offload
-    assert offload is not None
+    assert isinstance(offload, HostOffload)
     groups = [g for g in zopt.flat_groups if g.trainable]
     for g in groups:
         # The reduced gradient as it lands on the host (bf16); the step never clears it.
@@ -356,7 +423,7 @@ def main() -> None:
         if part.startswith("train-"):
             result = train(args, part.removeprefix("train-"))
         elif part.startswith("adam-zs-host"):
-            result = zs_host(args, compiled=part.endswith("-compiled"))
+            result = zs_host(args, compiled="-compiled" in part, bf16=part.endswith(BF16))
         elif part in ("fwd-bwd", "transfer", "host-stream", "ds-build"):
             parts = {
                 "fwd-bwd": fwd_bwd,

@@ -146,6 +146,8 @@ def offload_validation() -> str:
                     "offload_ratio": float(ratio[1]) if ratio else 1.0,
                     "offload_params": "offload_params" in label,
                     "offload_delay_param_update": "delay_param_update" in label,
+                    # benchmarks/offload's `-bf16` rows (their label says so).
+                    "master_dtype": "bf16" if "bf16 masters" in label else "fp32",
                 }
             )
             e = estimate(

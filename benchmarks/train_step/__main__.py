@@ -12,6 +12,8 @@ Run from the repository root (`-m` makes `benchmarks` and `examples` importable)
         --model llama --engines zs3,zs3tp,fsdp2,fsdp2tp --tp 2
     torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step --optimizer muon \
         --engines floor32,floor32-adamw,zs2,zs3,ds2,ds3
+    torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step \
+        --engines floor,zs3-off,zs3c-off --rounds 2 --section train_step_offload_1gpu
 
 Models (`--model`, see `_models.py`): `gpt` (examples/gpt.py), `llama`
 (examples/llama.py) and `hf-llama` (`transformers.LlamaForCausalLM` of the same shapes,
@@ -37,7 +39,10 @@ when named: `floorw` (the floor compiled whole), `floorr` (that, with every bloc
 `torch.compiler.nested_compile_region`) and `floorr-memo` (that, with torch's per-call
 re-trace of a region memoized: a diagnostic patch of torch), `ddp`, `fsdp2`, `fsdp2c`
 (its blocks compiled), `fsdp2-zero2`, `zs1`-`zs3` (zeroshard), `zs3c` (compiled whole),
-`zs3b` (zs3 with each block's forward compiled, as fsdp2c), `ds1`-`ds3`
+`zs3b` (zs3 with each block's forward compiled, as fsdp2c), run only when named
+`zs2-off`, `zs3-off` and `zs3c-off` (`zs2`, `zs3`, `zs3c` with the optimizer offloaded to
+the CPU: the report sets each beside its twin on the device, and `zs3c-off` against
+`zs3-off`), `ds1`-`ds3`
 (DeepSpeed, always run last), the hybrid `zs2h`, `zs3h`, `fsdp2h` (shard within
 `--shard-group-size` ranks, replicate across the rest) and, run only when named, the
 tensor-parallel `zs3tp`, `zs3ctp` (compiled) and `fsdp2tp` (`llama` and `hf-llama` split over `--tp`

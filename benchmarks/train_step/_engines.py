@@ -85,12 +85,16 @@ def _always() -> bool:
     return True
 
 
-def _zs(stage: int, hybrid: bool = False) -> Callable[[nn.Module, Settings], Stepper]:
-    return lambda m, s: setup_zs(m, s, stage, hybrid)
+def _zs(
+    stage: int, hybrid: bool = False, offload: bool = False
+) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs(m, s, stage, hybrid, offload)
 
 
-def _zs3c(fuse_downcast: bool, name: str) -> Callable[[nn.Module, Settings], Stepper]:
-    return lambda m, s: setup_zs3c(m, s, fuse_downcast, name)
+def _zs3c(
+    fuse_downcast: bool, name: str, offload: bool = False
+) -> Callable[[nn.Module, Settings], Stepper]:
+    return lambda m, s: setup_zs3c(m, s, fuse_downcast, name, offload)
 
 
 def _zs3(name: str) -> Callable[[nn.Module, Settings], Stepper]:
@@ -208,6 +212,27 @@ ENGINES: dict[str, Engine] = {
                 ("zs3c", "zeroshard stage 3, compiled (zeroshard.compile, inductor)", True),
                 ("zs3c-nofuse", "zs3c without the fused downcast (fp32 gathers, then cast)", False),
             )
+        ),
+        # The optimizer offloaded to the CPU (`offload_optimizer`), eager and compiled, run
+        # only when named: beside `zs2`/`zs3` (AdamW or Muon) they show what the device
+        # keeps and what the step costs, `zs3c-off` against `zs3-off` what compiling gives.
+        *(
+            Engine(
+                f"zs{k}-off",
+                f"zeroshard stage {k}, the optimizer offloaded to the CPU (offload_optimizer)",
+                _zs(k, offload=True),
+                _ZEROSHARD,
+                on_request=True,
+            )
+            for k in (2, 3)
+        ),
+        Engine(
+            "zs3c-off",
+            "`zs3c` with the optimizer offloaded to the CPU (offload_optimizer)",
+            _zs3c(True, "zs3c-off", offload=True),
+            _COMPILE,
+            compiled=True,
+            on_request=True,
         ),
         Engine(
             "zs3b",

@@ -16,6 +16,7 @@ from benchmarks.train_step._compile import CompileTime
 from benchmarks.train_step._engines import ENGINES
 from benchmarks.train_step._float8_goals import float8_goals
 from benchmarks.train_step._goals import compile_table, muon_goals, one_gpu_goals
+from benchmarks.train_step._offload_goals import offload_goals
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._settings import Settings
 
@@ -146,6 +147,9 @@ def report(
     fp8 = float8_goals(by)
     if fp8:
         body += ["", *fp8]
+    offload = offload_goals(every)
+    if offload:
+        body += ["", *offload]
     if compile_times:
         body += ["", *compile_table(compile_times)]
     leaks = [f"`{r.engine}` {r.left_gib:.2f} GiB" for r in results if r.left_gib > 0.25]

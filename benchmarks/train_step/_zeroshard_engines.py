@@ -1,5 +1,5 @@
-"""zeroshard's engines: stages 1-3, the hybrids, stage 3 with compiled blocks, and stage 3
-compiled whole by zeroshard.compile."""
+"""zeroshard's engines: stages 1-3, the hybrids, stage 3 with compiled blocks, stage 3
+compiled whole by zeroshard.compile, and the optimizer offloaded to the CPU."""
 
 from __future__ import annotations
 
@@ -37,10 +37,18 @@ def _train_step(forward: Callable[..., Any], opt: Any, s: Settings, x: Any, y: A
     opt.zero_grad()
 
 
-def setup_zs(model: nn.Module, s: Settings, stage: int, hybrid: bool = False) -> Stepper:
-    """zeroshard at `stage`; `hybrid`: shard within `shard_group_size` ranks."""
+# What an offload engine (`zs2-off`, ...) adds to the config: the masters and the
+# optimizer's state on the host, stepped there (Muon's orthogonalization on the device).
+OFFLOAD = {"offload_optimizer": True}
+
+
+def setup_zs(
+    model: nn.Module, s: Settings, stage: int, hybrid: bool = False, offload: bool = False
+) -> Stepper:
+    """zeroshard at `stage`; `hybrid`: shard within `shard_group_size` ranks; `offload`:
+    the optimizer offloaded to the CPU."""
     extra = {"shard_group_size": hybrid_shape(s)[1]} if hybrid else {}
-    zmodel, opt = _initialize(model, s, stage, **extra)
+    zmodel, opt = _initialize(model, s, stage, **extra, **(OFFLOAD if offload else {}))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         _train_step(zmodel, opt, s, x, y)
@@ -87,12 +95,15 @@ def setup_zs3b(model: nn.Module, s: Settings) -> Stepper:
     return step
 
 
-def setup_zs3c(model: nn.Module, s: Settings, fuse_downcast: bool, name: str) -> Stepper:
-    """zeroshard stage 3 compiled whole by zeroshard.compile (inductor); records the bytes
-    gathered per step once, on rank 0, for the report (NOTES, under the engine's `name`)."""
+def setup_zs3c(
+    model: nn.Module, s: Settings, fuse_downcast: bool, name: str, offload: bool = False
+) -> Stepper:
+    """zeroshard stage 3 compiled whole by zeroshard.compile (inductor), `offload`: with
+    the optimizer offloaded to the CPU; records the bytes gathered per step once, on rank
+    0, for the report (NOTES, under the engine's `name`)."""
     import zeroshard.compile as zc
 
-    zmodel, opt = _initialize(model, s, 3)
+    zmodel, opt = _initialize(model, s, 3, **(OFFLOAD if offload else {}))
     pipeline = zc.default_pipeline()
     if not fuse_downcast:
         pipeline = pipeline.without("fuse_downcast")

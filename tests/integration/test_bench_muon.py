@@ -1,6 +1,6 @@
 """benchmarks/train_step with `--optimizer muon`: the smoke run on CPU (floors with Muon,
-zeroshard, DeepSpeed's own Muon), and the owners the 1.3B benchmark models get at world 8,
-planned from shapes alone."""
+zeroshard on the device and offloaded, DeepSpeed's own Muon), and the owners the 1.3B
+benchmark models get at world 8, planned from shapes alone."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_smoke_run_times_muon_in_every_engine() -> None:
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    engines = "floor32,floor32-adamw,zs2,zs3,ds3"
+    engines = "floor32,floor32-adamw,zs2,zs3,zs3-off,ds3"
     cmd = [sys.executable, "-m", "benchmarks.train_step", "--smoke", "--optimizer", "muon"]
     cmd += ["--engines", engines, "--section", "train_step_muon_test"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -34,6 +34,8 @@ def test_smoke_run_times_muon_in_every_engine() -> None:
     assert "torch.optim.Muon on the hidden matrices" in done.stdout
     assert re.search(r"^\| `zs2` speed / `floor32` \| [\d.]+ \| >= 0\.97 \|", done.stdout, re.M)
     assert "Muon's step over AdamW's" in done.stdout and "DeepSpeed's Muon" in done.stdout
+    # Muon with its optimizer state offloaded, beside Muon on the device.
+    assert re.search(r"^\| `zs3-off` \| `zs3` \| [\d.]+ / [\d.]+ \| [\d.]+ \|", done.stdout, re.M)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "hf-llama"])

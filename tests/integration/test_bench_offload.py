@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from benchmarks.offload.__main__ import parse_args, run_parts
+from benchmarks.offload._bf16 import goals
 from benchmarks.offload._report import report
 from benchmarks.offload._rounds import SKIPPED, combine, combine_rate, schedule
 
@@ -177,6 +178,8 @@ def test_budget_spent_skips_every_round(monkeypatch: pytest.MonkeyPatch) -> None
         ["--rounds", "2", "--search-layers", "2,3"],
         ["--offload-ratio", "1"],
         ["--offload-ratio", "0"],
+        ["--search-part", "train-zs-overlap-bf16"],
+        ["--search-layers", "2,3", "--search-part", "train-ds"],
     ],
 )
 def test_bad_rounds_are_refused(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -273,3 +276,97 @@ def test_smoke_two_rounds_report_median_of_each_round() -> None:
         assert f"({nbytes} bytes" in out and f"{nbytes * params / bw:.2f} s" in out
     moved = 28 * statistics.median(rates) / 1e9
     assert f"(alone it moved {moved:.0f} GB/s)" in out
+
+
+def _held(step_s: float, dtype: str, host_bytes: int | None, rss_gib: float) -> dict[str, Any]:
+    """A train row with the dtypes and the host bytes its engine held."""
+    row = {**_run(step_s, host=rss_gib), "master_dtype": dtype, "moments_dtype": dtype}
+    return row if host_bytes is None else {**row, "engine_host_bytes": host_bytes}
+
+
+def _goal_rows(body: str) -> dict[tuple[str, str, str], tuple[str, str]]:
+    """(goal, bf16 row, against) -> (figure, status) of a bf16 goals table."""
+    rows = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[1].endswith("-bf16"):
+            rows[(cells[0], cells[1], cells[2])] = (cells[3], cells[5])
+    return rows
+
+
+def test_bf16_goals_are_judged_from_the_rows() -> None:
+    """Each goal's figure is the rows' ratio and its status the target's verdict on it; a
+    failed row makes its pairs "not measured", never met."""
+    fp32 = _held(3.0, "float32", 14 * 10**9, 100.0)
+    bf16 = _held(1.5, "bfloat16", 7 * 10**9, 52.0)
+    ds = _held(4.0, "bfloat16", None, 90.0)
+    body = goals({"train-zs": fp32, "train-zs-bf16": bf16, "train-ds-bf16": ds})
+    host = "host bytes a parameter, bf16 / fp32"
+    assert _goal_rows(body) == {
+        (f"{host} (engine's count)", "train-zs-bf16", "train-zs"): ("0.50", "met"),
+        (f"{host} (host peak RSS)", "train-zs-bf16", "train-zs"): ("0.52", "MISSED"),
+        ("step speed over fp32 masters", "train-zs-bf16", "train-zs"): ("2.00", "met"),
+        ("step speed over DeepSpeed ZeRO-Offload", "train-zs-bf16", "train-ds-bf16"): (
+            "2.67",
+            "MISSED",
+        ),
+    }
+    assert "`train-ds-bf16` ran with masters in bfloat16 and DeepSpeedCPUAdam's moments" in body
+    assert "bfloat16: the same storage dtypes as zeroshard's bf16 rows" in body
+    crash = {"ok": False, "error": "killed", "wall_s": 1.0}
+    rows = _goal_rows(goals({"train-zs": crash, "train-zs-bf16": bf16, "train-ds": crash}))
+    assert len(rows) == 4 and set(rows.values()) == {("not measured", "not measured")}
+    assert goals({"train-zs": fp32}) == ""
+
+
+def _smoke(tmp: Path, *argv: str) -> tuple[str, dict[str, dict[str, Any]]]:
+    """A smoke run's output and its rows (`--json`)."""
+    rows = tmp / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.offload", "--smoke", *argv, "--json", str(rows)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(rows.read_text())
+
+
+@pytest.mark.slow
+def test_smoke_bf16_row_beside_its_fp32_twin(tmp_path: Path) -> None:
+    """A bf16-masters row and its fp32 twin on the CPU: each ran with the dtypes it names
+    (read back from the engine), and the report's host table and goals are the ratios of
+    the rows' figures."""
+    out, runs = _smoke(tmp_path, "--parts", "train-zs-overlap,train-zs-overlap-bf16")
+    fp32, bf16 = runs["train-zs-overlap"], runs["train-zs-overlap-bf16"]
+    assert (fp32["master_dtype"], fp32["moments_dtype"]) == ("float32", "float32")
+    assert (bf16["master_dtype"], bf16["moments_dtype"]) == ("bfloat16", "bfloat16")
+    for r in (fp32, bf16):
+        per_param = r["engine_host_bytes"] / r["params"]
+        assert f"| {r['engine_host_bytes'] / 2**30:.1f} | {per_param:.2f} |" in out
+    rows = _goal_rows(out)
+    mine, twin = "train-zs-overlap-bf16", "train-zs-overlap"
+    share = bf16["engine_host_bytes"] / fp32["engine_host_bytes"]
+    host = "host bytes a parameter, bf16 / fp32 (engine's count)"
+    assert rows[(host, mine, twin)][0] == f"{share:.2f}"
+    speed = fp32["step_s"] / bf16["step_s"]
+    want = (f"{speed:.2f}", "met" if speed >= 1.6 else "MISSED")
+    assert rows[("step speed over fp32 masters", mine, twin)] == want
+
+
+@pytest.mark.slow
+def test_smoke_search_beside_the_planner(tmp_path: Path) -> None:
+    """The search with bf16 masters and offloaded parameters: each size beside the planner's
+    prediction, whose host bytes are the engine's own count (the planner and the engine
+    count the same buffers and optimizer state)."""
+    argv = ["--search-layers", "2", "--stage", "3", "--offload-params"]
+    out, runs = _smoke(tmp_path, *argv, "--search-part", "train-zs-overlap-bf16")
+    for layers in (2,):
+        r = runs[f"train-zs-overlap-bf16@{layers}"]
+        assert r["ok"] and r["master_dtype"] == "bfloat16" and r["steps_run"] >= 3
+        planned = r["plan"]["host_gib"] * 2**30
+        assert abs(planned / r["engine_host_bytes"] - 1) < 0.01, (planned, r["engine_host_bytes"])
+        assert r["plan"]["params"] == r["params"]
+    assert "| engine's host bytes, planned / measured |" in out
+    assert "| parameters / the previous largest (9.28B, fp32) |" in out

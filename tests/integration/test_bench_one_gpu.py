@@ -1,6 +1,6 @@
 """benchmarks/train_step's one-GPU pieces: the `floor32` engine against plain PyTorch, the
-alternating order and the median of rounds, the goals table of issue 25 and which engines
-a run times by default."""
+alternating order and the median of rounds, the goals tables of issues 25 and 73 (the
+optimizer offloaded) and which engines a run times by default."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from benchmarks._common import LR
 from benchmarks.train_step.__main__ import round_order
 from benchmarks.train_step._engines import ENGINES, default_engines
 from benchmarks.train_step._goals import one_gpu_goals
+from benchmarks.train_step._offload_goals import offload_goals
 from benchmarks.train_step._result import Result
 from benchmarks.train_step._run import combine
 from benchmarks.train_step._settings import Settings
@@ -154,6 +155,47 @@ def test_goals_need_a_zeroshard_engine() -> None:
     rows = _goal_rows({**floors, "zs3c": Result("zs3c", "w", 0.0, 101.0, 29.0)})
     assert rows["3. `zs3c` speed / `floorc`"][:3] == ("0.990", ">= 0.98", "met")
     assert rows["1. `floor32` measured"][:3] == ("not run", "yes", "not measured")
+
+
+def _rows(lines: list[str], columns: int) -> dict[str, tuple[str, ...]]:
+    """A report's table rows of `columns` cells: first cell -> the others."""
+    return {
+        cells[0]: tuple(cells[1:])
+        for line in "\n".join(lines).splitlines()
+        if line.startswith("| ")
+        and len(cells := [c.strip() for c in line.strip("|").split("|")]) == columns
+    }
+
+
+def test_offload_engines_beside_their_twins_and_the_compiled_goal() -> None:
+    """Each offload engine against its twin on the device from the run's figures; the
+    compiled offload goal from `zs3c-off` and `zs3-off`, "not measured" where one failed,
+    and no table without an offload engine."""
+    every = {
+        "zs3": Result("zs3", "w", 0.0, 400.0, 70.0, states_gib=10.0),
+        "zs3-off": Result("zs3-off", "w", 0.0, 500.0, 60.0, states_gib=3.0),
+        "zs3c-off": Result("zs3c-off", "w", 0.0, 480.0, 58.0, states_gib=3.0),
+        "zs2-off": Result("zs2-off", "w", error="OOM"),
+    }
+    lines = offload_goals(every)
+    rows = _rows(lines, 7)
+    assert rows["`zs3-off`"] == (
+        "`zs3`",
+        "500.0 / 400.0",
+        "0.800",
+        "60.0 / 70.0",
+        "3.0 / 10.0",
+        "ok",
+    )
+    assert rows["`zs3c-off`"][-1] == "`zs3c` not run"
+    assert rows["`zs2-off`"][-1] == "FAILED: OOM"
+    assert _rows(lines, 4)["`zs3c-off` speed / `zs3-off`"] == ("1.042", ">= 1", "met")
+    every["zs3-off"] = Result("zs3-off", "w", error="OOM")
+    goal = _rows(offload_goals(every), 4)["`zs3c-off` speed / `zs3-off`"]
+    assert goal == ("-", ">= 1", "not measured")
+    assert offload_goals({"zs3": every["zs3"]}) == []
+    # Run only when named: a default run times none of them.
+    assert not {"zs2-off", "zs3-off", "zs3c-off"} & set(default_engines())
 
 
 def test_compile_time_floors_run_only_when_named() -> None:
