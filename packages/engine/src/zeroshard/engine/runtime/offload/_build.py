@@ -118,16 +118,16 @@ def build_host_storage(
 
 
 def host_stepper(
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[tuple[torch.optim.Optimizer, Sequence[FlatParamGroup]]],
     storage: HostOffload,
-    groups: Sequence[FlatParamGroup],
     cfg: ZeroConfig,
 ) -> Stepper:
-    """How `optimizer` steps `groups` (its own), some of them on the host: after backward
-    (or in it), or beside the next window (`delay_param_update`)."""
+    """How `optimizers` (each with its own flat groups, some of them on the host) step:
+    after backward (or in it), or beside the next window (`delay_param_update`); each
+    group with the optimizer that owns it, in one schedule (one upload round)."""
     if cfg.offload.delay_param_update:
-        return DelayedHostStep(optimizer, storage, groups)
-    return HostStep(optimizer, storage, groups)
+        return DelayedHostStep(optimizers, storage)
+    return HostStep(optimizers, storage)
 
 
 def _warn_unfused(optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -27,6 +27,26 @@ from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._owners import MatrixOwners
 from zeroshard.partition import FlatLayout, Slot
 
+# [Note: whole-matrix steps are collectives]
+# A whole-matrix optimizer's step of a flat group is a collective over its process group:
+# the all-to-all that brings each matrix (its gradient or update) to its owner and back.
+# Every rank must enter a group's collectives in the same order. CPU offload's schedules
+# step groups on the stepping thread (as gradients land under step_in_backward; beside
+# the next window's forward and backward under delay_param_update) while the main thread
+# issues that backward's reduce-scatters (and forward's gathers) on the same group: two
+# threads' collectives on one group interleave in an order each rank decides by its own
+# timing, so the ranks would pair one rank's all-to-all with another's reduce-scatter.
+# Stepping the matrices on the main thread instead would step them after backward, which
+# is the step without the schedule (and, delayed, would publish them a step before the
+# others' weights).
+WHOLE_STEP_IS_COLLECTIVE = (
+    "a whole-matrix optimizer's step of a group is a collective over its process group "
+    "(each matrix to its owner and back), which the stepping thread would issue beside "
+    "the main thread's gathers and reduce-scatters on the same group, in an order the "
+    "ranks do not agree on: step them after backward (without the schedule), or give "
+    "the matrices an elementwise optimizer"
+)
+
 
 @dataclass(frozen=True)
 class ShardPiece:
@@ -132,12 +152,9 @@ class ExchangingStep(OnDevice):
         }
 
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
-        """Refused: the matrices are stepped at their owners after backward."""
-        raise ValueError(
-            "step_in_backward(): a whole-matrix optimizer steps each matrix at its owner "
-            "after backward, every group's exchange one collective; stepping them in "
-            "backward is not built yet"
-        )
+        """Refused: a matrix's step is a collective ([Note: whole-matrix steps are
+        collectives])."""
+        raise ValueError(f"step_in_backward(): {WHOLE_STEP_IS_COLLECTIVE}")
 
 
 def _in_shard(layout: FlatLayout, s: Slot, rank: int) -> bool:
