@@ -63,21 +63,31 @@ def _fixture_module() -> Any:
     return make_fixtures
 
 
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    # The groups of the DeepSpeed run, but lr 1e-3: the checkpoint's 1e-2 must be taken.
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" in n]
-    return torch.optim.AdamW(
+def _optimizer(
+    model: torch.nn.Module, several: bool = False
+) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """The groups of the DeepSpeed run, but lr 1e-3: the checkpoint's 1e-2 must be taken;
+    `several`: the 2-D weights of the blocks in an AdamW of their own (each parameter's
+    Adam state then goes to the optimizer that owns it)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    own = [p for n, p in trainable if several and n.startswith("blocks") and p.dim() == 2]
+    rest = [(n, p) for n, p in trainable if all(p is not q for q in own)]
+    decay = [p for n, p in rest if "norm" not in n]
+    no_decay = [p for n, p in rest if "norm" in n]
+    adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=1e-3,
     )
+    if not several:
+        return adamw
+    return [torch.optim.AdamW(own, lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9)), adamw]
 
 
 def _build(
-    case: str, stage: int | None = None, kind: str | None = None
+    case: str, stage: int | None = None, kind: str | None = None, several: bool = False
 ) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any]:
     """The case's model (or the model `kind` of make_fixtures.MODELS) under zeroshard at
-    the case's ZeRO stage (or `stage`)."""
+    the case's ZeRO stage (or `stage`), with several optimizers if `several`."""
     mf = _fixture_module()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
     torch.manual_seed(99)  # not DeepSpeed's seed: every weight must come from the checkpoint
@@ -90,14 +100,16 @@ def _build(
         cfg.update(compute_dtype="fp16", initial_loss_scale=2.0**16)
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
-    model, opt = zs.initialize(model, _optimizer(model), cfg)
+    model, opt = zs.initialize(model, _optimizer(model, several), cfg)
     return model, opt, mf
 
 
-def _resume(case: str, source: Path, stage: int | None, kind: str | None = None) -> None:
+def _resume(
+    case: str, source: Path, stage: int | None, kind: str | None = None, several: bool = False
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = json.loads((FIXTURES / case / "resume.json").read_text())
-    model, opt, mf = _build(case, stage, kind)
+    model, opt, mf = _build(case, stage, kind, several)
     assert zs.load_checkpoint(model, opt, source) == 2
     assert all(pg["lr"] == 1e-2 for pg in opt.param_groups), "lr comes from the checkpoint"
     fp16 = case.endswith("_fp16")
@@ -185,11 +197,11 @@ def _gathers() -> Iterator[list[str]]:
         Group.all_gather_into = gather  # type: ignore[method-assign]
 
 
-def _loaded_moments(runs: list[tuple[str, int]]) -> None:
+def _loaded_moments(runs: list[tuple[str, int]], several: bool = False) -> None:
     for case, stage in runs:
         ref = json.loads((FIXTURES / case / "resume.json").read_text())
         want = load_file(FIXTURES / case / "moments.safetensors")
-        model, opt, _ = _build(case, stage)
+        model, opt, _ = _build(case, stage, several=several)
         with _gathers() as gathers:
             zs.load_checkpoint(model, opt, FIXTURES / case)
         if stage == 3:  # each rank reads its own shard: no flat group is gathered whole
@@ -225,6 +237,29 @@ def test_tied_resume_matches_deepspeed(world: int) -> None:
     ]:
         runs.extend((case, str(FIXTURES / case), stage) for stage in stages)
     run_ranks(_resume_all, world, runs)
+
+
+def _several_optimizers() -> None:
+    # Each parameter's Adam state (and the step) in the optimizer that owns it, before
+    # any step; then DeepSpeed's continuation (the hyperparameters of both optimizers
+    # taken from the checkpoint's param group of their parameters).
+    _loaded_moments([("resume_tied_stage2", 2), ("resume_tied_stage3", 3)], several=True)
+    for case, stage in [("resume_tied_stage2", None), ("resume_tied_frozen_stage3", 1)]:
+        _resume(case, FIXTURES / case, stage, several=True)
+    # An optimizer that keeps no Adam state, beside AdamW: named with its param group.
+    mf = _fixture_module()
+    model = mf.MODELS["tied"]()
+    sgd, adamw = _optimizer(model, several=True)  # type: ignore[misc]
+    sgd = torch.optim.SGD(sgd.param_groups[0]["params"], lr=0.1, momentum=0.9)
+    model, opt = zs.initialize(model, [sgd, adamw], {"stage": 2})
+    with pytest.raises(ValueError, match=r"Adam state.*SGD \(param group 0's optimizer\)"):
+        zs.load_checkpoint(model, opt, FIXTURES / "resume_tied_stage2")
+
+
+def test_several_optimizers_resume_matches_deepspeed() -> None:
+    """A DeepSpeed checkpoint of one AdamW into two (the blocks' matrices in one, the rest
+    in the other), at stages 1-3 on 2 ranks: DeepSpeed's moments and continuation."""
+    run_ranks(_several_optimizers, 2)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -41,7 +41,7 @@ class Recipe:
     stage: int | None = None  # chosen by a stage feature
     stages: frozenset[int] = ALL_STAGES  # where the features chosen so far exist
     # "adamw", "muon" (Muon + AdamW), "several" (SGD + AdamW; Adam + AdamW, both fused,
-    # where the step is delayed)
+    # where the step is delayed or a DeepSpeed checkpoint loaded)
     optimizers: str = "adamw"
     tensor_parallel: bool = False
     hybrid: bool = False
@@ -210,8 +210,9 @@ def _optimizers(r: Recipe, model: nn.Module) -> list[torch.optim.Optimizer]:
     adamw = torch.optim.AdamW(groups, lr=1e-3, fused=True)
     if r.optimizers == "muon":
         return [torch.optim.Muon(matrices, lr=0.02), adamw]
-    if r.optimizers == "several" and "offload_delay_param_update" in r.config:
-        # The delayed step snapshots fused Adam/AdamW only, one optimizer or several.
+    if r.optimizers == "several" and ("offload_delay_param_update" in r.config or r.deepspeed):
+        # The delayed step snapshots fused Adam/AdamW only, and a DeepSpeed checkpoint
+        # holds Adam's state: one optimizer or several.
         return [torch.optim.Adam(matrices, lr=1e-3, fused=True), adamw]
     if r.optimizers == "several":
         return [torch.optim.SGD(matrices, lr=0.1, momentum=0.9), adamw]

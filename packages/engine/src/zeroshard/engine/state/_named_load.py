@@ -13,6 +13,7 @@ param groups, as DeepSpeed's and FSDP2's own resumes restore them; implementatio
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from zeroshard.ckpt import (
 from zeroshard.comm import Group, agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_buffers
+from zeroshard.engine.runtime._optimizers import CombinedOptimizer
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._tensor_parallel import full_runs
 from zeroshard.engine.state._checkpoint_layout import full_shapes
@@ -82,7 +84,20 @@ def _check_names(
     check_names_shapes(have, expected, named.source)
 
 
-def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) -> None:
+def _owner(inner: torch.optim.Optimizer, k: int) -> torch.optim.Optimizer:
+    """The optimizer that steps param group `k` of `inner` (one of several, combined)."""
+    if not isinstance(inner, CombinedOptimizer):
+        return inner
+    first = inner.offsets()
+    return inner.optimizers[bisect.bisect_right(first, k) - 1]
+
+
+def _check_optimizer(
+    inner: torch.optim.Optimizer, named: NamedTrainingState, trained: set[int]
+) -> None:
+    """The checkpoint's optimizer state is Adam's, and each of our param groups that
+    trains (`trained`) is stepped by an Adam or AdamW: each parameter's state goes to the
+    optimizer that owns it, one optimizer or several."""
     keys = set(named.optimizer_state) | {k for pg in named.param_groups for k in pg.scalars}
     if not keys:
         return
@@ -93,11 +108,14 @@ def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) ->
             "step): only Adam's state is carried over by name (a DeepSpeed optimizer without "
             "a torch.optim counterpart, SGD's momentum...), so it cannot be"
         )
-    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(
-            f"{named.source} holds Adam state ({sorted(keys)}), but your optimizer is "
-            f"{type(inner).__name__}: wrap torch.optim.AdamW (or Adam) to resume it"
-        )
+    for k in sorted(trained):
+        owner = _owner(inner, k)
+        if not isinstance(owner, (torch.optim.Adam, torch.optim.AdamW)):
+            where = "" if owner is inner else f" (param group {k}'s optimizer)"
+            raise ValueError(
+                f"{named.source} holds Adam state ({sorted(keys)}), but your optimizer is "
+                f"{type(owner).__name__}{where}: wrap torch.optim.AdamW (or Adam) to resume it"
+            )
 
 
 def _group_of(
@@ -165,7 +183,8 @@ def read_named_shards(
     `aliases` maps the model's tied parameter names to the canonical ones of its groups.
     """
     _check_names(model, state, named, aliases)
-    _check_optimizer(state.optimizer.inner, named)
+    trained = {g.key.param_group for g in state.groups if g.trainable}
+    _check_optimizer(state.optimizer.inner, named, trained)
     canonical = dict(named.aliases)
     out = NamedShards(mapping=_group_of(state, named, canonical))
     for g in state.groups:
