@@ -29,6 +29,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "config.md"
 FIXTURE = ROOT / "tests" / "ckpt" / "fixtures" / "deepspeed" / "resume_tied_even_stage2"
+# The same model trained by DeepSpeed's own Muon (on the blocks' matrices, its Adam on the
+# rest): what a Muon recipe resumes.
+MUON_FIXTURE = FIXTURE.parent / "resume_muon_stage2"
 SECTION = "## Composition"
 ALL_STAGES = frozenset({1, 2, 3})
 
@@ -245,7 +248,7 @@ def realize(r: Recipe, own: Any) -> None:
     opts = _optimizers(r, model)
     model, opt = zs.initialize(model, opts if len(opts) > 1 else opts[0], config, **kwargs)
     if r.deepspeed:
-        zs.load_checkpoint(model, opt, FIXTURE)
+        zs.load_checkpoint(model, opt, MUON_FIXTURE if r.optimizers == "muon" else FIXTURE)
     runner: Any = zc.compile(model, backend="aot_eager") if r.compiled else model
     tokens = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
     loss = torch.nn.functional.cross_entropy(runner(tokens).float().flatten(0, 1), tokens.flatten())
