@@ -46,6 +46,8 @@ def build_steppers(
             parts.append(DeviceStep(o))
         offset += len(o.param_groups)
     if host is not None and hosted:
+        # Last: a whole-matrix step refreshes its offloaded homes in an upload round of its
+        # own, which must close before a delayed step opens the host stepper's.
         parts.append(host_stepper(hosted, host, cfg))
     stepper = parts[0] if len(parts) == 1 else StepEach(parts)
     return stepper, None if whole is None else whole.params

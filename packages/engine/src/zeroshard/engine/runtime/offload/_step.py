@@ -44,11 +44,17 @@ What the thread reads is fixed at step(): each group's gradient and pending fact
 (`FusedAdam`, a tensor lr copied: an LR scheduler changes them after step()). Only torch's
 fused Adam/AdamW step this way (`delayed_step_refusal`): any other optimizer reads its
 param groups while it steps. Several such optimizers step their own groups in one delayed
-step (one upload round, one order of arrival). The thread steps the groups in the order
-their gradients arrived in the backward before: the next backward's come in the same order, and a
-gradient lands in the host gradient its group's step still reads only after that step
-finished (`HostOffload.receive` waits for it), so no second host gradient is held (0 more
-host bytes per parameter) and backward waits on the CPU only where the CPU is slower.
+step (one upload round, one order of arrival). A whole-matrix optimizer beside them (Muon)
+steps its groups at step() on the main thread, its exchange being a collective ([Note:
+whole-matrix steps are collectives] in whole/_exchange.py), before the delayed step starts
+(its homes' upload round closed first); its masters are published with the others at
+step() k+1, so its weights lag alike, and only its step does not overlap the window.
+
+The thread steps the groups in the order their gradients arrived in the backward before:
+the next backward's come in the same order, and a gradient lands in the host gradient its
+group's step still reads only after that step finished (`HostOffload.receive` waits for
+it), so no second host gradient is held (0 more host bytes per parameter) and backward
+waits on the CPU only where the CPU is slower.
 Gradient accumulation and stage 1's reduction at the step land in the same buffers
 after the same wait. The order is the reducer's, not the groups' index order: stepped
 highest index first, the next backward's first gradient would wait for almost the whole

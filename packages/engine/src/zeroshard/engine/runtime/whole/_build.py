@@ -12,7 +12,6 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import Stepper, WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
-from zeroshard.engine.runtime.whole._exchange import WHOLE_STEP_IS_COLLECTIVE
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
 from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
@@ -21,9 +20,7 @@ from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
     """Refuse what the whole-matrix steps do not run with CPU offload: a declared
-    whole-matrix optimizer's step on offloaded groups (torch's Muon runs there), and a
-    delayed step, which cannot run their collectives ([Note: whole-matrix steps are
-    collectives] in _exchange.py)."""
+    whole-matrix optimizer's step on offloaded groups (torch's Muon runs there)."""
     if not cfg.offload.optimizer:
         return
     declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
@@ -32,11 +29,6 @@ def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: Zer
             f"offload_optimizer: {', '.join(declared)} steps whole parameters at their owner "
             "with its own step(); on offloaded groups that is not built yet (torch's Muon "
             "is): turn offload_optimizer off, or give the matrices torch.optim.Muon"
-        )
-    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
-    if whole and cfg.offload.delay_param_update:
-        raise ValueError(
-            f"offload.delay_param_update with {', '.join(whole)}: {WHOLE_STEP_IS_COLLECTIVE}"
         )
 
 

@@ -30,21 +30,24 @@ from zeroshard.partition import FlatLayout, Slot
 # [Note: whole-matrix steps are collectives]
 # A whole-matrix optimizer's step of a flat group is a collective over its process group:
 # the all-to-all that brings each matrix (its gradient or update) to its owner and back.
-# Every rank must enter a group's collectives in the same order. CPU offload's schedules
-# step groups on the stepping thread (as gradients land under step_in_backward; beside
-# the next window's forward and backward under delay_param_update) while the main thread
-# issues that backward's reduce-scatters (and forward's gathers) on the same group: two
-# threads' collectives on one group interleave in an order each rank decides by its own
-# timing, so the ranks would pair one rank's all-to-all with another's reduce-scatter.
-# Stepping the matrices on the main thread instead would step them after backward, which
-# is the step without the schedule (and, delayed, would publish them a step before the
-# others' weights).
+# Every rank must enter a group's collectives in the same order. Under step_in_backward
+# CPU offload steps groups on the stepping thread as their gradients land, while the main
+# thread issues backward's reduce-scatters on the same group: two threads' collectives on
+# one group interleave in an order each rank decides by its own timing, so the ranks would
+# pair one rank's all-to-all with another's reduce-scatter. Issued on the main thread
+# instead, from the reducer's hook once a group's gradient is in, the order would hold
+# (every rank runs the hooks in the reducer's order), but backward would wait there for
+# the exchange and the owner's Newton-Schulz: the plain step's work moved into backward,
+# nothing overlapped. So step_in_backward is refused. delay_param_update is not: its
+# thread runs no collective; the whole-matrix groups are stepped at `step()` on the main
+# thread, before the delayed step starts, and published with the delayed weights at the
+# next `step()` ([Note: delayed parameter update] in offload/_step.py).
 WHOLE_STEP_IS_COLLECTIVE = (
     "a whole-matrix optimizer's step of a group is a collective over its process group "
     "(each matrix to its owner and back), which the stepping thread would issue beside "
-    "the main thread's gathers and reduce-scatters on the same group, in an order the "
-    "ranks do not agree on: step them after backward (without the schedule), or give "
-    "the matrices an elementwise optimizer"
+    "backward's reduce-scatters on the same group, in an order the ranks do not agree on: "
+    "step after backward (without step_in_backward), or give the matrices an elementwise "
+    "optimizer"
 )
 
 
