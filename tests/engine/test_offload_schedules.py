@@ -17,7 +17,8 @@ what it loaded, so the resumed run's first window is not lagged).
 Beside a whole-matrix optimizer (Muon, whose step of a group is a collective: [Note:
 whole-matrix steps are collectives] in whole/_exchange.py) the delayed step steps the
 other optimizers' groups on its thread and Muon's at step(), all published a step later:
-the plain step lagged by hand, bit for bit, resumed too. step_in_backward refuses Muon.
+the plain step lagged by hand, bit for bit, resumed too; under step_in_backward Muon's
+matrices step at step(), the others' offloaded groups in backward (Muon alone refuses it).
 """
 
 from __future__ import annotations
@@ -155,15 +156,16 @@ def _same(ours: Result, ref: Result, what: str) -> None:
     torch.testing.assert_close(ours[2], ref[2], rtol=0, atol=0, msg=what)
 
 
-def _in_backward_case(stage: int, ratio: float, accum: int, root: str) -> None:
+def _in_backward_case(stage: int, ratio: float, accum: int, muon: bool, root: str) -> None:
     cfg = _config(stage, ratio, "bf16", delayed=False)
-    what = f"step_in_backward stage {stage} ratio {ratio} accum {accum}"
-    path = Path(root) / f"early{stage}{ratio}{accum}"
-    ours = _run(_sgd_and_adamw, cfg, range(STEPS), accum, early=True, save=path)
-    ref = _run(_sgd_and_adamw, cfg, range(STEPS), accum)
+    what = f"step_in_backward stage {stage} ratio {ratio} accum {accum} muon {muon}"
+    path = Path(root) / f"early{stage}{ratio}{accum}{muon}"
+    make = muon_and_adamw if muon else _sgd_and_adamw
+    ours = _run(make, cfg, range(STEPS), accum, early=True, save=path)
+    ref = _run(make, cfg, range(STEPS), accum)
     _same(ours, ref, what)
     # Resumed in the combination from the checkpoint saved after step 1.
-    resumed = _run(_sgd_and_adamw, cfg, range(1, STEPS), accum, early=True, load=path)
+    resumed = _run(make, cfg, range(1, STEPS), accum, early=True, load=path)
     _same(resumed, (ours[0][1:], ours[1], ours[2]), what + " resumed")
 
 
@@ -185,8 +187,10 @@ def _delayed_case(stage: int, ratio: float, accum: int, muon: bool, root: str) -
 
 def _several(root: str) -> None:
     cases = [
-        dict(stage=2, ratio=1.0, accum=1),
-        dict(stage=3, ratio=0.5, accum=2),
+        dict(stage=2, ratio=1.0, accum=1, muon=False),
+        dict(stage=3, ratio=0.5, accum=2, muon=False),
+        # Muon's matrices step at step(), AdamW's offloaded groups in backward.
+        dict(stage=3, ratio=1.0, accum=1, muon=True),
     ]
     run_each(cases, lambda **c: _in_backward_case(**c, root=root))
     cases = [
@@ -199,14 +203,18 @@ def _several(root: str) -> None:
 
 def test_several_optimizers_schedules(tmp_path: Path) -> None:
     """step_in_backward and delay_param_update with SGD + AdamW / Adam + AdamW, each group
-    stepped by its own optimizer, and delay_param_update with Muon + AdamW: the step
-    without the schedule's bits (lagged by hand where delayed), resumed too."""
+    stepped by its own optimizer, and both with Muon + AdamW: the step without the
+    schedule's bits (lagged by hand where delayed), resumed too."""
     run_ranks(_several, 2, str(tmp_path))
 
 
 def _muon_refusals() -> None:
     model = make_model(seed=1)
-    model, opt = zs.initialize(model, muon_and_adamw(model), _config(2, 1.0, "fp32", False))
+    # Muon alone (the rest frozen): nothing would step in backward.
+    muon, adamw = muon_and_adamw(model)
+    for p in adamw.param_groups[0]["params"]:
+        p.requires_grad_(False)
+    model, opt = zs.initialize(model, muon, _config(2, 1.0, "fp32", False))
     refused = r"step_in_backward\(\): a whole-matrix .* collective"
     with pytest.raises(ValueError, match=refused), opt.step_in_backward():
         pass
@@ -216,5 +224,5 @@ def _muon_refusals() -> None:
 
 
 def test_whole_matrix_step_in_backward_refused() -> None:
-    """Muon (with AdamW) under step_in_backward: a ValueError naming why on every rank."""
+    """Muon alone under step_in_backward: a ValueError naming why on every rank."""
     run_ranks(_muon_refusals, 2)

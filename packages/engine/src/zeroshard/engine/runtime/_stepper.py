@@ -114,6 +114,19 @@ class OnDevice:
         return ""
 
 
+class AfterBackward(OnDevice):
+    """A stepper whose groups step at `step()` only, even under `step_in_backward`: beside
+    steppers that step in backward (`StepEach`) it waits for `step()`; alone it refuses,
+    saying `why` (a whole-matrix step: [Note: whole-matrix steps are collectives] in
+    whole/_exchange.py)."""
+
+    why = ""
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """Refused: nothing would step in backward."""
+        raise ValueError(f"step_in_backward(): {self.why}")
+
+
 class DeviceStep(OnDevice):
     """Every master on the device, stepped by the wrapped optimizer in one call."""
 
@@ -158,9 +171,12 @@ class StepEach:
 
     @contextlib.contextmanager
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> Iterator[None]:
-        """Each one's, the backward inside all of them (the first refusal raises)."""
+        """Each one's, the backward inside all of them (the first refusal raises); those
+        that step after backward only (`AfterBackward`) wait for `step()`, unless no other
+        is there to step in backward."""
+        inside = [s for s in self.steppers if not isinstance(s, AfterBackward)]
         with contextlib.ExitStack() as stack:
-            for s in self.steppers:
+            for s in inside or self.steppers:
                 stack.enter_context(s.step_in_backward(stage=stage, loss_scaled=loss_scaled))
             yield
 

@@ -277,7 +277,14 @@ class EarlyStep:
             for o, step in zip(owned, steps, strict=True)
             for g in o.on_host
         }
-        offload.step_thread.step_each(lambda g: by_group[g.index]())
+
+        def step_one(g: FlatParamGroup) -> None:
+            # Another stepper's groups land too (Muon's, stepped at step()).
+            step = by_group.get(g.index)
+            if step is not None:
+                step()
+
+        offload.step_thread.step_each(step_one)
 
     def finish(self) -> None:
         """After the backward (its gradients and steps drained): the device groups, the
