@@ -35,20 +35,35 @@ SMALL = {
 }
 
 
-def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> None:
+def _two_fused(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """make_optimizer's param groups, each in an optimizer of its own (fused: the host
+    steps them block by block, as one fused optimizer)."""
+    decay, no_decay = make_optimizer(model).param_groups
+    return [
+        torch.optim.Adam(decay["params"], lr=1e-3, fused=True),
+        torch.optim.AdamW(no_decay["params"], lr=1e-3, weight_decay=0.0, fused=True),
+    ]
+
+
+def _case(
+    stage: int, dtype: str, shard: int | None = None, several: bool = False, **extra: Any
+) -> None:
     world = dist.get_world_size()
     cfg = zs.ZeroConfig.from_dict(
         {"stage": stage, "compute_dtype": dtype, "shard_group_size": shard, **SMALL, **extra}
     )
+    make: Any = _two_fused if several else make_optimizer
     with torch.device("meta"):
         meta = make_model()
-    meta_opt = make_optimizer(meta)
-    groups_of = {id(p): k for k, pg in enumerate(meta_opt.param_groups) for p in pg["params"]}
-    plan = plan_groups(meta, cfg, shard or world, groups_of)
+    meta_opt = make(meta)
+    blocked = several  # the fused optimizers step in blocks: no group's fp32 upcast
+    groups = [pg for o in (meta_opt if several else [meta_opt]) for pg in o.param_groups]
+    groups_of = {id(p): k for k, pg in enumerate(groups) for p in pg["params"]}
+    plan = plan_groups(meta, cfg, shard or world, groups_of, blocked)
     est = estimate(meta, cfg, world, 2, 5, optimizer=meta_opt)
 
     model = make_model()
-    model, opt = zs.initialize(model, make_optimizer(model), cfg)
+    model, opt = zs.initialize(model, make(model), cfg)
     state = zs.engine_state(model)
     assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
     assert [g.key for g in state.groups] == [g.key for g in plan.groups]
@@ -66,6 +81,7 @@ def _case(stage: int, dtype: str, shard: int | None = None, **extra: Any) -> Non
     idx = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten()).backward()
     opt.step()
+    opt.settle()  # a delayed step allocates the host state on its thread
     opt.zero_grad()
     real: dict[str, int] = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0}
     for g in state.groups:
@@ -115,6 +131,15 @@ MORE: list[dict[str, Any]] = [
         "master_dtype": "bf16",
         "offload_optimizer": True,
         "offload_ratio": 0.5,
+    },
+    # Several optimizers, all fused: the host steps each in blocks (delayed, too).
+    {"stage": 2, "dtype": "bf16", "offload_optimizer": True, "several": True},
+    {
+        "stage": 1,
+        "dtype": "bf16",
+        "offload_optimizer": True,
+        "offload_delay_param_update": True,
+        "several": True,
     },
 ]
 HYBRID: list[dict[str, Any]] = [

@@ -29,6 +29,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "config.md"
 FIXTURE = ROOT / "tests" / "ckpt" / "fixtures" / "deepspeed" / "resume_tied_even_stage2"
+# The same model trained by DeepSpeed's own Muon (on the blocks' matrices, its Adam on the
+# rest): what a Muon recipe resumes.
+MUON_FIXTURE = FIXTURE.parent / "resume_muon_stage2"
 SECTION = "## Composition"
 ALL_STAGES = frozenset({1, 2, 3})
 
@@ -40,7 +43,9 @@ class Recipe:
     config: dict[str, Any] = field(default_factory=dict)
     stage: int | None = None  # chosen by a stage feature
     stages: frozenset[int] = ALL_STAGES  # where the features chosen so far exist
-    optimizers: str = "adamw"  # "adamw", "muon" (Muon + AdamW), "several" (SGD + AdamW)
+    # "adamw", "muon" (Muon + AdamW), "several" (SGD + AdamW; Adam + AdamW, both fused,
+    # where the step is delayed or a DeepSpeed checkpoint loaded)
+    optimizers: str = "adamw"
     tensor_parallel: bool = False
     hybrid: bool = False
     own_groups: bool = False
@@ -208,6 +213,10 @@ def _optimizers(r: Recipe, model: nn.Module) -> list[torch.optim.Optimizer]:
     adamw = torch.optim.AdamW(groups, lr=1e-3, fused=True)
     if r.optimizers == "muon":
         return [torch.optim.Muon(matrices, lr=0.02), adamw]
+    if r.optimizers == "several" and ("offload_delay_param_update" in r.config or r.deepspeed):
+        # The delayed step snapshots fused Adam/AdamW only, and a DeepSpeed checkpoint
+        # holds Adam's state: one optimizer or several.
+        return [torch.optim.Adam(matrices, lr=1e-3, fused=True), adamw]
     if r.optimizers == "several":
         return [torch.optim.SGD(matrices, lr=0.1, momentum=0.9), adamw]
     return [adamw]
@@ -239,7 +248,7 @@ def realize(r: Recipe, own: Any) -> None:
     opts = _optimizers(r, model)
     model, opt = zs.initialize(model, opts if len(opts) > 1 else opts[0], config, **kwargs)
     if r.deepspeed:
-        zs.load_checkpoint(model, opt, FIXTURE)
+        zs.load_checkpoint(model, opt, MUON_FIXTURE if r.optimizers == "muon" else FIXTURE)
     runner: Any = zc.compile(model, backend="aot_eager") if r.compiled else model
     tokens = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
     loss = torch.nn.functional.cross_entropy(runner(tokens).float().flatten(0, 1), tokens.flatten())

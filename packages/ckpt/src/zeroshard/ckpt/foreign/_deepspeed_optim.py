@@ -20,6 +20,7 @@ from zeroshard.ckpt._spec import TensorSpec
 from zeroshard.ckpt._writer import RangeSpec
 from zeroshard.ckpt.foreign._deepspeed import (
     DeepSpeedCheckpoint,
+    _numel,
     _Piece,
     _spec,
     _zero3_trainable,
@@ -39,6 +40,18 @@ from zeroshard.ckpt.foreign._named_state import (
 )
 from zeroshard.ckpt.foreign._unpickle import load_torch_file
 
+# [Note: DeepSpeed's Muon momentum]
+# DeepSpeed's Muon (`"optimizer": {"type": "Muon"}`, `MuonWithAuxAdam`) splits each param
+# group in a Muon half (`use_muon`) and an Adam half; the Adam half's state lies like the
+# fp32 partitions, as any Adam's. At ZeRO 1/2 Muon's `momentum_buffer` does not: Muon
+# orthogonalizes whole matrices while a rank's gradient partition is filled, so each rank
+# keeps the whole momentum of every parameter its partition touches (DeepSpeed's
+# `get_partition_info`), end to end in parameter order, without the alignment padding; a
+# matrix that straddles two partitions has its momentum on both ranks, the same values
+# (its gradient is all-reduced to both). Each parameter's is read from the first rank that
+# holds it.
+MUON_MOMENTUM = "momentum_buffer"
+
 
 def _base_state(optim: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """The wrapped torch optimizer's state_dict (`state`, `param_groups`) of one rank."""
@@ -53,13 +66,16 @@ def _base_state(optim: Mapping[str, Any], path: Path) -> dict[str, Any]:
 
 def _rank_states(
     base: Mapping[str, Any], partitions: Sequence[FlatSource], path: Path, file: OpenFile, rank: int
-) -> dict[str, list[FlatSource]]:
-    """key -> one source per param group, each cut to its fp32 partition's length."""
-    states: dict[str, list[FlatSource]] = {}
+) -> dict[str, dict[int, FlatSource]]:
+    """key -> param group -> its source, cut to the group's fp32 partition's length (Muon's
+    momentum, laid out otherwise, is left to `_muon_momentum`)."""
+    states: dict[str, dict[int, FlatSource]] = {}
     for g, part in enumerate(partitions):
         entry = base["state"].get(g, {})
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+                continue
+            if key == MUON_MOMENTUM and _is_muon(base, g):
                 continue
             if value.numel() < part.numel:
                 raise DeepSpeedCheckpointError(
@@ -68,11 +84,51 @@ def _rank_states(
                 )
             flat = value.reshape(-1)[: part.numel]
             label = f"{key} rank {rank} group {g}"
-            states.setdefault(key, []).append(FlatSource(flat, file, label))
-    for key, sources in states.items():
-        if len(sources) != len(partitions):
-            raise DeepSpeedCheckpointError(f"{path}: optimizer state {key!r} is missing in a group")
+            states.setdefault(key, {})[g] = FlatSource(flat, file, label)
     return states
+
+
+def _is_muon(base: Mapping[str, Any], group: int) -> bool:
+    """Whether DeepSpeed's Muon (`MuonWithAuxAdam`) steps param group `group` with Muon."""
+    return bool(base["param_groups"][group].get("use_muon", False))
+
+
+def _muon_momentum(
+    bases: Sequence[Mapping[str, Any]],
+    sizes: Sequence[int],
+    param_shapes: Sequence[Mapping[str, Any]],
+    paddings: Sequence[Sequence[int]] | None,
+    files: Sequence[OpenFile],
+) -> dict[str, RangeSpec]:
+    """DeepSpeed Muon's momentum at ZeRO 1/2, by parameter name ([Note: DeepSpeed's Muon
+    momentum])."""
+    specs: dict[str, RangeSpec] = {}
+    for g, shapes in enumerate(param_shapes):
+        if not _is_muon(bases[0], g):
+            continue
+        size, pads = sizes[g], None if paddings is None else list(paddings[g])
+        for r, (base, file) in enumerate(zip(bases, files, strict=True)):
+            momentum = base["state"].get(g, {}).get(MUON_MOMENTUM)
+            if not isinstance(momentum, torch.Tensor):
+                continue  # no step taken yet: the momentum starts afresh
+            source = FlatSource(momentum.reshape(-1), file, f"{MUON_MOMENTUM} rank {r} group {g}")
+            lo, hi = r * size, (r + 1) * size
+            at = current = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                n = _numel(shape)
+                # DeepSpeed's get_partition_info: the parameters the partition touches.
+                if lo <= current < hi or current < lo < current + n:
+                    if name not in specs:
+                        pieces = [_Piece(source, at, 0, n)]
+                        specs[name] = _as_range(_spec(name, shape, torch.float32, pieces))
+                    at += n
+                current += n + (pads[i] if pads is not None else 0)
+            if at != source.numel:
+                raise DeepSpeedCheckpointError(
+                    f"{file.path}: Muon's momentum of group {g} has {source.numel} elements but "
+                    f"the parameters its partition touches {at}"
+                )
+    return specs
 
 
 def _scalars(base: Mapping[str, Any], group: int) -> dict[str, float]:
@@ -120,16 +176,37 @@ def read_deepspeed_training_state(path: Path, tag: str | None = None) -> NamedTr
         for r, (b, o, p, f) in enumerate(zip(bases, optim, files.optim_states, opened, strict=True))
     ]
     param_shapes: list[Mapping[str, Any]] = model0["param_shapes"]
+    paddings = optim[0].get("param_alignment_paddings")
     optimizer_state: dict[str, dict[str, RangeSpec]] = {}
     for state_key in per_rank[0]:
         specs: dict[str, TensorSpec] = {}
-        groups = [rank[state_key] for rank in per_rank]
+        # Every param group holds the key, but Muon's (DeepSpeed's Muon steps the others
+        # with its Adam).
+        held = [g for g in range(len(param_shapes)) if not _is_muon(bases[0], g)]
+        if any(sorted(rank.get(state_key, {})) != held for rank in per_rank):
+            where = files.optim_states[0].parent
+            raise DeepSpeedCheckpointError(
+                f"{where}: optimizer state {state_key!r} is missing in a group"
+            )
+        groups = [[rank[state_key][g] for g in held] for rank in per_rank]
+        shapes = [param_shapes[g] for g in held]
         if ckpt.stage == 3:
-            _zero3_trainable(groups, param_shapes, ckpt.world_size, specs)
+            _zero3_trainable(groups, shapes, ckpt.world_size, specs)
         else:
-            paddings = optim[0].get("param_alignment_paddings")
-            _zero12_trainable(groups, param_shapes, paddings, ckpt.world_size, specs)
+            pads = None if paddings is None else [paddings[g] for g in held]
+            _zero12_trainable(groups, shapes, pads, ckpt.world_size, specs)
         optimizer_state[state_key] = {n: _as_range(s) for n, s in specs.items()}
+    if any(_is_muon(bases[0], g) for g in range(len(param_shapes))):
+        if ckpt.stage == 3:
+            raise DeepSpeedCheckpointError(
+                f"{ckpt.directory}: a checkpoint of DeepSpeed's Muon is read at ZeRO 1/2 only "
+                "(where its momentum's layout is known: [Note: DeepSpeed's Muon momentum]); "
+                "this one is ZeRO-3's"
+            )
+        sizes = [t.numel() for t in optim[0][key]]
+        momentum = _muon_momentum(bases, sizes, param_shapes, paddings, opened)
+        if momentum:
+            optimizer_state[MUON_MOMENTUM] = momentum
     param_groups = tuple(
         NamedParamGroup(
             names=tuple(shapes),

@@ -276,7 +276,7 @@ def estimate_on_trace(
             for p in pg["params"]
         }
     # Without the optimizer, the host counts one group's fp32 upcast (the larger case).
-    blocked = len(optimizers) == 1 and steps_in_blocks(optimizers[0])
+    blocked = bool(optimizers) and all(steps_in_blocks(o) for o in optimizers)
     plan = plan_groups(model, cfg, shard, groups_of, blocked)
     whole = whole_matrix_cost(plan.groups, cfg, optimizers)
     # The engine's own rule where the optimizers are known (`state_floats`), else the

@@ -14,7 +14,8 @@ masters are final (publish now) or still stepping (published at the next `step()
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import Enum
@@ -113,6 +114,19 @@ class OnDevice:
         return ""
 
 
+class AfterBackward(OnDevice):
+    """A stepper whose groups step at `step()` only, even under `step_in_backward`: beside
+    steppers that step in backward (`StepEach`) it waits for `step()`; alone it refuses,
+    saying `why` (a whole-matrix step: [Note: whole-matrix steps are collectives] in
+    whole/_exchange.py)."""
+
+    why = ""
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """Refused: nothing would step in backward."""
+        raise ValueError(f"step_in_backward(): {self.why}")
+
+
 class DeviceStep(OnDevice):
     """Every master on the device, stepped by the wrapped optimizer in one call."""
 
@@ -155,13 +169,16 @@ class StepEach:
         for s in self.steppers:
             s.published()
 
-    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
-        """Refused: the host step in backward steps one optimizer's groups as they land;
-        several in turn are not built yet."""
-        raise ValueError(
-            f"step_in_backward(): {len(self.steppers)} optimizers step their groups in turn "
-            "after backward; stepping them in backward is not built yet (one optimizer is)"
-        )
+    @contextlib.contextmanager
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> Iterator[None]:
+        """Each one's, the backward inside all of them (the first refusal raises); those
+        that step after backward only (`AfterBackward`) wait for `step()`, unless no other
+        is there to step in backward."""
+        inside = [s for s in self.steppers if not isinstance(s, AfterBackward)]
+        with contextlib.ExitStack() as stack:
+            for s in inside or self.steppers:
+                stack.enter_context(s.step_in_backward(stage=stage, loss_scaled=loss_scaled))
+            yield
 
     def clip_refusal(self) -> str:
         """The first refusal of any."""

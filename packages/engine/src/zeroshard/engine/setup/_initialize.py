@@ -36,7 +36,7 @@ from zeroshard.engine.runtime._stepper import WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
-from zeroshard.engine.runtime.whole import check_whole_mesh, check_whole_optimizers
+from zeroshard.engine.runtime.whole import check_whole_mesh, check_whole_optimizers, steps_whole
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine.setup._broadcast import broadcast_initial_state
 from zeroshard.engine.setup._build import GroupsPlan, build_groups, plan_groups
@@ -132,7 +132,7 @@ def initialize(
     # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
     unwrap_float8_weights(model, optimizers)
     check_whole_optimizers(optimizers, cfg)
-    check_offload(optimizers, cfg)
+    check_offload(optimizers, cfg, whole=[o for o in optimizers if steps_whole(o)])
     inner = combine(optimizers) if optimizers else None
     check_module_paths(model, process_groups or {})
     # 2. Every rank agrees on them, then on where each parameter is sharded.

@@ -1,6 +1,7 @@
 """The stepper of each optimizer `initialize` was given, over its own flat groups: a
 whole-matrix optimizer's (`runtime.whole`), a host step where CPU offload holds some of
-its groups (`runtime.offload`), else the device step; several are stepped in turn."""
+its groups (`runtime.offload`: one host stepper for all such optimizers), else the device
+step; several are stepped in turn."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def build_steppers(
     if any(map(steps_whole, optimizers)):
         whole = WholeMatrices(optimizers, groups, tensor_parallel)
     parts: list[Stepper] = []
+    # The optimizers CPU offload steps, each with its own groups: one host stepper, whose
+    # schedules (in backward, delayed) step each landing group with its own optimizer.
+    hosted: list[tuple[torch.optim.Optimizer, list[FlatParamGroup]]] = []
     offset = 0
     for o in optimizers:
         ks = range(offset, offset + len(o.param_groups))
@@ -37,9 +41,13 @@ def build_steppers(
         if whole is not None and steps_whole(o):
             parts.append(whole.stepper(o, mine, offset))
         elif host is not None:
-            parts.append(host_stepper(o, host, mine, cfg))
+            hosted.append((o, mine))
         else:
             parts.append(DeviceStep(o))
         offset += len(o.param_groups)
+    if host is not None and hosted:
+        # Last: a whole-matrix step refreshes its offloaded homes in an upload round of its
+        # own, which must close before a delayed step opens the host stepper's.
+        parts.append(host_stepper(hosted, host, cfg))
     stepper = parts[0] if len(parts) == 1 else StepEach(parts)
     return stepper, None if whole is None else whole.params

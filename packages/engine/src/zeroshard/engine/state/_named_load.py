@@ -13,6 +13,7 @@ param groups, as DeepSpeed's and FSDP2's own resumes restore them; implementatio
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,8 +39,10 @@ from zeroshard.ckpt import (
 from zeroshard.comm import Group, agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_buffers
+from zeroshard.engine.runtime._optimizers import CombinedOptimizer
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._tensor_parallel import full_runs
+from zeroshard.engine.runtime.whole import split_muon
 from zeroshard.engine.state._checkpoint_layout import full_shapes
 
 log = logging.getLogger("zeroshard.engine")
@@ -48,6 +51,8 @@ RESUMED = "resumed from %s at step %d (world size %d then, %d now)"
 
 # State keys torch's Adam/AdamW keep per parameter (step is a scalar).
 _ADAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"})
+# torch's and DeepSpeed's Muon's momentum, per parameter.
+MUON_MOMENTUM = "momentum_buffer"
 # param_groups entries that choose an implementation, not the mathematics: the user's.
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
@@ -82,22 +87,63 @@ def _check_names(
     check_names_shapes(have, expected, named.source)
 
 
-def _check_optimizer(inner: torch.optim.Optimizer, named: NamedTrainingState) -> None:
-    keys = set(named.optimizer_state) | {k for pg in named.param_groups for k in pg.scalars}
-    if not keys:
-        return
-    unknown = sorted(keys - _ADAM_STATE)
-    if unknown:
-        raise ValueError(
-            f"{named.source}: optimizer state {unknown} is not Adam's (exp_avg, exp_avg_sq, "
-            "step): only Adam's state is carried over by name (a DeepSpeed optimizer without "
-            "a torch.optim counterpart, SGD's momentum...), so it cannot be"
-        )
-    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(
-            f"{named.source} holds Adam state ({sorted(keys)}), but your optimizer is "
-            f"{type(inner).__name__}: wrap torch.optim.AdamW (or Adam) to resume it"
-        )
+def _owner(inner: torch.optim.Optimizer, k: int) -> torch.optim.Optimizer:
+    """The optimizer that steps param group `k` of `inner` (one of several, combined)."""
+    if not isinstance(inner, CombinedOptimizer):
+        return inner
+    first = inner.offsets()
+    return inner.optimizers[bisect.bisect_right(first, k) - 1]
+
+
+def _held(named: NamedTrainingState, names: set[str]) -> tuple[set[str], bool]:
+    """The optimizer state keys the checkpoint holds for `names` (tensors and scalars of
+    the param groups they are in), and whether those groups are DeepSpeed Muon's."""
+    groups = [pg for pg in named.param_groups if names & set(pg.names)]
+    keys = {k for k, specs in named.optimizer_state.items() if names & specs.keys()}
+    keys |= {k for pg in groups for k in pg.scalars}
+    return keys, any(pg.hyperparameters.get("use_muon") for pg in groups)
+
+
+def _check_optimizer(
+    inner: torch.optim.Optimizer, named: NamedTrainingState, trained: Mapping[int, set[str]]
+) -> None:
+    """Each of our param groups that trains (`trained`: its parameters' names in the
+    checkpoint) gets the checkpoint's state of its parameters in the optimizer that owns
+    it, one optimizer or several: Adam's into an Adam or AdamW, DeepSpeed Muon's momentum
+    into torch.optim.Muon."""
+    for k, names in sorted(trained.items()):
+        keys, muon = _held(named, names)
+        owner = _owner(inner, k)
+        where = "" if owner is inner else f" (param group {k}'s optimizer)"
+        if not keys:
+            continue  # nothing saved for them: their state starts afresh
+        if muon and keys == {MUON_MOMENTUM}:
+            if not split_muon(owner):
+                raise ValueError(
+                    f"{named.source} holds DeepSpeed Muon's momentum for {sorted(names)[:3]}, "
+                    f"but your optimizer is {type(owner).__name__}{where}: give them "
+                    "torch.optim.Muon to resume it"
+                )
+            continue
+        if muon and MUON_MOMENTUM in keys:
+            raise ModelMismatchError(
+                f"{named.source}: your param group {k} ({sorted(names)[:3]}...) holds "
+                "parameters DeepSpeed's Muon stepped and parameters its Adam stepped: give "
+                "the Muon ones torch.optim.Muon and the rest Adam or AdamW"
+            )
+        unknown = sorted(keys - _ADAM_STATE)
+        if unknown:
+            raise ValueError(
+                f"{named.source}: optimizer state {unknown} is not Adam's (exp_avg, "
+                "exp_avg_sq, step) nor DeepSpeed Muon's (momentum_buffer): only those are "
+                "carried over by name (a DeepSpeed optimizer without a torch.optim "
+                "counterpart, SGD's momentum...), so it cannot be"
+            )
+        if not isinstance(owner, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(
+                f"{named.source} holds Adam state ({sorted(keys)}), but your optimizer is "
+                f"{type(owner).__name__}{where}: wrap torch.optim.AdamW (or Adam) to resume it"
+            )
 
 
 def _group_of(
@@ -165,11 +211,17 @@ def read_named_shards(
     `aliases` maps the model's tied parameter names to the canonical ones of its groups.
     """
     _check_names(model, state, named, aliases)
-    if state.optimizer is not None:  # without one (evaluation only): the weights alone
-        _check_optimizer(state.optimizer.inner, named)
     canonical = dict(named.aliases)
-    mapping = {} if state.optimizer is None else _group_of(state, named, canonical)
-    out = NamedShards(mapping=mapping)
+    if state.optimizer is None:  # evaluation only: the weights alone
+        out = NamedShards(mapping={})
+    else:
+        trained: dict[int, set[str]] = {}
+        for g in state.groups:
+            if g.trainable:
+                names = {canonical.get(n, n) for n in g.names}
+                trained.setdefault(g.key.param_group, set()).update(names)
+        _check_optimizer(state.optimizer.inner, named, trained)
+        out = NamedShards(mapping=_group_of(state, named, canonical))
     for g in state.groups:
         # The masters and their optimizer state in the run's master dtype, as saved
         # in fp32 or not (torch's optimizers keep their state in the parameter's dtype).
@@ -180,6 +232,8 @@ def read_named_shards(
             continue
         opt_state = {}
         for key, specs in named.optimizer_state.items():
+            if canonical.get(g.names[0], g.names[0]) not in specs:
+                continue  # another optimizer's state (Muon's momentum, its Adam's moments)
             host = torch.empty(g.master.numel(), dtype=g.master.dtype)
             _fill(g, {n: specs[canonical.get(n, n)] for n in g.names}, host)
             opt_state[key] = host

@@ -28,12 +28,19 @@ from zeroshard.engine.runtime.offload._threads import stepping_threads
 log = logging.getLogger("zeroshard.engine")
 
 
-def check_offload(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
-    """Refuse, before any collective, what the host steps of `cfg.offload` cannot run."""
+def check_offload(
+    optimizers: Sequence[torch.optim.Optimizer],
+    cfg: ZeroConfig,
+    whole: Sequence[torch.optim.Optimizer] = (),
+) -> None:
+    """Refuse, before any collective, what the host steps of `cfg.offload` cannot run;
+    `whole`: those of `optimizers` that step whole matrices with steppers of their own (a
+    delayed step leaves them to `step()`: [Note: delayed parameter update])."""
     if not cfg.offload.optimizer:
         return
     for o in optimizers:
-        refusal = delayed_step_refusal(o) if cfg.offload.delay_param_update else ""
+        delayed = cfg.offload.delay_param_update and all(o is not w for w in whole)
+        refusal = delayed_step_refusal(o) if delayed else ""
         if cfg.offload.compiled_step and not refusal:
             what = "offload.compiled_step compiles torch's Adam/AdamW update"
             refusal = blocked_step_refusal(o, what)
@@ -118,16 +125,16 @@ def build_host_storage(
 
 
 def host_stepper(
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[tuple[torch.optim.Optimizer, Sequence[FlatParamGroup]]],
     storage: HostOffload,
-    groups: Sequence[FlatParamGroup],
     cfg: ZeroConfig,
 ) -> Stepper:
-    """How `optimizer` steps `groups` (its own), some of them on the host: after backward
-    (or in it), or beside the next window (`delay_param_update`)."""
+    """How `optimizers` (each with its own flat groups, some of them on the host) step:
+    after backward (or in it), or beside the next window (`delay_param_update`); each
+    group with the optimizer that owns it, in one schedule (one upload round)."""
     if cfg.offload.delay_param_update:
-        return DelayedHostStep(optimizer, storage, groups)
-    return HostStep(optimizer, storage, groups)
+        return DelayedHostStep(optimizers, storage)
+    return HostStep(optimizers, storage)
 
 
 def _warn_unfused(optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -15,6 +15,9 @@ host never holds more than one group's fp32 gradient (one block's with the fused
 Under `step_in_backward` each group is stepped this way as its gradient lands, on a
 thread of its own: the thread that lands the gradients must stay free, or backward would
 wait on the optimizer (a gradient's receive waits for the oldest copy to land).
+With several optimizers each group is stepped by the one that owns it (`Owned`), every
+optimizer's offloaded groups in one upload round (a chunk may hold groups of several);
+their user hooks run once each around the whole step.
 
 Stepping a group alone gives the same bits as one step over all of them only for an
 optimizer that updates each element from that element's own state, gradient and
@@ -40,11 +43,18 @@ What the thread reads is fixed at step(): each group's gradient and pending fact
 (`HostGrad`: `zero_grad` forgets them at once) and the fused kernel's hyperparameters
 (`FusedAdam`, a tensor lr copied: an LR scheduler changes them after step()). Only torch's
 fused Adam/AdamW step this way (`delayed_step_refusal`): any other optimizer reads its
-param groups while it steps. The thread steps the groups in the order their gradients
-arrived in the backward before: the next backward's come in the same order, and a
-gradient lands in the host gradient its group's step still reads only after that step
-finished (`HostOffload.receive` waits for it), so no second host gradient is held (0 more
-host bytes per parameter) and backward waits on the CPU only where the CPU is slower.
+param groups while it steps. Several such optimizers step their own groups in one delayed
+step (one upload round, one order of arrival). A whole-matrix optimizer beside them (Muon)
+steps its groups at step() on the main thread, its exchange being a collective ([Note:
+whole-matrix steps are collectives] in whole/_exchange.py), before the delayed step starts
+(its homes' upload round closed first); its masters are published with the others at
+step() k+1, so its weights lag alike, and only its step does not overlap the window.
+
+The thread steps the groups in the order their gradients arrived in the backward before:
+the next backward's come in the same order, and a gradient lands in the host gradient its
+group's step still reads only after that step finished (`HostOffload.receive` waits for
+it), so no second host gradient is held (0 more host bytes per parameter) and backward
+waits on the CPU only where the CPU is slower.
 Gradient accumulation and stage 1's reduction at the step land in the same buffers
 after the same wait. The order is the reducer's, not the groups' index order: stepped
 highest index first, the next backward's first gradient would wait for almost the whole
@@ -70,9 +80,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -224,74 +235,105 @@ def step_offloaded(
         offload.finish_upload()
 
 
+class Owned(NamedTuple):
+    """One optimizer of those CPU offload steps and its trainable flat groups, on the
+    device and on the host (each steps its own groups: [Note: offload step pipeline])."""
+
+    inner: torch.optim.Optimizer
+    on_device: Sequence[FlatParamGroup]
+    on_host: Sequence[FlatParamGroup]
+
+
+def _on_host(owned: Sequence[Owned]) -> list[FlatParamGroup]:
+    """Every optimizer's offloaded groups: the groups of one upload round."""
+    return [g for o in owned for g in o.on_host]
+
+
 class EarlyStep:
     """The step of one backward's offloaded groups, each as its gradient lands on the host
-    (`ZeroOptimizer.step_in_backward`); `finish` steps the rest at `step()`."""
+    (`ZeroOptimizer.step_in_backward`) and with the optimizer that owns it; `finish` steps
+    the rest at `step()`."""
 
-    def __init__(
-        self, inner: torch.optim.Optimizer, offload: HostOffload, on_host: Sequence[FlatParamGroup]
-    ) -> None:
-        step = _unhooked_step(inner)
-        if step is None:
-            raise ValueError(
-                f"step_in_backward steps one group at a time: {type(inner).__name__} is not "
-                "one of torch's per-element optimizers "
-                f"({', '.join(t.__name__ for t in _PER_ELEMENT)})"
-            )
-        self.inner, self.offload, self.step = inner, offload, step
+    def __init__(self, owned: Sequence[Owned], offload: HostOffload) -> None:
+        steps = []
+        for o in owned:
+            step = _unhooked_step(o.inner)
+            if step is None:
+                raise ValueError(
+                    f"step_in_backward steps one group at a time: {type(o.inner).__name__} is "
+                    "not one of torch's per-element optimizers "
+                    f"({', '.join(t.__name__ for t in _PER_ELEMENT)})"
+                )
+            steps.append(step)
+        self.owned, self.offload, self.steps = owned, offload, steps
         self._hooks = contextlib.ExitStack()
         # The user's step hooks: pre now (before the first group steps), post in `finish`.
-        self._hooks.enter_context(_step_hooks(inner))
-        offload.begin_upload(on_host)
-        offload.step_thread.step_each(lambda g: _step_group(step, inner, offload, g))
+        for o in owned:
+            self._hooks.enter_context(_step_hooks(o.inner))
+        # One upload round for every optimizer's groups: a chunk may hold several's.
+        offload.begin_upload(_on_host(owned))
+        by_group = {
+            g.index: functools.partial(_step_group, step, o.inner, offload, g)
+            for o, step in zip(owned, steps, strict=True)
+            for g in o.on_host
+        }
 
-    def finish(self, on_device: Sequence[FlatParamGroup]) -> None:
+        def step_one(g: FlatParamGroup) -> None:
+            # Another stepper's groups land too (Muon's, stepped at step()).
+            step = by_group.get(g.index)
+            if step is not None:
+                step()
+
+        offload.step_thread.step_each(step_one)
+
+    def finish(self) -> None:
         """After the backward (its gradients and steps drained): the device groups, the
         chunks not sent yet, the post-hooks."""
         self.offload.step_thread.step_each(None)
-        _step_masters(self.step, self.inner, [g.master for g in on_device])
+        for o, step in zip(self.owned, self.steps, strict=True):
+            _step_masters(step, o.inner, [g.master for g in o.on_device])
         self.offload.finish_upload()
         self._hooks.close()
 
 
 class DelayedStep:
-    """The step of one window's offloaded groups, run on the stepping thread while the
-    next window's forward and backward compute (delay_param_update: [Note: delayed
-    parameter update]); `wait` waits for it."""
+    """The step of one window's offloaded groups, each with the optimizer that owns it,
+    run on the stepping thread while the next window's forward and backward compute
+    (delay_param_update: [Note: delayed parameter update]); `wait` waits for it."""
 
-    def __init__(
-        self,
-        inner: torch.optim.Optimizer,
-        offload: HostOffload,
-        on_device: Sequence[FlatParamGroup],
-        on_host: Sequence[FlatParamGroup],
-    ) -> None:
-        why = delayed_step_refusal(inner)
-        if why:
-            raise ValueError(why)
-        step = _unhooked_step(inner)
-        assert step is not None
+    def __init__(self, owned: Sequence[Owned], offload: HostOffload) -> None:
         # What the thread reads is taken now: an LR scheduler may change the param groups
         # and `zero_grad` forget the gradients before the thread gets to a group.
-        work: dict[int, tuple[FusedAdam, HostGrad]] = {}
-        for g in on_host:
-            adam = fused_adam(inner, param_group_of(inner, g))
-            grad = offload.grads.host_grad(g)
-            if adam is None or grad is None:
-                continue
-            if isinstance(adam.lr, torch.Tensor):
-                adam = dataclasses.replace(adam, lr=adam.lr.clone())
-            work[g.index] = (adam, grad)
+        work: dict[int, tuple[torch.optim.Optimizer, FusedAdam, HostGrad]] = {}
+        steps = []
+        for o in owned:
+            why = delayed_step_refusal(o.inner)
+            if why:
+                raise ValueError(why)
+            step = _unhooked_step(o.inner)
+            assert step is not None
+            steps.append(step)
+            for g in o.on_host:
+                adam = fused_adam(o.inner, param_group_of(o.inner, g))
+                grad = offload.grads.host_grad(g)
+                if adam is None or grad is None:
+                    continue
+                if isinstance(adam.lr, torch.Tensor):
+                    adam = dataclasses.replace(adam, lr=adam.lr.clone())
+                work[g.index] = (o.inner, adam, grad)
         self.offload = offload
         self._hooks = contextlib.ExitStack()
         # The user's step hooks: pre now, post in `wait` (on this thread, not the stepper).
-        self._hooks.enter_context(_step_hooks(inner))
-        _step_masters(step, inner, [g.master for g in on_device])
+        for o in owned:
+            self._hooks.enter_context(_step_hooks(o.inner))
+        for o, step in zip(owned, steps, strict=True):
+            _step_masters(step, o.inner, [g.master for g in o.on_device])
+        on_host = _on_host(owned)
         offload.begin_upload(on_host)
 
         def step_one(g: FlatParamGroup) -> None:
             if g.index in work:
-                adam, grad = work[g.index]
+                inner, adam, grad = work[g.index]
                 _step_blocked(adam, inner, offload, g, grad)
             else:
                 offload.stepped(g)

@@ -1,8 +1,8 @@
 """The `Stepper`s of CPU offload: the host step after backward, or in it (`HostStep`), and
-the step beside the next window (`DelayedHostStep`). Each steps the trainable groups the
-`HostOffload` holds on the host and the others on the device with the same wrapped
-optimizer ([Note: offload step pipeline] and [Note: delayed parameter update] in
-_step.py)."""
+the step beside the next window (`DelayedHostStep`). Each steps the trainable groups of
+every optimizer CPU offload steps, those the `HostOffload` holds on the host and the
+others on the device, each group with the optimizer that owns it ([Note: offload step
+pipeline] and [Note: delayed parameter update] in _step.py)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,28 @@ import torch
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import StepOutcome, step_in_backward_refusal
 from zeroshard.engine.runtime.offload._host_offload import HostOffload
-from zeroshard.engine.runtime.offload._step import DelayedStep, EarlyStep, step_offloaded
+from zeroshard.engine.runtime.offload._step import DelayedStep, EarlyStep, Owned, step_offloaded
 
 
 class _HostSteps:
-    """What both host steppers hold: the wrapped optimizer, the host state, and the
-    trainable groups on the device and on the host."""
+    """What both host steppers hold: the host state, and each optimizer (one or several)
+    with its trainable groups on the device and on the host."""
 
     def __init__(
-        self, inner: torch.optim.Optimizer, offload: HostOffload, groups: Sequence[FlatParamGroup]
+        self,
+        optimizers: Sequence[tuple[torch.optim.Optimizer, Sequence[FlatParamGroup]]],
+        offload: HostOffload,
     ) -> None:
-        self.inner, self.offload = inner, offload
-        trainable = [g for g in groups if g.trainable]
-        self.on_device = [g for g in trainable if not offload.holds(g)]
-        self.on_host = [g for g in trainable if offload.holds(g)]
-        # The blocked step keeps views of the state: drop them before a load replaces it,
-        # or they would keep the old state's memory ([Note: blocked step loop]).
-        inner.register_load_state_dict_pre_hook(lambda *_: offload.forget_state())
+        self.offload = offload
+        self.owned: list[Owned] = []
+        for inner, groups in optimizers:
+            trainable = [g for g in groups if g.trainable]
+            on_device = [g for g in trainable if not offload.holds(g)]
+            on_host = [g for g in trainable if offload.holds(g)]
+            self.owned.append(Owned(inner, on_device, on_host))
+            # The blocked step keeps views of the state: drop them before a load replaces
+            # it, or they would keep the old state's memory ([Note: blocked step loop]).
+            inner.register_load_state_dict_pre_hook(lambda *_: offload.forget_state())
 
 
 class HostStep(_HostSteps):
@@ -39,19 +44,22 @@ class HostStep(_HostSteps):
     it goes; under `step_in_backward()` each as its gradient lands instead."""
 
     def __init__(
-        self, inner: torch.optim.Optimizer, offload: HostOffload, groups: Sequence[FlatParamGroup]
+        self,
+        optimizers: Sequence[tuple[torch.optim.Optimizer, Sequence[FlatParamGroup]]],
+        offload: HostOffload,
     ) -> None:
-        super().__init__(inner, offload, groups)
+        super().__init__(optimizers, offload)
         # The step of a backward under step_in_backward(), finished by the next step().
         self._early: EarlyStep | None = None
 
     def step(self) -> StepOutcome:
         """Step every trainable master (the rest of an early step's), then publish."""
         if self._early is not None:
-            self._early.finish(self.on_device)
+            self._early.finish()
             self._early = None
         else:
-            step_offloaded(self.inner, self.offload, self.on_device, self.on_host)
+            for o in self.owned:
+                step_offloaded(o.inner, self.offload, o.on_device, o.on_host)
         return StepOutcome.PUBLISH
 
     def settle(self) -> None:
@@ -75,7 +83,7 @@ class HostStep(_HostSteps):
             why = "the step of the previous backward under it has not run: call step()"
         if why:
             raise ValueError(f"step_in_backward(): {why}")
-        self._early = EarlyStep(self.inner, self.offload, self.on_host)
+        self._early = EarlyStep(self.owned, self.offload)
         try:
             yield
         except BaseException:
@@ -100,9 +108,11 @@ class DelayedHostStep(_HostSteps):
     masters first ([Note: delayed parameter update])."""
 
     def __init__(
-        self, inner: torch.optim.Optimizer, offload: HostOffload, groups: Sequence[FlatParamGroup]
+        self,
+        optimizers: Sequence[tuple[torch.optim.Optimizer, Sequence[FlatParamGroup]]],
+        offload: HostOffload,
     ) -> None:
-        super().__init__(inner, offload, groups)
+        super().__init__(optimizers, offload)
         # The step in flight, and whether the parameters still hold the weights from
         # before the last step.
         self._delayed: DelayedStep | None = None
@@ -110,7 +120,7 @@ class DelayedHostStep(_HostSteps):
 
     def step(self) -> StepOutcome:
         """Start the host step on the stepping thread; its masters are published later."""
-        self._delayed = DelayedStep(self.inner, self.offload, self.on_device, self.on_host)
+        self._delayed = DelayedStep(self.owned, self.offload)
         self._unpublished = True
         return StepOutcome.DEFERRED
 

@@ -19,9 +19,8 @@ from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
-    """Refuse what the whole-matrix and combined steps do not run yet with CPU offload: a
-    declared whole-matrix optimizer's step on offloaded groups (torch's Muon runs there),
-    and several optimizers' delayed steps."""
+    """Refuse what the whole-matrix steps do not run with CPU offload: a declared
+    whole-matrix optimizer's step on offloaded groups (torch's Muon runs there)."""
     if not cfg.offload.optimizer:
         return
     declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
@@ -30,12 +29,6 @@ def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: Zer
             f"offload_optimizer: {', '.join(declared)} steps whole parameters at their owner "
             "with its own step(); on offloaded groups that is not built yet (torch's Muon "
             "is): turn offload_optimizer off, or give the matrices torch.optim.Muon"
-        )
-    if len(optimizers) > 1 and cfg.offload.delay_param_update:
-        raise ValueError(
-            f"offload.delay_param_update steps one optimizer's groups on the stepping "
-            f"thread; with {len(optimizers)} optimizers it is not built yet: step them "
-            "after backward (the option off), or pass one optimizer"
         )
 
 

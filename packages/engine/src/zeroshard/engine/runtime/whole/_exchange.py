@@ -15,17 +15,41 @@ they came from in its shard.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from zeroshard.comm import Group, Handle
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._stepper import OnDevice
+from zeroshard.engine.runtime._stepper import AfterBackward
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._owners import MatrixOwners
 from zeroshard.partition import FlatLayout, Slot
+
+# [Note: whole-matrix steps are collectives]
+# A whole-matrix optimizer's step of a flat group is a collective over its process group:
+# the all-to-all that brings each matrix (its gradient or update) to its owner and back.
+# Every rank must enter a group's collectives in the same order. Under step_in_backward
+# CPU offload steps groups on the stepping thread as their gradients land, while the main
+# thread issues backward's reduce-scatters on the same group: two threads' collectives on
+# one group interleave in an order each rank decides by its own timing, so the ranks would
+# pair one rank's all-to-all with another's reduce-scatter. Issued on the main thread
+# instead, from the reducer's hook once a group's gradient is in, the order would hold
+# (every rank runs the hooks in the reducer's order), but backward would wait there for
+# the exchange and the owner's Newton-Schulz: the plain step's work moved into backward,
+# nothing overlapped. So the matrices step at `step()`, after backward: beside an
+# optimizer whose offloaded groups step in backward they wait for it (`AfterBackward`),
+# alone they refuse step_in_backward (nothing would step in it). delay_param_update: its
+# thread runs no collective; the whole-matrix groups are stepped at `step()` on the main
+# thread, before the delayed step starts, and published with the delayed weights at the
+# next `step()` ([Note: delayed parameter update] in offload/_step.py).
+WHOLE_STEP_IS_COLLECTIVE = (
+    "a whole-matrix optimizer's step of a group is a collective over its process group "
+    "(each matrix to its owner and back), which the stepping thread would issue beside "
+    "backward's reduce-scatters on the same group, in an order the ranks do not agree on; "
+    "its matrices step at step(), beside another optimizer's groups stepped in backward, "
+    "and alone nothing would: step after backward (without step_in_backward)"
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +132,7 @@ class MatrixExchange:
         return out
 
 
-class ExchangingStep(OnDevice):
+class ExchangingStep(AfterBackward):
     """What the whole-matrix steppers share: their optimizer (whose first param group is
     the combined optimizer's `offset`-th), its trainable flat groups and each one's
     exchange with the owners (`owners`, by process-group label); under tensor parallelism
@@ -122,6 +146,7 @@ class ExchangingStep(OnDevice):
         offset: int,
         tensor_parallel: TensorParallel | None = None,
     ) -> None:
+        self.why = WHOLE_STEP_IS_COLLECTIVE
         self.optimizer = optimizer
         self.offset = offset
         self.tensor_parallel = tensor_parallel
@@ -130,14 +155,6 @@ class ExchangingStep(OnDevice):
             g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
             for g in self.groups
         }
-
-    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
-        """Refused: the matrices are stepped at their owners after backward."""
-        raise ValueError(
-            "step_in_backward(): a whole-matrix optimizer steps each matrix at its owner "
-            "after backward, every group's exchange one collective; stepping them in "
-            "backward is not built yet"
-        )
 
 
 def _in_shard(layout: FlatLayout, s: Slot, rank: int) -> bool:
