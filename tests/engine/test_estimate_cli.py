@@ -69,8 +69,37 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         ),
         (["/some/config.json", "--world", "2", "--layers", "2"], "--layers takes"),
         (
-            ["tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"],
-            "--optimizer muon steps each matrix on a device",
+            [
+                *("tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"),
+                *("--step-ms", "5", "--cpu-adam-params-per-s", "5e9"),
+            ],
+            "--optimizer muon with --offload prices memory only",
+        ),
+        # What initialize refuses of a pair, refused as it would (docs/config.md's table).
+        (
+            [
+                *("tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"),
+                *("--offload-overlap", "backward"),
+            ],
+            "step_in_backward: Muon steps each matrix at its owner after backward",
+        ),
+        (
+            [
+                *("tiny", "--world", "2", "--optimizer", "muon", "--stage", "2"),
+                *("--offload", "optimizer", "--offload-overlap", "delayed"),
+            ],
+            "with 2 optimizers it is not built yet",
+        ),
+        (
+            [
+                *("tiny", "--world", "4", "--tp", "2", "--stage", "1", "--offload", "optimizer"),
+                *("--offload-overlap", "backward"),
+            ],
+            "step_in_backward: stage 1 reduces the gradients at the step",
+        ),
+        (
+            ["tiny", "--world", "4", "--tp", "2", "--fp8", "tensorwise", "--fp8-all-gather"],
+            "--tp cannot be combined with --fp8-all-gather yet",
         ),
     ],
 )
@@ -145,6 +174,22 @@ def test_muon_prices_its_state_and_its_step() -> None:
     extra = muon.step.total_s - adamw.step.total_s
     assert extra >= w.max_flops / 1e14, (extra, w.max_flops)
     assert "whole-matrix step: Newton-Schulz" in muon.table()
+    # Its step's scratch (the update, the owners' buffers) is in the step's peak.
+    assert muon.step_scratch == w.update_bytes + w.buffer_bytes > 0
+    assert "| whole-matrix step scratch (in a step) |" in muon.table()
+
+
+def test_cli_prices_muon_offloaded(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--optimizer muon --offload`: Muon's momentum on the host (4 bytes an element where
+    AdamW keeps 8), its update's scratch on the device."""
+    host = {}
+    for optimizer in ("adamw", "muon"):
+        argv = ["tiny", "--world", "2", "--offload", "optimizer", "--optimizer", optimizer]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        host[optimizer] = float(out.split("| host (offload), of it pinned | ")[1].split(",")[0])
+        assert ("whole-matrix step scratch" in out) == (optimizer == "muon"), out
+    assert host["muon"] < host["adamw"], host
 
 
 def test_every_option_has_help_and_names_its_default() -> None:
