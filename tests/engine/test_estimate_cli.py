@@ -73,7 +73,18 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
                 *("tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"),
                 *("--step-ms", "5", "--cpu-adam-params-per-s", "5e9"),
             ],
-            "--optimizer muon with --offload prices memory only",
+            "--optimizer muon with --offload prices memory only: drop --step-ms",
+        ),
+        (
+            [
+                *("tiny", "--world", "2", "--master-dtype", "bf16", "--offload", "optimizer"),
+                *("--step-ms", "5", "--cpu-adam-params-per-s", "5e9"),
+            ],
+            "--master-dtype bf16 with --offload prices memory only: drop --step-ms",
+        ),
+        (
+            ["tiny", "--world", "2", "--master-dtype", "bf16", "--dtype", "fp16"],
+            "masters are fp32, or bf16 with bf16 compute",
         ),
         # What initialize refuses of a pair, refused as it would (docs/config.md's table).
         (
@@ -177,6 +188,26 @@ def test_muon_prices_its_state_and_its_step() -> None:
     # Its step's scratch (the update, the owners' buffers) is in the step's peak.
     assert muon.step_scratch == w.update_bytes + w.buffer_bytes > 0
     assert "| whole-matrix step scratch (in a step) |" in muon.table()
+
+
+def test_cli_prices_bf16_masters(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--master-dtype bf16` halves the masters and AdamW's state, on the device and
+    offloaded on the host (test_estimate_states checks the bytes against engines)."""
+    rows = {}
+    for dtype in ("fp32", "bf16"):
+        for offload in ("none", "optimizer"):
+            argv = ["1.3b", "--world", "4", "--master-dtype", dtype, "--offload", offload]
+            assert main(argv) == 0
+            out = capsys.readouterr().out
+            for row in ("master", "optimizer", "host (offload), of it pinned"):
+                found = re.search(rf"^\| {re.escape(row)} \| ([0-9.]+)", out, re.M)
+                if found:
+                    rows[dtype, offload, row] = float(found.group(1))
+    for (dtype, offload, row), gib in rows.items():
+        if dtype == "bf16" and row != "host (offload), of it pinned":
+            assert gib == pytest.approx(rows["fp32", offload, row] / 2, abs=0.01), row
+    host = "host (offload), of it pinned"
+    assert rows["bf16", "optimizer", host] < 0.7 * rows["fp32", "optimizer", host], rows
 
 
 def test_cli_prices_muon_offloaded(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._activations import OperatorTrace, default_loss
 from zeroshard.engine.planner._cluster import Cluster, Link
-from zeroshard.engine.planner._composition import check_composition
+from zeroshard.engine.planner._composition import check_composition, check_step_priced
 from zeroshard.engine.planner._estimate import (
     GIB,
     Estimate,
@@ -120,7 +120,14 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         default="bf16",
         choices=("bf16", "fp16", "fp32"),
-        help="compute dtype; master weights stay fp32 (default bf16)",
+        help="compute dtype (default bf16)",
+    )
+    p.add_argument(
+        "--master-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="master weights and the optimizer state: bf16 halves them, with bf16 "
+        "compute; an offloaded step's time is then not projected (default fp32)",
     )
     p.add_argument(
         "--fp8",
@@ -209,6 +216,7 @@ def _config(a: argparse.Namespace) -> ZeroConfig:
         {
             "stage": a.stage,
             "compute_dtype": a.dtype,
+            "master_dtype": a.master_dtype,
             "shard_group_size": a.shard_group_size,
             "offload_optimizer": a.offload != "none",
             "offload_params": a.offload == "params",
@@ -283,11 +291,6 @@ def _check(a: argparse.Namespace) -> None:
         ]
         if taken:
             raise ValueError(f"--tp cannot be combined with {'; '.join(taken)}")
-        if a.shard_group_size is not None and a.shard_group_size % a.tp:
-            raise ValueError(
-                f"--shard-group-size {a.shard_group_size} with --tp {a.tp}: a replica of the "
-                "3-D mesh is dp_shard x tp GPUs, a multiple of --tp"
-            )
 
 
 def _snapshot_rows(e: Estimate, host_gib: float, ranks: int) -> str:
@@ -343,12 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tp=a.tp,
             step_in_backward=a.offload_overlap == "backward",
         )
-        if optimizers is not None and a.offload != "none" and priced:
-            raise ValueError(
-                "--optimizer muon with --offload prices memory only: the host step's time "
-                "is modelled on fused AdamW's (--cpu-adam-params-per-s), not Muon's; drop "
-                "--step-ms / --achieved-tflops"
-            )
+        if priced:
+            check_step_priced(cfg, optimizers or [])
         if a.tp > 1:
             # --shard-group-size is a replica of the 3-D mesh, which the engine takes as
             # the mesh's dp_replicate dim, not as shard_group_size.
@@ -398,9 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             units = plan_groups(model, stage3, 1).units
             largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
             configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
-            # An offloaded step is priced with a measured AdamW rate, and not for Muon.
+            # An offloaded step is priced with a measured AdamW rate over fp32 masters.
             if compute is not None and (
-                optimizers is not None or compute.cpu_adam_params_per_s is None
+                optimizers is not None
+                or a.master_dtype == "bf16"
+                or compute.cpu_adam_params_per_s is None
             ):
                 configs = [c for c in configs if not c.offload.optimizer]
             rec = recommend(configs, run, int(a.memory_limit_gib * GIB))

@@ -1,5 +1,6 @@
 """What `initialize` would refuse of a plan's combination of features, asked of the
-runtime's own rules before anything is priced (docs/config.md's `## Composition`)."""
+runtime's own rules before anything is priced (docs/config.md's `## Composition`), and
+the combinations whose step time the planner does not project."""
 
 from __future__ import annotations
 
@@ -41,4 +42,24 @@ def check_composition(
             "--tp cannot be combined with --fp8-all-gather yet: the gather would scale "
             "each tp piece by the whole weight's amax, and torchao's fp8 weights inside "
             "DTensors are not unwrapped"
+        )
+
+
+def check_step_priced(cfg: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """ValueError naming why, where an offloaded step's time would be projected but its
+    host step is not modelled ([Note: the offload model] in _step_time.py: fused AdamW
+    over fp32 masters): bf16 masters, a whole-matrix optimizer (Muon)."""
+    if not cfg.offload.optimizer:
+        return
+    drop = "prices memory only: drop --step-ms / --achieved-tflops"
+    if cfg.precision.master_dtype != torch.float32:
+        raise ValueError(
+            "--master-dtype bf16 with --offload "
+            f"{drop} (the host step is modelled on fused AdamW over fp32 masters)"
+        )
+    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
+    if whole:
+        raise ValueError(
+            f"--optimizer {whole[0].lower()} with --offload "
+            f"{drop} (the host step is modelled on fused AdamW's, not {whole[0]}'s)"
         )
