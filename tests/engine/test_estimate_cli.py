@@ -196,13 +196,15 @@ def test_cli_prices_bf16_masters(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {}
     for dtype in ("fp32", "bf16"):
         for offload in ("none", "optimizer"):
-            argv = ["1.3b", "--world", "4", "--master-dtype", dtype, "--offload", offload]
+            argv = ["1.3b", "--layers", "4", "--world", "2", "--master-dtype", dtype]
+            argv += ["--offload", offload]
             assert main(argv) == 0
             out = capsys.readouterr().out
             for row in ("master", "optimizer", "host (offload), of it pinned"):
                 found = re.search(rf"^\| {re.escape(row)} \| ([0-9.]+)", out, re.M)
                 if found:
                     rows[dtype, offload, row] = float(found.group(1))
+    assert {("bf16", "none", "master"), ("bf16", "none", "optimizer")} <= rows.keys(), rows
     for (dtype, offload, row), gib in rows.items():
         if dtype == "bf16" and row != "host (offload), of it pinned":
             assert gib == pytest.approx(rows["fp32", offload, row] / 2, abs=0.01), row
