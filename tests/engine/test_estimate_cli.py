@@ -69,8 +69,48 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         ),
         (["/some/config.json", "--world", "2", "--layers", "2"], "--layers takes"),
         (
-            ["tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"],
-            "--optimizer muon steps each matrix on a device",
+            [
+                *("tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"),
+                *("--step-ms", "5", "--cpu-adam-params-per-s", "5e9"),
+            ],
+            "--optimizer muon with --offload prices memory only: drop --step-ms",
+        ),
+        (
+            [
+                *("tiny", "--world", "2", "--master-dtype", "bf16", "--offload", "optimizer"),
+                *("--step-ms", "5", "--cpu-adam-params-per-s", "5e9"),
+            ],
+            "--master-dtype bf16 with --offload prices memory only: drop --step-ms",
+        ),
+        (
+            ["tiny", "--world", "2", "--master-dtype", "bf16", "--dtype", "fp16"],
+            "masters are fp32, or bf16 with bf16 compute",
+        ),
+        # What initialize refuses of a pair, refused as it would (docs/config.md's table).
+        (
+            [
+                *("tiny", "--world", "2", "--optimizer", "muon", "--offload", "optimizer"),
+                *("--offload-overlap", "backward"),
+            ],
+            "step_in_backward: Muon steps each matrix at its owner after backward",
+        ),
+        (
+            [
+                *("tiny", "--world", "2", "--optimizer", "muon", "--stage", "2"),
+                *("--offload", "optimizer", "--offload-overlap", "delayed"),
+            ],
+            "with 2 optimizers it is not built yet",
+        ),
+        (
+            [
+                *("tiny", "--world", "4", "--tp", "2", "--stage", "1", "--offload", "optimizer"),
+                *("--offload-overlap", "backward"),
+            ],
+            "step_in_backward: stage 1 reduces the gradients at the step",
+        ),
+        (
+            ["tiny", "--world", "4", "--tp", "2", "--fp8", "tensorwise", "--fp8-all-gather"],
+            "--tp cannot be combined with --fp8-all-gather yet",
         ),
     ],
 )
@@ -145,6 +185,44 @@ def test_muon_prices_its_state_and_its_step() -> None:
     extra = muon.step.total_s - adamw.step.total_s
     assert extra >= w.max_flops / 1e14, (extra, w.max_flops)
     assert "whole-matrix step: Newton-Schulz" in muon.table()
+    # Its step's scratch (the update, the owners' buffers) is in the step's peak.
+    assert muon.step_scratch == w.update_bytes + w.buffer_bytes > 0
+    assert "| whole-matrix step scratch (in a step) |" in muon.table()
+
+
+def test_cli_prices_bf16_masters(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--master-dtype bf16` halves the masters and AdamW's state, on the device and
+    offloaded on the host (test_estimate_states checks the bytes against engines)."""
+    rows = {}
+    for dtype in ("fp32", "bf16"):
+        for offload in ("none", "optimizer"):
+            argv = ["1.3b", "--layers", "4", "--world", "2", "--master-dtype", dtype]
+            argv += ["--offload", offload]
+            assert main(argv) == 0
+            out = capsys.readouterr().out
+            for row in ("master", "optimizer", "host (offload), of it pinned"):
+                found = re.search(rf"^\| {re.escape(row)} \| ([0-9.]+)", out, re.M)
+                if found:
+                    rows[dtype, offload, row] = float(found.group(1))
+    assert {("bf16", "none", "master"), ("bf16", "none", "optimizer")} <= rows.keys(), rows
+    for (dtype, offload, row), gib in rows.items():
+        if dtype == "bf16" and row != "host (offload), of it pinned":
+            assert gib == pytest.approx(rows["fp32", offload, row] / 2, abs=0.01), row
+    host = "host (offload), of it pinned"
+    assert rows["bf16", "optimizer", host] < 0.7 * rows["fp32", "optimizer", host], rows
+
+
+def test_cli_prices_muon_offloaded(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--optimizer muon --offload`: Muon's momentum on the host (4 bytes an element where
+    AdamW keeps 8), its update's scratch on the device."""
+    host = {}
+    for optimizer in ("adamw", "muon"):
+        argv = ["tiny", "--world", "2", "--offload", "optimizer", "--optimizer", optimizer]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        host[optimizer] = float(out.split("| host (offload), of it pinned | ")[1].split(",")[0])
+        assert ("whole-matrix step scratch" in out) == (optimizer == "muon"), out
+    assert host["muon"] < host["adamw"], host
 
 
 def test_every_option_has_help_and_names_its_default() -> None:

@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
-from tests.engine._models import VOCAB, make_model, make_optimizer
+from tests.engine._models import VOCAB, make_model, make_optimizer, muon_and_adamw
+from tests.engine.test_plan_tensor_parallel import Allocated
 from zeroshard.engine import HomeKind
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime.offload import steps_in_blocks
 
 # Small buckets and thresholds so a tiny model still has many groups, units, persistence
 # and several offload chunks.
@@ -45,25 +47,39 @@ def _two_fused(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
     ]
 
 
+def _optimizers(model: torch.nn.Module, muon: bool, several: bool) -> list[torch.optim.Optimizer]:
+    if several:
+        return _two_fused(model)
+    return muon_and_adamw(model) if muon else [make_optimizer(model)]
+
+
 def _case(
-    stage: int, dtype: str, shard: int | None = None, several: bool = False, **extra: Any
+    stage: int,
+    dtype: str,
+    shard: int | None = None,
+    muon: bool = False,
+    several: bool = False,
+    **extra: Any,
 ) -> None:
     world = dist.get_world_size()
     cfg = zs.ZeroConfig.from_dict(
         {"stage": stage, "compute_dtype": dtype, "shard_group_size": shard, **SMALL, **extra}
     )
-    make: Any = _two_fused if several else make_optimizer
     with torch.device("meta"):
         meta = make_model()
-    meta_opt = make(meta)
-    blocked = several  # the fused optimizers step in blocks: no group's fp32 upcast
-    groups = [pg for o in (meta_opt if several else [meta_opt]) for pg in o.param_groups]
-    groups_of = {id(p): k for k, pg in enumerate(groups) for p in pg["params"]}
+    meta_opts = _optimizers(meta, muon, several)
+    pgs = [pg for o in meta_opts for pg in o.param_groups]
+    groups_of = {id(p): k for k, pg in enumerate(pgs) for p in pg["params"]}
+    # The fused optimizers step in blocks: no group's fp32 upcast (several: every one).
+    blocked = not muon and all(steps_in_blocks(o) for o in meta_opts)
     plan = plan_groups(meta, cfg, shard or world, groups_of, blocked)
-    est = estimate(meta, cfg, world, 2, 5, optimizer=meta_opt)
+    est = estimate(meta, cfg, world, 2, 5, optimizer=meta_opts)
 
     model = make_model()
-    model, opt = zs.initialize(model, make(model), cfg)
+    with pytest.MonkeyPatch.context() as patch:
+        allocated = Allocated(patch)
+        model, opt = zs.initialize(model, _optimizers(model, muon, several), cfg)
+        _step(model, opt)
     state = zs.engine_state(model)
     assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
     assert [g.key for g in state.groups] == [g.key for g in plan.groups]
@@ -78,11 +94,6 @@ def _case(
         real_units = [(u.name, u.nbytes, u.persistent) for u in state.stage3.units]
         assert real_units == [(u.name, u.gathered_bytes, u.persistent) for u in plan.units]
 
-    idx = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
-    F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten()).backward()
-    opt.step()
-    opt.settle()  # a delayed step allocates the host state on its thread
-    opt.zero_grad()
     real: dict[str, int] = {"parameters": 0, "master": 0, "optimizer": 0, "grad_buffer": 0}
     for g in state.groups:
         if stage != 3:
@@ -106,6 +117,21 @@ def _case(
     assert dict(est.states) == real
     trainable = [g for g in state.groups if g.trainable and not offloaded(g)]
     assert est.grad_shards == sum(g.master.nbytes for g in trainable)
+    # Muon's step scratch ([Note: the whole-matrix step's scratch]): the largest update,
+    # and the owner buffers and those coming back, as the engine's step allocated them.
+    w = est.whole_matrix
+    if muon:
+        assert w is not None and w.buffer_bytes > 0 and w.joined_bytes == 0
+        assert (w.update_bytes, w.buffer_bytes, 0) == allocated.largest()
+        assert est.step_scratch == w.update_bytes + w.buffer_bytes
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    idx = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten()).backward()
+    opt.step()
+    opt.settle()  # a delayed step allocates the host state on its thread
+    opt.zero_grad()
 
 
 # Every stage, both dtypes and each offload mode on two ranks; at 1, 3 and 4 ranks one
@@ -116,6 +142,7 @@ CORE: list[dict[str, Any]] = [
     {"stage": 3, "dtype": "bf16", "offload_optimizer": True, "offload_params": True},
     {"stage": 3, "dtype": "fp32", "offload_optimizer": True, "offload_ratio": 0.4},
 ]
+MUON: dict[str, Any] = {"muon": True, "reduce_bucket_bytes": 2**16, "min_unit_params": 2000}
 MORE: list[dict[str, Any]] = [
     {"stage": 2, "dtype": "fp32"},
     {"stage": 3, "dtype": "bf16"},
@@ -132,6 +159,12 @@ MORE: list[dict[str, Any]] = [
         "offload_optimizer": True,
         "offload_ratio": 0.5,
     },
+    # torch's Muon recipe: its momentum (4 bytes an element) on the device, or on the
+    # host, part or all offloaded; its step's scratch on the device either way (groups
+    # of several matrices, so that some are cut between the shards and exchanged).
+    {"stage": 2, "dtype": "bf16", **MUON},
+    {"stage": 3, "dtype": "fp32", **MUON, "offload_optimizer": True, "offload_ratio": 0.5},
+    {"stage": 3, "dtype": "bf16", **MUON, "offload_optimizer": True, "offload_params": True},
     # Several optimizers, all fused: the host steps each in blocks (delayed, too).
     {"stage": 2, "dtype": "bf16", "offload_optimizer": True, "several": True},
     {

@@ -1,17 +1,45 @@
 """`zeroshard-plan --tp N`: what tensor parallelism splits on each rank and the
 collectives of a micro-batch, for the `tiny` GPT preset (vocab 256, d 256, 4 blocks, MLP
 1024, seq 128, tied head), counted by hand below; the model states against a real
-engine are checked in test_tensor_parallel_state."""
+engine are checked in test_tensor_parallel_state.
+
+Against engines on 4 gloo ranks (`test_planned_pairs_match_the_engine`): torch's Muon
+recipe under tp (its momentum per rank, offloaded or not) and a 3-D mesh
+(`--shard-group-size` with `--tp`): the planned device states and host bytes per rank
+are the engine's after a step, to the byte, and each term of Muon's step scratch (the
+bf16 update, the owner buffers and those coming back, the matrices joined whole over
+tp) is the largest the engine's step allocated on any rank.
+"""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Callable
+from typing import Any
 
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard.engine as zs
+from tests._dist import run_each, run_ranks
+from tests.engine import _tp
+from tests.engine._models import muon_and_adamw
+from tests.engine.test_tensor_parallel import engine_config
+from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cli import main
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._presets import build
-from zeroshard.engine.planner._tensor_parallel import plan_tensor_parallel
+from zeroshard.engine.planner._tensor_parallel import (
+    COLWISE,
+    EMBEDDING,
+    GATHERED,
+    ROWWISE,
+    plan_tensor_parallel,
+)
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel
+from zeroshard.engine.runtime.whole._exchange import MatrixExchange
+from zeroshard.engine.runtime.whole._muon import MuonStep
 
 # Split over tp: the (tied) embedding 256 x 256 and, per block, qkv (768 x 256 + 768),
 # the attention projection's weight (256 x 256), fc (1024 x 256 + 1024), the MLP
@@ -79,10 +107,141 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     assert main(["tiny", "--world", "4", "--tp", "2", "--stage", "3", "--offload", "params"]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer + params" in out and "| host (offload), of it pinned |" in out
+    # Muon under tp, offloaded too, and the 3-D mesh.
+    for argv, shown in [
+        (["--optimizer", "muon"], "| whole-matrix step scratch (in a step; matrices joined"),
+        (["--optimizer", "muon", "--offload", "optimizer"], "| host (offload), of it pinned |"),
+        (["--shard-group-size", "2"], "tp 2 x dp_shard 1 x dp_replicate 2, stage 3"),
+    ]:
+        assert main(["tiny", "--world", "4", "--tp", "2", *argv]) == 0
+        assert shown in capsys.readouterr().out, argv
     for argv, why in [
         (["--tp", "3"], "--tp 3 does not divide --world 4"),
         (["--sequence-parallel"], "--sequence-parallel needs --tp above 1"),
-        (["--tp", "2", "--snapshots", "64"], "--tp cannot be combined with --snapshots"),
+        (["--tp", "2", "--snapshots", "64"], "--tp cannot be combined with --snapshots ("),
+        (["--tp", "2", "--memory-limit-gib", "8"], "activations are not traced"),
+        (["--tp", "4", "--shard-group-size", "2"], "a replica of the 3-D mesh is dp_shard x tp"),
     ]:
         assert main(["tiny", "--world", "4", *argv]) == 2
         assert why in capsys.readouterr().err
+
+
+class Allocated:
+    """The sizes of what Muon's step allocates on this rank, recorded by wrapping the
+    engine's own functions (they run unchanged): the largest bf16 update, the owner
+    buffers and the buffers coming back (summed over a step), the largest set of
+    matrices joined whole over tp in one call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.update = self.buffers = self.joined = 0
+
+        def spy(cls: type, name: str, record: Callable[[Any], None]) -> None:
+            real = getattr(cls, name)
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                out = real(*args, **kwargs)
+                record(out)
+                return out
+
+            monkeypatch.setattr(cls, name, wrapped)
+
+        def update(out: torch.Tensor) -> None:
+            self.update = max(self.update, out.nbytes)
+
+        def buffer(out: tuple[torch.Tensor, Any]) -> None:
+            self.buffers += out[0].nbytes
+
+        def joined(out: list[torch.Tensor]) -> None:
+            self.joined = max(self.joined, sum(t.nbytes for t in out))
+
+        spy(MuonStep, "_update", update)
+        spy(MatrixExchange, "to_owners", buffer)
+        spy(MatrixExchange, "from_owners", buffer)
+        spy(TensorParallel, "whole_tensors", joined)
+
+    def largest(self) -> tuple[int, int, int]:
+        """Each figure's largest over the ranks."""
+        t = torch.tensor([self.update, self.buffers, self.joined])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t[0]), int(t[1]), int(t[2])
+
+
+def _pair(shape: tuple[int, ...], stage: int, muon: bool, offload: dict[str, Any]) -> None:
+    mesh = _mesh(shape)
+    # Small offload chunks: the host's staging buffers stay small.
+    config = {**engine_config(stage, "fp32"), "offload_chunk_bytes": 1024, **offload}
+    with torch.device("meta"):
+        meta = _tp.TPModel()
+    styles = {"emb": EMBEDDING, "head": GATHERED}
+    for i in range(2):
+        styles.update({f"blocks.{i}.up": COLWISE, f"blocks.{i}.down": ROWWISE})
+    meta_opts = muon_and_adamw(meta) if muon else [_tp.make_optimizer(meta)]
+    replica = shape[-2] * shape[-1]
+    plan = plan_tensor_parallel(
+        meta,
+        zs.ZeroConfig.from_dict(config),
+        world_size=4,
+        tp=shape[-1],
+        micro_batch=2,
+        seq_len=_tp.SEQ,
+        sequence_parallel=False,
+        cluster=Cluster(),
+        styles=styles,
+        optimizers=meta_opts,
+        shard_group_size=None if len(shape) == 2 else replica,
+    )
+    model, _ = _tp.split_model(mesh, sp=False, seed=1)
+    opts = muon_and_adamw(model) if muon else [_tp.make_optimizer(model)]
+    with pytest.MonkeyPatch.context() as patch:
+        allocated = Allocated(patch)
+        model, opt = zs.initialize(model, opts, config, device_mesh=mesh)
+        data = _tp.batches(1, 1, _dp(mesh)[0])
+        _tp.loss_fn(model, data[0, 0, _dp(mesh)[1]]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = zs.engine_state(model)
+    host = state.offload
+    on_host = [g for g in state.groups if host is not None and host.holds(g)]
+    on_device = [g for g in state.groups if g not in on_host]
+
+    def held(groups: list[Any]) -> int:
+        return sum(t.nbytes for g in groups for t in opt.state[g.master].values() if t.dim())
+
+    assert plan.states["master"] == sum(g.master.nbytes for g in on_device), plan.states
+    assert plan.states["optimizer"] == held(on_device), (plan.states, held(on_device))
+    if host is not None:
+        # On the CPU nothing is pinned; the same buffers are allocated pageable.
+        assert plan.host == host.nbytes().host + held(on_host), plan.host
+        assert plan.states["offload_compute"] == host.nbytes().device, plan.states
+    else:
+        assert plan.host == 0
+    w = plan.whole_matrix
+    if not muon:
+        assert w is None
+        return
+    assert w is not None and w.joined_bytes > 0
+    assert (w.update_bytes, w.buffer_bytes, w.joined_bytes) == allocated.largest()
+
+
+PAIRS: list[dict[str, Any]] = [
+    # Muon under tp: its momentum per rank, each matrix joined at its owners.
+    {"shape": (2, 2), "stage": 2, "muon": True, "offload": {}},
+    # Muon offloaded under tp, part of it (the momentum on the host).
+    {
+        "shape": (2, 2),
+        "stage": 3,
+        "muon": True,
+        "offload": {"offload_optimizer": True, "offload_params": True, "offload_ratio": 0.5},
+    },
+    # The 3-D mesh, (dp_replicate, dp_shard, tp) = (2, 1, 2): --shard-group-size 2.
+    {"shape": (2, 1, 2), "stage": 3, "muon": False, "offload": {"offload_optimizer": True}},
+    {"shape": (2, 1, 2), "stage": 2, "muon": True, "offload": {}},
+]
+
+
+def _pairs() -> None:
+    run_each(PAIRS, _pair)
+
+
+def test_planned_pairs_match_the_engine() -> None:
+    run_ranks(_pairs, 4)

@@ -13,6 +13,7 @@ import torch
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._activations import OperatorTrace, default_loss
 from zeroshard.engine.planner._cluster import Cluster, Link
+from zeroshard.engine.planner._composition import check_composition, check_step_priced
 from zeroshard.engine.planner._estimate import (
     GIB,
     Estimate,
@@ -86,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shard-group-size",
         type=int,
-        help="hybrid: shard within groups of this many GPUs, replicate across (default: all)",
+        help="hybrid: shard within groups of this many GPUs, replicate across; with --tp "
+        "the GPUs of one replica of the 3-D mesh, dp_shard x tp (default: all)",
     )
     p.add_argument(
         "--tp",
@@ -118,7 +120,14 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         default="bf16",
         choices=("bf16", "fp16", "fp32"),
-        help="compute dtype; master weights stay fp32 (default bf16)",
+        help="compute dtype (default bf16)",
+    )
+    p.add_argument(
+        "--master-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="master weights and the optimizer state: bf16 halves them, with bf16 "
+        "compute; an offloaded step's time is then not projected (default fp32)",
     )
     p.add_argument(
         "--fp8",
@@ -138,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=("adamw", "muon"),
         default="adamw",
         help="AdamW on every parameter, or torch's Muon recipe: torch.optim.Muon on the "
-        "hidden matrices, AdamW on the rest (prices Muon's step: default adamw)",
+        "hidden matrices, AdamW on the rest (prices Muon's state and step, offloaded or "
+        "under --tp too: default adamw)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -206,6 +216,7 @@ def _config(a: argparse.Namespace) -> ZeroConfig:
         {
             "stage": a.stage,
             "compute_dtype": a.dtype,
+            "master_dtype": a.master_dtype,
             "shard_group_size": a.shard_group_size,
             "offload_optimizer": a.offload != "none",
             "offload_params": a.offload == "params",
@@ -260,18 +271,26 @@ def _check(a: argparse.Namespace) -> None:
     if a.sequence_parallel and a.tp == 1:
         raise ValueError("--sequence-parallel needs --tp above 1")
     if a.tp > 1:
-        # What initialize(device_mesh=...) refuses, and what the planner does not price.
+        # What the planner does not price under tensor parallelism, and why.
         taken = [
-            flag
-            for flag, given in (
-                ("--shard-group-size", a.shard_group_size is not None),
-                ("--memory-limit-gib", a.memory_limit_gib is not None),
-                ("--snapshots", a.snapshots is not None),
+            f"{flag} ({why})"
+            for flag, given, why in (
+                (
+                    "--memory-limit-gib",
+                    a.memory_limit_gib is not None,
+                    "the recommendation compares projected peaks, and the split model's "
+                    "activations are not traced",
+                ),
+                (
+                    "--snapshots",
+                    a.snapshots is not None,
+                    "snapshots of a tensor-parallel run are not yet checked against the engine's",
+                ),
             )
             if given
         ]
         if taken:
-            raise ValueError(f"--tp cannot be combined with {', '.join(taken)} yet")
+            raise ValueError(f"--tp cannot be combined with {'; '.join(taken)}")
 
 
 def _snapshot_rows(e: Estimate, host_gib: float, ranks: int) -> str:
@@ -320,22 +339,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             internode=Link(a.internode_gbps, a.internode_latency_us),
         )
         optimizers = muon_recipe(model) if a.optimizer == "muon" else None
-        if optimizers is not None and a.offload != "none":
-            raise ValueError("--optimizer muon steps each matrix on a device: no --offload")
-        if optimizers is not None and a.tp > 1:
-            # The engine trains it (each split matrix joined over tp at its owner); the
-            # tensor-parallel plan does not price Muon's step and exchanges yet.
-            raise ValueError("--optimizer muon with --tp is not priced yet")
+        check_composition(
+            model,
+            cfg,
+            optimizers or [],
+            tp=a.tp,
+            step_in_backward=a.offload_overlap == "backward",
+        )
+        if priced:
+            check_step_priced(cfg, optimizers or [])
         if a.tp > 1:
+            # --shard-group-size is a replica of the 3-D mesh, which the engine takes as
+            # the mesh's dp_replicate dim, not as shard_group_size.
             split = plan_tensor_parallel(
                 model,
-                cfg,
+                cfg.replace(shard_group_size=None),
                 world_size=a.world,
                 tp=a.tp,
                 micro_batch=a.micro_batch,
                 seq_len=seq,
                 sequence_parallel=a.sequence_parallel,
                 cluster=cluster,
+                optimizers=optimizers,
+                shard_group_size=a.shard_group_size,
             )
             print(split.table())
             return 0
@@ -371,8 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             units = plan_groups(model, stage3, 1).units
             largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
             configs = candidate_configs(cfg, a.world, a.gpus_per_node, largest)
-            if optimizers is not None or (
-                compute is not None and compute.cpu_adam_params_per_s is None
+            # An offloaded step is priced with a measured AdamW rate over fp32 masters.
+            if compute is not None and (
+                optimizers is not None
+                or a.master_dtype == "bf16"
+                or compute.cpu_adam_params_per_s is None
             ):
                 configs = [c for c in configs if not c.offload.optimizer]
             rec = recommend(configs, run, int(a.memory_limit_gib * GIB))

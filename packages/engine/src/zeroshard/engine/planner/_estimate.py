@@ -5,7 +5,8 @@ activations from one meta-device micro-batch (`_activations`), the step time
 from a measured compute figure and a bandwidth model (`_step_time`). The peak is the
 larger of two moments: backward (states, activations and the gradient path as measured,
 plus the stage-3 units gathered at once) and the optimizer step (states, all gradient
-shards, and stages 1/2's parameter all-gather in flight).
+shards, stages 1/2's parameter all-gather in flight, and a whole-matrix optimizer's
+scratch: [Note: the whole-matrix step's scratch] in _whole.py).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from zeroshard.engine.runtime._wire import WireKind
 from zeroshard.engine.runtime.offload import steps_in_blocks
 
 GIB = 2**30
-# torch.optim.Muon's state per master element: its fp32 momentum.
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,12 @@ class Estimate:
         """Projected peak device bytes of a step."""
         backward = self.states_total + self.activations_peak + self.gathered
         step = self.states_total + self.grad_shards + self._publish_inflight()
-        return max(backward, step)
+        return max(backward, step + self.step_scratch)
+
+    @property
+    def step_scratch(self) -> int:
+        """Device bytes a whole-matrix optimizer's step allocates beside the states."""
+        return 0 if self.whole_matrix is None else self.whole_matrix.scratch
 
     def _publish_inflight(self) -> int:
         if self.config.stage == 3:
@@ -132,6 +137,10 @@ class Estimate:
         if cfg.stage == 3:
             fp8 = f" (fp8 for {self.float8 / 1e9:.2f}B parameters)" if self.float8 else ""
             lines.append(f"| gathered units in flight{fp8} | {self.gathered / GIB:.2f} |")
+        if self.step_scratch:
+            lines.append(
+                f"| whole-matrix step scratch (in a step) | {self.step_scratch / GIB:.2f} |"
+            )
         lines += [
             f"| activations + gradient path (on meta) | {self.activations_peak / GIB:.2f} |",
             f"| = projected peak | {self.peak / GIB:.2f} |",

@@ -6,7 +6,11 @@ the embedding by vocabulary, attention's q/k/v (or qkv) and the MLP's up/gate co
 their output projections rowwise, the head colwise with its output gathered; norms and
 rowwise biases stay whole on every tensor-parallel rank. Model states are the flat
 groups `initialize()` builds from each rank's pieces (`plan_groups` on a meta model
-whose split parameters have their local shapes), sharded over world / N ranks.
+whose split parameters have their local shapes), sharded over world / N ranks, or
+under hybrid sharding (a 3-D mesh, `dp_replicate` x `dp_shard` x `tp`) over the
+`dp_shard` ranks of one replica. torch's Muon prices its momentum per rank and its
+step's scratch, the matrices joined whole over tp included ([Note: the whole-matrix
+step's scratch] in _whole.py).
 
 [Note: tensor-parallel collectives]
 Priced as Megatron-LM issues them (torchtitan's plan does the same): one collective per
@@ -25,7 +29,7 @@ They are on the step's critical path (torch's eager TP waits for each).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +44,10 @@ from zeroshard.engine.planner._groups import (
     state_bytes,
     state_rows,
 )
+from zeroshard.engine.planner._whole import WholeMatrixCost, whole_matrix_cost
+from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
+from zeroshard.engine.runtime.offload import steps_in_blocks
 from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 GIB = 2**30
@@ -92,7 +99,7 @@ class Collective:
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """A run under tensor parallelism: `tp` x dp = `world_size` GPUs."""
+    """A run under tensor parallelism: `tp` x dp (x `replicas`) = `world_size` GPUs."""
 
     tp: int
     world_size: int
@@ -107,11 +114,13 @@ class TensorParallelPlan:
     cluster: Cluster
     host: int = 0  # offload: host bytes per rank (as `Estimate.host`)
     pinned: int = 0  # of them pinned
+    replicas: int = 1  # hybrid sharding: the mesh's dp_replicate
+    whole_matrix: WholeMatrixCost | None = None  # torch's Muon: its step's scratch
 
     @property
     def dp(self) -> int:
-        """Ranks each flat group is sharded over."""
-        return self.world_size // self.tp
+        """Ranks each flat group is sharded over (the mesh's dp, or dp_shard)."""
+        return self.world_size // self.tp // self.replicas
 
     @property
     def tp_seconds(self) -> float:
@@ -125,13 +134,21 @@ class TensorParallelPlan:
         off = ""
         if offload.optimizer:
             off = ", offload optimizer" + (" + params" if offload.params else "")
+        dp = f"dp {self.dp}"
+        if self.replicas > 1:
+            dp = f"dp_shard {self.dp} x dp_replicate {self.replicas}"
         lines = [
-            f"{self.parameters / 1e9:.2f}B parameters, tp {self.tp}{sp} x dp {self.dp}, stage "
+            f"{self.parameters / 1e9:.2f}B parameters, tp {self.tp}{sp} x {dp}, stage "
             f"{self.config.stage}{off}: {self.split / 1e9:.2f}B split over tp, each rank holds "
             f"{self.per_rank / 1e9:.2f}B, sharded over dp {self.dp}",
             "",
             *state_rows(self.states, self.grad_shards),
         ]
+        if self.whole_matrix is not None:
+            lines.append(
+                "| whole-matrix step scratch (in a step; matrices joined over tp) | "
+                f"{self.whole_matrix.scratch / GIB:.2f} |"
+            )
         if self.host:
             lines.append(
                 f"| host (offload), of it pinned | {self.host / GIB:.2f}, {self.pinned / GIB:.2f} |"
@@ -272,20 +289,39 @@ def plan_tensor_parallel(
     optimizer_bytes_per_element: int = 8,
     styles: Mapping[str, str] | None = None,
     param_group_of: Mapping[int, int] | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
+    shard_group_size: int | None = None,
 ) -> TensorParallelPlan:
     """Split `model` (meta, changed in place) over `tp` and plan zeroshard over the rest.
 
     `styles` (module path -> `COLWISE`, `ROWWISE`, `EMBEDDING` or `GATHERED`) defaults
     to the model's own `tp_plan` or the presets' names; `param_group_of` maps id(param)
-    of `model` as given to its optimizer param group (None: all in one).
+    of `model` as given to its optimizer param group (None: all in one). `optimizers`
+    (built on `model` as given) decide the param groups and their state per element by
+    the runtime's own rule (`state_floats`), in place of those two, and price torch's
+    Muon's step. `shard_group_size`: GPUs of one replica of a 3-D mesh (`dp_shard` x
+    `tp`; None: one replica of all).
     """
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tp {tp} does not divide --world {world_size}")
+    replica = world_size if shard_group_size is None else shard_group_size
+    if replica < 1 or world_size % replica or replica % tp:
+        raise ValueError(
+            f"--shard-group-size {replica} must divide --world {world_size} and be a "
+            f"multiple of --tp {tp} (a replica of the 3-D mesh is dp_shard x tp GPUs)"
+        )
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence parallelism needs --seq divisible by --tp, got {seq_len}")
     styles = _styles(model) if styles is None else styles
     if not styles:
         raise ValueError("no layer of this model matches a tensor-parallel plan")
+    per_element: int | Mapping[int, int] = optimizer_bytes_per_element
+    blocked = False
+    if optimizers is not None:
+        pgs = [pg for o in optimizers for pg in o.param_groups]
+        param_group_of = {id(p): k for k, pg in enumerate(pgs) for p in pg["params"]}
+        per_element = {k: 4 * n for k, n in state_floats_by_param_group(list(optimizers)).items()}
+        blocked = len(optimizers) == 1 and steps_in_blocks(optimizers[0])
     parameters = sum(p.numel() for p in model.parameters())
     tokens = micro_batch * seq_len
     itemsize = cfg.precision.compute_dtype.itemsize
@@ -303,11 +339,13 @@ def plan_tensor_parallel(
     plan = plan_groups(
         model,
         cfg,
-        world_size // tp,
+        replica // tp,
         groups_of,
+        blocked,
         process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
-    host, pinned = host_bytes(plan, cfg, optimizer_bytes_per_element)
+    host, pinned = host_bytes(plan, cfg, per_element)
+    whole = None if optimizers is None else whole_matrix_cost(plan.groups, cfg, optimizers, tp)
     return TensorParallelPlan(
         tp,
         world_size,
@@ -316,10 +354,12 @@ def plan_tensor_parallel(
         parameters,
         split,
         per_rank,
-        state_bytes(plan, cfg, optimizer_bytes_per_element),
+        state_bytes(plan, cfg, per_element),
         grad_shard_bytes(plan, cfg),
         ops,
         cluster,
         host,
         pinned,
+        world_size // replica,
+        whole,
     )

@@ -8,6 +8,18 @@ not travel): Muon sends its update to the owner in bf16 and gets it back orthogo
 in bf16, 2 + 2 bytes; an optimizer on whole parameters sends the fp32 gradient and
 master (8) and gets the master back (4). AdamW moves nothing at the step beyond the
 all-gather of the parameters (stages 1/2) that every optimizer does.
+
+[Note: the whole-matrix step's scratch]
+What the step allocates on the device beside the model states, as `MuonStep` and
+`WholeParamStep` do (`tests/engine/test_plan_tensor_parallel.py` checks each term against
+the engine's tensors): Muon's bf16 update of one flat group's shard at a time (on the
+device even for a group offload homes on the host: it goes up for the exchange); every
+group's owner buffer and the buffer its pieces come back in, alive until the step ends
+(a rank's own pieces of an exchanged matrix travel too, to itself); and under tensor
+parallelism ([Note: Muon under tensor parallelism] in runtime/whole/_muon.py) the
+matrices a rank orthogonalizes joined whole over tp, one group's local or owned ones at
+a time, twice (the all-gather's buffer or Newton-Schulz's results beside the joined
+copies). Newton-Schulz's own iterates (a few matrices of one) are not counted.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
+from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.whole import (
     MatrixOwners,
     plan_owners,
@@ -47,6 +60,11 @@ class WholeMatrixCost:
             (reduce-scatters and gathers), for comparison.
         exchanges: all-to-alls per step (per flat group with a matrix to move: Muon's
             update there and back, or a gradient, a master and the master back).
+        update_bytes: Muon's largest bf16 update of one flat group's shard.
+        buffer_bytes: the busiest rank's owner buffers and the buffers its pieces come
+            back in, every group's (alive until the step ends).
+        joined_bytes: under tensor parallelism, the most bytes of matrices one rank
+            joins whole over tp at once (bf16).
     """
 
     owners: MatrixOwners
@@ -54,6 +72,15 @@ class WholeMatrixCost:
     received_bytes: int
     other_bytes: int
     exchanges: int
+    update_bytes: int = 0
+    buffer_bytes: int = 0
+    joined_bytes: int = 0
+
+    @property
+    def scratch(self) -> int:
+        """Device bytes the step allocates at its peak beside the model states ([Note:
+        the whole-matrix step's scratch])."""
+        return self.update_bytes + self.buffer_bytes + 2 * self.joined_bytes
 
     @property
     def balance(self) -> float:
@@ -106,8 +133,11 @@ def whole_matrix_cost(
     groups: Sequence[PlannedFlatGroup],
     cfg: ZeroConfig,
     optimizers: Sequence[torch.optim.Optimizer],
+    tp: int = 1,
 ) -> WholeMatrixCost | None:
-    """The whole-matrix step of the planned `groups` (None: no optimizer steps whole)."""
+    """The whole-matrix step of the planned `groups` (None: no optimizer steps whole), on
+    the default process group and, under tensor parallelism over `tp` ranks, on the
+    flat groups of split parameters (sharded over the same data-parallel ranks)."""
     of = param_group_optimizers(optimizers)
     ns = {
         k: int(o.param_groups[k - of.index(o)].get("ns_steps", 5))
@@ -116,25 +146,41 @@ def whole_matrix_cost(
     }
     if not ns:
         return None
-    owners = plan_owners(((g.key, g.layout) for g in groups), ns).get(DEFAULT_GROUP_LABEL)
-    if owners is None:
+    labels = (DEFAULT_GROUP_LABEL, SPLIT_LABEL)
+    by_label = plan_owners(((g.key, g.layout) for g in groups), ns)
+    found = [by_label[label] for label in labels if label in by_label]
+    if not found:
         return None
-    size = owners.size
-    sent, received = [0] * size, [0] * size
-    exchanges = 0
+    size = found[0].size
+    owners = MatrixOwners(
+        size,
+        {n: r for o in found for n, r in o.owner.items()},
+        tuple(m for o in found for m in o.matrices),
+    )
+    sent, received, joined = [0] * size, [0] * size, [0] * size
+    # Each rank's owner buffers and the buffers its pieces come back in (its own pieces
+    # of an exchanged matrix travel too, to itself).
+    buffers = [0] * size
+    exchanges = update = 0
     for g in groups:
-        if (
-            not g.trainable
-            or g.key.param_group not in ns
-            or g.key.process_group != DEFAULT_GROUP_LABEL
-        ):
+        if not g.trainable or g.key.param_group not in ns or g.key.process_group not in labels:
             continue
         split = split_muon(of[g.key.param_group])
+        if split:
+            update = max(update, g.layout.shard_numel * 2)
         out, back = SPLIT_BYTES if split else WHOLE_BYTES
         moved = False
+        local, owned = [0] * size, [0] * size
         for s in g.layout.slots:
             o = owners.owner[s.name]
-            for piece in g.layout.pieces(s):
+            pieces = [p for p in g.layout.pieces(s) if p.numel]
+            if all(p.rank == o for p in pieces):
+                local[o] += s.numel
+                continue
+            owned[o] += s.numel
+            buffers[o] += s.numel * out
+            for piece in pieces:
+                buffers[piece.rank] += piece.numel * back
                 if piece.rank == o:
                     continue
                 moved = True
@@ -142,10 +188,17 @@ def whole_matrix_cost(
                 received[o] += piece.numel * out
                 sent[o] += piece.numel * back
                 received[piece.rank] += piece.numel * back
+        if split and g.key.process_group == SPLIT_LABEL:
+            # Each rank joins its local matrices, then its owned ones, in bf16.
+            joined = [
+                max(j, tp * 2 * max(a, b)) for j, a, b in zip(joined, local, owned, strict=True)
+            ]
         # Muon sends one update; whole parameters a gradient and a master: 2 or 3 in all.
         exchanges += (2 if split else 3) if moved else 0
     other = _other_bytes(groups, cfg, size)
-    return WholeMatrixCost(owners, max(sent), max(received), other, exchanges)
+    return WholeMatrixCost(
+        owners, max(sent), max(received), other, exchanges, update, max(buffers), max(joined)
+    )
 
 
 def _other_bytes(groups: Sequence[PlannedFlatGroup], cfg: ZeroConfig, size: int) -> int:

@@ -1,0 +1,65 @@
+"""What `initialize` would refuse of a plan's combination of features, asked of the
+runtime's own rules before anything is priced (docs/config.md's `## Composition`), and
+the combinations whose step time the planner does not project."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._step_time import check_step_in_backward
+from zeroshard.engine.runtime._float8 import float8_weights
+from zeroshard.engine.runtime.whole import check_whole_optimizers, steps_whole
+
+
+def check_composition(
+    model: nn.Module,
+    cfg: ZeroConfig,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    tp: int,
+    step_in_backward: bool,
+) -> None:
+    """ValueError naming why, where the engine refuses `model` (meta, its fp8 linears
+    converted) trained by `optimizers` under `cfg`, split over `tp` ranks, stepping in
+    backward or not."""
+    if step_in_backward:
+        check_step_in_backward(cfg)
+        whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
+        if whole:
+            # The whole-matrix steppers' own refusal (ExchangingStep.step_in_backward).
+            raise ValueError(
+                f"step_in_backward: {', '.join(whole)} steps each matrix at its owner after "
+                "backward, every group's exchange one collective: not built yet"
+            )
+    check_whole_optimizers(optimizers, cfg)
+    if tp > 1 and float8_weights(model):
+        # initialize's refusal of device_mesh beside the fp8 gather (setup/_mesh.py).
+        raise ValueError(
+            "--tp cannot be combined with --fp8-all-gather yet: the gather would scale "
+            "each tp piece by the whole weight's amax, and torchao's fp8 weights inside "
+            "DTensors are not unwrapped"
+        )
+
+
+def check_step_priced(cfg: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """ValueError naming why, where an offloaded step's time would be projected but its
+    host step is not modelled ([Note: the offload model] in _step_time.py: fused AdamW
+    over fp32 masters): bf16 masters, a whole-matrix optimizer (Muon)."""
+    if not cfg.offload.optimizer:
+        return
+    drop = "prices memory only: drop --step-ms / --achieved-tflops"
+    if cfg.precision.master_dtype != torch.float32:
+        raise ValueError(
+            "--master-dtype bf16 with --offload "
+            f"{drop} (the host step is modelled on fused AdamW over fp32 masters)"
+        )
+    whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
+    if whole:
+        raise ValueError(
+            f"--optimizer {whole[0].lower()} with --offload "
+            f"{drop} (the host step is modelled on fused AdamW's, not {whole[0]}'s)"
+        )
