@@ -12,7 +12,11 @@ from torch import nn
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._step_time import check_step_in_backward
 from zeroshard.engine.runtime._float8 import float8_weights
-from zeroshard.engine.runtime.whole import check_whole_optimizers, steps_whole
+from zeroshard.engine.runtime.whole import (
+    WHOLE_STEP_IS_COLLECTIVE,
+    check_whole_optimizers,
+    steps_whole,
+)
 
 
 def check_composition(
@@ -28,13 +32,10 @@ def check_composition(
     backward or not."""
     if step_in_backward:
         check_step_in_backward(cfg)
-        whole = [type(o).__name__ for o in optimizers if steps_whole(o)]
-        if whole:
-            # The whole-matrix steppers' own refusal (ExchangingStep.step_in_backward).
-            raise ValueError(
-                f"step_in_backward: {', '.join(whole)} steps each matrix at its owner after "
-                "backward, every group's exchange one collective: not built yet"
-            )
+        if optimizers and all(steps_whole(o) for o in optimizers):
+            # The whole-matrix steppers' own refusal (AfterBackward.step_in_backward): they
+            # step at step(), beside another optimizer's groups stepped in backward.
+            raise ValueError(f"step_in_backward: {WHOLE_STEP_IS_COLLECTIVE}")
     check_whole_optimizers(optimizers, cfg)
     if tp > 1 and float8_weights(model):
         # initialize's refusal of device_mesh beside the fp8 gather (setup/_mesh.py).

@@ -10,9 +10,11 @@ from zeroshard.engine.runtime.whole._build import (
     whole_param_groups,
 )
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
+from zeroshard.engine.runtime.whole._exchange import WHOLE_STEP_IS_COLLECTIVE
 from zeroshard.engine.runtime.whole._owners import MatrixOwners, plan_owners
 
 __all__ = [
+    "WHOLE_STEP_IS_COLLECTIVE",
     "MatrixOwners",
     "WholeMatrices",
     "check_whole_mesh",
