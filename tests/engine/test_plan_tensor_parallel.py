@@ -14,6 +14,7 @@ tp) is the largest the engine's step allocated on any rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from tests.engine import _tp
 from tests.engine._models import muon_and_adamw
 from tests.engine.test_tensor_parallel import engine_config
 from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
+from zeroshard.ckpt import buffer_key
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cli import main
 from zeroshard.engine.planner._cluster import Cluster
@@ -37,6 +39,8 @@ from zeroshard.engine.planner._tensor_parallel import (
     ROWWISE,
     plan_tensor_parallel,
 )
+from zeroshard.engine.recovery._contents import rank_contents
+from zeroshard.engine.recovery._store import OWN
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._exchange import MatrixExchange
 from zeroshard.engine.runtime.whole._muon import MuonStep
@@ -112,13 +116,14 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
         (["--optimizer", "muon"], "| whole-matrix step scratch (in a step; matrices joined"),
         (["--optimizer", "muon", "--offload", "optimizer"], "| host (offload), of it pinned |"),
         (["--shard-group-size", "2"], "tp 2 x dp_shard 1 x dp_replicate 2, stage 3"),
+        # Snapshots of each rank's pieces (their bytes against the engine's below).
+        (["--snapshots", "64"], "snapshots in host memory per rank"),
     ]:
         assert main(["tiny", "--world", "4", "--tp", "2", *argv]) == 0
         assert shown in capsys.readouterr().out, argv
     for argv, why in [
         (["--tp", "3"], "--tp 3 does not divide --world 4"),
         (["--sequence-parallel"], "--sequence-parallel needs --tp above 1"),
-        (["--tp", "2", "--snapshots", "64"], "--tp cannot be combined with --snapshots ("),
         (["--tp", "2", "--memory-limit-gib", "8"], "activations are not traced"),
         (["--tp", "4", "--shard-group-size", "2"], "a replica of the 3-D mesh is dp_shard x tp"),
     ]:
@@ -166,7 +171,9 @@ class Allocated:
         return int(t[0]), int(t[1]), int(t[2])
 
 
-def _pair(shape: tuple[int, ...], stage: int, muon: bool, offload: dict[str, Any]) -> None:
+def _pair(
+    shape: tuple[int, ...], stage: int, muon: bool, offload: dict[str, Any], folder: str
+) -> None:
     mesh = _mesh(shape)
     # Small offload chunks: the host's staging buffers stay small.
     config = {**engine_config(stage, "fp32"), "offload_chunk_bytes": 1024, **offload}
@@ -215,6 +222,21 @@ def _pair(shape: tuple[int, ...], stage: int, muon: bool, offload: dict[str, Any
         assert plan.states["offload_compute"] == host.nbytes().device, plan.states
     else:
         assert plan.host == 0
+    # A snapshot's file: its tensors (the planned bytes, less the optimizers' scalar step
+    # counts), the module buffers, its header and alignment.
+    snaps = zs.Snapshots(model, opt, every=1, root=folder)
+    try:
+        snaps.take(1)
+        snaps.wait()
+        _, tensors, _ = rank_contents(model, state, 1, None, None)
+        planned = sum(
+            t.nbytes for k, t in tensors.items() if t.dim() and not k.startswith(buffer_key(""))
+        )
+        assert plan.snapshot == planned, (plan.snapshot, planned)
+        size = snaps.store.path(1, dist.get_rank(), 4, OWN).stat().st_size
+        assert planned < size < planned + 64 * 1024, (planned, size)
+    finally:
+        snaps.close()
     w = plan.whole_matrix
     if not muon:
         assert w is None
@@ -239,9 +261,9 @@ PAIRS: list[dict[str, Any]] = [
 ]
 
 
-def _pairs() -> None:
-    run_each(PAIRS, _pair)
+def _pairs(folder: str) -> None:
+    run_each([{**p, "folder": f"{folder}/{i}"} for i, p in enumerate(PAIRS)], _pair)
 
 
-def test_planned_pairs_match_the_engine() -> None:
-    run_ranks(_pairs, 4)
+def test_planned_pairs_match_the_engine(tmp_path: Path) -> None:
+    run_ranks(_pairs, 4, str(tmp_path))

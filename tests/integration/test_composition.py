@@ -54,6 +54,7 @@ class Recipe:
     compiled: bool = False
     step_in_backward: bool = False
     deepspeed: bool = False
+    snapshots: bool = False
 
     def with_config(self, **entries: Any) -> Recipe:
         return dataclasses.replace(self, config={**self.config, **entries})
@@ -94,6 +95,7 @@ FEATURES: dict[str, Callable[[Recipe], Recipe]] = {
         _offload(r).with_config(offload_delay_param_update=True).at({1, 2})
     ),
     "DeepSpeed checkpoints": lambda r: dataclasses.replace(r, deepspeed=True),
+    "snapshots": lambda r: dataclasses.replace(r, snapshots=True),
 }
 
 
@@ -222,9 +224,20 @@ def _optimizers(r: Recipe, model: nn.Module) -> list[torch.optim.Optimizer]:
     return [adamw]
 
 
-def realize(r: Recipe, own: Any) -> None:
-    """Build the recipe as a user would, initialize it and take one step; whatever the
-    engine refuses raises."""
+@dataclass
+class Built:
+    """A recipe initialized: the engine's model and optimizer, and its training step."""
+
+    model: nn.Module
+    opt: Any
+    runner: Any  # the model, or zeroshard.compile's
+    step: Callable[[], torch.Tensor]  # one step on this rank's batch; its loss
+
+
+def build(r: Recipe, own: Any) -> Built:
+    """Build the recipe as a user would and initialize it (a DeepSpeed checkpoint loaded);
+    whatever the engine refuses raises. Tensor parallelism splits over 2 ranks, the data
+    over the others."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import zeroshard.compile as zc
@@ -232,9 +245,10 @@ def realize(r: Recipe, own: Any) -> None:
 
     mesh = None
     if r.tensor_parallel:
-        shape, names = ((1, 2), ("dp", "tp"))
+        dp = dist.get_world_size() // 2
+        shape, names = ((dp, 2), ("dp", "tp"))
         if r.hybrid:
-            shape, names = ((1, 1, 2), ("dp_replicate", "dp_shard", "tp"))
+            shape, names = ((dp, 1, 2), ("dp_replicate", "dp_shard", "tp"))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     config = {"stage": r.stage, "min_unit_params": 1, "persistence_threshold": 0, **r.config}
     if r.hybrid and not r.tensor_parallel:
@@ -251,16 +265,79 @@ def realize(r: Recipe, own: Any) -> None:
         zs.load_checkpoint(model, opt, MUON_FIXTURE if r.optimizers == "muon" else FIXTURE)
     runner: Any = zc.compile(model, backend="aot_eager") if r.compiled else model
     tokens = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
-    loss = torch.nn.functional.cross_entropy(runner(tokens).float().flatten(0, 1), tokens.flatten())
-    if r.step_in_backward:
-        with opt.step_in_backward():
+
+    def step() -> torch.Tensor:
+        out = runner(tokens).float().flatten(0, 1)
+        loss = torch.nn.functional.cross_entropy(out, tokens.flatten())
+        if r.step_in_backward:
+            with opt.step_in_backward():
+                loss.backward()
+        else:
             loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return Built(model, opt, runner, step)
+
+
+def realize(r: Recipe, own: Any, folder: Path) -> None:
+    """Build the recipe and take one step (with snapshots: `_round_trip` in `folder`);
+    whatever the engine refuses raises."""
+    built = build(r, own)
+    if r.snapshots:
+        _round_trip(built, folder)
     else:
-        loss.backward()
-    opt.step()
-    opt.zero_grad()
-    if r.compiled and runner.eager:
+        built.step()
+    if r.compiled and built.runner.eager:
         raise RuntimeError("zeroshard.compile fell back to the eager model")
+
+
+def state_of(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """What training goes on from, as a user reads it: the full weights (the masters) and
+    every optimizer's state dict."""
+    import zeroshard.engine as zs
+
+    opt.settle()  # a delayed step in flight is part of the state
+    return {"weights": zs.full_state_dict(model), "optimizer": opt.state_dict()}
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Bit for bit, through nested dicts and lists."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _round_trip(built: Built, folder: Path) -> None:
+    """A snapshot after one step, restored after the next: RuntimeError unless the state
+    restored is the one snapshotted and the step after it repeats the uninterrupted one
+    (its loss and the state it leaves), bit for bit."""
+    import copy
+
+    import zeroshard.engine as zs
+
+    model, opt, step = built.model, built.opt, built.step
+    snaps = zs.Snapshots(model, opt, every=1, root=folder / "shm")
+    try:
+        step()
+        snaps.take(1)
+        saved = copy.deepcopy(state_of(model, opt))
+        loss = step()
+        after = copy.deepcopy(state_of(model, opt))
+        if snaps.resume(folder / "ckpt") != 1 or snaps.last_resume.source != "memory":
+            raise RuntimeError(f"snapshots: resumed {snaps.last_resume}, not step 1 from memory")
+        if not equal(state_of(model, opt), saved):
+            raise RuntimeError("snapshots: the state restored is not the state snapshotted")
+        again = step()
+        if not (equal(again, loss) and equal(state_of(model, opt), after)):
+            raise RuntimeError("snapshots: the step after the restore differs from the first run's")
+    finally:
+        snaps.close()
 
 
 def _try(pairs: list[tuple[str, str]], out: str) -> None:
@@ -273,9 +350,9 @@ def _try(pairs: list[tuple[str, str]], out: str) -> None:
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     own = Group(singles[dist.get_rank()])
     results = {}
-    for a, b in pairs:
+    for i, (a, b) in enumerate(pairs):
         try:
-            realize(_recipe(a, b), own)
+            realize(_recipe(a, b), own, Path(out).parent / f"pair{i}")
             results[f"{a} x {b}"] = ""
         except Exception as e:
             kind = "ValueError" if isinstance(e, ValueError) else "other"

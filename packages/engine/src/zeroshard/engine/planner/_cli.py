@@ -25,7 +25,7 @@ from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, build, convert_float8
 from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
-from zeroshard.engine.planner._tensor_parallel import plan_tensor_parallel
+from zeroshard.engine.planner._tensor_parallel import TensorParallelPlan, plan_tensor_parallel
 from zeroshard.engine.planner._whole import muon_recipe
 
 
@@ -281,11 +281,6 @@ def _check(a: argparse.Namespace) -> None:
                     "the recommendation compares projected peaks, and the split model's "
                     "activations are not traced",
                 ),
-                (
-                    "--snapshots",
-                    a.snapshots is not None,
-                    "snapshots of a tensor-parallel run are not yet checked against the engine's",
-                ),
             )
             if given
         ]
@@ -293,7 +288,7 @@ def _check(a: argparse.Namespace) -> None:
             raise ValueError(f"--tp cannot be combined with {'; '.join(taken)}")
 
 
-def _snapshot_rows(e: Estimate, host_gib: float, ranks: int) -> str:
+def _snapshot_rows(e: Estimate | TensorParallelPlan, host_gib: float, ranks: int) -> str:
     """What snapshots take of a node's host memory; ValueError when they do not fit."""
     steady, peak = e.snapshot_host
     node = (peak + e.host) * ranks
@@ -364,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shard_group_size=a.shard_group_size,
             )
             print(split.table())
+            if a.snapshots is not None:
+                print(_snapshot_rows(split, a.snapshots, min(a.gpus_per_node, a.world)))
             return 0
 
         # One forward and backward on meta per compute dtype, whatever the configs compared.

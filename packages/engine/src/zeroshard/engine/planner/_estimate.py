@@ -34,6 +34,7 @@ from zeroshard.engine.planner._groups import (
     host_bytes,
     plan_groups,
     snapshot_bytes,
+    snapshot_host_bytes,
     state_bytes,
     state_rows,
 )
@@ -81,13 +82,9 @@ class Estimate:
 
     @property
     def snapshot_host(self) -> tuple[int, int]:
-        """Host bytes per rank that snapshots every N steps take (docs/reliability.md,
-        "Recovery from memory"): between snapshots, its two slots (the newest complete
-        step and the one before, pinned under CUDA) and the replica it keeps for a rank
-        of another node; while one is taken, a second replica too. One rank alone keeps
-        no replica."""
-        replica = 0 if self.world_size == 1 else self.snapshot
-        return 2 * self.snapshot + replica, 2 * self.snapshot + 2 * replica
+        """Host bytes per rank that snapshots take, between them and while one is taken
+        (`snapshot_host_bytes`)."""
+        return snapshot_host_bytes(self.snapshot, self.world_size)
 
     @property
     def states_total(self) -> int:

@@ -140,7 +140,7 @@ def host_bytes(
 
 
 def snapshot_bytes(
-    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: Mapping[int, int]
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
 ) -> int:
     """One rank's snapshot (`zeroshard.engine.Snapshots`) in bytes: its masters and
     optimizer state, what its checkpoint file holds."""
@@ -149,9 +149,23 @@ def snapshot_bytes(
     for g in plan.groups:
         total += g.layout.shard_numel * master
         if g.trainable:
-            per = optimizer_bytes_per_element.get(g.key.param_group, 8)
+            per = (
+                optimizer_bytes_per_element.get(g.key.param_group, 8)
+                if isinstance(optimizer_bytes_per_element, Mapping)
+                else optimizer_bytes_per_element
+            )
             total += g.layout.shard_numel * per * master // 4
     return total
+
+
+def snapshot_host_bytes(snapshot: int, world_size: int) -> tuple[int, int]:
+    """Host bytes per rank that snapshots every N steps take (docs/reliability.md,
+    "Recovery from memory"), of one rank's `snapshot`: between snapshots, its two slots
+    (the newest complete step and the one before, pinned under CUDA) and the replica it
+    keeps for a rank of another node; while one is taken, a second replica too. One rank
+    alone keeps no replica."""
+    replica = 0 if world_size == 1 else snapshot
+    return 2 * snapshot + replica, 2 * snapshot + 2 * replica
 
 
 def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:

@@ -41,6 +41,8 @@ from zeroshard.engine.planner._groups import (
     grad_shard_bytes,
     host_bytes,
     plan_groups,
+    snapshot_bytes,
+    snapshot_host_bytes,
     state_bytes,
     state_rows,
 )
@@ -116,11 +118,18 @@ class TensorParallelPlan:
     pinned: int = 0  # of them pinned
     replicas: int = 1  # hybrid sharding: the mesh's dp_replicate
     whole_matrix: WholeMatrixCost | None = None  # torch's Muon: its step's scratch
+    snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
 
     @property
     def dp(self) -> int:
         """Ranks each flat group is sharded over (the mesh's dp, or dp_shard)."""
         return self.world_size // self.tp // self.replicas
+
+    @property
+    def snapshot_host(self) -> tuple[int, int]:
+        """Host bytes per rank that snapshots take, between them and while one is taken
+        (`snapshot_host_bytes`)."""
+        return snapshot_host_bytes(self.snapshot, self.world_size)
 
     @property
     def tp_seconds(self) -> float:
@@ -362,4 +371,5 @@ def plan_tensor_parallel(
         pinned,
         world_size // replica,
         whole,
+        snapshot_bytes(plan, cfg, per_element),
     )

@@ -1,0 +1,91 @@
+"""Snapshots (zeroshard.engine.recovery) in combinations of features, each built by the
+composition table's own recipes (tests/integration/test_composition.py): a snapshot at
+step 2, the run going on to step 4, rank 1's own copy lost; `resume` puts back step 2
+from the replica its peer keeps, bit for bit, and the steps after it repeat the
+uninterrupted run's (losses and the state they leave, bit for bit). One spawned job per
+world size: 2 ranks, 4 for tensor parallelism (2 x 2)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import torch.distributed as dist
+
+import zeroshard.engine as zs
+from tests._dist import run_ranks
+from tests.integration.test_composition import FEATURES, Recipe, build, equal, state_of
+from zeroshard.comm import Group
+from zeroshard.engine.recovery._store import OWN
+
+# Each a user's recipe of several features at once; the pairs are the table's.
+TWO_RANKS = [
+    ("stage 3", "offload_params", "bf16 masters", "step_in_backward"),
+    ("stage 2", "fp16", "Muon", "offload_optimizer"),
+    ("zeroshard.compile", "fp8 gather", "meta-device init"),
+    ("stage 1", "several optimizers", "DeepSpeed checkpoints", "hybrid sharding"),
+    ("stage 3", "own process groups", "Muon"),
+]
+FOUR_RANKS = [
+    ("stage 2", "tensor parallelism", "Muon", "offload_optimizer"),
+    ("zeroshard.compile", "tensor parallelism", "hybrid sharding", "DeepSpeed checkpoints"),
+]
+
+
+def recipe(features: tuple[str, ...]) -> Recipe:
+    """The features applied in order, at the stage chosen or else the highest where all
+    exist."""
+    r = Recipe()
+    for name in features:
+        r = FEATURES[name](r)
+    return dataclasses.replace(r, stage=r.stage or max(r.stages))
+
+
+def _restore_from_replica(features: tuple[str, ...], folder: Path, own: Group) -> None:
+    built = build(recipe(features), own)
+    model, opt, step = built.model, built.opt, built.step
+    snaps = zs.Snapshots(model, opt, every=2, root=folder / "shm")
+    try:
+        losses, states = [], []
+        for s in range(4):
+            losses.append(step())
+            states.append(copy.deepcopy(state_of(model, opt)))
+            if s < 2:
+                snaps.take(s + 1)
+        snaps.wait()
+        if dist.get_rank() == 1:
+            snaps.store.path(2, 1, dist.get_world_size(), OWN).unlink()
+        dist.barrier()
+        assert snaps.resume(folder / "ckpt") == 2, features
+        assert snaps.last_resume is not None and snaps.last_resume.source == "memory"
+        assert equal(state_of(model, opt), states[1]), f"{features}: not the state of step 2"
+        for s in (2, 3):
+            loss = step()
+            assert equal(loss, losses[s]), f"{features}: step {s + 1}'s loss differs"
+            assert equal(state_of(model, opt), states[s]), f"{features}: step {s + 1} differs"
+        if built.runner is not model:
+            assert not built.runner.eager, f"{features}: compile fell back to eager"
+    finally:
+        snaps.close()
+
+
+def _cases(cases: list[tuple[str, ...]], folder: str) -> None:
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    own = Group(singles[dist.get_rank()])
+    for i, features in enumerate(cases):
+        _restore_from_replica(features, Path(folder) / str(i), own)
+
+
+def test_snapshots_restore_in_combinations(tmp_path: Path) -> None:
+    """Two ranks, each its own node: offloaded parameters with bf16 masters stepping in
+    backward; fp16 with Muon offloaded; compiled with the fp8 gather from the meta device;
+    stage 1 with Adam + AdamW from DeepSpeed's checkpoint, hybrid; Muon with a block on a
+    group of its own."""
+    run_ranks(_cases, 2, TWO_RANKS, str(tmp_path), timeout_s=600)
+
+
+def test_snapshots_restore_under_tensor_parallelism(tmp_path: Path) -> None:
+    """Four ranks, 2 (data) x 2 (tensor): Muon offloaded, each matrix joined whole over tp;
+    compiled on a 3-D mesh from DeepSpeed's checkpoint."""
+    run_ranks(_cases, 4, FOUR_RANKS, str(tmp_path), timeout_s=600)
