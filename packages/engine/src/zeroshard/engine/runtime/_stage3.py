@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._hooks import prepend_forward_pre_hook
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime._unit import Unit, UnitState
@@ -97,7 +98,7 @@ class Stage3Runtime:
             # In front of every hook already on the module: the unit is gathered before
             # anything of its forward reads its parameters (the fp8 wires' hooks, built
             # with the groups, read the gathered buffer).
-            u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True)
+            prepend_forward_pre_hook(u.module, self._make_pre_forward(u))
             u.module.register_forward_hook(self._make_post_forward(u))
 
     @contextlib.contextmanager

@@ -45,6 +45,7 @@ from torch.nn.modules.module import (
 )
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._hooks import prepend_forward_pre_hook
 
 _REBUILD = (
     "the engine is built at zeroshard.engine.initialize() on the model and optimizer as "
@@ -114,7 +115,7 @@ class ChangeWatch:
                 self.check("the model's forward")
 
         # First, before anything of the forward reads a parameter.
-        model.register_forward_pre_hook(before_forward, prepend=True)
+        prepend_forward_pre_hook(model, before_forward)
 
     def _param_groups(self) -> list[tuple[int, list[tuple[list[Any], int]]]]:
         # By the params lists themselves: torch's load_state_dict makes new group dicts
