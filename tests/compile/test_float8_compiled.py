@@ -8,7 +8,10 @@ inductor case (its own lowering of the cast and of the fp8 bytes) within 2e-2 of
 on the losses, as bf16 compile is held to in test_compiled.py. The fp8 groups travel as
 fp8 (uint8 bytes) in forward and backward, a fused cast before each all-gather, and
 fewer bytes than without the fp8 gather. Blocks compiled one by one around the eager
-engine's hooks (aot_eager) give the eager run's bits too.
+engine's hooks (aot_eager) give the eager run's bits too. Under tensor parallelism (dp 2 x
+tp 2, torchao's Float8ColwiseParallel / Float8RowwiseParallel, the fp8 gather of the tp
+pieces: tests/engine/test_float8_tensor_parallel.py) the compiled run (aot_eager, one
+capture, no fallback) is the eager one's bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import fx
 import zeroshard.compile as zc
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, world_fits
-from tests.engine._float8 import batches, make_net, make_optimizer, train
+from tests.engine._float8 import batches, loss_of, make_net, make_optimizer, train
 
 STEPS = 2
 CONFIG = {"stage": 3, "compute_dtype": "bf16", "min_unit_params": 1, "persistence_threshold": 0}
@@ -106,3 +109,38 @@ def test_float8_compiled(device: str) -> None:
     pytest.importorskip("torchao")
     world_fits(device, 2)
     run_ranks(_all, 2, device, device=device, timeout_s=400)
+
+
+def _tensor_parallel() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.engine.test_float8_tensor_parallel import CONFIG as TP_CONFIG
+    from tests.engine.test_float8_tensor_parallel import _split_net
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    me = mesh.get_local_rank("dp")
+    data = batches(STEPS, 1, 2)
+    runs = []
+    for compiled in (False, True):
+        net = _split_net(mesh, gather=True)
+        model, opt = zs.initialize(net, make_optimizer(net), TP_CONFIG, device_mesh=mesh)
+        run: Any = zc.compile(model, backend="aot_eager") if compiled else model
+        losses = []
+        for step in data:
+            loss = loss_of(run, step[0, me])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        if compiled:
+            assert not run.eager and run.compiles == 1
+        runs.append((losses, zs.full_state_dict(model)))
+    (eager, eager_state), (losses, state) = runs
+    assert losses == eager
+    for name, value in eager_state.items():
+        assert torch.equal(state[name], value), name
+
+
+def test_float8_compiled_tensor_parallel() -> None:
+    pytest.importorskip("torchao")
+    run_ranks(_tensor_parallel, 4)

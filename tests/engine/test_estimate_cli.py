@@ -94,10 +94,6 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
             ],
             "step_in_backward: stage 1 reduces the gradients at the step",
         ),
-        (
-            ["tiny", "--world", "4", "--tp", "2", "--fp8", "tensorwise", "--fp8-all-gather"],
-            "--tp cannot be combined with --fp8-all-gather yet",
-        ),
     ],
 )
 def test_cli_refuses(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -111,13 +111,15 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     assert main(["tiny", "--world", "4", "--tp", "2", "--stage", "3", "--offload", "params"]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer + params" in out and "| host (offload), of it pinned |" in out
-    # Muon under tp, offloaded too, and the 3-D mesh.
+    # Muon under tp, offloaded too, the 3-D mesh and the fp8 gather.
     for argv, shown in [
         (["--optimizer", "muon"], "| whole-matrix step scratch (in a step; matrices joined"),
         (["--optimizer", "muon", "--offload", "optimizer"], "| host (offload), of it pinned |"),
         (["--shard-group-size", "2"], "tp 2 x dp_shard 1 x dp_replicate 2, stage 3"),
         # Snapshots of each rank's pieces (their bytes against the engine's below).
         (["--snapshots", "64"], "snapshots in host memory per rank"),
+        # The fp8 gather of the split weights' pieces (tests/engine/test_float8_tensor_parallel).
+        (["--fp8", "tensorwise", "--fp8-all-gather"], "tp 2 x dp 2, stage 3"),
     ]:
         assert main(["tiny", "--world", "4", "--tp", "2", *argv]) == 0
         assert shown in capsys.readouterr().out, argv

@@ -21,7 +21,6 @@ from zeroshard.engine.runtime._state import is_initialized
 def _refusals() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    from torchao.float8 import convert_to_float8_training
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
 
@@ -50,14 +49,6 @@ def _refusals() -> None:
         config = {"stage": 2, "shard_group_size": 1}
         refused(r"cannot be combined with shard_group_size", split(), config, device_mesh=mesh)
 
-    def float8_gather() -> None:
-        from tests.engine._float8 import float8_config
-
-        model = nn.Sequential(nn.Linear(16, 32))
-        convert_to_float8_training(model, config=float8_config("tensorwise", True, "cpu"))
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-        refused(r"cannot be combined with enable_fsdp_float8_all_gather", model, device_mesh=mesh)
-
     def uneven() -> None:
         model = nn.Sequential(nn.Linear(4, 5))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
@@ -75,7 +66,6 @@ def _refusals() -> None:
         other_dims,
         hybrid_dims_misordered,
         shard_group_size,
-        float8_gather,
         uneven,
         one_rank_without_mesh,
     ]

@@ -158,6 +158,10 @@ def gathered_forward(model: nn.Module, state: EngineState, specs: Sequence[FlatS
                         spec.pieces,
                         spec.slots,
                     )
+                    # A DTensor weight's fp8 piece as a DTensor of its placement, as in eager.
+                    views = tuple(
+                        _as_param(v, place[3]) for v, place in zip(views, spec_places, strict=True)
+                    )
                 elif sink is not None:
                     gather_to_host: Any = GatheredToHost.apply
                     split = gather_to_host(shard, sink, spec.key, spec.world).split(spec.pieces)

@@ -334,13 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             internode=Link(a.internode_gbps, a.internode_latency_us),
         )
         optimizers = muon_recipe(model) if a.optimizer == "muon" else None
-        check_composition(
-            model,
-            cfg,
-            optimizers or [],
-            tp=a.tp,
-            step_in_backward=a.offload_overlap == "backward",
-        )
+        check_composition(cfg, optimizers or [], step_in_backward=a.offload_overlap == "backward")
         if priced:
             check_step_priced(cfg, optimizers or [])
         if a.tp > 1:

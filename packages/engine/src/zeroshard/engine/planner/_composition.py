@@ -7,11 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._step_time import check_step_in_backward
-from zeroshard.engine.runtime._float8 import float8_weights
 from zeroshard.engine.runtime.whole import (
     WHOLE_STEP_IS_COLLECTIVE,
     check_whole_optimizers,
@@ -20,16 +18,10 @@ from zeroshard.engine.runtime.whole import (
 
 
 def check_composition(
-    model: nn.Module,
-    cfg: ZeroConfig,
-    optimizers: Sequence[torch.optim.Optimizer],
-    *,
-    tp: int,
-    step_in_backward: bool,
+    cfg: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer], *, step_in_backward: bool
 ) -> None:
-    """ValueError naming why, where the engine refuses `model` (meta, its fp8 linears
-    converted) trained by `optimizers` under `cfg`, split over `tp` ranks, stepping in
-    backward or not."""
+    """ValueError naming why, where the engine refuses training by `optimizers` under
+    `cfg`, stepping in backward or not."""
     if step_in_backward:
         check_step_in_backward(cfg)
         if optimizers and all(steps_whole(o) for o in optimizers):
@@ -37,13 +29,6 @@ def check_composition(
             # step at step(), beside another optimizer's groups stepped in backward.
             raise ValueError(f"step_in_backward: {WHOLE_STEP_IS_COLLECTIVE}")
     check_whole_optimizers(optimizers, cfg)
-    if tp > 1 and float8_weights(model):
-        # initialize's refusal of device_mesh beside the fp8 gather (setup/_mesh.py).
-        raise ValueError(
-            "--tp cannot be combined with --fp8-all-gather yet: the gather would scale "
-            "each tp piece by the whole weight's amax, and torchao's fp8 weights inside "
-            "DTensors are not unwrapped"
-        )
 
 
 def check_step_priced(cfg: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -9,7 +9,8 @@ calls to gather it in fp8. zeroshard gathers those weights in fp8 itself
 (`_float8_gather.py`) and needs no subclass: `unwrap_float8_weights` gives each module
 its plain parameter back before anything is flattened (the subclass has no storage of
 its own, which is what flattening and the checks before it read), and checkpoints then
-hold plain weights under the module's own names.
+hold plain weights under the module's own names. Under tensor parallelism the subclass
+is the DTensor's local tensor: the DTensor stays, its local tensor becomes plain.
 
 torchao is an optional dependency: nothing here imports it unless the model's modules
 come from it (torchao is then imported already). It ships no type information, so its
@@ -71,6 +72,13 @@ def unwrap_float8_weights(
     swapped: dict[int, nn.Parameter] = {}
     for _, module in _float8_linears(model):
         wrapped: Any = module._parameters.get("weight")
+        local: Any = getattr(wrapped, "_local_tensor", None)
+        if _is_wrapped(local):
+            # Tensor parallelism put the subclass inside the DTensor (torch's
+            # `distribute_tensor` of the wrapped weight): the DTensor parameter stays,
+            # its local piece becomes the plain tensor the subclass holds.
+            wrapped._local_tensor = local._tensor.detach()
+            continue
         if not _is_wrapped(wrapped):
             continue
         plain = swapped.get(id(wrapped))

@@ -16,7 +16,11 @@ Where the group's process group has one rank nothing travels, so nothing would b
 A weight's scale is torchao's tensorwise one, `finfo(fp8).max / amax`, from the amax of
 the whole weight: each rank takes the amax of each weight's piece of its shard, and one
 MAX all-reduce of all those amaxes over the process group gives every rank every
-weight's amax (one collective for all fp8 weights, not one per weight). The scales are
+weight's amax (one collective for all fp8 weights, not one per weight). Under tensor
+parallelism a group's shards are of the tp pieces ([Note: DTensor parameters] in
+_tensor_parallel.py): a second MAX all-reduce, over tp, makes it the amax of the whole
+DTensor weight, which is what torchao's cast of a DTensor takes (its max over a DTensor
+is one over the mesh). The scales are
 taken after every step and after every change of the masters (a load), as torchao's
 `precompute_float8_dynamic_scale_for_fsdp` does for FSDP2, so forward and backward of a
 step cast alike and a gather needs no collective of its own.
@@ -30,7 +34,9 @@ While its unit is gathered, an fp8 weight's parameter holds a stand-in of its sh
 (autograd accumulates its gradient as ever, and the reducer takes it from there); the
 `Float8Linear` reads its weight as torchao's `Float8TrainingTensor` over its slot of
 the buffer with its scale, which a forward pre-hook puts into the module's
-`_parameters` for its own forward only and whose gradient goes to the parameter.
+`_parameters` for its own forward only and whose gradient goes to the parameter. A
+DTensor weight's is a DTensor of its placement over that tensor: what FSDP2 hands
+torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel` after its fp8 gather.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._float8 import Float8Weight, one_float8_dtype
 from zeroshard.engine.runtime._stats import EngineStats
+from zeroshard.engine.runtime._tensor_parallel import data_of, like_param
 from zeroshard.engine.runtime._wire import Wire, WireKind, WireStore
 from zeroshard.partition import FlatLayout
 
@@ -111,7 +118,9 @@ class _Float8Weight(torch.autograd.Function):
         scale: torch.Tensor,
         mm_config: Any,
     ) -> torch.Tensor:
-        return _float8_tensor(data, scale, param.dtype, mm_config)
+        # A DTensor weight (tensor parallelism) computes with a DTensor of its placement
+        # over the fp8 piece, as FSDP2 hands torchao's TP styles after its fp8 gather.
+        return like_param(param, _float8_tensor(data, scale, param.dtype, mm_config))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -138,7 +147,8 @@ class Float8Wires:
 
     `weights` are the model's fp8 weights by id(parameter) (one fp8 dtype for all, as
     torchao's own scale precomputation takes); the scales' all-reduces are counted in
-    `stats`.
+    `stats`. Under tensor parallelism `tp` is its group: a group's shards are then of
+    the local pieces, and the amax of a whole weight is a max over tp too.
     """
 
     def __init__(
@@ -146,8 +156,10 @@ class Float8Wires:
         weights: Mapping[int, Float8Weight],
         compute_dtype: torch.dtype,
         stats: EngineStats,
+        tp: Group | None = None,
     ) -> None:
         self._dtype = one_float8_dtype(weights)
+        self._tp = tp
         self.compute_dtype = compute_dtype
         self._weights = dict(weights)
         self._stats = stats
@@ -187,8 +199,8 @@ class Float8Wires:
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
         """Every fp8 weight's scale from the amax of the whole weight, after the masters
-        changed: one MAX all-reduce per process group of all the groups' local amaxes
-        (collective, in `groups`' order)."""
+        changed: one MAX all-reduce per process group of all the groups' local amaxes,
+        then one over tp (collective, in `groups`' order)."""
         by_group: dict[int, tuple[Group, list[FlatParamGroup]]] = {}
         for g in groups:
             if isinstance(g.wire, Float8Wire):
@@ -197,6 +209,11 @@ class Float8Wires:
             amax = torch.cat([_local_amax(g) for g in same])
             process_group.all_reduce(amax, op="max", label="amax of the fp8 weights").wait()
             self._stats.scale_reductions += 1
+            if self._tp is not None:
+                # Each tp rank holds other pieces of a split weight (a replicated one's
+                # are the same there, so the max leaves it as it is).
+                self._tp.all_reduce(amax, op="max", label="amax of the fp8 weights over tp").wait()
+                self._stats.scale_reductions += 1
             at = 0
             for g in same:
                 wire = g.wire
@@ -259,7 +276,7 @@ def _install_hooks(
         # Only over the stand-in (all strides 0) of a gathered group: not where someone
         # else put the weight in (zeroshard.compile's graph), nor where the parameter
         # holds values Float8Linear casts itself (gathered_parameters' fp32 weights).
-        if module._parameters.get("weight") is not param or any(param.stride()):
+        if module._parameters.get("weight") is not param or any(data_of(param).stride()):
             return
         weight = _Float8Weight.apply(param, data, wire.scales[slot], mm_config)  # type: ignore[no-untyped-call]
         installed.append(weight)

@@ -11,7 +11,7 @@ class EngineStats:
 
     `live_bytes` / `peak_live_bytes` count gathered parameter buffers only;
     `scale_reductions` the all-reduces of the fp8 weights' amaxes (one per step and
-    process group: [Note: the fp8 gather]).
+    process group, and one more over tp under tensor parallelism: [Note: the fp8 gather]).
     """
 
     gathers: int = 0

@@ -76,7 +76,8 @@ def plan_groups(
     compute = cfg.precision.compute_dtype
     wires: dict[WireKind, WireBuilder] = {WireKind.COMPUTE: ComputeCasts(compute)}
     if any(g.wire is WireKind.FLOAT8 for g in plan.groups):
-        wires[WireKind.FLOAT8] = Float8Wires(fp8, compute, stats)
+        tp = None if placement.mesh is None else placement.mesh.tensor_parallel.group
+        wires[WireKind.FLOAT8] = Float8Wires(fp8, compute, stats, tp)
     elif fp8 and everyone.rank == 0:
         log.info(
             "zeroshard: enable_fsdp_float8_all_gather: a process group of one rank "

@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.runtime._float8 import float8_weights
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, is_dtensor, placement_problem
 
 MESH_DIMS = ("dp", "tp")
@@ -120,13 +119,6 @@ def check_mesh_inputs(
         raise ValueError(
             f"device_mesh cannot be combined with {', '.join(taken)} yet: the mesh's 'dp' "
             "dim is the group zeroshard shards over"
-        )
-    if float8_weights(model):
-        # Their fp8 gather would scale each piece by the whole weight's amax (a max over
-        # tp as well), and torchao's fp8 weights inside DTensors are not unwrapped yet.
-        raise ValueError(
-            "device_mesh cannot be combined with enable_fsdp_float8_all_gather yet: turn the "
-            "option off in the Float8LinearConfig (the Float8Linears cast their own pieces)"
         )
 
 
