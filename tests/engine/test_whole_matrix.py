@@ -130,6 +130,18 @@ def _compare(
     assert err < 0.10, f"the update differs from the reference's by {err:.1%}"
 
 
+def _own_states(opt: zs.ZeroOptimizer) -> None:
+    """Each optimizer keeps the state of its own parameters only (the combined optimizer's
+    `state` reads through to each one's own, re-pointing none), so its own `state_dict()`
+    is what the engine's holds for it."""
+    opts = opt.inner.optimizers
+    for o, saved in zip(opts, opt.state_dict()["inner"]["optimizers"], strict=True):
+        own = {id(p) for pg in o.param_groups for p in pg["params"]}
+        assert all(id(p) in own for p in o.state), f"{type(o).__name__} holds others' state"
+        assert o.state_dict()["state"].keys() == saved["state"].keys()
+    assert all(opt.state[p] is o.state[p] for o in opts for p in o.state)
+
+
 def _parity_case(stage: int, kind: str, dtype: str, accum: int, clip: bool, decay: bool) -> None:
     world = dist.get_world_size()
     model = make_model(seed=stage + 10 * accum)
@@ -141,6 +153,7 @@ def _parity_case(stage: int, kind: str, dtype: str, accum: int, clip: bool, deca
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if decay else None
     _train(model, opt, batches, range(STEPS), clip, sched)
     _compare(model, ref, initial, dtype)
+    _own_states(opt)
     if kind == "muon":
         # Muon's momentum is sharded as AdamW's moments are: shaped like this rank's shard.
         (muon, _) = opt.inner.optimizers
@@ -229,6 +242,7 @@ def _checkpoint_case(root: str, kind: str) -> None:
     again = make_model(seed=5)
     again, opt2 = zs.initialize(again, _make(kind)(again), _config(2))
     zs.load_checkpoint(again, opt2, Path(root) / kind)
+    _own_states(opt2)
     _train(again, opt2, batches, range(2, 4), clip=True)
     resumed = zs.full_state_dict(again)
     for name, value in went_on.items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -41,12 +41,21 @@ class StepHooks(Protocol):
         ...
 
 
-def bind_masters(inner: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]) -> None:
-    """Make `inner`'s param group k step the master shards of the trainable flat groups
-    built from its parameters (it keeps its hyperparameters); before the stepper is built,
-    which may bind its own (whole parameters: `whole/_whole_step.py`)."""
+def bind_masters(
+    inner: torch.optim.Optimizer,
+    groups: Sequence[FlatParamGroup],
+    whole: Mapping[int, Sequence[torch.Tensor]],
+) -> None:
+    """Make `inner`'s param group k step what it steps from now on (it keeps its
+    hyperparameters): `whole[k]` where a whole-matrix optimizer steps whole parameters in
+    its place (`whole/`), else the master shards of the trainable flat groups built from
+    its parameters. Once, before the steppers are built on it."""
     for k, pg in enumerate(inner.param_groups):
-        pg["params"] = [g.master for g in groups if g.trainable and g.key.param_group == k]
+        pg["params"] = (
+            list(whole[k])
+            if k in whole
+            else [g.master for g in groups if g.trainable and g.key.param_group == k]
+        )
 
 
 def publish_masters(

@@ -4,23 +4,92 @@ torch's own recipe for Muon is two optimizers: Muon on the hidden matrices, Adam
 the rest. `initialize` takes such a sequence and wraps one optimizer, so it combines
 them: the combined optimizer's `param_groups` list every optimizer's param groups in
 turn (the same dicts, so an LR scheduler's writes reach them), and its param group k is
-what `GroupKey.param_group` k names. All of them share one `state` dict (their keys are
-disjoint tensors), so what the engine reads and writes through `state` reaches each.
+what `GroupKey.param_group` k names. Its `state` reads through to each optimizer's own
+(`OptimizersState`: their keys are disjoint tensors), so what the engine reads and
+writes through it reaches the optimizer that steps the parameter, and each optimizer's
+`state` stays its own, as torch's `state_dict`, `load_state_dict` and `step` expect.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 
+class OptimizersState(MutableMapping[torch.Tensor, Any]):
+    """Several optimizers' `state` as one mapping, read and written through to each one's
+    own (looked up at every access: torch's `load_state_dict` replaces it). A parameter
+    not yet in any reads as an empty entry of the optimizer that steps it, as torch's
+    `state` (a `defaultdict`) gives; a tensor none of them steps (a frozen group's master)
+    gets an entry of this mapping's own, as one optimizer's `state` would hold it, which
+    no optimizer's `state_dict` holds."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._optimizers = list(optimizers)
+        self._others: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+
+    def _states(self) -> Iterator[MutableMapping[torch.Tensor, Any]]:
+        yield from (o.state for o in self._optimizers)
+        yield self._others
+
+    def _holding(self, key: object) -> MutableMapping[torch.Tensor, Any] | None:
+        return next((s for s in self._states() if key in s), None)
+
+    def _of(self, key: torch.Tensor) -> MutableMapping[torch.Tensor, Any]:
+        """The state that holds `key`'s entry, else that of the optimizer stepping it."""
+        held = self._holding(key)
+        if held is not None:
+            return held
+        for o in self._optimizers:
+            if any(p is key for pg in o.param_groups for p in pg["params"]):
+                return o.state
+        return self._others
+
+    def __getitem__(self, key: torch.Tensor) -> Any:
+        return self._of(key)[key]
+
+    def __setitem__(self, key: torch.Tensor, value: Any) -> None:
+        self._of(key)[key] = value
+
+    def __delitem__(self, key: torch.Tensor) -> None:
+        held = self._holding(key)
+        if held is None:
+            raise KeyError(key)
+        del held[key]
+
+    def __contains__(self, key: object) -> bool:
+        return self._holding(key) is not None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return itertools.chain.from_iterable(self._states())
+
+    def __len__(self) -> int:
+        return sum(map(len, self._states()))
+
+    def get(self, key: torch.Tensor, default: Any = None) -> Any:
+        """The entry of `key` where one is held, else `default` (none is made)."""
+        held = self._holding(key)
+        return default if held is None else held[key]
+
+    def pop(self, key: torch.Tensor, *default: Any) -> Any:
+        """Remove and return the entry of `key`; `default` where none is held."""
+        held = self._holding(key)
+        if held is not None:
+            return held.pop(key)
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
-    """`optimizers` as one: their param groups in turn, one shared `state`, each stepped
-    in turn by `step()`; `state_dict()` holds one state dict per optimizer."""
+    """`optimizers` as one: their param groups in turn, their states read through one
+    `state` (`OptimizersState`), each stepped in turn by `step()`; `state_dict()` holds
+    one state dict per optimizer."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
@@ -28,16 +97,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
         super().__init__(
             [p for o in self.optimizers for pg in o.param_groups for p in pg["params"]], {}
         )
-        self._share()
+        self._list_param_groups()
+        # torch types `state` as the defaultdict it makes; this one reads through to them.
+        self.state = OptimizersState(self.optimizers)  # type: ignore[assignment]
 
-    def _share(self) -> None:
-        """One state dict for all (after construction, and after each one's load)."""
-        shared: defaultdict[torch.Tensor, Any] = defaultdict(dict)
-        for o in self.optimizers:
-            shared.update(o.state)
-        for o in self.optimizers:
-            o.state = shared
-        self.state = shared
+    def _list_param_groups(self) -> None:
+        """Every optimizer's param groups in turn (after construction, and after a load,
+        which gives each optimizer new ones)."""
         self.param_groups = [pg for o in self.optimizers for pg in o.param_groups]
 
     def offsets(self) -> list[int]:
@@ -59,7 +125,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """One torch state dict per optimizer, in order."""
-        return {"optimizers": [_own_state_dict(o) for o in self.optimizers]}
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load `state_dict()` output, one optimizer at a time, with this optimizer's own
@@ -76,29 +142,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
             state_dict = changed if changed is not None else state_dict
         for o, s in zip(self.optimizers, state_dict["optimizers"], strict=True):
             o.load_state_dict(s)
-        self._share()
+        self._list_param_groups()
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
-
-
-def _own_params(o: torch.optim.Optimizer) -> set[int]:
-    return {id(p) for pg in o.param_groups for p in pg["params"]}
-
-
-def _own_state(o: torch.optim.Optimizer) -> defaultdict[torch.Tensor, Any]:
-    """The entries of the shared state that are `o`'s own."""
-    mine = _own_params(o)
-    return defaultdict(dict, {k: v for k, v in o.state.items() if id(k) in mine})
-
-
-def _own_state_dict(o: torch.optim.Optimizer) -> dict[str, Any]:
-    """`o.state_dict()`, which torch builds only from the state of `o`'s own parameters."""
-    shared = o.state
-    o.state = _own_state(o)
-    try:
-        return o.state_dict()
-    finally:
-        o.state = shared
 
 
 def stepped_by(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

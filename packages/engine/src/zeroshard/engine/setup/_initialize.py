@@ -36,7 +36,12 @@ from zeroshard.engine.runtime._stepper import WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
-from zeroshard.engine.runtime.whole import check_whole_mesh, check_whole_optimizers, steps_whole
+from zeroshard.engine.runtime.whole import (
+    WholeMatrices,
+    check_whole_mesh,
+    check_whole_optimizers,
+    steps_whole,
+)
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine.setup._broadcast import broadcast_initial_state
 from zeroshard.engine.setup._build import GroupsPlan, build_groups, plan_groups
@@ -212,10 +217,17 @@ def _zero_optimizer(
     optimizers step whole by name."""
     reducer = _reducer(cfg, groups, stage3, placement.replicate, stats)
     install_grad_guards(groups, cfg.stage)  # after the reducer's hooks: see _grad_guard.py
-    bind_masters(inner, groups)
     mesh = placement.mesh
     tensor_parallel: TensorParallel | None = None if mesh is None else mesh.tensor_parallel
-    stepper, whole = build_steppers(optimizers, groups, planned.host, cfg, tensor_parallel)
+    # The whole-matrix optimizers' owners and whole parameters, then every param group
+    # bound once (to those, or to the masters), then the steppers built on what is bound.
+    whole = (
+        WholeMatrices(optimizers, groups, tensor_parallel)
+        if any(map(steps_whole, optimizers))
+        else None
+    )
+    bind_masters(inner, groups, {} if whole is None else whole.bound)
+    stepper = build_steppers(optimizers, groups, planned.host, cfg, whole)
     zopt = ZeroOptimizer(
         inner,
         groups,
@@ -229,7 +241,7 @@ def _zero_optimizer(
         # Last: what the engine was built on ([Note: changes after initialize]).
         watch=ChangeWatch(model, groups, [inner, *optimizers]),
     )
-    return zopt, whole
+    return zopt, None if whole is None else whole.params
 
 
 def _reducer(

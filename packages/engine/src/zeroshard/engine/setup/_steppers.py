@@ -11,8 +11,7 @@ import torch
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper, WholeParams
-from zeroshard.engine.runtime._tensor_parallel import TensorParallel
+from zeroshard.engine.runtime._stepper import DeviceStep, StepEach, Stepper
 from zeroshard.engine.runtime.offload import HostOffload, host_stepper
 from zeroshard.engine.runtime.whole import WholeMatrices, steps_whole
 
@@ -22,14 +21,11 @@ def build_steppers(
     groups: Sequence[FlatParamGroup],
     host: HostOffload | None,
     cfg: ZeroConfig,
-    tensor_parallel: TensorParallel | None,
-) -> tuple[Stepper, WholeParams | None]:
+    whole: WholeMatrices | None,
+) -> Stepper:
     """One stepper per optimizer over the flat groups of its param groups (several stepped
-    in turn), and what whole-matrix optimizers step whole by name (None: none); matrices
-    split over `tensor_parallel` are brought together for theirs."""
-    whole = None
-    if any(map(steps_whole, optimizers)):
-        whole = WholeMatrices(optimizers, groups, tensor_parallel)
+    in turn), on param groups already bound (`bind_masters`); `whole`: the whole-matrix
+    optimizers' owners, exchanges and whole parameters (None: there are none)."""
     parts: list[Stepper] = []
     # The optimizers CPU offload steps, each with its own groups: one host stepper, whose
     # schedules (in backward, delayed) step each landing group with its own optimizer.
@@ -49,5 +45,4 @@ def build_steppers(
         # Last: a whole-matrix step refreshes its offloaded homes in an upload round of its
         # own, which must close before a delayed step opens the host stepper's.
         parts.append(host_stepper(hosted, host, cfg))
-    stepper = parts[0] if len(parts) == 1 else StepEach(parts)
-    return stepper, None if whole is None else whole.params
+    return parts[0] if len(parts) == 1 else StepEach(parts)

@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import Stepper, WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
+from zeroshard.engine.runtime.whole._exchange import MatrixExchange, matrix_exchanges
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
-from zeroshard.engine.runtime.whole._whole_step import WholeParamStep
+from zeroshard.engine.runtime.whole._whole_step import WholeParamStep, whole_parameters
 from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 
@@ -60,9 +62,13 @@ def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int,
 
 
 class WholeMatrices:
-    """The whole-matrix optimizers among `optimizers` over their flat `groups`: each
-    matrix's owner, planned once for all of them (`plan_owners`), and their steppers
-    (matrices split over `tensor_parallel` joined for Muon's)."""
+    """The whole-matrix optimizers among `optimizers` over their flat `groups`, complete
+    once built: each matrix's owner, planned once for all of them (`plan_owners`), each
+    trainable group's exchange with the owners, and for those that step whole parameters
+    with their own step() one empty whole parameter per matrix this rank owns (`bound`:
+    what each of their param groups steps in place of the masters, for `bind_masters`;
+    `params`: by name, for checkpoints). Their steppers are built on param groups bound
+    so (matrices split over `tensor_parallel` joined for Muon's)."""
 
     def __init__(
         self,
@@ -70,36 +76,54 @@ class WholeMatrices:
         groups: Sequence[FlatParamGroup],
         tensor_parallel: TensorParallel | None,
     ) -> None:
-        self._owners = plan_owners(
-            ((g.key, g.layout) for g in groups), whole_param_groups(optimizers)
-        )
+        owners = plan_owners(((g.key, g.layout) for g in groups), whole_param_groups(optimizers))
         self._tensor_parallel = tensor_parallel
-        # What the steppers built so far step whole by name (None: none).
-        self.params: WholeParams | None = None
+        self._exchanges: dict[int, MatrixExchange] = {}
+        # Each whole-parameter optimizer's (by its first param group's index): by name.
+        self._params: dict[int, dict[str, nn.Parameter]] = {}
+        self.bound: dict[int, list[torch.Tensor]] = {}
+        names: set[str] = set()
+        offset = 0
+        for o in optimizers:
+            ks = range(offset, offset + len(o.param_groups))
+            mine = [g for g in groups if g.key.param_group in ks]
+            if steps_whole(o):
+                exchanges = matrix_exchanges(mine, owners)
+                self._exchanges.update(exchanges)
+                if not split_muon(o):
+                    _refuse_own_process_groups(o, mine)
+                    params = self._params[offset] = whole_parameters(mine, exchanges)
+                    self.bound.update({k: [] for k in ks})
+                    for g in (g for g in mine if g.trainable):
+                        names.update(g.names)
+                        stepped = exchanges[g.index].stepped_here()
+                        self.bound[g.key.param_group] += [params[s.name] for s in stepped]
+            offset += len(o.param_groups)
+        owned = {n: p for params in self._params.values() for n, p in params.items()}
+        # What whole-parameter optimizers step whole by name (None: none do).
+        self.params = WholeParams(frozenset(names), owned) if self._params else None
 
     def stepper(
         self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup], offset: int
     ) -> Stepper:
         """The stepper of whole-matrix `optimizer` (its first param group the `offset`-th
         of all) over `groups`, its flat groups: torch's Muon split (`MuonStep`, which
-        joins the pieces of matrices split over tensor parallelism), another on whole
-        parameters (`WholeParamStep`)."""
+        joins the pieces of matrices split over tensor parallelism), another on the whole
+        parameters its param groups were bound to (`WholeParamStep`)."""
         if split_muon(optimizer):
-            return MuonStep(optimizer, groups, self._owners, offset, self._tensor_parallel)
-        own = sorted(
-            {n for g in groups if g.key.process_group != DEFAULT_GROUP_LABEL for n in g.names}
+            return MuonStep(optimizer, groups, self._exchanges, offset, self._tensor_parallel)
+        return WholeParamStep(optimizer, groups, self._exchanges, self._params[offset], offset)
+
+
+def _refuse_own_process_groups(
+    optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]
+) -> None:
+    """Refuse whole parameters by name for parameters on a process group of their own."""
+    own = sorted({n for g in groups if g.key.process_group != DEFAULT_GROUP_LABEL for n in g.names})
+    if own:
+        # Their state is checkpointed by name, and several instances share names.
+        raise ValueError(
+            f"{type(optimizer).__name__} steps whole parameters by name, which "
+            f"parameters on a process group of their own ({own[:3]}) do not have "
+            "alone: give them another optimizer"
         )
-        if own:
-            # Their state is checkpointed by name, and several instances share names.
-            raise ValueError(
-                f"{type(optimizer).__name__} steps whole parameters by name, which "
-                f"parameters on a process group of their own ({own[:3]}) do not have "
-                "alone: give them another optimizer"
-            )
-        step = WholeParamStep(optimizer, groups, self._owners, offset)
-        self.params = step.whole if self.params is None else _joined(self.params, step.whole)
-        return step
-
-
-def _joined(a: WholeParams, b: WholeParams) -> WholeParams:
-    return WholeParams(a.names | b.names, {**a.owned, **b.owned})

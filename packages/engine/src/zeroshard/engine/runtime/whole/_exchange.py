@@ -91,6 +91,10 @@ class MatrixExchange:
         self.send_splits = [sum(p.numel for p in per_owner) for per_owner in sends]
         self.recv_splits = recv
 
+    def stepped_here(self) -> list[Slot]:
+        """The matrices this rank steps: the local ones, then the exchanged ones it owns."""
+        return [p.slot for p in self.local] + self.owned
+
     def to_owners(self, shard: torch.Tensor, *, label: str) -> tuple[torch.Tensor, Handle]:
         """Start sending this rank's pieces of `shard` (any per-element tensor of the
         group, such as the gradient or an update) to their owners; returns the owner's
@@ -132,17 +136,29 @@ class MatrixExchange:
         return out
 
 
+def matrix_exchanges(
+    groups: Sequence[FlatParamGroup], owners: Mapping[str, MatrixOwners]
+) -> dict[int, MatrixExchange]:
+    """Each trainable group of `groups` (by index): its exchange with the owners
+    (`owners`, by process-group label)."""
+    return {
+        g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
+        for g in groups
+        if g.trainable
+    }
+
+
 class ExchangingStep(AfterBackward):
     """What the whole-matrix steppers share: their optimizer (whose first param group is
     the combined optimizer's `offset`-th), its trainable flat groups and each one's
-    exchange with the owners (`owners`, by process-group label); under tensor parallelism
-    its tp dim (`tensor_parallel`)."""
+    exchange with the owners (`exchanges`, by group index: `matrix_exchanges`); under
+    tensor parallelism its tp dim (`tensor_parallel`)."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         groups: Sequence[FlatParamGroup],
-        owners: Mapping[str, MatrixOwners],
+        exchanges: Mapping[int, MatrixExchange],
         offset: int,
         tensor_parallel: TensorParallel | None = None,
     ) -> None:
@@ -151,10 +167,7 @@ class ExchangingStep(AfterBackward):
         self.offset = offset
         self.tensor_parallel = tensor_parallel
         self.groups = [g for g in groups if g.trainable]
-        self.exchanges = {
-            g.index: MatrixExchange(g.layout, owners[g.key.process_group].owner, g.process_group)
-            for g in self.groups
-        }
+        self.exchanges = {g.index: exchanges[g.index] for g in self.groups}
 
 
 def _in_shard(layout: FlatLayout, s: Slot, rank: int) -> bool:

@@ -44,26 +44,26 @@ from zeroshard.engine.runtime._home import HomeKind, refresh_homes
 from zeroshard.engine.runtime._stepper import StepOutcome
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, split_dim
 from zeroshard.engine.runtime.whole._declare import muon_functions
-from zeroshard.engine.runtime.whole._exchange import ExchangingStep, ShardPiece
-from zeroshard.engine.runtime.whole._owners import MatrixOwners
+from zeroshard.engine.runtime.whole._exchange import ExchangingStep, MatrixExchange, ShardPiece
 from zeroshard.partition import Slot
 
 
 class MuonStep(ExchangingStep):
     """torch.optim.Muon (`optimizer`, whose first param group is the combined optimizer's
-    `offset`-th) on `groups`, its flat groups; `owners` by process-group label."""
+    `offset`-th) on `groups`, its flat groups, each with its exchange in `exchanges`; its
+    param groups hold the masters (`bind_masters`)."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         groups: Sequence[FlatParamGroup],
-        owners: Mapping[str, MatrixOwners],
+        exchanges: Mapping[int, MatrixExchange],
         offset: int,
         tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """torch's own Newton-Schulz and learning-rate adjustment, so the bits are its; the
         whole shape and split dim of each matrix split over tp, by name."""
-        super().__init__(optimizer, groups, owners, offset, tensor_parallel)
+        super().__init__(optimizer, groups, exchanges, offset, tensor_parallel)
         functions = muon_functions()
         assert functions is not None  # split_muon() checked it
         self.newton_schulz, self.adjusted_lr = functions

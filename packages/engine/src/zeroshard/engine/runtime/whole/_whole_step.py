@@ -19,39 +19,39 @@ import torch
 from torch import nn
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
-from zeroshard.engine.runtime._stepper import StepOutcome, WholeParams
-from zeroshard.engine.runtime._tensor_parallel import TensorParallel
-from zeroshard.engine.runtime.whole._exchange import ExchangingStep
-from zeroshard.engine.runtime.whole._owners import MatrixOwners
+from zeroshard.engine.runtime._stepper import StepOutcome
+from zeroshard.engine.runtime.whole._exchange import ExchangingStep, MatrixExchange
+
+
+def whole_parameters(
+    groups: Sequence[FlatParamGroup], exchanges: Mapping[int, MatrixExchange]
+) -> dict[str, nn.Parameter]:
+    """One empty whole parameter per matrix this rank owns among `groups`' trainable ones
+    (by name, in the order their param groups step them: [Note: whole parameters])."""
+    return {
+        slot.name: nn.Parameter(g.master.new_empty(0))
+        for g in groups
+        if g.trainable
+        for slot in exchanges[g.index].stepped_here()
+    }
 
 
 class WholeParamStep(ExchangingStep):
     """`optimizer` (whose first param group is the combined optimizer's `offset`-th) on
-    whole parameters at their owners; `owners` by process-group label. Binds the
-    optimizer's param groups to this rank's whole parameters (`params`, by name)."""
+    whole parameters at their owners; each of `groups` with its exchange in `exchanges`.
+    Its param groups hold `params` (by name: one empty whole parameter per matrix this
+    rank owns), bound before it is built (`WholeMatrices`, `bind_masters`)."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         groups: Sequence[FlatParamGroup],
-        owners: Mapping[str, MatrixOwners],
+        exchanges: Mapping[int, MatrixExchange],
+        params: Mapping[str, nn.Parameter],
         offset: int,
-        tensor_parallel: TensorParallel | None = None,
     ) -> None:
-        """Bind the optimizer's param groups to one empty whole parameter per matrix this
-        rank owns (they replace the masters `bind_masters` gave it)."""
-        super().__init__(optimizer, groups, owners, offset, tensor_parallel)
-        self.params: dict[str, nn.Parameter] = {}
-        bound: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
-        for g in self.groups:
-            ex = self.exchanges[g.index]
-            for slot in [p.slot for p in ex.local] + ex.owned:
-                p = nn.Parameter(g.master.new_empty(0))
-                self.params[slot.name] = p
-                bound[g.key.param_group - self.offset].append(p)
-        for pg, params in zip(optimizer.param_groups, bound, strict=True):
-            pg["params"] = params
-        self.whole = WholeParams(frozenset(n for g in self.groups for n in g.names), self.params)
+        super().__init__(optimizer, groups, exchanges, offset)
+        self.params = dict(params)
 
     def step(self) -> StepOutcome:
         """Gradients and masters to the owners, the optimizer's step, masters back."""
