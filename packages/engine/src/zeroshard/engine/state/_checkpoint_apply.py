@@ -169,8 +169,12 @@ def apply_loaded(
     optimizer = state.optimizer
     inner = optimizer.inner
     states: list[tuple[FlatParamGroup, dict[str, Any]]] = []
+    # A declared whole-parameter optimizer steps the whole parameters, not the masters:
+    # those are in no param group and get no state (torch's state_dict() would fail on
+    # an entry it cannot number).
+    bound = {id(p) for pg in inner.param_groups for p in pg["params"]}
     for g in state.groups:
-        if not g.trainable:
+        if not g.trainable or id(g.master) not in bound:
             continue
         name = checkpoint_group_name(g)
         gm = loaded.sources[name]  # its kinds and scalars (the groups may be regrouped)
