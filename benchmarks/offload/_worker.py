@@ -180,6 +180,11 @@ def _zs_held(zmodel: torch.nn.Module, zopt: Any) -> dict[str, Any]:
     gradients, staging; with offload_params the compute shards) and the optimizer's state
     of the groups homed on the host (AdamW's moments, in the masters' dtype)."""
     import zeroshard.engine as zs
+
+    if not hasattr(zs, "HomeKind"):
+        # A tree from before issue 72's homes (benchmarks.before_after's "before"): its
+        # step is timed, its host bytes are not counted.
+        return {}
     from zeroshard.engine.runtime.offload import HostOffload
 
     state = zs.engine_state(zmodel)
