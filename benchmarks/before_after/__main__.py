@@ -4,7 +4,8 @@
         torchrun --standalone --nproc-per-node=1 -m benchmarks.train_step \
         --engines floor32,zs2,zs3,zs3c --no-write
     python -m benchmarks.before_after --before OLD_TREE --name arch_offload --rounds 3 \
-        --json bench-out/offload.json -- python -m benchmarks.offload --parts train-zs
+        --json bench-out/offload.json -- python -m benchmarks.offload --parts train-zs \
+            --json bench-out/offload.json --no-write
 
 `OLD_TREE` is a checkout of the earlier commit (`git worktree add OLD_TREE COMMIT`). The
 command runs once per round on each tree, in alternating order (before then after in odd

@@ -129,6 +129,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adam-steps", type=int, default=3)
     p.add_argument("--section", default="", help="docs/benchmarks.md section to write")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here (JSON)")
+    p.add_argument("--no-write", action="store_true", help="print the table, write no docs")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall time for all parts")
     p.add_argument(
         "--rounds", type=int, default=1, help="runs of each train part, in alternating order"
@@ -324,6 +325,8 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=1))
     body = report(args, results)
     print(body)
+    if args.no_write:
+        return
     title = "CPU offload (one GPU)" + (f" ({args.section})" if args.section != "offload" else "")
     publish(args.section, title, body, smoke=args.smoke, ranks=placement.describe())
 
