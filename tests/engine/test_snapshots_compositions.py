@@ -13,6 +13,7 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 import zeroshard.engine as zs
@@ -26,9 +27,10 @@ from tests.integration.test_composition import (
     equal,
     state_of,
 )
-from zeroshard.ckpt import buffer_key
+from zeroshard.ckpt import CheckpointError, buffer_key
 from zeroshard.comm import Group
-from zeroshard.engine.recovery._contents import rank_contents
+from zeroshard.engine.recovery._contents import check_snapshot, rank_contents
+from zeroshard.engine.recovery._file import Snapshot
 from zeroshard.engine.recovery._store import OWN
 
 # Each a user's recipe of several features at once; the pairs are the table's.
@@ -113,16 +115,22 @@ DELAYED = [
 ]
 
 
-def _planned_as_taken(features: tuple[str, ...], own: Group) -> None:
+def _lagging_contents(features: tuple[str, ...], own: Group) -> None:
     """The planner's snapshot (`zs.estimate(...).snapshot`) is the rank's, to the byte:
     the tensors `take` writes less the module buffers and the optimizers' scalar step
-    counts; the lagging parameters' shard (compute dtype) is what the lag adds."""
+    counts; the lagging parameters' shard (compute dtype) is what the lag adds. A lagging
+    shard that does not fit the engine's group is refused by the restore's check."""
     r = recipe(features)
     built = build(r, own)
     built.step()
     built.opt.settle()  # as `take` does: the step in flight is the snapshot's
     assert built.opt.lagging
-    _, tensors, _ = rank_contents(built.model, zs.engine_state(built.model), 1, None, None)
+    state = zs.engine_state(built.model)
+    meta, tensors, _ = rank_contents(built.model, state, 1, None, None)
+    short = {k: t[1:] if k == "behind.group0" else t for k, t in tensors.items()}
+    snap = Snapshot(1, dist.get_rank(), 2, meta, short, None)
+    with pytest.raises(CheckpointError, match=r"one step behind .* flat group 0's"):
+        check_snapshot(state, snap, "the snapshot", None, None)
     taken = sum(
         t.nbytes for k, t in tensors.items() if t.dim() and not k.startswith(buffer_key(""))
     )
@@ -142,7 +150,7 @@ def _delayed(folder: str) -> None:
     _cases(DELAYED, folder)
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     for features in DELAYED[:2]:
-        _planned_as_taken(features, Group(singles[dist.get_rank()]))
+        _lagging_contents(features, Group(singles[dist.get_rank()]))
 
 
 def test_snapshots_restore_the_delayed_update(tmp_path: Path) -> None:

@@ -91,7 +91,6 @@ def _behind(state: EngineState, snap: Snapshot, where: str) -> dict[int, torch.T
     held = {k[len(_BEHIND) :]: t for k, t in snap.tensors.items() if k.startswith(_BEHIND)}
     if not held:
         return {}
-    state.needs_optimizer("Snapshots.resume")
     out = {}
     for g in state.groups:
         if not g.trainable:
