@@ -128,6 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --fp8 tensorwise at stage 3: gather those weights in fp8",
     )
+    p.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "optimizer", "delayed"],
+        help="keep the optimizer's state and step on the CPU (offload_optimizer); delayed: "
+        "its step beside the next forward and backward, one step behind "
+        "(offload_delay_param_update, stages 1/2)",
+    )
     p.add_argument("--loss-log", type=Path, default=None, help="rank 0 appends 'step loss' lines")
     p.add_argument(
         "--final-weights", type=Path, default=None, help="write the fp32 weights (safetensors)"
@@ -145,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shard-group-size needs a ZeRO stage (1-3)")
     if args.fp8_all_gather and args.fp8 != "tensorwise":
         p.error("--fp8-all-gather needs --fp8 tensorwise (torchao's only recipe for it)")
+    if args.offload != "none" and args.stage == 0:
+        p.error("--offload needs a ZeRO stage (1-3)")
     return args
 
 
@@ -215,12 +225,13 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(model: nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (two param groups), fused on CUDA."""
+def build_optimizer(model: nn.Module, lr: float, fused: bool) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (two param groups); `fused`: torch's fused
+    kernel (on CUDA, and for the offloaded step on the CPU)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
 
 
 Wrapped = tuple[
@@ -257,7 +268,10 @@ def wrap(
             lambda: {k: v.float() for k, v in model.state_dict().items()},
             autocast,
         )
-    config = {"stage": args.stage, "compute_dtype": args.dtype}
+    config: dict[str, Any] = {"stage": args.stage, "compute_dtype": args.dtype}
+    if args.offload != "none":
+        config["offload_optimizer"] = True
+        config["offload_delay_param_update"] = args.offload == "delayed"
     if args.shard_group_size is not None:
         config["shard_group_size"] = args.shard_group_size
     zmodel, zopt = zs.initialize(model, opt, config)
@@ -359,7 +373,11 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     model, opt, clip, full_state, autocast = wrap(
-        plain, build_optimizer(plain, args.lr, device), args, dtype, device
+        plain,
+        build_optimizer(plain, args.lr, device.type == "cuda" or args.offload != "none"),
+        args,
+        dtype,
+        device,
     )
     log.info("wrapped in %.2f s", time.perf_counter() - t0)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -12,9 +12,11 @@ sequence and `down` reduce-scattering it. The sequence length must divide by tp.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -120,3 +122,80 @@ def reference_run(
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, norms, {k: v.detach().clone() for k, v in reference.state_dict().items()}
+
+
+def train(
+    model: nn.Module,
+    opt: Any,
+    data: torch.Tensor,
+    steps: range,
+    dp_rank: int,
+    *,
+    clip: float | None,
+    in_backward: bool = False,
+) -> tuple[list[float], list[float]]:
+    """Data-parallel rank `dp_rank`'s part of each step's global batch (`batches(...,
+    accum=1, ...)`): the global mean losses and the clip norms (clipped to `clip` if
+    given; each backward under `step_in_backward` if `in_backward`)."""
+    losses, norms = [], []
+    for step in steps:
+        loss = loss_fn(model, data[step, 0, dp_rank])
+        if in_backward:
+            with opt.step_in_backward():
+                loss.backward()
+        else:
+            loss.backward()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+    return losses, norms
+
+
+def plan(
+    config: Any,
+    *,
+    sp: bool,
+    tp: int = 2,
+    optimizers: Callable[[nn.Module], Sequence[torch.optim.Optimizer]] | None = None,
+    shard_group_size: int | None = None,
+) -> Any:
+    """`zeroshard-plan --tp`'s plan of `TPModel` on 4 ranks (micro-batch 2, `tp_plan`'s
+    styles), with `optimizers` built on its meta copy, else `make_optimizer`'s param
+    groups."""
+    from zeroshard.engine.planner._cluster import Cluster
+    from zeroshard.engine.planner._tensor_parallel import (
+        COLWISE,
+        EMBEDDING,
+        GATHERED,
+        ROWWISE,
+        plan_tensor_parallel,
+    )
+
+    with torch.device("meta"):
+        meta = TPModel()
+    styles = {"emb": EMBEDDING, "head": GATHERED}
+    for i in range(2):
+        styles.update({f"blocks.{i}.up": COLWISE, f"blocks.{i}.down": ROWWISE})
+    kwargs: dict[str, Any] = {}
+    if optimizers is not None:
+        kwargs["optimizers"] = optimizers(meta)
+    else:
+        groups = make_optimizer(meta).param_groups
+        kwargs["param_group_of"] = {id(p): k for k, pg in enumerate(groups) for p in pg["params"]}
+    return plan_tensor_parallel(
+        meta,
+        config,
+        world_size=4,
+        tp=tp,
+        micro_batch=2,
+        seq_len=SEQ,
+        sequence_parallel=sp,
+        cluster=Cluster(),
+        styles=styles,
+        shard_group_size=shard_group_size,
+        **kwargs,
+    )

@@ -109,9 +109,10 @@ def _train(
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, _optimizer(model, kind, own), cfg)
-    return train_and_collect(
+    _, weights, state = train_and_collect(
         model, opt, steps=steps, accum=accum, micro=MICRO, device=device, early=early, clip=clip
     )
+    return weights, state
 
 
 def _same_case(device: str, stage: int, dtype: str = "bf16", accum: int = 1, **kw: Any) -> None:

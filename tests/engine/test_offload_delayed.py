@@ -33,6 +33,7 @@ import zeroshard.engine.runtime.offload._host_grads as grads_module
 import zeroshard.engine.runtime.offload._step as step_module
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model
+from tests.engine._offload_train import Trained, train_and_collect
 
 STEPS = 4
 MICRO = 2
@@ -170,14 +171,12 @@ def test_delayed_update_matches_lagged_reference(world_size: int, device: str) -
 
 def _train_lagged(
     device: str, stage: int, dtype: str, accum: int, *, delayed: bool, compiled: bool = False
-) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+) -> Trained:
     """Losses, masters and optimizer state after STEPS steps in `dtype` with clipping:
     with delay_param_update, or with the plain step and the lag applied by hand (after
     each step the parameters are set back to the weights the step before published);
     with offload_compiled_step if `compiled`."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(seed=stage).to(device)
-    batches = global_batches(STEPS, accum, world, MICRO)
     config = {
         "stage": stage,
         "compute_dtype": dtype,
@@ -188,25 +187,9 @@ def _train_lagged(
         "offload_compiled_step": compiled,
     }
     model, opt = zs.initialize(model, _adamw(model), config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    published = [p.detach().clone() for p in params]
-    losses = []
-    for step in range(STEPS):
-        total = _backward_window(model, batches[step, :, rank], device)
-        opt.clip_grad_norm_(0.05)
-        opt.step()
-        opt.zero_grad()
-        if not delayed:
-            with torch.no_grad():
-                for p, before in zip(params, published, strict=True):
-                    now = p.detach().clone()
-                    p.copy_(before)
-                    before.copy_(now)
-        dist.all_reduce(total)
-        losses.append(float(total))
-    full = zs.full_state_dict(model)
-    state = [{k: v.cpu() for k, v in opt.state[g.master].items()} for g in opt.flat_groups]
-    return losses, full, state
+    return train_and_collect(
+        model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, clip=0.05, lag=not delayed
+    )
 
 
 def _same_as_lag_by_hand(device: str) -> None:

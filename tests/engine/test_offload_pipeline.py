@@ -67,7 +67,7 @@ def _train(
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
     model, opt = zs.initialize(model, inner, cfg)
-    weights, state = train_and_collect(
+    _, weights, state = train_and_collect(
         model, opt, steps=STEPS, accum=accum, micro=MICRO, device=device, early=early, clip=clip
     )
     return weights, state, calls

@@ -34,6 +34,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import global_batches, loss_fn, make_model, muon_and_adamw
+from tests.engine._offload_train import Trained, train_and_collect
 
 STEPS = 3
 MICRO = 2
@@ -86,9 +87,6 @@ def _config(stage: int, ratio: float, dtype: str, delayed: bool) -> dict[str, An
     return cfg
 
 
-Result = tuple[list[float], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]
-
-
 def _run(
     make: Any,
     cfg: dict[str, Any],
@@ -100,57 +98,32 @@ def _run(
     clip: float | None = None,
     save: Path | None = None,
     load: Path | None = None,
-) -> Result:
+) -> Trained:
     """Losses, weights and each flat group's optimizer state after `steps`: the last
     micro-batch's backward under step_in_backward if `early`; the plain step's parameters
     set back one step after each if `lag_by_hand`; saved after the first step to `save`,
     or started from `load`."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    batches = global_batches(STEPS, accum, world, MICRO)
     model = make_model(seed=cfg["stage"])
-    opts = make(model)
-    model, opt = zs.initialize(model, opts, cfg)
+    model, opt = zs.initialize(model, make(model), cfg)
     held = {g.key.param_group for g in opt.flat_groups if g.home.kind is zs.HomeKind.HOST}
     # Fully offloaded, both optimizers step groups on the host; partially, some at least.
     assert held == {0, 1} if cfg["offload_ratio"] == 1 else bool(held), held
     if load is not None:
         zs.load_checkpoint(model, opt, load)
-    params = [p for p in model.parameters() if p.requires_grad]
-    published = [p.detach().clone() for p in params]
-    losses = []
-    for step in steps:
-        total = torch.zeros(())
-        for i, micro in enumerate(batches[step, :, rank]):
-            loss = loss_fn(model, micro) / accum
-            total += loss.detach()
-            if early and i == accum - 1:
-                with opt.step_in_backward():
-                    loss.backward()
-            else:
-                loss.backward()
-        if clip is not None:
-            opt.clip_grad_norm_(clip)
-        opt.step()
-        opt.zero_grad()
-        if lag_by_hand:
-            with torch.no_grad():
-                for p, before in zip(params, published, strict=True):
-                    now = p.detach().clone()
-                    p.copy_(before)
-                    before.copy_(now)
-        dist.all_reduce(total)
-        losses.append(float(total))
-        if save is not None and step == steps[0]:
-            zs.save_checkpoint(model, opt, save, step=step + 1)
-    full = zs.full_state_dict(model)
-    state = []
-    for g in opt.flat_groups:
-        owner = next((o.state[g.master] for o in opts if g.master in o.state), {})
-        state.append({k: v.detach().clone() for k, v in owner.items()})
-    return losses, full, state
+    return train_and_collect(
+        model,
+        opt,
+        steps=steps,
+        accum=accum,
+        micro=MICRO,
+        early=early,
+        clip=clip,
+        lag=lag_by_hand,
+        save=save,
+    )
 
 
-def _same(ours: Result, ref: Result, what: str) -> None:
+def _same(ours: Trained, ref: Trained, what: str) -> None:
     assert ours[0] == ref[0], (what, ours[0], ref[0])
     torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=0, msg=what)
     torch.testing.assert_close(ours[2], ref[2], rtol=0, atol=0, msg=what)
@@ -166,7 +139,7 @@ def _in_backward_case(stage: int, ratio: float, accum: int, muon: bool, root: st
     _same(ours, ref, what)
     # Resumed in the combination from the checkpoint saved after step 1.
     resumed = _run(make, cfg, range(1, STEPS), accum, early=True, load=path)
-    _same(resumed, (ours[0][1:], ours[1], ours[2]), what + " resumed")
+    _same(resumed, Trained(ours.losses[1:], ours.weights, ours.state), what + " resumed")
 
 
 def _delayed_case(stage: int, ratio: float, accum: int, muon: bool, root: str) -> None:

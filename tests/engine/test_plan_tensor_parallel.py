@@ -33,10 +33,6 @@ from zeroshard.engine.planner._cli import main
 from zeroshard.engine.planner._cluster import Cluster
 from zeroshard.engine.planner._presets import build
 from zeroshard.engine.planner._tensor_parallel import (
-    COLWISE,
-    EMBEDDING,
-    GATHERED,
-    ROWWISE,
     plan_tensor_parallel,
 )
 from zeroshard.engine.recovery._contents import rank_contents
@@ -179,24 +175,12 @@ def _pair(
     mesh = _mesh(shape)
     # Small offload chunks: the host's staging buffers stay small.
     config = {**engine_config(stage, "fp32"), "offload_chunk_bytes": 1024, **offload}
-    with torch.device("meta"):
-        meta = _tp.TPModel()
-    styles = {"emb": EMBEDDING, "head": GATHERED}
-    for i in range(2):
-        styles.update({f"blocks.{i}.up": COLWISE, f"blocks.{i}.down": ROWWISE})
-    meta_opts = muon_and_adamw(meta) if muon else [_tp.make_optimizer(meta)]
     replica = shape[-2] * shape[-1]
-    plan = plan_tensor_parallel(
-        meta,
+    plan = _tp.plan(
         zs.ZeroConfig.from_dict(config),
-        world_size=4,
+        sp=False,
         tp=shape[-1],
-        micro_batch=2,
-        seq_len=_tp.SEQ,
-        sequence_parallel=False,
-        cluster=Cluster(),
-        styles=styles,
-        optimizers=meta_opts,
+        optimizers=muon_and_adamw if muon else lambda m: [_tp.make_optimizer(m)],
         shard_group_size=None if len(shape) == 2 else replica,
     )
     model, _ = _tp.split_model(mesh, sp=False, seed=1)

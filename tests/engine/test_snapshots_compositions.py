@@ -2,8 +2,10 @@
 composition table's own recipes (tests/integration/test_composition.py): a snapshot at
 step 2, the run going on to step 4, rank 1's own copy lost; `resume` puts back step 2
 from the replica its peer keeps, bit for bit, and the steps after it repeat the
-uninterrupted run's (losses and the state they leave, bit for bit). One spawned job per
-world size: 2 ranks, 4 for tensor parallelism (2 x 2)."""
+uninterrupted run's (losses and the state they leave, bit for bit). Under
+delay_param_update those losses are computed one step behind the masters, so they repeat
+only where the restore gave the lag back. One spawned job per case list: 2 ranks, 4 for
+tensor parallelism (2 x 2)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,24 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks
-from tests.integration.test_composition import FEATURES, Recipe, build, equal, state_of
+from tests.integration.test_composition import (
+    FEATURES,
+    Recipe,
+    _model,
+    _optimizers,
+    build,
+    equal,
+    state_of,
+)
+from zeroshard.ckpt import CheckpointError, buffer_key
 from zeroshard.comm import Group
+from zeroshard.engine.recovery._contents import check_snapshot, rank_contents
+from zeroshard.engine.recovery._file import Snapshot
 from zeroshard.engine.recovery._store import OWN
 
 # Each a user's recipe of several features at once; the pairs are the table's.
@@ -89,3 +103,58 @@ def test_snapshots_restore_under_tensor_parallelism(tmp_path: Path) -> None:
     """Four ranks, 2 (data) x 2 (tensor): Muon offloaded, each matrix joined whole over tp;
     compiled on a 3-D mesh from DeepSpeed's checkpoint."""
     run_ranks(_cases, 4, FOUR_RANKS, str(tmp_path), timeout_s=600)
+
+
+# Under delay_param_update forward computes one step behind the masters: a restore brings
+# that lag back too (the steps after it fail without: they would compute at the masters).
+DELAYED = [
+    ("stage 1", "delay_param_update", "several optimizers"),
+    ("stage 2", "delay_param_update"),
+    ("stage 2", "delay_param_update", "Muon"),
+    ("stage 1", "delay_param_update", "bf16 masters"),
+]
+
+
+def _lagging_contents(features: tuple[str, ...], own: Group) -> None:
+    """The planner's snapshot (`zs.estimate(...).snapshot`) is the rank's, to the byte:
+    the tensors `take` writes less the module buffers and the optimizers' scalar step
+    counts; the lagging parameters' shard (compute dtype) is what the lag adds. A lagging
+    shard that does not fit the engine's group is refused by the restore's check."""
+    r = recipe(features)
+    built = build(r, own)
+    built.step()
+    built.opt.settle()  # as `take` does: the step in flight is the snapshot's
+    assert built.opt.lagging
+    state = zs.engine_state(built.model)
+    meta, tensors, _ = rank_contents(built.model, state, 1, None, None)
+    short = {k: t[1:] if k == "behind.group0" else t for k, t in tensors.items()}
+    snap = Snapshot(1, dist.get_rank(), 2, meta, short, None)
+    with pytest.raises(CheckpointError, match=r"one step behind .* flat group 0's"):
+        check_snapshot(state, snap, "the snapshot", None, None)
+    taken = sum(
+        t.nbytes for k, t in tensors.items() if t.dim() and not k.startswith(buffer_key(""))
+    )
+    behind = sum(t.nbytes for k, t in tensors.items() if k.startswith("behind."))
+    meta = _model(dataclasses.replace(r, meta=True), None)
+    config = {"stage": r.stage, "min_unit_params": 1, "persistence_threshold": 0, **r.config}
+
+    def planned(delayed: bool) -> int:
+        cfg = {**config, "offload_delay_param_update": delayed}
+        return zs.estimate(meta, cfg, 2, 2, 5, optimizer=_optimizers(r, meta)).snapshot
+
+    assert planned(True) == taken, (features, planned(True), taken)
+    assert behind > 0 and planned(True) - planned(False) == behind, features
+
+
+def _delayed(folder: str) -> None:
+    _cases(DELAYED, folder)
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    for features in DELAYED[:2]:
+        _lagging_contents(features, Group(singles[dist.get_rank()]))
+
+
+def test_snapshots_restore_the_delayed_update(tmp_path: Path) -> None:
+    """delay_param_update: fused Adam + AdamW at stage 1; AdamW at stage 2; Muon beside
+    the delayed AdamW (its matrices step at step(), published a step later too); bf16
+    masters at stage 1. The planner prices the lagging parameters byte for byte."""
+    run_ranks(_delayed, 2, str(tmp_path), timeout_s=600)

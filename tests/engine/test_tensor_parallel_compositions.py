@@ -68,19 +68,7 @@ def _train(
 ) -> tuple[list[float], list[float]]:
     """This data-parallel rank's part of each step's global batch: the global mean losses
     and the clip norms."""
-    me = _dp(mesh)[1]
-    losses, norms = [], []
-    for step in steps:
-        loss = _tp.loss_fn(model, data[step, 0, me])
-        loss.backward()
-        if clip:
-            norms.append(float(opt.clip_grad_norm_(0.5)))
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())
-    return losses, norms
+    return _tp.train(model, opt, data, steps, _dp(mesh)[1], clip=0.5 if clip else None)
 
 
 def _reference(

@@ -70,38 +70,10 @@ def _optimizers(model: nn.Module, muon: bool, fused: bool) -> list[torch.optim.O
 def _planned_host_matches(model: nn.Module, opt: zs.ZeroOptimizer, sp: bool) -> None:
     """`zeroshard-plan --tp 2`'s model states and offload host bytes per rank are this
     engine's (after a step: AdamW's state exists), to the byte."""
-    from zeroshard.engine.planner._cluster import Cluster
-    from zeroshard.engine.planner._tensor_parallel import (
-        COLWISE,
-        EMBEDDING,
-        GATHERED,
-        ROWWISE,
-        plan_tensor_parallel,
-    )
-
     state = zs.engine_state(model)
     host = state.offload
     assert host is not None
-    with torch.device("meta"):
-        meta = _tp.TPModel()
-    groups = {
-        id(p): k for k, pg in enumerate(_tp.make_optimizer(meta).param_groups) for p in pg["params"]
-    }
-    styles = {"emb": EMBEDDING, "head": GATHERED}
-    for i in range(2):
-        styles.update({f"blocks.{i}.up": COLWISE, f"blocks.{i}.down": ROWWISE})
-    plan = plan_tensor_parallel(
-        meta,
-        state.config,
-        world_size=4,
-        tp=2,
-        micro_batch=2,
-        seq_len=_tp.SEQ,
-        sequence_parallel=sp,
-        cluster=Cluster(),
-        styles=styles,
-        param_group_of=groups,
-    )
+    plan = _tp.plan(state.config, sp=sp)
     on_host = [g for g in state.groups if host.holds(g)]
     on_device = [g for g in state.groups if not host.holds(g)]
     held = sum(t.nbytes for g in on_host for t in opt.state[g.master].values() if t.dim())
@@ -140,36 +112,6 @@ def _reference(
     return losses, norms, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
-def _train(
-    model: nn.Module,
-    opt: zs.ZeroOptimizer,
-    data: torch.Tensor,
-    steps: range,
-    mesh: Any,
-    clip: bool,
-    in_backward: bool,
-) -> tuple[list[float], list[float]]:
-    """This data-parallel rank's part of each step's global batch: the global mean losses
-    and the clip norms."""
-    me = _dp(mesh)[1]
-    losses, norms = [], []
-    for step in steps:
-        loss = _tp.loss_fn(model, data[step, 0, me])
-        if in_backward:
-            with opt.step_in_backward():
-                loss.backward()
-        else:
-            loss.backward()
-        if clip:
-            norms.append(float(opt.clip_grad_norm_(CLIP)))
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())
-    return losses, norms
-
-
 def _state(opt: zs.ZeroOptimizer) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in opt.state[g.master].items()} for g in opt.flat_groups]
 
@@ -195,6 +137,11 @@ def _case(
         return zs.initialize(model, opts if muon else opts[0], config, device_mesh=mesh)
 
     data = _tp.batches(STEPS, 1, _dp(mesh)[0])
+
+    def train(m: nn.Module, o: zs.ZeroOptimizer, steps: range) -> tuple[list[float], list[float]]:
+        max_norm = CLIP if clip else None
+        return _tp.train(m, o, data, steps, _dp(mesh)[1], clip=max_norm, in_backward=in_backward)
+
     _, reference = _tp.split_model(mesh, sp=sp, seed=stage)
     ref_losses, ref_norms, ref_state = _reference(
         copy.deepcopy(reference), data, clip, delayed, muon
@@ -205,10 +152,10 @@ def _case(
     assert homes == want, homes
     # Two steps, a checkpoint of the combination, the third step.
     path = Path(root) / f"{'x'.join(map(str, shape))}s{stage}{sorted(offload)}{'muon' * muon}"
-    losses, norms = _train(model, opt, data, range(2), mesh, clip, in_backward)
+    losses, norms = train(model, opt, range(2))
     zs.save_checkpoint(model, opt, path, step=2, overwrite=True)
     saved, saved_state = zs.full_state_dict(model), _state(opt)
-    more = _train(model, opt, data, range(2, STEPS), mesh, clip, in_backward)
+    more = train(model, opt, range(2, STEPS))
     torch.testing.assert_close(losses + more[0], ref_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norms + more[1], ref_norms, rtol=1e-5, atol=1e-6)
     if planned:
@@ -228,7 +175,7 @@ def _case(
             assert torch.equal(v, saved[k]), k
         torch.testing.assert_close(_state(opt2), saved_state, rtol=0, atol=0)
         return
-    _train(again, opt2, data, range(2, 3), mesh, clip, in_backward)
+    train(again, opt2, range(2, 3))
     got = zs.full_state_dict(again)
     for k, v in full.items():
         assert torch.equal(got[k], v), f"{k}: the resume is not bit-identical"

@@ -68,36 +68,8 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
 
 
 def _planned_states_match(model: Any) -> None:
-    from zeroshard.engine.planner._cluster import Cluster
-    from zeroshard.engine.planner._tensor_parallel import (
-        COLWISE,
-        EMBEDDING,
-        GATHERED,
-        ROWWISE,
-        plan_tensor_parallel,
-    )
-
     state = zs.engine_state(model)
-    with torch.device("meta"):
-        meta = _tp.TPModel()
-    groups = {
-        id(p): k for k, pg in enumerate(_tp.make_optimizer(meta).param_groups) for p in pg["params"]
-    }
-    styles = {"emb": EMBEDDING, "head": GATHERED}
-    for i in range(2):
-        styles.update({f"blocks.{i}.up": COLWISE, f"blocks.{i}.down": ROWWISE})
-    plan = plan_tensor_parallel(
-        meta,
-        state.config,
-        world_size=4,
-        tp=2,
-        micro_batch=2,
-        seq_len=_tp.SEQ,
-        sequence_parallel=True,
-        cluster=Cluster(),
-        styles=styles,
-        param_group_of=groups,
-    )
+    plan = _tp.plan(state.config, sp=True)
     shards = sum(g.master.numel() for g in state.groups)
     assert plan.states["master"] == 4 * shards, (plan.states, shards)
     assert plan.states["optimizer"] == 8 * shards, (plan.states, shards)

@@ -1,8 +1,9 @@
 """Restarts from snapshots in memory end where an uninterrupted run ends.
 
 examples/train_gpt.py (stage 3, gloo, `--snapshot-every 1`, checkpoints every 4 steps
-as the fallback) is SIGKILLed at the points tests/faults/_snapshot_job.py describes, one
-per attempt, under real `torchrun --max-restarts` with c10d rendezvous. Each restart
+as the fallback; stage 2 with `--offload delayed` in one test) is SIGKILLed at the
+points tests/faults/_snapshot_job.py describes, one per attempt, under real `torchrun
+--max-restarts` with c10d rendezvous. Each restart
 resumes from the newest step the snapshots in shared memory cover (or, where they cover
 none, from disk with one warning saying how many steps that costs), and the final fp32
 weights and every logged loss are bit-identical to a run without faults, snapshots or
@@ -124,6 +125,21 @@ def test_workers_killed_restart_from_memory(
     # How many times each step ran is not fixed: a kill in the background thread may
     # come while the training thread is a step further on.
     _check(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_delayed_update_restarts_from_memory(tmp_path: Path) -> None:
+    """`--offload delayed` at stage 2 (offload_delay_param_update: forward one step behind
+    the masters): rank 1 killed mid-step 3, then mid-snapshot of step 5; each restart
+    from memory gives the lag back, ending bit-identical to the uninterrupted delayed run
+    (from disk, which keeps no lag, it would not)."""
+    delayed = ("--stage", "2", "--offload", "delayed")
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    _torchrun(ref, "", *delayed)
+    out = _torchrun(tmp_path, "step:3,own:5", *FAULTY, *delayed)
+    assert _resumes(out) == [(3, "memory"), (4, "memory")], out[-6000:]
+    _check(tmp_path, (load_file(ref / "final.safetensors"), _losses(ref / "loss.log")))
 
 
 def _agent(

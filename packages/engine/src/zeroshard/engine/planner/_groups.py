@@ -143,8 +143,11 @@ def snapshot_bytes(
     plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
 ) -> int:
     """One rank's snapshot (`zeroshard.engine.Snapshots`) in bytes: its masters and
-    optimizer state, what its checkpoint file holds."""
+    optimizer state, what its checkpoint file holds; under `offload.delay_param_update`
+    also its shard of the trainable parameters one step behind the masters, in the
+    compute dtype ([Note: a snapshot of a lagging run] in recovery/_contents.py)."""
     master = cfg.precision.master_dtype.itemsize
+    behind = cfg.precision.compute_dtype.itemsize if cfg.offload.delay_param_update else 0
     total = 0
     for g in plan.groups:
         total += g.layout.shard_numel * master
@@ -154,7 +157,7 @@ def snapshot_bytes(
                 if isinstance(optimizer_bytes_per_element, Mapping)
                 else optimizer_bytes_per_element
             )
-            total += g.layout.shard_numel * per * master // 4
+            total += g.layout.shard_numel * per * master // 4 + g.layout.shard_numel * behind
     return total
 
 

@@ -8,13 +8,25 @@ its own snapshot gets its own back). It is put back by the checkpoint's own phas
 (`check_optimizer_structure`, `restore_user_state`, `apply_loaded`; [Note: all or
 nothing]), so a restore from memory and a load from disk cannot differ in what they
 restore.
+
+[Note: a snapshot of a lagging run]
+Under `offload.delay_param_update` the parameters forward computes with are one step
+behind the masters from one `step()` to the next ([Note: delayed parameter update]). A
+checkpoint keeps the masters only (a load publishes them: the resumed run computes its
+first window without the lag). A snapshot is to resume as the run would have gone on, so
+it also keeps this rank's shard of each trainable group's parameters as forward computes
+with them (`ZeroOptimizer.behind`: compute dtype, one step behind), under `behind.` keys;
+the restore publishes the masters as a load does, then all-gathers those shards over
+the parameters and marks the optimizer lagging (`restore_lag`), so the next `step()`
+publishes the masters first, as it would have. The step in flight is not part of it:
+`take` waits for it (`settle`), and its masters are the snapshot's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,6 +60,9 @@ from zeroshard.engine.state._user_state import (
     saved_scope,
 )
 
+# The parameters one step behind the masters ([Note: a snapshot of a lagging run]).
+_BEHIND = "behind."
+
 
 def rank_contents(
     model: nn.Module,
@@ -62,8 +77,40 @@ def rank_contents(
     buffers = module_buffers(model)
     tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     meta = meta.with_files(step, {}, {k: tuple(v.shape) for k, v in buffers.items()})
+    if state.optimizer is not None:
+        groups = {g.index: g for g in state.groups}
+        for index, shard in state.optimizer.behind().items():
+            tensors[_BEHIND + checkpoint_group_name(groups[index])] = shard
     extra = encode_state({GLOBAL: client_state, PER_RANK: rank_state})
     return meta, tensors, extra
+
+
+def _behind(state: EngineState, snap: Snapshot, where: str) -> dict[int, torch.Tensor]:
+    """The snapshot's parameters one step behind its masters, by group index (empty
+    where nothing lagged), once they are checked to fit this engine's groups."""
+    held = {k[len(_BEHIND) :]: t for k, t in snap.tensors.items() if k.startswith(_BEHIND)}
+    if not held:
+        return {}
+    out = {}
+    for g in state.groups:
+        if not g.trainable:
+            continue
+        t = held.pop(checkpoint_group_name(g), None)
+        start, end = g.shard_range
+        if t is None or t.dtype != g.param_buffer.dtype or t.shape != (end - start,):
+            got = None if t is None else (t.dtype, tuple(t.shape))
+            raise CheckpointError(
+                f"{where} holds the parameters one step behind its masters, but not as "
+                f"flat group {g.index}'s ({g.param_buffer.dtype}, {end - start} elements; "
+                f"got {got})"
+            )
+        out[g.index] = t
+    if held:
+        raise CheckpointError(
+            f"{where} holds lagging parameters of groups this engine does not train "
+            f"({sorted(held)})"
+        )
+    return out
 
 
 def _loaded(state: EngineState, snap: Snapshot, where: str) -> LoadedShards:
@@ -92,15 +139,26 @@ def _loaded(state: EngineState, snap: Snapshot, where: str) -> LoadedShards:
     return loaded
 
 
+class Checked(NamedTuple):
+    """A snapshot checked to fit this engine: the checkpoint load's result, the user's
+    global and per-rank state, the parameters one step behind (`_behind`)."""
+
+    loaded: LoadedShards
+    glob: dict[str, Any]
+    mine: dict[str, Any]
+    behind: dict[int, torch.Tensor]
+
+
 def check_snapshot(
     state: EngineState,
     snap: Snapshot,
     where: str,
     client_state: Mapping[str, Any] | None,
     rank_state: Mapping[str, Any] | None,
-) -> tuple[LoadedShards, dict[str, Any], dict[str, Any]]:
+) -> Checked:
     """Everything a restore needs, checked, with no side effect (CheckpointError)."""
     loaded = _loaded(state, snap, where)
+    behind = _behind(state, snap, where)
     glob: dict[str, Any] = {}
     mine: dict[str, Any] = {}
     if client_state is not None:
@@ -109,7 +167,7 @@ def check_snapshot(
     if rank_state is not None:
         mine = saved_scope(snap.extra, PER_RANK, where)
         check_requested(mine, rank_state, f"{where}'s {PER_RANK}")
-    return loaded, glob, mine
+    return Checked(loaded, glob, mine, behind)
 
 
 def apply_snapshot(
@@ -117,12 +175,16 @@ def apply_snapshot(
     state: EngineState,
     everyone: Group,
     label: str,
-    checked: tuple[LoadedShards, dict[str, Any], dict[str, Any]],
+    checked: Checked,
     client_state: MutableMapping[str, Any] | None,
     rank_state: MutableMapping[str, Any] | None,
 ) -> None:
-    """Put a checked snapshot back, as `load_checkpoint` puts a checkpoint back."""
-    loaded, glob, mine = checked
+    """Put a checked snapshot back, as `load_checkpoint` puts a checkpoint back, and the
+    lag of the parameters behind the masters ([Note: a snapshot of a lagging run])."""
+    loaded, glob, mine, behind = checked
     if client_state is not None or rank_state is not None:
         restore_user_state(everyone, label, [(glob, client_state or {}), (mine, rank_state or {})])
     apply_loaded(state, loaded, module_buffers(model))
+    # Every rank lagged or none did: their snapshots are of one step() of one run.
+    if behind:
+        state.needs_optimizer("Snapshots.resume").restore_lag(behind)

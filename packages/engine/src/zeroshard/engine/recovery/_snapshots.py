@@ -71,16 +71,6 @@ class Snapshots:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
-        if self._state.config.offload.delay_param_update:
-            # A snapshot holds the masters of every step() so far (a checkpoint's contents);
-            # the parameters forward computes with lag them by one step, and a restore
-            # republishes the masters: the run would go on from other weights.
-            raise ValueError(
-                "Snapshots: not yet with offload_delay_param_update: a snapshot holds the "
-                "masters of every step() so far, but the next forward computes with the "
-                "parameters one step behind them, which a restore would not give back "
-                "(the resumed run would differ from the uninterrupted one)"
-            )
         self.every = every
         self.client_state = client_state
         self.rank_state = rank_state
@@ -115,7 +105,9 @@ class Snapshots:
         if step % self.every:
             return False
         self.wait()
-        self._state.settle()  # a delayed step in flight is part of this step
+        # A delayed step in flight is part of this step; the parameters behind it are
+        # kept too ([Note: a snapshot of a lagging run] in _contents.py).
+        self._state.settle()
         meta, tensors, extra = rank_contents(
             self._model, self._state, step, self.client_state, self.rank_state
         )

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.comm import Group, Handle
+from zeroshard.engine.runtime._collectives import gather_shards
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_destination import by_destination, by_device
 from zeroshard.engine.runtime._home import refresh_homes
@@ -125,6 +126,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._overflow = False
         # Whether the gradients held are those a step() used (unscaled), until zero_grad.
         self._stepped = False
+        # Whether forward computes with the weights from before the masters' last step
+        # (a deferred step, published at the next step(): see `lagging`).
+        self._lagging = False
         masters = [g.master for g in self.flat_groups if g.trainable]
         # Optimizer.__init__ sets up hooks and bookkeeping; param_groups/state are then
         # replaced by the inner optimizer's own, so both see the same objects.
@@ -232,7 +236,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.hooks is not None:
             self.hooks.before_step()
         self.settle()
-        if self.stepper.deferred():
+        if self._lagging:
             # A deferred step's weights (delay_param_update), uploaded while this window
             # computed with the ones before them.
             self._publish(self._trainable(), uploaded=True)
@@ -251,6 +255,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             outcome = self.stepper.step()
         if outcome is StepOutcome.PUBLISH:
             self._publish(self._trainable(), uploaded=True)
+        else:
+            self._lagging = True
         return None
 
     @contextlib.contextmanager
@@ -286,10 +292,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.settle()
         self._publish(self.flat_groups)
 
+    @property
+    def lagging(self) -> bool:
+        """Whether forward computes with the trainable parameters as they were before the
+        masters' last step, which the next `step()` publishes first (delay_param_update:
+        [Note: delayed parameter update])."""
+        return self._lagging
+
+    def behind(self) -> dict[int, torch.Tensor]:
+        """While `lagging`: this rank's shard of what each trainable group's parameters
+        hold (the compute-dtype weights one step behind the masters; views, by group
+        index), what `restore_lag` takes back. Empty when nothing lags."""
+        if not self._lagging:
+            return {}
+        return {g.index: g.param_buffer[slice(*g.shard_range)] for g in self._trainable()}
+
+    def restore_lag(self, behind: Mapping[int, torch.Tensor]) -> None:
+        """After the masters were restored and published (a snapshot's load): make forward
+        compute with `behind` (`behind()` as it was taken) until the next `step()`
+        publishes the masters, as the run the snapshot was taken in did. Collective."""
+        groups = self._trainable()
+        if behind.keys() != {g.index for g in groups}:
+            raise ValueError(
+                f"restore_lag: shards of flat groups {sorted(behind)}, this optimizer's "
+                f"trainable groups are {[g.index for g in groups]}"
+            )
+        for g in groups:
+            # Stages 1/2 only (delay_param_update's): the parameters are `param_buffer`.
+            assert not g.sharded
+            shard = behind[g.index].to(g.param_buffer.device)
+            label = f"lagging params of group {g.index}"
+            gather_shards(g.process_group, g.wire, shard, g.param_buffer, label=label).wait()
+        self._lagging = True
+
     def _publish(self, groups: Iterable[FlatParamGroup], *, uploaded: bool = False) -> None:
         """Publish `groups`' masters; `uploaded`: the step rewrote their compute shards."""
         publish_masters(groups, self.allgather_bucket_bytes, uploaded=uploaded)
-        self.stepper.published()
+        self._lagging = False
         if self.hooks is not None:
             self.hooks.after_publish()
 

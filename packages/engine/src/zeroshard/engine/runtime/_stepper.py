@@ -9,7 +9,8 @@ optimizer's on whole parameters), and `StepEach` for several optimizers at once.
 stepper holds the flat groups and the wrapped optimizer
 it steps them with, so it may step some groups one way and others another, and run
 collectives over a group's `process_group` inside its step; `step()` says whether the
-masters are final (publish now) or still stepping (published at the next `step()`).
+masters are final (publish now) or still stepping (published at the next `step()`; till
+then the optimizer's parameters lag the masters: `ZeroOptimizer.lagging`).
 """
 
 from __future__ import annotations
@@ -54,14 +55,6 @@ class Stepper(Protocol):
         optimizer state are then those of every `step()` so far."""
         ...
 
-    def deferred(self) -> bool:
-        """Whether the masters hold a settled step that was not published yet."""
-        ...
-
-    def published(self) -> None:
-        """The masters as they are now were published (nothing is deferred any more)."""
-        ...
-
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
         """The backward inside steps groups as their gradients land (`ZeroOptimizer.
         step_in_backward`); a ValueError naming why where this stepper cannot."""
@@ -94,13 +87,6 @@ class OnDevice:
 
     def settle(self) -> None:
         """Nothing runs after `step()` returned."""
-
-    def deferred(self) -> bool:
-        """Never: every step publishes at once."""
-        return False
-
-    def published(self) -> None:
-        """Nothing to note."""
 
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
         """Refused: the device step has nothing to overlap with backward."""
@@ -159,15 +145,6 @@ class StepEach:
         """Wait for each."""
         for s in self.steppers:
             s.settle()
-
-    def deferred(self) -> bool:
-        """Whether any holds a step not yet published."""
-        return any(s.deferred() for s in self.steppers)
-
-    def published(self) -> None:
-        """Tell each."""
-        for s in self.steppers:
-            s.published()
 
     @contextlib.contextmanager
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> Iterator[None]:

@@ -66,7 +66,8 @@ The masters and the optimizer state are those of step k only once it finished: c
 `full_state_dict` and `gathered_parameters` call `ZeroOptimizer.settle` first. None of
 them publishes: the parameters stay one step behind until the next `step()`, so saving
 does not change what training computes. A load publishes what it loaded, so a resumed
-run computes its first window at the saved weights, without the lag.
+run computes its first window at the saved weights, without the lag; a snapshot keeps
+the lag ([Note: a snapshot of a lagging run] in recovery/_contents.py).
 
 On a GPU the uploads wait on the current stream as of `begin_upload`, at step()
 ([Note: upload stream order] in _upload.py): that covers the publish that reads

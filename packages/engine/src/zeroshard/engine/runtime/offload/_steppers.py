@@ -65,13 +65,6 @@ class HostStep(_HostSteps):
     def settle(self) -> None:
         """Nothing runs after `step()` returned."""
 
-    def deferred(self) -> bool:
-        """Never: every step publishes at once."""
-        return False
-
-    def published(self) -> None:
-        """Nothing to note."""
-
     @contextlib.contextmanager
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> Iterator[None]:
         """Step each offloaded group as its gradient lands while the block's backward goes
@@ -113,15 +106,12 @@ class DelayedHostStep(_HostSteps):
         offload: HostOffload,
     ) -> None:
         super().__init__(optimizers, offload)
-        # The step in flight, and whether the parameters still hold the weights from
-        # before the last step.
+        # The step in flight.
         self._delayed: DelayedStep | None = None
-        self._unpublished = False
 
     def step(self) -> StepOutcome:
         """Start the host step on the stepping thread; its masters are published later."""
         self._delayed = DelayedStep(self.owned, self.offload)
-        self._unpublished = True
         return StepOutcome.DEFERRED
 
     def settle(self) -> None:
@@ -129,14 +119,6 @@ class DelayedHostStep(_HostSteps):
         if self._delayed is not None:
             delayed, self._delayed = self._delayed, None
             delayed.wait()
-
-    def deferred(self) -> bool:
-        """Whether the last step's masters wait to be published."""
-        return self._unpublished
-
-    def published(self) -> None:
-        """The masters were published: the lag is made up."""
-        self._unpublished = False
 
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
         """Refused: the delayed step overlaps the next backward already."""
