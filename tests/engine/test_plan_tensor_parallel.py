@@ -133,14 +133,51 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
         assert why in capsys.readouterr().err
 
 
+def held_bytes(run: Callable[[], Any]) -> tuple[Any, int]:
+    """`run()`'s result and the most bytes it held at once beyond what was alive when it
+    began, by the CPU allocator's own reports (torch.profiler's memory events), taken at
+    the end of each outermost operator: a CPU bf16 matmul's scratch within the operator,
+    which a GPU's cuBLAS does not allocate, left out."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        out = run()
+    assert prof.profiler is not None
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    ends, last = [], -1
+    for start, end in sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() != "[memory]"
+    ):
+        if start >= last:
+            ends.append(end)
+            last = end
+    peak = live = i = 0
+    for end in [*ends, float("inf")]:
+        while i < len(memory) and memory[i][0] <= end:
+            live += memory[i][1]
+            i += 1
+        peak = max(peak, live)
+    return out, peak
+
+
 class Allocated:
     """The sizes of what Muon's step allocates on this rank, recorded by wrapping the
     engine's own functions (they run unchanged): the largest bf16 update, the owner
     buffers and the buffers coming back (summed over a step), the largest set of
-    matrices joined whole over tp in one call."""
+    matrices joined whole over tp in one call, and the most one orthogonalization of a
+    group's matrices held at once (`held_bytes`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.update = self.buffers = self.joined = 0
+        self.update = self.buffers = self.joined = self.orthogonalize = 0
+        real_orthogonalized = MuonStep._orthogonalized
+
+        def orthogonalized(*args: Any) -> Any:
+            out, peak = held_bytes(lambda: real_orthogonalized(*args))
+            self.orthogonalize = max(self.orthogonalize, peak)
+            return out
+
+        monkeypatch.setattr(MuonStep, "_orthogonalized", orthogonalized)
 
         def spy(cls: type, name: str, record: Callable[[Any], None]) -> None:
             real = getattr(cls, name)
@@ -166,11 +203,11 @@ class Allocated:
         spy(MatrixExchange, "from_owners", buffer)
         spy(TensorParallel, "whole_tensors", joined)
 
-    def largest(self) -> tuple[int, int, int]:
+    def largest(self) -> tuple[int, int, int, int]:
         """Each figure's largest over the ranks."""
-        t = torch.tensor([self.update, self.buffers, self.joined])
+        t = torch.tensor([self.update, self.buffers, self.joined, self.orthogonalize])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t[0]), int(t[1]), int(t[2])
+        return int(t[0]), int(t[1]), int(t[2]), int(t[3])
 
 
 def _pair(
@@ -244,7 +281,12 @@ def _pair(
         assert w is None
         return
     assert w is not None and w.joined_bytes > 0
-    assert (w.update_bytes, w.buffer_bytes, w.joined_bytes) == allocated.largest()
+    assert (
+        w.update_bytes,
+        w.buffer_bytes,
+        w.joined_bytes,
+        w.orthogonalize_bytes,
+    ) == allocated.largest()
 
 
 PAIRS: list[dict[str, Any]] = [

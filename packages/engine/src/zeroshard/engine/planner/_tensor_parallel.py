@@ -336,6 +336,7 @@ def plan_tensor_parallel(
     itemsize = cfg.precision.compute_dtype.itemsize
     ops = collectives(model, styles, tokens, itemsize, sequence_parallel)
     before = {id(p): p for p in model.parameters()}
+    whole_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     pieces = localize(model, styles, tp)
     split = sum(before[i].numel() for i in pieces)
     per_rank = sum(p.numel() for p in model.parameters())
@@ -354,7 +355,11 @@ def plan_tensor_parallel(
         process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
     host, pinned = host_bytes(plan, cfg, per_element)
-    whole = None if optimizers is None else whole_matrix_cost(plan.groups, cfg, optimizers, tp)
+    whole = (
+        None
+        if optimizers is None
+        else whole_matrix_cost(plan.groups, cfg, optimizers, tp, whole_shapes)
+    )
     return TensorParallelPlan(
         tp,
         world_size,
