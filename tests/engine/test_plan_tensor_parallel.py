@@ -30,8 +30,9 @@ from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
 from zeroshard.ckpt import buffer_key
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cli import main
-from zeroshard.engine.planner._cluster import Cluster
+from zeroshard.engine.planner._cluster import Cluster, Link
 from zeroshard.engine.planner._presets import build
+from zeroshard.engine.planner._step_time import Compute
 from zeroshard.engine.planner._tensor_parallel import (
     COLWISE,
     EMBEDDING,
@@ -101,6 +102,56 @@ def test_tiny_preset_split_and_collectives(sp: bool) -> None:
     assert plan.tp_seconds > 0
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_tp_step_is_its_share_of_the_compute_and_its_collectives(recompute: bool) -> None:
+    """[Note: the step under tensor parallelism]: with no data parallelism (world = tp)
+    zeroshard's collectives cost nothing and the step is 1/tp of the one-GPU compute plus
+    the tp collectives, the forward's twice under activation checkpointing."""
+    cfg = ZeroConfig.from_dict({"stage": 3, "compute_dtype": "bf16"})
+    compute = Compute(step_s=0.1, recompute=recompute)
+    plan = plan_tensor_parallel(
+        build("tiny", activation_checkpointing=recompute),
+        cfg,
+        world_size=2,
+        tp=2,
+        micro_batch=2,
+        seq_len=128,
+        sequence_parallel=False,
+        cluster=Cluster(),
+        compute=compute,
+    )
+    forward = sum(c.seconds(plan.cluster, 2) for c in plan.collectives if c.phase == "forward")
+    assert plan.step is not None and plan.step.compute_s == pytest.approx(0.05)
+    again = forward if recompute else 0.0
+    assert plan.tp_step_s == pytest.approx(plan.tp_seconds + again)
+    assert plan.step.total_s == pytest.approx(0.05 + plan.tp_seconds + again)
+    assert plan.tokens_per_s_per_gpu == pytest.approx(2 * 128 / 2 / plan.step.total_s)
+
+
+def test_tp_steps_dp_collectives_on_the_link_they_span() -> None:
+    """The data-parallel ranks are tp apart: at tp 8 on nodes of 8 GPUs the flat groups'
+    collectives cross nodes (the inter-node link prices them), at tp 4 on 8 GPUs not."""
+    cfg = ZeroConfig.from_dict({"stage": 3, "compute_dtype": "bf16"})
+
+    def step(world: int, tp: int, gbps: float) -> float:
+        plan = plan_tensor_parallel(
+            build("tiny", activation_checkpointing=False),
+            cfg,
+            world_size=world,
+            tp=tp,
+            micro_batch=2,
+            seq_len=128,
+            sequence_parallel=False,
+            cluster=Cluster(internode=Link(gbps, 5.0)),
+            compute=Compute(step_s=1e-4),
+        )
+        assert plan.step is not None
+        return plan.step.total_s
+
+    assert step(16, 8, 1.0) > step(16, 8, 50.0)
+    assert step(8, 4, 1.0) == step(8, 4, 50.0)
+
+
 def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -111,8 +162,10 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     assert main(["tiny", "--world", "4", "--tp", "2", "--stage", "3", "--offload", "params"]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer + params" in out and "| host (offload), of it pinned |" in out
-    # Muon under tp, offloaded too, the 3-D mesh and the fp8 gather.
+    # Muon under tp, offloaded too, the 3-D mesh and the fp8 gather; the projected step.
     for argv, shown in [
+        (["--step-ms", "100"], "(compute 50: 1/2 of one GPU's; communication"),
+        (["--step-ms", "100", "--shard-group-size", "2"], "tokens/s/GPU"),
         (["--optimizer", "muon"], "| whole-matrix step scratch (in a step; matrices joined"),
         (["--optimizer", "muon", "--offload", "optimizer"], "| host (offload), of it pinned |"),
         (["--shard-group-size", "2"], "tp 2 x dp_shard 1 x dp_replicate 2, stage 3"),

@@ -325,8 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compute = _compute(a, a.micro_batch * seq)
         if compute is None:
             print(f"({NOT_PRICED}: memory only)")
-        # Under --tp the step is not projected (see plan_tensor_parallel's table).
-        priced = compute is not None and a.tp == 1
+        priced = compute is not None
         if a.offload != "none" and priced and a.cpu_adam_params_per_s is None:
             raise ValueError("offload step time needs --cpu-adam-params-per-s (a measured rate)")
         cluster = Cluster(
@@ -351,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cluster=cluster,
                 optimizers=optimizers,
                 shard_group_size=a.shard_group_size,
+                compute=compute,
+                step_in_backward=a.offload_overlap == "backward" and cfg.offload.optimizer,
             )
             print(split.table())
             if a.snapshots is not None:
