@@ -17,7 +17,8 @@ import torch
 from zeroshard.engine import ZeroConfig
 from zeroshard.engine.planner import _cli as cli
 from zeroshard.engine.planner._activations import GradPath, default_loss, trace_operators
-from zeroshard.engine.planner._cli import _parser, main
+from zeroshard.engine.planner._arguments import parser as _parser
+from zeroshard.engine.planner._cli import main
 from zeroshard.engine.planner._cluster import NVLINK_GBPS_FIT, NVLINK_LATENCY_US_FIT
 from zeroshard.engine.planner._estimate import estimate, estimate_on_trace, trace_micro_batch
 from zeroshard.engine.planner._groups import plan_groups
