@@ -9,6 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from benchmarks._common import DOC, RESULTS, ROOT, pyplot
@@ -18,6 +19,7 @@ from zeroshard.engine.planner._cluster import Cluster, Link, fit_link
 from zeroshard.engine.planner._groups import plan_groups
 from zeroshard.engine.planner._presets import PRESETS, build
 from zeroshard.engine.planner._step_time import Compute
+from zeroshard.engine.planner._tensor_parallel import plan_tensor_parallel
 
 SCALING_DOC = ROOT / "docs" / "scaling.md"
 GIB = 2**30
@@ -179,6 +181,79 @@ def offload_validation() -> str:
         "host figure measured is the process's peak resident memory (ru_maxrss: CUDA and "
         "torch libraries, the model built for initialization and allocator slack included), "
         "so only the estimate's host buffers are comparable, not equal.\n\n" + "\n".join(rows)
+    )
+
+
+# The GPU run that validates the step under tensor parallelism; its bench-out JSON goes
+# to benchmarks/results/tp_<preset>_<world>gpu.json.
+TP_COMMAND = (
+    "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=2 -m benchmarks.train_step "
+    "--model llama --preset 1.3b --micro-batch 4 --activation-checkpointing "
+    "--engines floor32,zs3,zs3tp --tp 2 --rounds 3 --section tp_1.3b_2gpu"
+)
+
+
+def tp_validation() -> str:
+    """The projected step under tensor parallelism ([Note: the step under tensor
+    parallelism] in the planner's _step_time.py) against the tp engines of
+    benchmarks/results/tp_*.json, each from that run's own one-GPU `floor32` step."""
+    from examples import llama
+
+    rows = [
+        "| run (file) | engine | GPUs | tp | states GiB est / meas | step ms est / meas |",
+        "|---|---|---|---|---|---|",
+    ]
+    sources = set()
+    for path in sorted(RESULTS.glob("tp_*.json")):
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        by = {r["engine"]: r for r in data["results"] if r.get("step_ms")}
+        if meta["model_name"] != "llama" or "floor32" not in by:
+            continue
+        sources.add(f"{meta['device']}, {meta['date']}, torch {meta['torch']}")
+        ac = bool(meta["activation_checkpointing"])
+        compute = Compute(step_s=by["floor32"]["step_ms"] / 1e3, recompute=ac)
+        cfg = ZeroConfig.from_dict(
+            {"stage": 3, "compute_dtype": meta["dtype"], **(meta["zs_config"] or {})}
+        )
+        for engine in ("zs3tp", "zs3ctp"):
+            r = by.get(engine)
+            if r is None:
+                continue
+            with torch.device("meta"):
+                model = llama.Llama(llama.LlamaConfig(**meta["model"]))
+            plan = plan_tensor_parallel(
+                model,
+                cfg,
+                world_size=meta["world"],
+                tp=r["tp"],
+                micro_batch=meta["micro_batch"],
+                seq_len=meta["seq_len"],
+                sequence_parallel=False,
+                cluster=Cluster(),
+                compute=compute,
+            )
+            assert plan.step is not None
+            kept, ms = sum(plan.states.values()) / GIB, plan.step.total_s * 1e3
+            rows.append(
+                f"| {path.name} | `{engine}` | {meta['world']} | {r['tp']} | "
+                f"{kept:.1f} / {r['states_gib']:.1f} ({_pct(kept, r['states_gib'])}) | "
+                f"{ms:.0f} / {r['step_ms']:.0f} ({_pct(ms, r['step_ms'])}) |"
+            )
+    if len(rows) == 2:
+        return (
+            "Tensor parallelism: not yet measured. The projected step under `--tp` (1/tp "
+            "of the one-GPU compute, the tp collectives on the critical path) awaits a GPU "
+            f"run: `{TP_COMMAND}`, its `bench-out/tp_1.3b_2gpu.json` copied to "
+            "benchmarks/results/, then this script."
+        )
+    return (
+        "Tensor parallelism, examples/llama.py split by Megatron's plan, stage 3 over the "
+        "rest. Measured: " + "; ".join(sorted(sources)) + " (benchmarks/results/tp_*.json, "
+        f"from `{TP_COMMAND}` or its like). Each step is estimated from the same run's "
+        "one-GPU `floor32` step (no communication, fp32 masters) as the compute figure "
+        "([Note: the step under tensor parallelism] in the planner's _step_time.py).\n\n"
+        + "\n".join(rows)
     )
 
 

@@ -17,7 +17,8 @@ import torch
 from zeroshard.engine import ZeroConfig
 from zeroshard.engine.planner import _cli as cli
 from zeroshard.engine.planner._activations import GradPath, default_loss, trace_operators
-from zeroshard.engine.planner._cli import _parser, main
+from zeroshard.engine.planner._arguments import parser as _parser
+from zeroshard.engine.planner._cli import main
 from zeroshard.engine.planner._cluster import NVLINK_GBPS_FIT, NVLINK_LATENCY_US_FIT
 from zeroshard.engine.planner._estimate import estimate, estimate_on_trace, trace_micro_batch
 from zeroshard.engine.planner._groups import plan_groups
@@ -168,7 +169,7 @@ def test_muon_prices_its_state_and_its_step() -> None:
     assert extra >= w.max_flops / 1e14, (extra, w.max_flops)
     assert "whole-matrix step: Newton-Schulz" in muon.table()
     # Its step's scratch (the update, the owners' buffers) is in the step's peak.
-    assert muon.step_scratch == w.update_bytes + w.buffer_bytes > 0
+    assert muon.step_scratch == w.update_bytes + w.buffer_bytes + w.orthogonalize_bytes > 0
     assert "| whole-matrix step scratch (in a step) |" in muon.table()
 
 

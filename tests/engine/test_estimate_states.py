@@ -21,6 +21,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer, muon_and_adamw
 from tests.engine.test_plan_tensor_parallel import Allocated
+from tests.engine.test_whole_matrix import DeclaredMuon
 from zeroshard.engine import HomeKind
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.planner._groups import plan_groups
@@ -47,9 +48,13 @@ def _two_fused(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
     ]
 
 
-def _optimizers(model: torch.nn.Module, muon: bool, several: bool) -> list[torch.optim.Optimizer]:
+def _optimizers(
+    model: torch.nn.Module, muon: bool, several: bool, declared: bool
+) -> list[torch.optim.Optimizer]:
     if several:
         return _two_fused(model)
+    if declared:
+        return muon_and_adamw(model, DeclaredMuon)
     return muon_and_adamw(model) if muon else [make_optimizer(model)]
 
 
@@ -59,6 +64,7 @@ def _case(
     shard: int | None = None,
     muon: bool = False,
     several: bool = False,
+    declared: bool = False,
     **extra: Any,
 ) -> None:
     world = dist.get_world_size()
@@ -67,7 +73,7 @@ def _case(
     )
     with torch.device("meta"):
         meta = make_model()
-    meta_opts = _optimizers(meta, muon, several)
+    meta_opts = _optimizers(meta, muon, several, declared)
     pgs = [pg for o in meta_opts for pg in o.param_groups]
     groups_of = {id(p): k for k, pg in enumerate(pgs) for p in pg["params"]}
     # The fused optimizers step in blocks: no group's fp32 upcast (several: every one).
@@ -78,7 +84,8 @@ def _case(
     model = make_model()
     with pytest.MonkeyPatch.context() as patch:
         allocated = Allocated(patch)
-        model, opt = zs.initialize(model, _optimizers(model, muon, several), cfg)
+        opts = _optimizers(model, muon, several, declared)
+        model, opt = zs.initialize(model, opts, cfg)
         _step(model, opt)
     state = zs.engine_state(model)
     assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
@@ -114,16 +121,30 @@ def _case(
         assert plan.offload is not None and plan.offload.chunks == state.offload.layout
     else:
         assert est.host == 0
-    assert dict(est.states) == real
+    if declared:
+        # Its state is on the whole parameters at their owners, full-shape: planned as
+        # the busiest rank's.
+        t = opts[0].state.values()
+        owned = torch.tensor(sum(x.nbytes for st in t for x in st.values() if x.dim()))
+        dist.all_reduce(owned, op=dist.ReduceOp.MAX)
+        real["optimizer"] += int(owned)
+    assert dict(est.states) == real, (dict(est.states), real)
     trainable = [g for g in state.groups if g.trainable and not offloaded(g)]
     assert est.grad_shards == sum(g.master.nbytes for g in trainable)
     # Muon's step scratch ([Note: the whole-matrix step's scratch]): the largest update,
     # and the owner buffers and those coming back, as the engine's step allocated them.
     w = est.whole_matrix
+    if declared:
+        # The whole parameters' exchange (a gradient and a master to the owner, the master
+        # back) in the master dtype.
+        assert w is not None and w.buffer_bytes > 0 and w.update_bytes == w.joined_bytes == 0
+        assert (0, w.buffer_bytes, 0, 0) == allocated.largest()
     if muon:
+        # Newton-Schulz's results and iterates too ([Note: Newton-Schulz's memory]).
         assert w is not None and w.buffer_bytes > 0 and w.joined_bytes == 0
-        assert (w.update_bytes, w.buffer_bytes, 0) == allocated.largest()
-        assert est.step_scratch == w.update_bytes + w.buffer_bytes
+        assert w.orthogonalize_bytes > 0
+        assert (w.update_bytes, w.buffer_bytes, 0, w.orthogonalize_bytes) == allocated.largest()
+        assert est.step_scratch == w.update_bytes + w.buffer_bytes + w.orthogonalize_bytes
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -165,6 +186,10 @@ MORE: list[dict[str, Any]] = [
     {"stage": 2, "dtype": "bf16", **MUON},
     {"stage": 3, "dtype": "fp32", **MUON, "offload_optimizer": True, "offload_ratio": 0.5},
     {"stage": 3, "dtype": "bf16", **MUON, "offload_optimizer": True, "offload_params": True},
+    # A declared whole-parameter optimizer (Muon's subclass): its exchange in the master
+    # dtype, its state full-shape at the owners (bf16 masters: half the bytes).
+    {"stage": 2, "dtype": "bf16", "master_dtype": "bf16", **MUON, "muon": False, "declared": True},
+    {"stage": 3, "dtype": "fp32", **MUON, "muon": False, "declared": True},
     # Several optimizers, all fused: the host steps each in blocks (delayed, too).
     {"stage": 2, "dtype": "bf16", "offload_optimizer": True, "several": True},
     {

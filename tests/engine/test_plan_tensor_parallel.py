@@ -13,6 +13,7 @@ tp) is the largest the engine's step allocated on any rank.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,13 @@ from tests.engine._models import muon_and_adamw
 from tests.engine.test_tensor_parallel import engine_config
 from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
 from zeroshard.ckpt import buffer_key
+from zeroshard.comm._group import Handle
+from zeroshard.comm._inflight import _held
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._cli import main
-from zeroshard.engine.planner._cluster import Cluster
+from zeroshard.engine.planner._cluster import Cluster, Link
 from zeroshard.engine.planner._presets import build
+from zeroshard.engine.planner._step_time import Compute
 from zeroshard.engine.planner._tensor_parallel import (
     plan_tensor_parallel,
 )
@@ -97,6 +101,56 @@ def test_tiny_preset_split_and_collectives(sp: bool) -> None:
     assert plan.tp_seconds > 0
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_tp_step_is_its_share_of_the_compute_and_its_collectives(recompute: bool) -> None:
+    """[Note: the step under tensor parallelism]: with no data parallelism (world = tp)
+    zeroshard's collectives cost nothing and the step is 1/tp of the one-GPU compute plus
+    the tp collectives, the forward's twice under activation checkpointing."""
+    cfg = ZeroConfig.from_dict({"stage": 3, "compute_dtype": "bf16"})
+    compute = Compute(step_s=0.1, recompute=recompute)
+    plan = plan_tensor_parallel(
+        build("tiny", activation_checkpointing=recompute),
+        cfg,
+        world_size=2,
+        tp=2,
+        micro_batch=2,
+        seq_len=128,
+        sequence_parallel=False,
+        cluster=Cluster(),
+        compute=compute,
+    )
+    forward = sum(c.seconds(plan.cluster, 2) for c in plan.collectives if c.phase == "forward")
+    assert plan.step is not None and plan.step.compute_s == pytest.approx(0.05)
+    again = forward if recompute else 0.0
+    assert plan.tp_step_s == pytest.approx(plan.tp_seconds + again)
+    assert plan.step.total_s == pytest.approx(0.05 + plan.tp_seconds + again)
+    assert plan.tokens_per_s_per_gpu == pytest.approx(2 * 128 / 2 / plan.step.total_s)
+
+
+def test_tp_steps_dp_collectives_on_the_link_they_span() -> None:
+    """The data-parallel ranks are tp apart: at tp 8 on nodes of 8 GPUs the flat groups'
+    collectives cross nodes (the inter-node link prices them), at tp 4 on 8 GPUs not."""
+    cfg = ZeroConfig.from_dict({"stage": 3, "compute_dtype": "bf16"})
+
+    def step(world: int, tp: int, gbps: float) -> float:
+        plan = plan_tensor_parallel(
+            build("tiny", activation_checkpointing=False),
+            cfg,
+            world_size=world,
+            tp=tp,
+            micro_batch=2,
+            seq_len=128,
+            sequence_parallel=False,
+            cluster=Cluster(internode=Link(gbps, 5.0)),
+            compute=Compute(step_s=1e-4),
+        )
+        assert plan.step is not None
+        return plan.step.total_s
+
+    assert step(16, 8, 1.0) > step(16, 8, 50.0)
+    assert step(8, 4, 1.0) == step(8, 4, 50.0)
+
+
 def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -107,8 +161,10 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
     assert main(["tiny", "--world", "4", "--tp", "2", "--stage", "3", "--offload", "params"]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer + params" in out and "| host (offload), of it pinned |" in out
-    # Muon under tp, offloaded too, the 3-D mesh and the fp8 gather.
+    # Muon under tp, offloaded too, the 3-D mesh and the fp8 gather; the projected step.
     for argv, shown in [
+        (["--step-ms", "100"], "(compute 50: 1/2 of one GPU's; communication"),
+        (["--step-ms", "100", "--shard-group-size", "2"], "tokens/s/GPU"),
         (["--optimizer", "muon"], "| whole-matrix step scratch (in a step; matrices joined"),
         (["--optimizer", "muon", "--offload", "optimizer"], "| host (offload), of it pinned |"),
         (["--shard-group-size", "2"], "tp 2 x dp_shard 1 x dp_replicate 2, stage 3"),
@@ -129,14 +185,68 @@ def test_cli_prints_the_split_and_refuses_what_it_cannot_price(
         assert why in capsys.readouterr().err
 
 
+def held_bytes(run: Callable[[], Any]) -> tuple[Any, int]:
+    """`run()`'s result and the most bytes it held at once beyond what was alive when it
+    began, by the CPU allocator's own reports (torch.profiler's memory events), taken at
+    the end of each outermost operator: a CPU bf16 matmul's scratch within the operator,
+    which a GPU's cuBLAS does not allocate, left out."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        out = run()
+    assert prof.profiler is not None
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    ends, last = [], -1
+    for start, end in sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() != "[memory]"
+    ):
+        if start >= last:
+            ends.append(end)
+            last = end
+    peak = live = i = 0
+    for end in [*ends, float("inf")]:
+        while i < len(memory) and memory[i][0] <= end:
+            live += memory[i][1]
+            i += 1
+        peak = max(peak, live)
+    return out, peak
+
+
 class Allocated:
     """The sizes of what Muon's step allocates on this rank, recorded by wrapping the
     engine's own functions (they run unchanged): the largest bf16 update, the owner
     buffers and the buffers coming back (summed over a step), the largest set of
-    matrices joined whole over tp in one call."""
+    matrices joined whole over tp in one call, and the most one orthogonalization of a
+    group's matrices held at once (`held_bytes`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.update = self.buffers = self.joined = 0
+        self.update = self.buffers = self.joined = self.orthogonalize = 0
+        real_orthogonalized = MuonStep._orthogonalized
+        real_wait = Handle.wait
+
+        def wait(handle: Handle) -> None:
+            # gloo's worker thread now and then lets go of a collective's tensors after
+            # the caller has ([Note: gloo at interpreter exit]), freeing them on a thread
+            # the profiler does not follow: wait here until it has, so that the caller's
+            # free is the one seen (NCCL's wait releases them likewise).
+            work = handle._work
+            aliases = [a for a, w, _ in tuple(_held.values()) if work is not None and w() is work]
+            del work
+            real_wait(handle)
+            deadline = time.monotonic() + 30
+            while any(a() is not None for a in aliases):
+                assert time.monotonic() < deadline, "gloo did not let go of a collective"
+                time.sleep(0.001)
+
+        monkeypatch.setattr(Handle, "wait", wait)
+
+        def orthogonalized(*args: Any) -> Any:
+            out, peak = held_bytes(lambda: real_orthogonalized(*args))
+            self.orthogonalize = max(self.orthogonalize, peak)
+            return out
+
+        monkeypatch.setattr(MuonStep, "_orthogonalized", orthogonalized)
 
         def spy(cls: type, name: str, record: Callable[[Any], None]) -> None:
             real = getattr(cls, name)
@@ -162,11 +272,11 @@ class Allocated:
         spy(MatrixExchange, "from_owners", buffer)
         spy(TensorParallel, "whole_tensors", joined)
 
-    def largest(self) -> tuple[int, int, int]:
+    def largest(self) -> tuple[int, int, int, int]:
         """Each figure's largest over the ranks."""
-        t = torch.tensor([self.update, self.buffers, self.joined])
+        t = torch.tensor([self.update, self.buffers, self.joined, self.orthogonalize])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t[0]), int(t[1]), int(t[2])
+        return int(t[0]), int(t[1]), int(t[2]), int(t[3])
 
 
 def _pair(
@@ -228,7 +338,9 @@ def _pair(
         assert w is None
         return
     assert w is not None and w.joined_bytes > 0
-    assert (w.update_bytes, w.buffer_bytes, w.joined_bytes) == allocated.largest()
+    planned = (w.update_bytes, w.buffer_bytes, w.joined_bytes, w.orthogonalize_bytes)
+    measured = allocated.largest()
+    assert planned == measured, (planned, measured)
 
 
 PAIRS: list[dict[str, Any]] = [

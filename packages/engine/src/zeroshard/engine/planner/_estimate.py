@@ -46,6 +46,7 @@ from zeroshard.engine.planner._step_time import (
 )
 from zeroshard.engine.planner._whole import (
     WholeMatrixCost,
+    owner_state_groups,
     whole_matrix_cost,
 )
 from zeroshard.engine.runtime._float8 import unwrap_float8_weights
@@ -287,8 +288,17 @@ def estimate_on_trace(
     whole = whole_matrix_cost(plan.groups, cfg, optimizers)
     # The engine's own rule where the optimizers are known (`state_floats`), else the
     # figure given for every param group.
-    state_per_element = {k: 4 * n for k, n in state_floats_by_param_group(optimizers).items()}
+    # An optimizer on whole parameters keeps its state at the owners (`whole`), none on
+    # the shards.
+    at_owners = owner_state_groups(optimizers)
+    state_per_element = {
+        k: 0 if k in at_owners else 4 * n
+        for k, n in state_floats_by_param_group(optimizers).items()
+    }
+    owner_state = 0 if whole is None else whole.owner_state_bytes
     host, pinned = host_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    states["optimizer"] += owner_state
     step = None
     if compute is not None:
         step = project_step(
@@ -307,7 +317,7 @@ def estimate_on_trace(
         micro_batch=micro_batch,
         seq_len=seq_len,
         parameters=sum(p.numel() for p in model.parameters()),
-        states=state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element),
+        states=states,
         grad_shards=grad_shard_bytes(plan, cfg),
         gathered=_gathered(plan, cfg),
         activations_peak=GradPath(plan, cfg).peak(trace),
@@ -316,5 +326,5 @@ def estimate_on_trace(
         step=step,
         float8=sum(g.layout.numel for g in plan.groups if g.wire is WireKind.FLOAT8),
         whole_matrix=whole,
-        snapshot=snapshot_bytes(plan, cfg, state_per_element),
+        snapshot=snapshot_bytes(plan, cfg, state_per_element) + owner_state,
     )

@@ -28,6 +28,22 @@ offload-goal1-again, the record of six runs). The serial step adds that CPU time
 the CPU overlap and the next forward waits; with `offload.delay_param_update` the CPU
 step runs beside the next forward and backward, so the step is the longer of the two.
 
+[Note: the step under tensor parallelism]
+Under tp over N consecutive GPUs each rank computes 1/N of every split layer: the
+measured one-GPU compute (of the whole model, on the same micro-batch) is divided by N,
+Megatron's split of every matmul (attention by heads); what it leaves whole on each rank
+(norms, the loss over the gathered logits, elementwise work) is taken as negligible, so
+the compute is an underestimate where that work is not. The tensor-parallel collectives
+of the micro-batch ([Note: tensor-parallel collectives] in _tensor_parallel.py) are on
+the critical path, torch's eager TP waiting for each: the forward's add to the forward,
+the backward's to the backward, and under activation checkpointing the forward's again
+in the backward (the recomputed forward issues them again). zeroshard's own collectives
+are those of the flat groups over the data-parallel ranks, N apart (`stride`), priced by
+the overlap model above on the link those span; a whole-matrix optimizer's exchange too.
+Under tp a whole-matrix optimizer's all-gathers over tp and its Newton-Schulz on the
+joined matrices (duplicated on every tp rank) are not added (the FLOPs priced are each
+owner's pieces').
+
 [Note: the whole-matrix step]
 A whole-matrix optimizer (torch.optim.Muon) steps after backward and before the publish:
 its exchange with each matrix's owners (`WholeMatrixCost`: the busiest rank's bytes over
@@ -81,6 +97,19 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class TensorParallelTime:
+    """Tensor parallelism in a step ([Note: the step under tensor parallelism]): the GPUs
+    of a tp group, and the seconds and count of its collectives in one micro-batch's
+    forward and backward."""
+
+    size: int
+    forward_s: float
+    backward_s: float
+    forward_count: int
+    backward_count: int
+
+
+@dataclass(frozen=True)
 class StepTime:
     """A projected step, in seconds, and what limits it."""
 
@@ -126,34 +155,39 @@ def project_step(
     *,
     step_in_backward: bool = False,
     whole: WholeMatrixCost | None = None,
+    tp: TensorParallelTime | None = None,
 ) -> StepTime:
     """The step time of one rank of `world` under `cfg` (backward under the optimizer's
     `step_in_backward()` if so, as `check_step_in_backward` allows); see [Note: the overlap
-    model] and, for a whole-matrix optimizer (`whole`), [Note: the whole-matrix step]."""
-    shard, replicas = plan.shard_size, world // plan.shard_size
-    c = compute.seconds()
+    model] and, for a whole-matrix optimizer (`whole`), [Note: the whole-matrix step].
+    Under tensor parallelism (`tp`), `world` counts the GPUs of the run (`plan` shards
+    over data-parallel ranks `tp.size` apart): [Note: the step under tensor parallelism]."""
+    n = 1 if tp is None else tp.size
+    # The shard group's ranks are n apart, the replicas shard * n.
+    shard, replicas = plan.shard_size, world // n // plan.shard_size
+    c = compute.seconds() / n
     fwd = c / (4 if compute.recompute else 3)
     bwd = c - fwd
     red = reduce_dtype_bytes(cfg)
     trainable = [g for g in plan.groups if g.trainable]
     # One reduce-scatter per group within the shard group, then (hybrid) an all-reduce of
-    # its shard across the replicas, ranks `shard` apart.
+    # its shard across the replicas.
     reduce = [
-        cluster.reduce_scatter_s(g.layout.padded_numel * red, shard)
-        + cluster.all_reduce_s(g.layout.shard_numel * red, replicas, stride=shard)
+        cluster.reduce_scatter_s(g.layout.padded_numel * red, shard, stride=n)
+        + cluster.all_reduce_s(g.layout.shard_numel * red, replicas, stride=shard * n)
         for g in trainable
     ]
     latency = len(trainable) * (
-        cluster.latency_s(shard) + 2 * cluster.latency_s(replicas, stride=shard)
+        cluster.latency_s(shard, stride=n) + 2 * cluster.latency_s(replicas, stride=shard * n)
     )
     tail = reduce[-1] if reduce else 0.0
     publish = 0.0
     if cfg.stage == 3:
         units = plan.units
-        gather = [cluster.all_gather_s(u.gathered_bytes, shard) for u in units]
+        gather = [cluster.all_gather_s(u.gathered_bytes, shard, stride=n) for u in units]
         moving = [t for t, u in zip(gather, units, strict=True) if not u.persistent]
         once = sum(t for t, u in zip(gather, units, strict=True) if u.persistent)
-        latency += (len(units) + len(moving)) * cluster.latency_s(shard)
+        latency += (len(units) + len(moving)) * cluster.latency_s(shard, stride=n)
         largest = max((u.gathered_bytes for u in units if not u.persistent), default=0)
         persistent = sum(u.gathered_bytes for u in units if u.persistent)
         # Prefetched behind a unit as large, by the engine's own budget.
@@ -172,12 +206,20 @@ def project_step(
         b = max(bwd, sum(reduce)) + tail if overlapped else bwd + sum(reduce)
         publish = sum(
             cluster.all_gather_s(
-                g.layout.padded_numel * cfg.precision.compute_dtype.itemsize, shard
+                g.layout.padded_numel * cfg.precision.compute_dtype.itemsize, shard, stride=n
             )
             for g in trainable
         )
-        latency += len(trainable) * cluster.latency_s(shard)
+        latency += len(trainable) * cluster.latency_s(shard, stride=n)
         comm = sum(reduce) + publish
+    if tp is not None:
+        # On the critical path; a recomputed forward issues its collectives again.
+        again = tp.forward_s if compute.recompute else 0.0
+        f += tp.forward_s
+        b += tp.backward_s + again
+        comm += tp.forward_s + tp.backward_s + again
+        count = tp.forward_count * (2 if compute.recompute else 1) + tp.backward_count
+        latency += count * cluster.latency_s(n)
     cpu = 0.0
     if plan.offload is not None:
         if compute.cpu_adam_params_per_s is None:
@@ -192,10 +234,10 @@ def project_step(
     shown = max(cpu - hidden, 0.0)
     matrix = 0.0
     if whole is not None:
-        exchange = whole.exchanges * cluster.latency_s(shard) + max(
+        exchange = whole.exchanges * cluster.latency_s(shard, stride=n) + max(
             whole.sent_bytes, whole.received_bytes
-        ) / (cluster.link(shard).gbps * 1e9)
-        latency += whole.exchanges * cluster.latency_s(shard)
+        ) / (cluster.link(shard, stride=n).gbps * 1e9)
+        latency += whole.exchanges * cluster.latency_s(shard, stride=n)
         comm += exchange
         matrix = exchange
         if compute.step_s is None and compute.flops_per_s:

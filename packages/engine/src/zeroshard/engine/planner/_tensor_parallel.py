@@ -46,6 +46,13 @@ from zeroshard.engine.planner._groups import (
     state_bytes,
     state_rows,
 )
+from zeroshard.engine.planner._step_time import (
+    Compute,
+    StepTime,
+    TensorParallelTime,
+    check_step_in_backward,
+    project_step,
+)
 from zeroshard.engine.planner._whole import WholeMatrixCost, whole_matrix_cost
 from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
@@ -119,6 +126,17 @@ class TensorParallelPlan:
     replicas: int = 1  # hybrid sharding: the mesh's dp_replicate
     whole_matrix: WholeMatrixCost | None = None  # torch's Muon: its step's scratch
     snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
+    tokens: int = 0  # of a micro-batch, which every rank of a tp group computes together
+    step: StepTime | None = None  # given a compute figure
+    tp_step_s: float = 0.0  # of it the tensor-parallel collectives (recomputed ones too)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        """Projected tokens per second per GPU (a tp group's GPUs share their tokens;
+        None without a compute figure)."""
+        if self.step is None:
+            return None
+        return self.tokens / self.tp / self.step.total_s
 
     @property
     def dp(self) -> int:
@@ -177,9 +195,19 @@ class TensorParallelPlan:
             f"{self.tp_seconds * 1e3:.2f} |"
         )
         lines.append(
-            "(activations and the step time are not projected with --tp: they are the "
-            "split model's, which the meta trace does not run)"
+            "(activations are not projected with --tp: they are the split model's, which "
+            "the meta trace does not run)"
         )
+        if self.step is not None:
+            s = self.step
+            cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
+            lines += [
+                "",
+                f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}: 1/{self.tp} "
+                f"of one GPU's; communication {s.comm_s * 1e3:.0f}, of it tensor-parallel "
+                f"{self.tp_step_s * 1e3:.0f}{cpu}; exposed {s.exposed_s * 1e3:.0f}; "
+                f"{s.bound}-bound), {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
+            ]
         return "\n".join(lines)
 
 
@@ -285,6 +313,19 @@ def collectives(
     )
 
 
+def tensor_parallel_time(
+    ops: Sequence[Collective], cluster: Cluster, tp: int
+) -> TensorParallelTime:
+    """The seconds and count of a micro-batch's tensor-parallel collectives `ops`, forward
+    and backward."""
+    phases = {phase: [c for c in ops if c.phase == phase] for phase in ("forward", "backward")}
+    seconds = {k: sum(c.seconds(cluster, tp) for c in v) for k, v in phases.items()}
+    counts = {k: sum(c.count for c in v) for k, v in phases.items()}
+    return TensorParallelTime(
+        tp, seconds["forward"], seconds["backward"], counts["forward"], counts["backward"]
+    )
+
+
 def plan_tensor_parallel(
     model: nn.Module,
     cfg: ZeroConfig,
@@ -300,6 +341,8 @@ def plan_tensor_parallel(
     param_group_of: Mapping[int, int] | None = None,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     shard_group_size: int | None = None,
+    compute: Compute | None = None,
+    step_in_backward: bool = False,
 ) -> TensorParallelPlan:
     """Split `model` (meta, changed in place) over `tp` and plan zeroshard over the rest.
 
@@ -309,7 +352,9 @@ def plan_tensor_parallel(
     (built on `model` as given) decide the param groups and their state per element by
     the runtime's own rule (`state_floats`), in place of those two, and price torch's
     Muon's step. `shard_group_size`: GPUs of one replica of a 3-D mesh (`dp_shard` x
-    `tp`; None: one replica of all).
+    `tp`; None: one replica of all). `compute` (a one-GPU step of the whole model, on the
+    same micro-batch) projects the step ([Note: the step under tensor parallelism] in
+    _step_time.py), its backward under `step_in_backward()` if so.
     """
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tp {tp} does not divide --world {world_size}")
@@ -319,6 +364,8 @@ def plan_tensor_parallel(
             f"--shard-group-size {replica} must divide --world {world_size} and be a "
             f"multiple of --tp {tp} (a replica of the 3-D mesh is dp_shard x tp GPUs)"
         )
+    if step_in_backward:
+        check_step_in_backward(cfg)
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence parallelism needs --seq divisible by --tp, got {seq_len}")
     styles = _styles(model) if styles is None else styles
@@ -336,6 +383,7 @@ def plan_tensor_parallel(
     itemsize = cfg.precision.compute_dtype.itemsize
     ops = collectives(model, styles, tokens, itemsize, sequence_parallel)
     before = {id(p): p for p in model.parameters()}
+    whole_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     pieces = localize(model, styles, tp)
     split = sum(before[i].numel() for i in pieces)
     per_rank = sum(p.numel() for p in model.parameters())
@@ -354,7 +402,25 @@ def plan_tensor_parallel(
         process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
     host, pinned = host_bytes(plan, cfg, per_element)
-    whole = None if optimizers is None else whole_matrix_cost(plan.groups, cfg, optimizers, tp)
+    whole = (
+        None
+        if optimizers is None
+        else whole_matrix_cost(plan.groups, cfg, optimizers, tp, whole_shapes)
+    )
+    step, tp_step = None, 0.0
+    if compute is not None:
+        timed = tensor_parallel_time(ops, cluster, tp)
+        tp_step = timed.backward_s + timed.forward_s * (2 if compute.recompute else 1)
+        step = project_step(
+            plan,
+            cfg,
+            world_size,
+            cluster,
+            compute,
+            step_in_backward=step_in_backward,
+            whole=whole,
+            tp=timed,
+        )
     return TensorParallelPlan(
         tp,
         world_size,
@@ -372,4 +438,7 @@ def plan_tensor_parallel(
         world_size // replica,
         whole,
         snapshot_bytes(plan, cfg, per_element),
+        tokens,
+        step,
+        tp_step,
     )

@@ -5,9 +5,11 @@ and from the owners per step, beside what the step's other collectives move.
 
 Per exchanged element (a matrix not whole in its owner's shard; a rank's own piece does
 not travel): Muon sends its update to the owner in bf16 and gets it back orthogonalized
-in bf16, 2 + 2 bytes; an optimizer on whole parameters sends the fp32 gradient and
-master (8) and gets the master back (4). AdamW moves nothing at the step beyond the
-all-gather of the parameters (stages 1/2) that every optimizer does.
+in bf16, 2 + 2 bytes, whatever the masters' dtype; an optimizer on whole parameters sends
+the gradient and the master, both in the master dtype (`precision.master_dtype`: 4 + 4
+bytes for fp32 masters, 2 + 2 for bf16 ones), and gets the master back (4, or 2). AdamW
+moves nothing at the step beyond the all-gather of the parameters (stages 1/2) that every
+optimizer does.
 
 [Note: the whole-matrix step's scratch]
 What the step allocates on the device beside the model states, as `MuonStep` and
@@ -15,16 +17,34 @@ What the step allocates on the device beside the model states, as `MuonStep` and
 the engine's tensors): Muon's bf16 update of one flat group's shard at a time (on the
 device even for a group offload homes on the host: it goes up for the exchange); every
 group's owner buffer and the buffer its pieces come back in, alive until the step ends
-(a rank's own pieces of an exchanged matrix travel too, to itself); and under tensor
-parallelism ([Note: Muon under tensor parallelism] in runtime/whole/_muon.py) the
-matrices a rank orthogonalizes joined whole over tp, one group's local or owned ones at
-a time, twice (the all-gather's buffer or Newton-Schulz's results beside the joined
-copies). Newton-Schulz's own iterates (a few matrices of one) are not counted.
+(a rank's own pieces of an exchanged matrix travel too, to itself); and the
+orthogonalization of one group's local or owned matrices (`MuonStep._orthogonalized`),
+one call at a time: Newton-Schulz's results, kept until the call returns, and the
+iterates of the matrix in progress ([Note: Newton-Schulz's memory]); under tensor
+parallelism ([Note: Muon under tensor parallelism] in runtime/whole/_muon.py) on the
+matrices joined whole over tp, after their pieces' copy, the all-gather's buffer and the
+joined copies, which stay beside them. What a declared optimizer's own step() allocates
+on the whole parameters is its own: not counted (its state, full-shape at the owners,
+is: `WholeMatrixCost.owner_state_bytes`).
+
+[Note: Newton-Schulz's memory]
+torch's `_zeropower_via_newtonschulz` on a matrix of r x c (r <= c, transposed to be so)
+that is already bf16 (Muon's update, the owner's buffer, the joined copies: NS divides it
+in place) allocates per iteration X X^T (r x r), the addmm of it with its square (r x r)
+and the next X (r x c), all bf16; each replaces its namesake of the iteration before only
+once it exists. So from the second iteration on, X, the last two r x r and a new one are
+alive (rc + 3r^2), then X, both r x r and the next X (2rc + 2r^2): the peak is
+2 (2rc + 2r^2) bytes, of which the result keeps 2rc (one iteration: 2 (rc + 2r^2)).
+Measured by the CPU allocator's own reports (torch.profiler's memory events) in
+`tests/engine/test_estimate_states.py` and `test_plan_tensor_parallel.py`, live bytes
+taken at the end of each operator (a CPU bf16 matmul allocates scratch within the
+operator that a GPU's cuBLAS does not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +53,7 @@ from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
+from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.whole import (
     MatrixOwners,
@@ -43,9 +64,15 @@ from zeroshard.engine.runtime.whole import (
 )
 from zeroshard.partition import DEFAULT_GROUP_LABEL
 
-# Bytes per exchanged element, to the owner and back ([module docstring]).
+# Muon's bytes per exchanged element, to the owner and back ([module docstring]).
 SPLIT_BYTES = (2, 2)
-WHOLE_BYTES = (8, 4)
+
+
+def whole_bytes(cfg: ZeroConfig) -> tuple[int, int]:
+    """An optimizer on whole parameters: bytes per exchanged element to the owner (the
+    gradient shard and the master, in the master dtype) and back (the master)."""
+    master = cfg.precision.master_dtype.itemsize
+    return 2 * master, master
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,12 @@ class WholeMatrixCost:
             back in, every group's (alive until the step ends).
         joined_bytes: under tensor parallelism, the most bytes of matrices one rank
             joins whole over tp at once (bf16).
+        orthogonalize_bytes: the most bytes one orthogonalization of a group's local or
+            owned matrices allocates beyond its inputs (under tp the joining, then
+            Newton-Schulz's results and iterates: [Note: Newton-Schulz's memory]).
+        owner_state_bytes: the busiest rank's state of the optimizers that step whole
+            parameters with their own step(), kept full-shape at the owners (in the
+            master dtype; their param groups keep none on the shards: `owner_state_groups`).
     """
 
     owners: MatrixOwners
@@ -75,12 +108,14 @@ class WholeMatrixCost:
     update_bytes: int = 0
     buffer_bytes: int = 0
     joined_bytes: int = 0
+    orthogonalize_bytes: int = 0
+    owner_state_bytes: int = 0
 
     @property
     def scratch(self) -> int:
         """Device bytes the step allocates at its peak beside the model states ([Note:
         the whole-matrix step's scratch])."""
-        return self.update_bytes + self.buffer_bytes + 2 * self.joined_bytes
+        return self.update_bytes + self.buffer_bytes + self.orthogonalize_bytes
 
     @property
     def balance(self) -> float:
@@ -122,6 +157,13 @@ def muon_recipe(model: nn.Module) -> list[torch.optim.Optimizer]:
     return [muon(matrices), torch.optim.AdamW(rest)]
 
 
+def owner_state_groups(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
+    """The param groups (by index among all optimizers' in turn) of optimizers that step
+    whole parameters with their own step(): their state is at the owners, not on shards."""
+    of = param_group_optimizers(optimizers)
+    return {k for k, o in enumerate(of) if steps_whole(o) and not split_muon(o)}
+
+
 def param_group_optimizers(
     optimizers: Sequence[torch.optim.Optimizer],
 ) -> list[torch.optim.Optimizer]:
@@ -129,15 +171,45 @@ def param_group_optimizers(
     return [o for o in optimizers for _ in o.param_groups]
 
 
+def newton_schulz_bytes(shape: Sequence[int], steps: int) -> tuple[int, int]:
+    """The most bytes torch's Newton-Schulz holds at once on a bf16 matrix of `shape` in
+    `steps` iterations, and those of its result ([Note: Newton-Schulz's memory])."""
+    r, c = sorted(shape)
+    if steps == 0:
+        return 0, 0  # the input itself comes back
+    peak = r * c + 2 * r * r if steps == 1 else max(r * c + 3 * r * r, 2 * r * c + 2 * r * r)
+    return 2 * peak, 2 * r * c
+
+
+def orthogonalize_bytes(shapes: Sequence[Sequence[int]], steps: int, tp: int = 1) -> int:
+    """The most bytes one `MuonStep._orthogonalized` call allocates beyond its inputs, on
+    matrices of `shapes` (whole) in turn: their results are kept until it returns; with
+    `tp` above 1 their pieces first joined whole ([Note: the whole-matrix step's
+    scratch])."""
+    done = peak = 0
+    for shape in shapes:
+        most, result = newton_schulz_bytes(shape, steps)
+        peak = max(peak, done + most)
+        done += result
+    if tp == 1:
+        return peak
+    # The pieces' copy, the all-gather's buffer and the joined copies; then the joined
+    # copies beside Newton-Schulz.
+    joined = sum(2 * math.prod(s) for s in shapes)
+    return max(joined // tp + 2 * joined, joined + peak)
+
+
 def whole_matrix_cost(
     groups: Sequence[PlannedFlatGroup],
     cfg: ZeroConfig,
     optimizers: Sequence[torch.optim.Optimizer],
     tp: int = 1,
+    whole_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> WholeMatrixCost | None:
     """The whole-matrix step of the planned `groups` (None: no optimizer steps whole), on
     the default process group and, under tensor parallelism over `tp` ranks, on the
-    flat groups of split parameters (sharded over the same data-parallel ranks)."""
+    flat groups of split parameters (sharded over the same data-parallel ranks), whose
+    whole shapes `whole_shapes` gives by name."""
     of = param_group_optimizers(optimizers)
     ns = {
         k: int(o.param_groups[k - of.index(o)].get("ns_steps", 5))
@@ -161,6 +233,11 @@ def whole_matrix_cost(
     # Each rank's owner buffers and the buffers its pieces come back in (its own pieces
     # of an exchanged matrix travel too, to itself).
     buffers = [0] * size
+    orthogonalize = [0] * size
+    # Each rank's state of the optimizers on whole parameters, at the owners.
+    state = [0] * size
+    floats = state_floats_by_param_group(list(optimizers))
+    master = cfg.precision.master_dtype.itemsize
     exchanges = update = 0
     for g in groups:
         if not g.trainable or g.key.param_group not in ns or g.key.process_group not in labels:
@@ -168,16 +245,24 @@ def whole_matrix_cost(
         split = split_muon(of[g.key.param_group])
         if split:
             update = max(update, g.layout.shard_numel * 2)
-        out, back = SPLIT_BYTES if split else WHOLE_BYTES
+        out, back = SPLIT_BYTES if split else whole_bytes(cfg)
         moved = False
         local, owned = [0] * size, [0] * size
+        # Each rank's local and owned matrices, whole, in the order it orthogonalizes them.
+        shapes: list[list[list[Sequence[int]]]] = [[[], []] for _ in range(size)]
+        joins = split and g.key.process_group == SPLIT_LABEL
         for s in g.layout.slots:
             o = owners.owner[s.name]
+            if not split:
+                state[o] += s.numel * floats[g.key.param_group] * master
             pieces = [p for p in g.layout.pieces(s) if p.numel]
+            shape = whole_shapes[s.name] if joins and whole_shapes is not None else s.shape
             if all(p.rank == o for p in pieces):
                 local[o] += s.numel
+                shapes[o][0].append(shape)
                 continue
             owned[o] += s.numel
+            shapes[o][1].append(shape)
             buffers[o] += s.numel * out
             for piece in pieces:
                 buffers[piece.rank] += piece.numel * back
@@ -188,16 +273,31 @@ def whole_matrix_cost(
                 received[o] += piece.numel * out
                 sent[o] += piece.numel * back
                 received[piece.rank] += piece.numel * back
-        if split and g.key.process_group == SPLIT_LABEL:
+        if joins:
             # Each rank joins its local matrices, then its owned ones, in bf16.
             joined = [
                 max(j, tp * 2 * max(a, b)) for j, a, b in zip(joined, local, owned, strict=True)
+            ]
+        if split:
+            steps = ns[g.key.param_group]
+            orthogonalize = [
+                max(most, *(orthogonalize_bytes(m, steps, tp if joins else 1) for m in rank))
+                for most, rank in zip(orthogonalize, shapes, strict=True)
             ]
         # Muon sends one update; whole parameters a gradient and a master: 2 or 3 in all.
         exchanges += (2 if split else 3) if moved else 0
     other = _other_bytes(groups, cfg, size)
     return WholeMatrixCost(
-        owners, max(sent), max(received), other, exchanges, update, max(buffers), max(joined)
+        owners,
+        max(sent),
+        max(received),
+        other,
+        exchanges,
+        update,
+        max(buffers),
+        max(joined),
+        max(orthogonalize),
+        max(state),
     )
 
 

@@ -17,8 +17,13 @@ UNKNOWN_STATE_FLOATS = 2
 
 def state_floats(optimizer: torch.optim.Optimizer, param_group: Mapping[str, Any]) -> int:
     """Master-shaped state tensors `optimizer` keeps per element of `param_group` (one of
-    its param groups); `UNKNOWN_STATE_FLOATS` for an optimizer not known here."""
-    name = type(optimizer).__name__
+    its param groups), a subclass's by the nearest class known here;
+    `UNKNOWN_STATE_FLOATS` for an optimizer of none."""
+    known = ("SGD", "RMSprop", *_FIXED)
+    name = next(
+        (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in known),
+        type(optimizer).__name__,
+    )
     if name == "SGD":
         return int(bool(param_group.get("momentum", 0)))
     if name == "RMSprop":

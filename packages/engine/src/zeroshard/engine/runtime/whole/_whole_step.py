@@ -8,7 +8,8 @@ and gradient are the full master and gradient, as views of this rank's shard whe
 the matrix lies whole in it, else of the owner's buffer the exchange filled; between
 steps they hold no memory. Its state (momentum, preconditioners) lives on the owner only,
 full-shape, and checkpoints store it by parameter name. Per exchanged element a step
-moves 4 bytes of gradient and 4 of master to the owner and 4 of master back.
+moves the gradient and the master to the owner and the master back, each in the master
+dtype (4 bytes each with fp32 masters, 2 with bf16 ones).
 """
 
 from __future__ import annotations
