@@ -127,6 +127,7 @@ def run(rank: int, world: int, s: Settings) -> None:
             dcp_save(n)
         snaps.wait()
         dcp_wait()
+        print(f"[snapshots] set up; a snapshot is {size / 2**30:.1f} GiB", flush=True)
         n = 0
         for r in range(s.rounds):
             for mode, e, save, finish in modes if r % 2 == 0 else modes[::-1]:
@@ -141,6 +142,12 @@ def run(rank: int, world: int, s: Settings) -> None:
                 finish()
                 sync(device)
                 blocks.setdefault((mode, e), []).append((time.perf_counter() - start) / s.steps)
+                # Each block as it ends: a run cut short by a time limit keeps these.
+                print(
+                    f"[snapshots] round {r + 1}, {mode} every {e}: "
+                    f"{blocks[(mode, e)][-1] * 1e3:.1f} ms a step",
+                    flush=True,
+                )
     finally:
         snaps.close()
         shutil.rmtree(shm, ignore_errors=True)
