@@ -265,3 +265,29 @@ def _tensor_parallel(root: str) -> None:
 
 def test_experts_with_tensor_parallelism(tmp_path: Path) -> None:
     run_ranks(_tensor_parallel, 4, str(tmp_path))
+
+
+# -- the planner ---------------------------------------------------------------------------
+
+
+def test_planner_prices_experts_memory_only() -> None:
+    """`estimate(..., process_groups=)` shards an expert over its group's size (the bytes
+    are checked against real engines in test_estimate_states.py); what it does not model
+    it refuses by name."""
+    with torch.device("meta"):
+        model = Trunk(0)
+    cfg = _config(3, shard_group_size=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    alone, pairs = (
+        zs.estimate(model, cfg, 4, 2, 5, optimizer=opt, process_groups={"expert": n})
+        for n in (1, 2)
+    )
+    expert = sum(p.numel() for p in model.expert.parameters())
+    # Master and momentum (fp32) of the expert's half that a pair lets go of.
+    assert alone.states["master"] - pairs.states["master"] == pytest.approx(4 * expert / 2, abs=64)
+    with pytest.raises(ValueError, match="prices memory only"):
+        zs.estimate(
+            model, cfg, 4, 2, 5, compute=zs.Compute(step_s=0.1), process_groups={"expert": 2}
+        )
+    with pytest.raises(ValueError, match="holds 1 to world_size"):
+        zs.estimate(model, cfg, 4, 2, 5, process_groups={"expert": 8})

@@ -25,7 +25,7 @@ there: replicated over tp, like a `Replicate()` DTensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zeroshard.ckpt import canonical_name
 from zeroshard.comm import Group
 from zeroshard.partition import DEFAULT_GROUP_LABEL, FlatLayout
 
@@ -52,6 +53,20 @@ def split_label(path: str) -> str:
     """The label of the split parameters of module `path`, on a process group of its own
     (a module path has no '/')."""
     return path + _SPLIT_SUFFIX
+
+
+def group_label(name: str, split: bool, own: Iterable[str]) -> str:
+    """The `GroupKey.process_group` label of parameter `name`: the longest module path of
+    `own` (modules on process groups of their own) that holds it, else 'default'; marked
+    when the parameter is `split` over tp."""
+    best = DEFAULT_GROUP_LABEL
+    for path in own:
+        inside = name.startswith(canonical_name(path) + ".")
+        if inside and (best == DEFAULT_GROUP_LABEL or len(path) > len(best)):
+            best = path
+    if not split:
+        return best
+    return SPLIT_LABEL if best == DEFAULT_GROUP_LABEL else split_label(best)
 
 
 def own_path(label: str) -> str | None:

@@ -27,15 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.runtime._names import canonical_name
-from zeroshard.engine.runtime._tensor_parallel import (
-    SPLIT_LABEL,
-    own_path,
-    split_dim,
-    split_label,
-)
+from zeroshard.engine.runtime._tensor_parallel import group_label, own_path, split_dim
 from zeroshard.engine.setup._mesh import MeshGroups, check_dtensor_params, mesh_groups
-from zeroshard.partition import DEFAULT_GROUP_LABEL, GroupKey
+from zeroshard.partition import GroupKey
 
 
 @dataclass(frozen=True)
@@ -53,14 +47,7 @@ class Placement:
     def label(self, name: str, param: nn.Parameter) -> str:
         """The longest module path of `own` that contains parameter `name`, or 'default'
         (with a mesh: marked when `param` is split over tp)."""
-        best = DEFAULT_GROUP_LABEL
-        for path in self.own:
-            inside = name.startswith(canonical_name(path) + ".")
-            if inside and (best == DEFAULT_GROUP_LABEL or len(path) > len(best)):
-                best = path
-        if self.mesh is None or split_dim(param) is None:
-            return best
-        return SPLIT_LABEL if best == DEFAULT_GROUP_LABEL else split_label(best)
+        return group_label(name, self.mesh is not None and split_dim(param) is not None, self.own)
 
     def process_group(self, key: GroupKey) -> Group:
         """The process group of a GroupKey."""
