@@ -10,7 +10,8 @@ once.
 
 - Hybrid sharding: 4 ranks, `shard_group_size` 2 (shard groups {0, 1} and {2, 3}), expert
   e on ranks {e, e + 2}: its group crosses the shard groups (torchtitan shards experts
-  over the ranks that hold them, the rest over dp_shard).
+  over the ranks that hold them, the rest over dp_shard). In fp16 an overflow in one
+  rank's expert shard skips the step everywhere.
 - Tensor parallelism: 4 ranks, a 2-D mesh (dp 2 x tp 2) or a 3-D one (dp_replicate 2 x
   dp_shard 1 x tp 2); each expert's Linears split over tp (column-, then row-wise); its
   group the data-parallel ranks of one tp coordinate that hold it: one rank each
@@ -18,8 +19,10 @@ once.
 
 Each case trains 3 steps with clipping against the reference, saves after the second,
 and a fresh engine that loads that checkpoint repeats the third step bit for bit.
-Groups that cross tensor-parallel coordinates, or differ from their tp peers', are
-refused with a clear error on every rank.
+Consolidating the hybrid checkpoint gives each expert as its ranks held it; an expert's
+tp pieces are not joined yet, which consolidation refuses. Groups that cross
+tensor-parallel coordinates, or differ from their tp peers', are refused with a clear
+error on every rank.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch import nn
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, global_batches
-from zeroshard.ckpt import consolidate
+from zeroshard.ckpt import CheckpointError, consolidate
 from zeroshard.comm import Group
 
 D = 12
@@ -177,9 +180,47 @@ def _check_saved_once(step: Path) -> None:
         assert holders == ({0, 1, 2, 3} if expert else {0, 1}), g["name"]
 
 
+def _hybrid_overflow(pairs: dict[int, Group]) -> None:
+    """fp16: an overflow in an expert's shard on one rank of the second replica alone
+    (after the reduce-scatter, in rank 3's half of expert 1) skips the step on every
+    rank, those of the other shard group too."""
+    rank = dist.get_rank()
+    model = Trunk(rank % 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = _config(2, shard_group_size=2, compute_dtype="fp16", initial_loss_scale=1024.0)
+    model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
+    # A slot of the expert's with elements in the pair's second rank's shard (2, or 3).
+    name, a, b = next(
+        (slot.name, max(lo, slot.offset) - slot.offset, min(hi, slot.end) - slot.offset)
+        for g in zs.engine_state(model).groups
+        if g.names[0].startswith("expert.")
+        for lo, hi in [g.layout.shard_range(1)]
+        for slot in g.layout.slots
+        if max(lo, slot.offset) < min(hi, slot.end)
+    )
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[a:b] = float("inf")
+        return grad
+
+    if rank == 3:
+        model.get_parameter(name).register_hook(poison)
+    before = {k: v.clone() for k, v in zs.full_state_dict(model).items()}
+    batch = global_batches(1, 1, 4, 2)[0, 0, rank]
+    _loss(model, batch).backward()
+    assert not torch.isfinite(zopt.clip_grad_norm_(MAX_NORM)), "every rank sees it"
+    zopt.step()
+    zopt.zero_grad()
+    assert zopt.scaler is not None and zopt.scaler.skipped_steps == 1
+    after = zs.full_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing stepped"
+
+
 def _hybrid(root: str) -> None:
     pairs = {e: Group(dist.new_group([e, e + 2])) for e in (0, 1)}
     run_each([{"stage": 2}, {"stage": 3}], lambda stage: _hybrid_case(pairs, stage, root))
+    run_each([{}], lambda: _hybrid_overflow(pairs))
 
 
 def test_experts_with_hybrid_sharding(tmp_path: Path) -> None:
@@ -265,6 +306,10 @@ def _tensor_parallel(root: str) -> None:
 
 def test_experts_with_tensor_parallelism(tmp_path: Path) -> None:
     run_ranks(_tensor_parallel, 4, str(tmp_path))
+    # An expert's tp pieces are not joined into a consolidated file yet: refused, not
+    # written as pieces under the whole tensor's name.
+    with pytest.raises(CheckpointError, match="experts under tensor parallelism"):
+        consolidate(tmp_path / "tp2-alone", tmp_path / "out.safetensors", instance=0)
 
 
 # -- the planner ---------------------------------------------------------------------------
