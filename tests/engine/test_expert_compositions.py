@@ -19,10 +19,10 @@ once.
 
 Each case trains 3 steps with clipping against the reference, saves after the second,
 and a fresh engine that loads that checkpoint repeats the third step bit for bit.
-Consolidating the hybrid checkpoint gives each expert as its ranks held it; an expert's
-tp pieces are not joined yet, which consolidation refuses. Groups that cross
-tensor-parallel coordinates, or differ from their tp peers', are refused with a clear
-error on every rank.
+The hybrid checkpoint loads at 2 ranks without hybrid sharding and consolidates, each
+expert as its ranks held it; an expert's tp pieces are not joined yet, which
+consolidation refuses. Groups that cross tensor-parallel coordinates, or differ from
+their tp peers', are refused with a clear error on every rank.
 """
 
 from __future__ import annotations
@@ -223,8 +223,25 @@ def _hybrid(root: str) -> None:
     run_each([{}], lambda: _hybrid_overflow(pairs))
 
 
+def _hybrid_loads_at_world_2(root: str) -> None:
+    """The hybrid checkpoint at 2 ranks without hybrid sharding, each expert alone on its
+    rank: the weights each rank held at the save, bit for bit."""
+    rank = dist.get_rank()
+    alone = [Group(dist.new_group([r])) for r in range(2)]
+    model = Trunk(rank + 7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, zopt = zs.initialize(model, opt, _config(3), process_groups={"expert": alone[rank]})
+    assert zs.load_checkpoint(model, zopt, f"{root}/hybrid-s3") == STEPS - 1
+    want = torch.load(f"{root}/hybrid-s3-rank{rank}.pt")  # rank r held expert r
+    got = zs.full_state_dict(model)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_experts_with_hybrid_sharding(tmp_path: Path) -> None:
     run_ranks(_hybrid, 4, str(tmp_path))
+    run_ranks(_hybrid_loads_at_world_2, 2, str(tmp_path))
     # Consolidated one expert at a time, from the files of every replica: instance k is
     # what rank k held (ranks 0 and 1 hold experts 0 and 1).
     step = tmp_path / "hybrid-s3" / f"step-{STEPS - 1}"
