@@ -11,7 +11,7 @@ once.
 - Hybrid sharding: 4 ranks, `shard_group_size` 2 (shard groups {0, 1} and {2, 3}), expert
   e on ranks {e, e + 2}: its group crosses the shard groups (torchtitan shards experts
   over the ranks that hold them, the rest over dp_shard). In fp16 an overflow in one
-  rank's expert shard skips the step everywhere.
+  rank's expert shard skips the step everywhere; a snapshot in memory restores.
 - Tensor parallelism: 4 ranks, a 2-D mesh (dp 2 x tp 2) or a 3-D one (dp_replicate 2 x
   dp_shard 1 x tp 2); each expert's Linears split over tp (column-, then row-wise); its
   group the data-parallel ranks of one tp coordinate that hold it: one rank each
@@ -217,10 +217,35 @@ def _hybrid_overflow(pairs: dict[int, Group]) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before), "nothing stepped"
 
 
+def _hybrid_snapshot(pairs: dict[int, Group], root: str) -> None:
+    """A snapshot in memory holds every rank's shards, the replicas' too (which do not
+    write the first replica's groups to disk): restored, the step after it repeats."""
+    rank = dist.get_rank()
+    model = Trunk(rank % 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = _config(3, shard_group_size=2)
+    model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
+    batches = global_batches(2, 1, 4, 2)[:, 0, rank]
+    snaps = zs.Snapshots(model, zopt, every=1, root=f"{root}/shm")
+    try:
+        _step(model, zopt, batches[0])
+        snaps.take(1)
+        saved = zs.full_state_dict(model)
+        norm = _step(model, zopt, batches[1])
+        after = zs.full_state_dict(model)
+        assert snaps.resume(f"{root}/snap-ckpt") == 1
+        assert all(torch.equal(v, saved[k]) for k, v in zs.full_state_dict(model).items())
+        assert torch.equal(_step(model, zopt, batches[1]), norm)
+        assert all(torch.equal(v, after[k]) for k, v in zs.full_state_dict(model).items())
+    finally:
+        snaps.close()
+
+
 def _hybrid(root: str) -> None:
     pairs = {e: Group(dist.new_group([e, e + 2])) for e in (0, 1)}
     run_each([{"stage": 2}, {"stage": 3}], lambda stage: _hybrid_case(pairs, stage, root))
     run_each([{}], lambda: _hybrid_overflow(pairs))
+    run_each([{}], lambda: _hybrid_snapshot(pairs, root))
 
 
 def _hybrid_loads_at_world_2(root: str) -> None:

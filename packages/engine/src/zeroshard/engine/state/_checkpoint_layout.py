@@ -240,10 +240,12 @@ def module_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_contents(
-    model: nn.Module, state: EngineState
+    model: nn.Module, state: EngineState, *, every_shard: bool = False
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     """This rank's checkpoint of the engine: the metadata and the tensors of its file
-    (collective over the shard group when there are groups on their own process group)."""
+    (collective over the file group when there are groups on their own process group).
+    `every_shard`: every group's shards this rank holds, those it does not write too (a
+    snapshot holds the rank's whole state)."""
     optimizer = state.needs_optimizer("save_checkpoint")
     inner = optimizer.inner
     groups: list[GroupMeta] = []
@@ -257,7 +259,7 @@ def checkpoint_contents(
         for key, t in shard_tensors.items():
             kinds[OPTIM_PREFIX + key] = t.dtype
             mine[OPTIM_PREFIX + key] = t
-        if writes(state, g):
+        if every_shard or writes(state, g):
             tensors.update({shard_key(name, kind): t for kind, t in mine.items()})
         groups.append(
             GroupMeta(
