@@ -11,7 +11,8 @@ once.
 - Hybrid sharding: 4 ranks, `shard_group_size` 2 (shard groups {0, 1} and {2, 3}), expert
   e on ranks {e, e + 2}: its group crosses the shard groups (torchtitan shards experts
   over the ranks that hold them, the rest over dp_shard). In fp16 an overflow in one
-  rank's expert shard skips the step everywhere; a snapshot in memory restores.
+  rank's expert shard skips the step everywhere; a snapshot in memory restores; ranks
+  that disagree on a group are refused.
 - Tensor parallelism: 4 ranks, a 2-D mesh (dp 2 x tp 2) or a 3-D one (dp_replicate 2 x
   dp_shard 1 x tp 2); each expert's Linears split over tp (column-, then row-wise); its
   group the data-parallel ranks of one tp coordinate that hold it: one rank each
@@ -241,8 +242,21 @@ def _hybrid_snapshot(pairs: dict[int, Group], root: str) -> None:
         snaps.close()
 
 
+def _hybrid_refused(pairs: dict[int, Group]) -> None:
+    """Ranks that disagree on a group (rank 0 passes {0, 2}, rank 2 passes {2, 3}) are
+    refused on every rank, before a collective of it waits for a rank that never joins."""
+    rank = dist.get_rank()
+    other = Group(dist.new_group([2, 3]))
+    mine = pairs[rank] if rank < 2 else other
+    model = Trunk(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"rank 0 holds ranks \[0, 2\], but rank 2 passes"):
+        zs.initialize(model, opt, _config(2, shard_group_size=2), process_groups={"expert": mine})
+
+
 def _hybrid(root: str) -> None:
     pairs = {e: Group(dist.new_group([e, e + 2])) for e in (0, 1)}
+    run_each([{}], lambda: _hybrid_refused(pairs))
     run_each([{"stage": 2}, {"stage": 3}], lambda stage: _hybrid_case(pairs, stage, root))
     run_each([{}], lambda: _hybrid_overflow(pairs))
     run_each([{}], lambda: _hybrid_snapshot(pairs, root))

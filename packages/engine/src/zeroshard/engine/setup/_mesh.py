@@ -96,7 +96,7 @@ def check_mesh_inputs(
 ) -> None:
     """ValueError before anything changes if `device_mesh` cannot go with the other
     inputs (or a model holds DTensor parameters without one). `process_groups` goes with
-    it (checked once the mesh is known: `check_own_groups_on_mesh`)."""
+    it (checked once the mesh is known: `check_own_groups`)."""
     dtensors = [n for n, p in model.named_parameters() if is_dtensor(p)]
     if mesh is None:
         if dtensors:

@@ -11,7 +11,7 @@ hold other experts; the clip norm and fp16's overflow then sum over every rank, 
 replica (`ZeroOptimizer`'s `replicate`), and every rank writes its experts' shards to the
 checkpoint, numbered over the world (`state/_checkpoint_layout.py`). Under a device mesh
 an expert's own group holds data-parallel ranks of one tensor-parallel coordinate, the
-same ones at every coordinate of a tensor-parallel group (`check_own_groups_on_mesh`):
+same ones at every coordinate of a tensor-parallel group (`check_own_groups`):
 the expert's tp pieces are then one expert, joined over tp as any split parameter.
 """
 
@@ -93,21 +93,33 @@ def place(
         # Everything below shards over `shard_group`; `replicate` only averages.
         shard_group, replicate = hybrid.shard, hybrid.replicate
     own = {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
-    if mesh is not None and own:
-        check_own_groups_on_mesh(own, everyone, mesh.tensor_parallel.size)
+    if own:
+        check_own_groups(own, everyone, 1 if mesh is None else mesh.tensor_parallel.size)
     return Placement(shard_group, replicate, own, mesh)
 
 
-def check_own_groups_on_mesh(own: Mapping[str, Group], everyone: Group, tp: int) -> None:
-    """ValueError, the same on every rank, naming a group of its own that crosses
-    tensor-parallel coordinates, or differs from its tensor-parallel peers' (collective:
-    every rank's groups are gathered). The mesh's layout puts rank r at tp coordinate
-    r % tp of data-parallel index r // tp."""
+def check_own_groups(own: Mapping[str, Group], everyone: Group, tp: int) -> None:
+    """ValueError, the same on every rank, naming a group of its own that its ranks do not
+    all pass (its collectives would wait for a rank that never joins them), that crosses
+    tensor-parallel coordinates, or that differs from its tensor-parallel peers'
+    (collective: every rank's groups are gathered). A mesh's layout puts rank r at tp
+    coordinate r % tp of data-parallel index r // tp."""
     mine = {path: [g.global_rank(i) for i in range(g.size)] for path, g in sorted(own.items())}
     every: list[dict[str, list[int]] | None] = [None] * everyone.size
     dist.all_gather_object(every, mine, group=everyone.pg)
     for path in sorted(own):
-        ranks = [(r, sorted((e or {})[path])) for r, e in enumerate(every)]
+        passed = {everyone.global_rank(i): sorted((e or {})[path]) for i, e in enumerate(every)}
+        for r, members in passed.items():
+            other = next((m for m in members if passed.get(m) != members), None)
+            if other is not None:
+                raise ValueError(
+                    f"process_groups[{path!r}] on rank {r} holds ranks {members}, but rank "
+                    f"{other} passes {passed.get(other, 'no group of this job')}: every rank "
+                    "of a group must pass that group"
+                )
+        ranks = list(passed.items())
+        if tp == 1:
+            continue
         for r, members in ranks:
             if any(m % tp != r % tp for m in members):
                 raise ValueError(
