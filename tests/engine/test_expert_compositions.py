@@ -16,7 +16,8 @@ once.
 - Tensor parallelism: 4 ranks, a 2-D mesh (dp 2 x tp 2) or a 3-D one (dp_replicate 2 x
   dp_shard 1 x tp 2); each expert's Linears split over tp (column-, then row-wise); its
   group the data-parallel ranks of one tp coordinate that hold it: one rank each
-  ("alone": two experts), or both ("shared": one).
+  ("alone": two experts), or both ("shared": one); on the 3-D mesh under
+  `zeroshard.compile` too.
 
 Each case trains 3 steps with clipping against the reference, saves after the second,
 and a fresh engine that loads that checkpoint repeats the third step bit for bit.
@@ -41,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+import zeroshard.compile as zc
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, global_batches
@@ -296,7 +298,9 @@ def test_experts_with_hybrid_sharding(tmp_path: Path) -> None:
 # -- tensor parallelism --------------------------------------------------------------------
 
 
-def _tp_case(groups: dict[tuple[int, ...], Group], dims: int, layout: str, root: str) -> None:
+def _tp_case(
+    groups: dict[tuple[int, ...], Group], dims: int, layout: str, root: str, compiled: bool
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -314,18 +318,20 @@ def _tp_case(groups: dict[tuple[int, ...], Group], dims: int, layout: str, root:
     expert = dp if alone else 0
     mine = groups[(rank,) if alone else (tp, tp + 2)]
 
-    def build(seed: int) -> tuple[nn.Module, zs.ZeroOptimizer]:
+    def build(seed: int) -> tuple[Any, zs.ZeroOptimizer]:
         model = Trunk(seed)
         parallelize_module(
             model.expert, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return zs.initialize(
+        model, zopt = zs.initialize(
             model, opt, _config(3), process_groups={"expert": mine}, device_mesh=mesh
         )
+        # The engine's functions take zeroshard.compile's wrapper for the model.
+        return (zc.compile(model, backend="aot_eager") if compiled else model), zopt
 
     expert_of = [0, 1] if alone else [0, 0]
-    where = f"{root}/tp{dims}-{layout}"
+    where = f"{root}/tp{dims}-{layout}{'-compiled' if compiled else ''}"
     _train_save_resume(build, dp, expert, expert_of, 2.0 if alone else 1.0, where)
 
 
@@ -352,11 +358,13 @@ def _tensor_parallel(root: str) -> None:
     sets = [(0,), (1,), (2,), (3,), (0, 2), (1, 3), (0, 1), (2, 3)]
     groups = {s: Group(dist.new_group(list(s))) for s in sets}  # every rank, in one order
     cases = [
-        {"dims": 2, "layout": "alone"},
-        {"dims": 2, "layout": "shared"},
-        {"dims": 3, "layout": "alone"},
+        {"dims": 2, "layout": "alone", "compiled": False},
+        {"dims": 2, "layout": "shared", "compiled": False},
+        {"dims": 3, "layout": "alone", "compiled": False},
+        # zeroshard.compile averages the 3-D mesh's replicas as eager does (it did not).
+        {"dims": 3, "layout": "alone", "compiled": True},
     ]
-    run_each(cases, lambda dims, layout: _tp_case(groups, dims, layout, root))
+    run_each(cases, lambda **case: _tp_case(groups, root=root, **case))
     run_each([{}], lambda: _tp_refused(groups))
 
 

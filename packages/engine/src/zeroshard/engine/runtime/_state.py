@@ -72,6 +72,12 @@ class EngineState:
         if self.stage3 is not None:
             self.stage3.release_all()
 
+    def replicated(self, g: FlatParamGroup) -> bool:
+        """Whether `g`'s shards are the same on every replica (hybrid sharding), its
+        reduced gradients then averaged over `replicate`: every group but those on
+        process groups of their own."""
+        return self.replicate is not None and own_path(g.key.process_group) is None
+
     @property
     def own_crosses_replicas(self) -> bool:
         """Whether groups on process groups of their own sit beside replicas (hybrid
