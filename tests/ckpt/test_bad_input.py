@@ -73,13 +73,13 @@ def test_missing_rank_file(ckpt: Path, tmp_path: Path) -> None:
 def test_unknown_format_version(ckpt: Path, tmp_path: Path) -> None:
     meta = ckpt / "step-11" / "metadata.json"
     d = json.loads(meta.read_text())
-    d["version"] = 7
+    d["version"] = 8
     meta.write_text(json.dumps(d))
     _both_refuse(
         ckpt,
         tmp_path,
         FormatVersionError,
-        r"format version 7 is not supported.*reads versions \(1, 2, 3, 4, 5, 6\)",
+        r"format version 8 is not supported.*reads versions \(1, 2, 3, 4, 5, 6, 7\)",
     )
 
 

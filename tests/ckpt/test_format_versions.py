@@ -1,4 +1,5 @@
-"""Format version 1 checkpoints (before `rank_sets`) still load and consolidate.
+"""Format version 1 checkpoints (before `rank_sets`) still load and consolidate; version 7
+is the one whose rank sets may leave rank files out.
 
 The fixture `fixtures/zeroshard_v1/` was written by `zs.save_checkpoint` before format
 version 2 (2 ranks, stage 3, a Linear-Tanh-Linear model, AdamW, one step);
@@ -7,6 +8,7 @@ version 2 (2 ranks, stage 3, a Linear-Tanh-Linear model, AdamW, one step);
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -59,3 +61,18 @@ def test_v1_metadata_with_rank_sets_is_refused() -> None:
     d["version"] = 2
     meta = CheckpointMeta.from_dict(d)
     assert meta.groups[0].instances == 2 and meta.groups[0].file_rank(1, 0) == 1
+
+
+def test_rank_sets_that_leave_files_out_are_version_7() -> None:
+    d = json.loads((FIXTURE / "step-1" / "metadata.json").read_text())
+    d["groups"][0]["rank_sets"] = [[0, 1]]  # every file holds it: as version 2 could say
+    d["version"] = 2
+    assert CheckpointMeta.from_dict(d).groups[0].holds(1)
+    d["world_size"] = 4  # files 2 and 3 hold only the groups whose sets name them
+    d["groups"] = d["groups"][:1]
+    with pytest.raises(CheckpointError, match="version 2: every rank file holds every group"):
+        CheckpointMeta.from_dict(d)
+    d["version"] = 7
+    meta = CheckpointMeta.from_dict(d)
+    assert not meta.groups[0].holds(2) and list(meta.shard_keys(2)) == []
+    assert dataclasses.replace(meta, version=0).version == 7  # written as the lowest

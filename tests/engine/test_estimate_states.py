@@ -5,7 +5,8 @@ flat layouts, the stage-3 units, and the bytes of parameter buffers, masters (bf
 too), stage-1 grad buffers, AdamW state after a step and the offload host buffers. The
 planner calls the engine's own rules (which groups, units, persistence, offload); this
 checks the bytes it counts from them, and (world 1) that it counts the prefetch the
-engine makes.
+engine makes. At 4 ranks a block on process groups of its own (experts, crossing the
+hybrid shard groups) is priced by its groups' size (`estimate(..., process_groups=)`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer, muon_and_adamw
 from tests.engine.test_plan_tensor_parallel import Allocated
 from tests.engine.test_whole_matrix import DeclaredMuon
+from zeroshard.comm import Group
 from zeroshard.engine import HomeKind
 from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.planner._groups import plan_groups
@@ -65,9 +67,16 @@ def _case(
     muon: bool = False,
     several: bool = False,
     declared: bool = False,
+    experts: str = "",
     **extra: Any,
 ) -> None:
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # blocks.1 on groups of its own: "pairs" {0, 2} and {1, 3}, crossing the shard groups,
+    # or each rank "alone" (every rank makes every group, in one order).
+    pairs = [Group(dist.new_group([e, e + 2])) for e in (0, 1)] if experts else []
+    alone = [Group(dist.new_group([r])) for r in range(world)] if experts else []
+    own = {"blocks.1": pairs[rank % 2] if experts == "pairs" else alone[rank]} if experts else {}
+    sizes = {path: g.size for path, g in own.items()}
     cfg = zs.ZeroConfig.from_dict(
         {"stage": stage, "compute_dtype": dtype, "shard_group_size": shard, **SMALL, **extra}
     )
@@ -78,14 +87,14 @@ def _case(
     groups_of = {id(p): k for k, pg in enumerate(pgs) for p in pg["params"]}
     # The fused optimizers step in blocks: no group's fp32 upcast (several: every one).
     blocked = not muon and all(steps_in_blocks(o) for o in meta_opts)
-    plan = plan_groups(meta, cfg, shard or world, groups_of, blocked)
-    est = estimate(meta, cfg, world, 2, 5, optimizer=meta_opts)
+    plan = plan_groups(meta, cfg, shard or world, groups_of, blocked, own_sizes=sizes)
+    est = estimate(meta, cfg, world, 2, 5, optimizer=meta_opts, process_groups=sizes)
 
     model = make_model()
     with pytest.MonkeyPatch.context() as patch:
         allocated = Allocated(patch)
         opts = _optimizers(model, muon, several, declared)
-        model, opt = zs.initialize(model, opts, cfg)
+        model, opt = zs.initialize(model, opts, cfg, process_groups=own)
         _step(model, opt)
     state = zs.engine_state(model)
     assert [g.layout for g in state.groups] == [g.layout for g in plan.groups]
@@ -203,6 +212,10 @@ MORE: list[dict[str, Any]] = [
 HYBRID: list[dict[str, Any]] = [
     {"stage": 3, "dtype": "bf16", "shard": 2},
     {"stage": 2, "dtype": "fp32", "shard": 2},
+    # A block on groups of their own beside hybrid sharding (experts), offloaded too: its
+    # groups of another size than the shard groups.
+    {"stage": 3, "dtype": "bf16", "shard": 1, "experts": "pairs"},
+    {"stage": 2, "dtype": "fp32", "shard": 2, "experts": "alone", "offload_optimizer": True},
 ]
 
 

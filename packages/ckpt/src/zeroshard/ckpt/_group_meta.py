@@ -61,7 +61,8 @@ class GroupMeta:
     """One flat parameter group: its layout and what each rank stores of it.
 
     `shards` maps each stored kind (`master`, `param`, `optim.{state}`) to its dtype;
-    every rank file holds one `(layout.shard_numel,)` tensor per kind. The parameter
+    every rank file that holds the group (`holds`) has one `(layout.shard_numel,)` tensor
+    per kind. The parameter
     values are read from `master` when present, else from `param`. A group with
     `requires_grad=False` holds frozen parameters (`param_group` is then usually None).
     `scalars` are per-group optimizer state scalars such as Adam's `step`.
@@ -70,7 +71,10 @@ class GroupMeta:
     r holds shard r). A group sharded over a process group of its own (experts under
     expert parallelism) holds different values on different sets of ranks: one tuple per
     such set (an *instance*, ordered by its first rank), listing the rank files that hold
-    its shards 0, 1, ... (`layout.world_size` of them).
+    its shards 0, 1, ... (`layout.world_size` of them). The sets may leave rank files
+    out (format version 7): a group on the first replica's ranks alone, under hybrid
+    sharding beside groups of their own that cross the replicas, is one set of those
+    ranks, and the other ranks' files do not hold it.
 
     `tensor_split` (tensor parallelism) says that the instances are the tensor-parallel
     ranks of one model, and which slots are pieces of a bigger tensor (see `TensorSplit`):
@@ -139,6 +143,10 @@ class GroupMeta:
     def instances(self) -> int:
         """How many different sets of values the group has (1 unless on its own group)."""
         return 1 if self.rank_sets is None else len(self.rank_sets)
+
+    def holds(self, rank: int) -> bool:
+        """Whether rank file `rank` holds this group's shards."""
+        return self.rank_sets is None or any(rank in s for s in self.rank_sets)
 
     def file_rank(self, instance: int, shard: int) -> int:
         """The rank file holding shard `shard` of instance `instance`."""

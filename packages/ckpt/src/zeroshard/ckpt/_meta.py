@@ -16,7 +16,10 @@ whole-matrix optimizer's, such as Shampoo's preconditioners), stored in the rank
 the rank that owned the parameter under `"pstate.{param}/{state}"`. Version 6 added
 `optimizers`: the class of the optimizer stepping each param group, so that a load into
 another optimizer is refused (versions 1 to 5 have none: their loads compare the param
-groups' hyperparameter keys instead). A checkpoint is written as the lowest version that
+groups' hyperparameter keys instead). Version 7 lets a group's `rank_sets` leave rank
+files out (`GroupMeta.holds`: a file holds the groups whose sets name it; hybrid sharding
+with groups of their own, where only the first replica's ranks hold the other groups).
+A checkpoint is written as the lowest version that
 holds what it has (version 3 without any of these), so earlier builds read what they can.
 
 [Note: the metadata's own checksum]
@@ -51,11 +54,12 @@ from zeroshard.ckpt._keys import buffer_key, param_state_key, shard_key
 from zeroshard.partition import dtype_from_name, dtype_name
 
 FORMAT_NAME = "zeroshard-ckpt"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # Versions this build reads: 1 is 2 without `rank_sets` (every group over the whole world),
 # 2 is 3 without the metadata's own checksum, 3 is 4 without `tensor_split`, 4 is 5
-# without `param_states`, 5 is 6 without `optimizers`.
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# without `param_states`, 5 is 6 without `optimizers`, 6 is 7 with every group in
+# every rank file.
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # The first version whose metadata.json carries its own checksum.
 CHECKSUMMED_VERSION = 3
 # The first version with `tensor_split`, the first with `param_states`, the first with
@@ -63,6 +67,7 @@ CHECKSUMMED_VERSION = 3
 TENSOR_SPLIT_VERSION = 4
 PARAM_STATES_VERSION = 5
 OPTIMIZERS_VERSION = 6
+PARTIAL_FILES_VERSION = 7
 PLAIN_VERSION = 3
 _BLANK_DIGEST = b"00000000"
 _CHECKSUM_TAIL = re.compile(rb'\n "checksum": "crc32:([0-9a-f]{8})"\n\}\n\Z')
@@ -81,7 +86,8 @@ class CheckpointMeta:
     optimizer state kept whole (a whole-matrix optimizer's). `optimizers` names, per
     param group, the class of the optimizer that steps it (`"torch.optim.adamw.AdamW"`;
     empty: not recorded). `version` is the format version (0: the lowest that holds
-    them: `OPTIMIZERS_VERSION` with optimizers, else `PARAM_STATES_VERSION` with param
+    them: `PARTIAL_FILES_VERSION` where a group's rank sets leave rank files out, else
+    `OPTIMIZERS_VERSION` with optimizers, else `PARAM_STATES_VERSION` with param
     states, else `TENSOR_SPLIT_VERSION` with a `tensor_split`, else `PLAIN_VERSION`).
     """
 
@@ -115,7 +121,8 @@ class CheckpointMeta:
         if self.version == 0:
             lowest = TENSOR_SPLIT_VERSION if split else PLAIN_VERSION
             lowest = PARAM_STATES_VERSION if self.param_states else lowest
-            set_(self, "version", OPTIMIZERS_VERSION if self.optimizers else lowest)
+            lowest = OPTIMIZERS_VERSION if self.optimizers else lowest
+            set_(self, "version", PARTIAL_FILES_VERSION if self._partial_files() else lowest)
         if self.version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"checkpoint format version {self.version!r} is not supported "
@@ -130,6 +137,11 @@ class CheckpointMeta:
         if self.param_states and self.version < PARAM_STATES_VERSION:
             raise CheckpointError(
                 f"format version {self.version} has no param states: metadata is malformed"
+            )
+        if self.version < PARTIAL_FILES_VERSION and self._partial_files():
+            raise CheckpointError(
+                f"format version {self.version}: every rank file holds every group, yet a "
+                "group's rank sets leave ranks out: metadata is malformed"
             )
         if self.optimizers and self.version < OPTIMIZERS_VERSION:
             raise CheckpointError(
@@ -226,9 +238,15 @@ class CheckpointMeta:
                 return g
         raise KeyError(f"no group {name!r} in this checkpoint")
 
-    def shard_keys(self) -> Iterator[tuple[GroupMeta, str, str]]:
-        """Every (group, kind, key) that each rank file holds."""
+    def _partial_files(self) -> bool:
+        """Whether a group's rank sets leave some rank file out."""
+        return any(not all(g.holds(r) for r in range(self.world_size)) for g in self.groups)
+
+    def shard_keys(self, rank: int) -> Iterator[tuple[GroupMeta, str, str]]:
+        """Every (group, kind, key) that rank file `rank` holds."""
         for g in self.groups:
+            if not g.holds(rank):
+                continue
             for kind in g.shards:
                 yield g, kind, shard_key(g.name, kind)
 
@@ -382,9 +400,9 @@ def _names(value: Any) -> list[str]:
     return value
 
 
-def expected_shard_keys(meta: CheckpointMeta) -> dict[str, tuple[torch.dtype, int]]:
-    """Key -> (dtype, numel) of the shard tensors every rank file stores (buffers excluded)."""
-    return {key: (g.shards[kind], g.layout.shard_numel) for g, kind, key in meta.shard_keys()}
+def expected_shard_keys(meta: CheckpointMeta, rank: int) -> dict[str, tuple[torch.dtype, int]]:
+    """Key -> (dtype, numel) of the shard tensors rank file `rank` stores (buffers excluded)."""
+    return {key: (g.shards[kind], g.layout.shard_numel) for g, kind, key in meta.shard_keys(rank)}
 
 
 def param_state_keys(

@@ -123,7 +123,7 @@ class CheckpointReader:
         if size != want:
             raise ChecksumError(f"{path}: {size} bytes, metadata.json says {want} (truncated?)")
         problems = []
-        for key, (dtype, numel) in expected_shard_keys(self.meta).items():
+        for key, (dtype, numel) in expected_shard_keys(self.meta, rank).items():
             e = header.entries.get(key)
             if e is None:
                 problems.append(f"no tensor {key!r}")

@@ -217,7 +217,7 @@ def _check_tensors(
         )
     out: dict[str, torch.Tensor] = {}
     problems: list[str] = []
-    for key, (dtype, numel) in expected_shard_keys(meta).items():
+    for key, (dtype, numel) in expected_shard_keys(meta, rank).items():
         t = tensors.get(key)
         if t is None:
             problems.append(f"missing shard {key!r}")

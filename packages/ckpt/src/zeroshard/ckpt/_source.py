@@ -79,6 +79,14 @@ def checkpoint_specs(
             "on a process group of their own, e.g. experts, with different values on "
             "different ranks): consolidate one instance at a time (instance=k, --instance k)"
         )
+    if several and any(g.tensor_split is not None for g in meta.groups):
+        # Groups of their own in a tensor-parallel checkpoint: an instance per expert and
+        # tp rank, each holding its pieces (docs/checkpoint-format.md).
+        raise CheckpointError(
+            f"groups {sorted(several)} hold experts under tensor parallelism, each instance "
+            "one tensor-parallel rank's pieces of one expert: joining them is not yet done "
+            "(load the checkpoint at the layout it was saved at)"
+        )
     count = max(several.values(), default=1)
     if instance is not None and not 0 <= instance < count:
         raise CheckpointError(f"instance {instance} out of range: the checkpoint has {count}")

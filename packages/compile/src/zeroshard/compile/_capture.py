@@ -80,9 +80,9 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
     """One spec per flat group of `state`, each registered under a fresh op key."""
     specs = []
     for g in state.groups:
-        # Under hybrid sharding the groups shard over `shard_group` and their gradients
-        # are then averaged over `replicate`, as the eager reducer does.
-        replicate = state.replicate if g.process_group is state.shard_group else None
+        # Under hybrid sharding (a 3-D mesh's too) the groups' gradients are then averaged
+        # over `replicate`, as the eager reducer does; not a group of its own (experts).
+        replicate = state.replicate if state.replicated(g) else None
         wire = float8_wire(g)
         key = register_target(g.process_group, stats, f"flat group {g.index}", replicate, wire)
         pieces, piece_of_slot = g.layout.split_sizes()

@@ -55,6 +55,7 @@ from zeroshard.engine.runtime._optimizers import as_optimizers
 from zeroshard.engine.runtime._prefetch import PrefetchBudget
 from zeroshard.engine.runtime._wire import WireKind
 from zeroshard.engine.runtime.offload import steps_in_blocks
+from zeroshard.engine.runtime.whole import steps_whole
 
 GIB = 2**30
 
@@ -186,6 +187,35 @@ def _gathered(plan: GroupPlan, cfg: ZeroConfig) -> int:
     return persistent + moving[0] + sum(ahead[:taken])
 
 
+def _check_own_groups(
+    model: nn.Module,
+    own: Mapping[str, int],
+    world_size: int,
+    timed: bool,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> None:
+    """ValueError naming what `estimate` cannot price of `process_groups` (`own`)."""
+    if not own:
+        return
+    for path, size in own.items():
+        model.get_submodule(path)  # AttributeError naming a path the model lacks
+        if not 1 <= size <= world_size:
+            raise ValueError(
+                f"process_groups[{path!r}] is {size} ranks: a group of its own holds 1 to "
+                f"world_size ({world_size}) ranks"
+            )
+    if timed:
+        raise ValueError(
+            "process_groups prices memory only: the step time of groups of their own "
+            "(experts) is not modelled; give no compute"
+        )
+    if any(steps_whole(o) for o in optimizers):
+        raise ValueError(
+            "process_groups with a whole-matrix optimizer: its step over groups of their own "
+            "(experts) is not modelled"
+        )
+
+
 def check_inputs(
     cfg: ZeroConfig, world_size: int, micro_batch: int, seq_len: int, step_in_backward: bool
 ) -> None:
@@ -229,6 +259,7 @@ def estimate(
     loss_fn: LossFn = default_loss,
     optimizer_bytes_per_element: int = 8,
     step_in_backward: bool = False,
+    process_groups: Mapping[str, int] | None = None,
 ) -> Estimate:
     """Per-rank memory and (given `compute`) step time of `model` trained under `config`.
 
@@ -238,7 +269,10 @@ def estimate(
     is the optimizer state per fp32 master element (AdamW: m and v, 8; torch.optim.Muon
     keeps 4, its momentum); `loss_fn(model, idx)` runs one micro-batch of token ids
     (default: next-token cross entropy); `step_in_backward`: each backward runs under the
-    optimizer's `step_in_backward()`.
+    optimizer's `step_in_backward()`; `process_groups` maps module paths on process
+    groups of their own (experts: `initialize`'s `process_groups`) to the size of such a
+    group, over which their flat groups are sharded (memory only: their step time and a
+    whole-matrix optimizer's step over them are not modelled).
     """
     cfg = as_config(config)
     check_inputs(cfg, world_size, micro_batch, seq_len, step_in_backward)
@@ -252,6 +286,7 @@ def estimate(
         optimizer=optimizer,
         optimizer_bytes_per_element=optimizer_bytes_per_element,
         step_in_backward=step_in_backward,
+        process_groups=process_groups,
     )
 
 
@@ -266,6 +301,7 @@ def estimate_on_trace(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     optimizer_bytes_per_element: int = 8,
     step_in_backward: bool = False,
+    process_groups: Mapping[str, int] | None = None,
 ) -> Estimate:
     """`estimate` with the micro-batch already traced (`trace_micro_batch`), so that
     several configs of one compute dtype cost one forward and backward on meta."""
@@ -284,7 +320,9 @@ def estimate_on_trace(
         }
     # Without the optimizer, the host counts one group's fp32 upcast (the larger case).
     blocked = bool(optimizers) and all(steps_in_blocks(o) for o in optimizers)
-    plan = plan_groups(model, cfg, shard, groups_of, blocked)
+    own = dict(process_groups or {})
+    _check_own_groups(model, own, world_size, compute is not None, optimizers)
+    plan = plan_groups(model, cfg, shard, groups_of, blocked, own_sizes=own)
     whole = whole_matrix_cost(plan.groups, cfg, optimizers)
     # The engine's own rule where the optimizers are known (`state_floats`), else the
     # figure given for every param group.

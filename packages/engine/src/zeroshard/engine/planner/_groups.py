@@ -23,9 +23,11 @@ from zeroshard.engine.runtime._group_plan import (
     plan_flat_groups,
 )
 from zeroshard.engine.runtime._home import HomeKind
+from zeroshard.engine.runtime._tensor_parallel import group_label, own_path
 from zeroshard.engine.runtime._unit_plan import is_persistent
 from zeroshard.engine.runtime._wire import WireKind
 from zeroshard.engine.runtime.offload import OffloadSizes, place_offloaded
+from zeroshard.partition import GroupKey
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,35 @@ def plan_groups(
     param_group_of: Mapping[int, int] | None = None,
     blocked_step: bool = False,
     process_group_of: ProcessGroupOf | None = None,
+    own_sizes: Mapping[str, int] | None = None,
 ) -> GroupPlan:
     """The flat groups one rank holds when `model` is sharded over `shard_size` ranks.
 
     `param_group_of` maps id(parameter) to its optimizer param group (None: all in one);
     `blocked_step`: the optimizer steps offloaded groups in blocks (torch's fused
     Adam/AdamW), so the host needs one block's fp32 upcast, not one group's;
-    `process_group_of` labels a parameter's flat groups (tensor parallelism: split or not).
+    `process_group_of` labels a parameter's flat groups (tensor parallelism: split or not);
+    `own_sizes` maps module paths on process groups of their own (experts) to the size of
+    such a group, over which their flat groups are sharded (`initialize`'s
+    `process_groups`; not with `process_group_of`).
     """
+    sizes = dict(own_sizes or {})
+
+    def own_label(name: str, _: nn.Parameter) -> str:
+        return group_label(name, False, sizes)
+
+    if sizes:
+        assert process_group_of is None
+        process_group_of = own_label
+
+    def size_of(key: GroupKey) -> int:
+        path = own_path(key.process_group)
+        return shard_size if path is None else sizes[path]
+
     plan = plan_flat_groups(
         model,
         cfg,
-        size_of=lambda _: shard_size,
+        size_of=size_of,
         param_group_of=param_group_of,
         process_group_of=process_group_of,
         float8=gathered_in_float8(model, cfg),

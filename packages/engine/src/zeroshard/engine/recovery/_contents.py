@@ -50,6 +50,7 @@ from zeroshard.engine.state._checkpoint_apply import (
 from zeroshard.engine.state._checkpoint_layout import (
     checkpoint_contents,
     checkpoint_group_name,
+    file_group,
     module_buffers,
 )
 from zeroshard.engine.state._user_state import (
@@ -73,7 +74,7 @@ def rank_contents(
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], RankExtra | None]:
     """This rank's metadata, tensors (live, not copied) and user state at `step`
     (collective where `checkpoint_contents` is)."""
-    meta, tensors = checkpoint_contents(model, state)
+    meta, tensors = checkpoint_contents(model, state, every_shard=True)
     buffers = module_buffers(model)
     tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     meta = meta.with_files(step, {}, {k: tuple(v.shape) for k, v in buffers.items()})
@@ -124,7 +125,7 @@ def _loaded(state: EngineState, snap: Snapshot, where: str) -> LoadedShards:
             f"{where} holds other flat groups than this model's ({sorted(saved)[:3]}... "
             f"vs {sorted(layouts)[:3]}...): a snapshot of another model or configuration"
         )
-    me = state.shard_group.rank
+    me = file_group(state).rank  # the metadata's numbering
     whole = {
         name: {key: snap.tensors[param_state_key(name, key)] for key in ps.tensors}
         for name, ps in meta.param_states.items()

@@ -25,7 +25,11 @@ from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._loss_scale import LossScaler
 from zeroshard.engine.runtime._reduce import GradReducer
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
-from zeroshard.engine.runtime._tensor_parallel import TensorParallel, squares_counted_once
+from zeroshard.engine.runtime._tensor_parallel import (
+    TensorParallel,
+    own_path,
+    squares_counted_once,
+)
 from zeroshard.engine.runtime._watch import ADD_PARAM_GROUP, ChangeWatch
 from zeroshard.engine.runtime._wire import refresh_wires
 
@@ -95,7 +99,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     offload some of them, and so their optimizer state, on the host. `inner` (its
     param groups bound by `bind_masters`) is the user's optimizer, or several of them
     combined (`_optimizers.CombinedOptimizer`). `tensor_parallel` (a device mesh's tp
-    dim) makes the clip norm count each element once.
+    dim) makes the clip norm count each element once. `replicate` (hybrid sharding with
+    groups on process groups of their own, which cross the replicas: [Note: groups of
+    their own beside hybrid sharding and tensor parallelism] in setup/_placement.py) is
+    the replicas, over which those groups' norm and fp16's overflow are summed too.
     """
 
     def __init__(
@@ -110,9 +117,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stepper: Stepper,
         hooks: StepHooks | None = None,
         tensor_parallel: TensorParallel | None = None,
+        replicate: Group | None = None,
         watch: ChangeWatch | None = None,
     ) -> None:
         self.inner = inner
+        self.replicate = replicate
         self.watch = watch
         self.tensor_parallel = tensor_parallel
         self.stepper = stepper
@@ -175,6 +184,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local_bad = torch.maximum(local_bad, bad)
         # Every rank must skip the same steps: take the max of the flags over ranks.
         self.shard_group.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
+        if self.replicate is not None:  # the groups of their own differ on each replica
+            self.replicate.all_reduce(local_bad, op="max", label="fp16 overflow check").wait()
         self._overflow = bool(local_bad.item())
         if not self._overflow:
             self._scale_grads(1.0 / self.scaler.scale)
@@ -204,26 +215,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grad_shards()
         if self._overflow:
             return torch.tensor(math.inf)
-        local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
         norms: list[torch.Tensor] = []
         ordered: list[FlatParamGroup] = []
         for destination, groups in by_destination(self._trainable()):
             norms += destination.norms(groups)
             ordered += groups
-        if self.tensor_parallel is not None:
-            local += squares_counted_once(norms, ordered, self.tensor_parallel.size).to(
-                local.device
-            )
+        if self.replicate is None:
+            local = self._squares(norms, ordered)
+            self.shard_group.all_reduce(local, label="grad norm").wait()
         else:
-            # One sum per device the norms are on.
-            for same in by_device(norms).values():
-                local += torch.stack(same).square().sum().to(local.device)
-        self.shard_group.all_reduce(local, label="grad norm").wait()
+            # The shard group's groups are the same on every replica: summed over one.
+            # The groups of their own are other values on each: summed over all ranks.
+            own = [own_path(g.key.process_group) is not None for g in ordered]
+            parts = [
+                self._squares(
+                    [n for n, o in zip(norms, own, strict=True) if o is alone],
+                    [g for g, o in zip(ordered, own, strict=True) if o is alone],
+                )
+                for alone in (False, True)
+            ]
+            both = torch.cat(parts)
+            self.shard_group.all_reduce(both, label="grad norm").wait()
+            self.replicate.all_reduce(both[1:], label="grad norm (groups of their own)").wait()
+            local = both[:1] + both[1:]
         total = local.sqrt().reshape(())
         # The same coefficient as torch.nn.utils.clip_grad_norm_, so results match it.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._scale_grads(coef)
         return total
+
+    def _squares(self, norms: list[torch.Tensor], groups: list[FlatParamGroup]) -> torch.Tensor:
+        """The sum of the squares of `norms` (`groups`' gradient norms) on this rank, each
+        element counted once over the job once summed over its ranks (one-element fp32)."""
+        local = torch.zeros(1, dtype=torch.float32, device=self.shard_group.device)
+        if self.tensor_parallel is not None:
+            local += squares_counted_once(norms, groups, self.tensor_parallel.size).to(local.device)
+        else:
+            # One sum per device the norms are on.
+            for same in by_device(norms).values():
+                local += torch.stack(same).square().sum().to(local.device)
+        return local
 
     # -- step ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -45,7 +45,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._grad_guard import is_guard
 from zeroshard.engine.runtime._labels import phase
 from zeroshard.engine.runtime._stats import EngineStats
-from zeroshard.engine.runtime._tensor_parallel import like_param, local_grad
+from zeroshard.engine.runtime._tensor_parallel import like_param, local_grad, own_path
 
 
 class BackwardEvents(Protocol):
@@ -68,7 +68,9 @@ class GradReducer:
     """Reduces gradients of `groups` (trainable ones, in launch order) into fp32 shards.
 
     `replicate` (hybrid sharding) is the group of ranks holding the same shards, averaged
-    over after each reduce-scatter; each reduced shard then goes to its group's
+    over after each reduce-scatter (not a group on a process group of its own, which
+    holds other values on each replica: [Note: groups of their own beside hybrid sharding
+    and tensor parallelism] in setup/_placement.py); each reduced shard then goes to its group's
     `GradDestination`; `events` (stage 3) sets the launch order and hears when groups are
     complete; `stats` counts the reduce-scatters.
     """
@@ -232,7 +234,7 @@ class GradReducer:
         """Average a reduced shard over the replicas (hybrid) and hand it to the group's
         destination; `fresh`: `out` is new memory nobody else holds (it may become the
         shard)."""
-        if self.replicate is not None:
+        if self.replicate is not None and own_path(g.key.process_group) is None:
             average_replicas(self.replicate, out, label=f"grads of group {g.index} (replicas)")
         g.grads.receive(g, out, fresh=fresh)
 

@@ -15,7 +15,7 @@ from zeroshard.engine.runtime._optimizer import ZeroOptimizer, publish_masters
 from zeroshard.engine.runtime._stage3 import Stage3Runtime
 from zeroshard.engine.runtime._stats import EngineStats
 from zeroshard.engine.runtime._stepper import WholeParams
-from zeroshard.engine.runtime._tensor_parallel import TensorParallel
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel, own_path
 
 _ATTR = "_zeroshard_engine"
 
@@ -71,6 +71,21 @@ class EngineState:
         publish_masters(self.groups, self.config.comm.allgather_bucket_bytes)
         if self.stage3 is not None:
             self.stage3.release_all()
+
+    def replicated(self, g: FlatParamGroup) -> bool:
+        """Whether `g`'s shards are the same on every replica (hybrid sharding), its
+        reduced gradients then averaged over `replicate`: every group but those on
+        process groups of their own."""
+        return self.replicate is not None and own_path(g.key.process_group) is None
+
+    @property
+    def own_crosses_replicas(self) -> bool:
+        """Whether groups on process groups of their own sit beside replicas (hybrid
+        sharding), which they may cross: every rank then writes checkpoints ([Note: groups
+        of their own beside hybrid sharding and tensor parallelism] in setup/_placement.py)."""
+        return self.replicate is not None and any(
+            own_path(g.key.process_group) is not None for g in self.groups
+        )
 
     @property
     def offload(self) -> HomeStore | None:

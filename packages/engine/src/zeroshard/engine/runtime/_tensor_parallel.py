@@ -25,7 +25,7 @@ there: replicated over tp, like a `Replicate()` DTensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,16 +34,47 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zeroshard.ckpt import canonical_name
 from zeroshard.comm import Group
-from zeroshard.partition import FlatLayout
+from zeroshard.partition import DEFAULT_GROUP_LABEL, FlatLayout
 
 if TYPE_CHECKING:
     from zeroshard.engine.runtime._flat_group import FlatParamGroup
 
 # The `GroupKey.process_group` label of the parameters split over tp: they get flat groups
 # of their own, whose gradient norms count once per tensor-parallel rank (each holds
-# other elements), where the replicated ones count once in all.
+# other elements), where the replicated ones count once in all. Those of a module on a
+# process group of its own (experts) are labelled `split_label(path)`.
 SPLIT_LABEL = "tensor-parallel"
+_SPLIT_SUFFIX = "/" + SPLIT_LABEL
+
+
+def split_label(path: str) -> str:
+    """The label of the split parameters of module `path`, on a process group of its own
+    (a module path has no '/')."""
+    return path + _SPLIT_SUFFIX
+
+
+def group_label(name: str, split: bool, own: Iterable[str]) -> str:
+    """The `GroupKey.process_group` label of parameter `name`: the longest module path of
+    `own` (modules on process groups of their own) that holds it, else 'default'; marked
+    when the parameter is `split` over tp."""
+    best = DEFAULT_GROUP_LABEL
+    for path in own:
+        inside = name.startswith(canonical_name(path) + ".")
+        if inside and (best == DEFAULT_GROUP_LABEL or len(path) > len(best)):
+            best = path
+    if not split:
+        return best
+    return SPLIT_LABEL if best == DEFAULT_GROUP_LABEL else split_label(best)
+
+
+def own_path(label: str) -> str | None:
+    """The module path whose process group of its own a flat group of `GroupKey.process_group`
+    `label` is on (its pieces under tp too); None on the shard group (or the mesh's dp)."""
+    if label in (DEFAULT_GROUP_LABEL, SPLIT_LABEL):
+        return None
+    return label.removesuffix(_SPLIT_SUFFIX)
 
 
 def is_dtensor(t: torch.Tensor | None) -> bool:
@@ -207,7 +238,7 @@ class TensorParallel:
     def is_split_group(label: str) -> bool:
         """Whether the flat group of `GroupKey.process_group` `label` holds pieces of
         split parameters (else parameters replicated over tp)."""
-        return label == SPLIT_LABEL
+        return label == SPLIT_LABEL or label.endswith(_SPLIT_SUFFIX)
 
     def full_values(
         self, buffer: torch.Tensor, layout: FlatLayout, params: Sequence[torch.Tensor]

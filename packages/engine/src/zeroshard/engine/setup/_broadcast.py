@@ -17,7 +17,10 @@ of the ranks that hold replicas of it, before anything is flattened:
 - a DTensor parameter (tensor parallelism) holds another piece on each tensor-parallel
   rank: its local tensor is replicated on the device mesh's `dp` group only and comes
   from that group's first rank (torch's `distribute_tensor` made the pieces of one
-  tensor-parallel group agree); on a 3-D mesh over `dp_shard`, then over `dp_replicate`.
+  tensor-parallel group agree); on a 3-D mesh over `dp_shard`, then over `dp_replicate`;
+  a DTensor of a module on a group of its own over that group only, and a plain
+  parameter of such a module over that group, then over `tp` (its group at each tp
+  coordinate holds the same data-parallel indices).
 
 Parameters still on the meta device are not sent: stage 3 materializes them unit by
 unit from a generator seeded alike on every rank (`_materialize`), so they start equal.
@@ -43,38 +46,54 @@ _LABEL = "initialize: the first rank's weights to every replica"
 
 
 def _replica_groups(
-    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Sequence[Group]
+    model: nn.Module,
+    everyone: Group,
+    own: Mapping[str, Group],
+    pieces: Sequence[Group],
+    tp: Group | None,
 ) -> list[tuple[Group, list[torch.Tensor]]]:
     """The tensors to send over each group, in an order every rank shares (DTensors'
-    local tensors over each of `pieces` in turn, last)."""
-    groups = [everyone, *(own[path] for path in sorted(own))]
+    local tensors over each of `pieces` in turn, then plain tensors of own groups over
+    `tp`, last)."""
+    paths = sorted(own)
+    groups = [everyone, *(own[path] for path in paths)]
     where: dict[int, int] = {}
     # Shorter paths first: a module inside another's own group takes its innermost one.
     for path in sorted(own, key=lambda p: (len(p.split(".")), p)):
-        index = 1 + sorted(own).index(path)
+        index = 1 + paths.index(path)
         module = model.get_submodule(path)
         where.update({id(t): index for t in (*module.parameters(), *module.buffers())})
     tensors: list[list[torch.Tensor]] = [[] for _ in groups]
     local: list[torch.Tensor] = []
+    over_tp: list[torch.Tensor] = []
     for _, t in (*model.named_parameters(), *model.named_buffers()):
         if t.is_meta:
             continue
+        index = where.get(id(t), 0)
         if is_dtensor(t):
             assert pieces  # initialize refuses DTensors without a mesh
-            local.append(data_of(t))
-        else:
-            tensors[where.get(id(t), 0)].append(t)
-    return [*zip(groups, tensors, strict=True), *((g, local) for g in pieces)]
+            (tensors[index] if index else local).append(data_of(t))
+            continue
+        tensors[index].append(t)
+        if index and tp is not None:
+            over_tp.append(t)
+    sent = [*zip(groups, tensors, strict=True), *((g, local) for g in pieces)]
+    return sent if tp is None else [*sent, (tp, over_tp)]
 
 
 @torch.no_grad()
 def broadcast_initial_state(
-    model: nn.Module, everyone: Group, own: Mapping[str, Group], pieces: Sequence[Group] = ()
+    model: nn.Module,
+    everyone: Group,
+    own: Mapping[str, Group],
+    pieces: Sequence[Group] = (),
+    tp: Group | None = None,
 ) -> None:
     """Copy every parameter and buffer from the first rank of its replicas, through one
     bounded buffer; DTensor parameters' local tensors over each of `pieces` in turn (the
-    mesh's data-parallel groups). See [Note: one set of initial weights]."""
-    for group, tensors in _replica_groups(model, everyone, own, pieces):
+    mesh's data-parallel groups), own groups' plain tensors over `tp` (the mesh's) last.
+    See [Note: one set of initial weights]."""
+    for group, tensors in _replica_groups(model, everyone, own, pieces, tp):
         if group.size > 1 and tensors:
             _broadcast(group, tensors)
 

@@ -119,7 +119,8 @@ def initialize(
     `process_groups` maps module paths to the data-parallel group of their parameters
     when it is not the world (experts under expert parallelism: the ranks holding the
     same experts): those parameters get flat groups of their own, sharded over and
-    reduced (averaged) within that group.
+    reduced (averaged) within that group, beside hybrid sharding (a group may cross the
+    shard groups) and a device mesh (a group holds ranks of one tp coordinate) alike.
 
     `device_mesh` (dims `dp` and `tp`, or `dp_replicate`, `dp_shard` and `tp` for hybrid
     sharding) takes a model that torch's tensor parallelism split over
@@ -146,7 +147,7 @@ def initialize(
     check_ranks_agree(everyone, describe_rank(cfg, everyone, model, inner, device_mesh))
     # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
     # alone while the others wait for it in the agreement's collective.
-    check_mesh_inputs(model, cfg, device_mesh, group=group, process_groups=process_groups)
+    check_mesh_inputs(model, cfg, device_mesh, group=group)
     check_whole_mesh(optimizers, device_mesh)
     placement = place(
         model,
@@ -163,7 +164,11 @@ def initialize(
     param_group_of = None if inner is None else param_group_index(model, inner)
     # 3. One set of initial weights, before anything is flattened.
     mesh = placement.mesh
-    broadcast_initial_state(model, everyone, placement.own, () if mesh is None else mesh.pieces)
+    if mesh is None:
+        broadcast_initial_state(model, everyone, placement.own)
+    else:
+        tp = mesh.tensor_parallel.group if placement.own else None
+        broadcast_initial_state(model, everyone, placement.own, mesh.pieces, tp)
     start = time.perf_counter()
     # 4. The plan (how each group travels, where it lives), then the groups built into
     # their homes with their wires.
@@ -238,6 +243,7 @@ def _zero_optimizer(
         stepper=stepper,
         hooks=stage3,
         tensor_parallel=tensor_parallel,
+        replicate=placement.replicate if placement.own_crosses_replicas else None,
         # Last: what the engine was built on ([Note: changes after initialize]).
         watch=ChangeWatch(model, groups, [inner, *optimizers]),
     )

@@ -15,7 +15,6 @@ backward are torch's (see [Note: DTensor parameters] in runtime/_tensor_parallel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -94,10 +93,10 @@ def check_mesh_inputs(
     mesh: DeviceMesh | None,
     *,
     group: Group | None,
-    process_groups: Mapping[str, Group] | None,
 ) -> None:
     """ValueError before anything changes if `device_mesh` cannot go with the other
-    inputs (or a model holds DTensor parameters without one)."""
+    inputs (or a model holds DTensor parameters without one). `process_groups` goes with
+    it (checked once the mesh is known: `check_own_groups`)."""
     dtensors = [n for n, p in model.named_parameters() if is_dtensor(p)]
     if mesh is None:
         if dtensors:
@@ -110,7 +109,6 @@ def check_mesh_inputs(
         what
         for what, given in (
             ("group", group is not None),
-            ("process_groups", bool(process_groups)),
             ("shard_group_size", cfg.shard_group_size is not None),
         )
         if given

@@ -1,6 +1,19 @@
 """Which process group each parameter is sharded and reduced over: the world, one shard
 group of hybrid sharding (`shard_group_size`), a module's own group (`process_groups`),
-or a device mesh's `dp` dim."""
+or a device mesh's `dp` dim.
+
+[Note: groups of their own beside hybrid sharding and tensor parallelism]
+A module on a process group of its own (an expert) is sharded over that group and its
+gradients averaged over it alone, whatever else shards the model: under hybrid sharding
+its group may cross the shard groups (torchtitan's experts sharded over the ranks that
+hold them, the rest over `dp_shard`), and it is never averaged over the replicas, which
+hold other experts; the clip norm and fp16's overflow then sum over every rank, not one
+replica (`ZeroOptimizer`'s `replicate`), and every rank writes its experts' shards to the
+checkpoint, numbered over the world (`state/_checkpoint_layout.py`). Under a device mesh
+an expert's own group holds data-parallel ranks of one tensor-parallel coordinate, the
+same ones at every coordinate of a tensor-parallel group (`check_own_groups`):
+the expert's tp pieces are then one expert, joined over tp as any split parameter.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +21,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.comm import Group, make_hybrid_groups
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.runtime._names import canonical_name
-from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL, split_dim
+from zeroshard.engine.runtime._tensor_parallel import group_label, own_path, split_dim
 from zeroshard.engine.setup._mesh import MeshGroups, check_dtensor_params, mesh_groups
-from zeroshard.partition import DEFAULT_GROUP_LABEL, GroupKey
+from zeroshard.partition import GroupKey
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,7 @@ class Placement:
     """Where each parameter is sharded: `shard_group` (the world, or under hybrid sharding
     one shard group, `replicate` then averaging across them), the groups of modules that
     have their own (`own`), or with a device mesh its `dp` group (the parameters split
-    over `tp` in flat groups of their own)."""
+    over `tp` in flat groups of their own, an own group's too)."""
 
     shard_group: Group
     replicate: Group | None
@@ -33,25 +46,22 @@ class Placement:
 
     def label(self, name: str, param: nn.Parameter) -> str:
         """The longest module path of `own` that contains parameter `name`, or 'default'
-        (with a mesh: whether `param` is split over tp)."""
-        if self.mesh is not None:
-            return SPLIT_LABEL if split_dim(param) is not None else DEFAULT_GROUP_LABEL
-        best = DEFAULT_GROUP_LABEL
-        for path in self.own:
-            inside = name.startswith(canonical_name(path) + ".")
-            if inside and (best == DEFAULT_GROUP_LABEL or len(path) > len(best)):
-                best = path
-        return best
+        (with a mesh: marked when `param` is split over tp)."""
+        return group_label(name, self.mesh is not None and split_dim(param) is not None, self.own)
 
     def process_group(self, key: GroupKey) -> Group:
         """The process group of a GroupKey."""
-        if self.mesh is not None:
-            return self.mesh.data_parallel
-        return (
-            self.shard_group
-            if key.process_group == DEFAULT_GROUP_LABEL
-            else self.own[key.process_group]
-        )
+        path = own_path(key.process_group)
+        if path is not None:
+            return self.own[path]
+        return self.shard_group if self.mesh is None else self.mesh.data_parallel
+
+    @property
+    def own_crosses_replicas(self) -> bool:
+        """Whether groups of their own sit beside replicas of the shard group (hybrid
+        sharding), which they may cross: see [Note: groups of their own beside hybrid
+        sharding and tensor parallelism]."""
+        return self.replicate is not None and bool(self.own)
 
 
 def place(
@@ -82,11 +92,48 @@ def place(
         hybrid = make_hybrid_groups(everyone.size // size, size, timeout=timeout)
         # Everything below shards over `shard_group`; `replicate` only averages.
         shard_group, replicate = hybrid.shard, hybrid.replicate
-        if process_groups:
-            raise ValueError(
-                "process_groups and shard_group_size cannot be combined yet: the groups of "
-                "their own (experts) cross the shard groups, whose first alone writes "
-                "checkpoints and over which the clip norm is summed"
-            )
     own = {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
+    if own:
+        check_own_groups(own, everyone, 1 if mesh is None else mesh.tensor_parallel.size)
     return Placement(shard_group, replicate, own, mesh)
+
+
+def check_own_groups(own: Mapping[str, Group], everyone: Group, tp: int) -> None:
+    """ValueError, the same on every rank, naming a group of its own that its ranks do not
+    all pass (its collectives would wait for a rank that never joins them), that crosses
+    tensor-parallel coordinates, or that differs from its tensor-parallel peers'
+    (collective: every rank's groups are gathered). A mesh's layout puts rank r at tp
+    coordinate r % tp of data-parallel index r // tp."""
+    mine = {path: [g.global_rank(i) for i in range(g.size)] for path, g in sorted(own.items())}
+    every: list[dict[str, list[int]] | None] = [None] * everyone.size
+    dist.all_gather_object(every, mine, group=everyone.pg)
+    for path in sorted(own):
+        passed = {everyone.global_rank(i): sorted((e or {})[path]) for i, e in enumerate(every)}
+        for r, members in passed.items():
+            other = next((m for m in members if passed.get(m) != members), None)
+            if other is not None:
+                raise ValueError(
+                    f"process_groups[{path!r}] on rank {r} holds ranks {members}, but rank "
+                    f"{other} passes {passed.get(other, 'no group of this job')}: every rank "
+                    "of a group must pass that group"
+                )
+        ranks = list(passed.items())
+        if tp == 1:
+            continue
+        for r, members in ranks:
+            if any(m % tp != r % tp for m in members):
+                raise ValueError(
+                    f"process_groups[{path!r}] on rank {r} holds ranks {members}, which "
+                    f"cross tensor-parallel coordinates (tp {tp}: rank r is coordinate "
+                    f"r % {tp}): a group of its own must hold data-parallel ranks of one "
+                    "tp coordinate, whose pieces it averages (each tp rank of an expert "
+                    "holds another piece of it)"
+                )
+            peer = dict(ranks)[r - r % tp]
+            if [m // tp for m in members] != [m // tp for m in peer]:
+                raise ValueError(
+                    f"process_groups[{path!r}] on rank {r} holds ranks {members}, its "
+                    f"tensor-parallel peer rank {r - r % tp} holds {peer}: the ranks of "
+                    "one tensor-parallel group must pass groups of the same data-parallel "
+                    "indices (the pieces of one expert are averaged alike)"
+                )

@@ -30,6 +30,7 @@ from zeroshard.ckpt import (
 )
 from zeroshard.comm import Agreement, Group, agreed, is_rank0
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
+from zeroshard.engine.runtime._tensor_parallel import own_path
 from zeroshard.engine.state._checkpoint_apply import (
     apply_loaded,
     check_optimizer_structure,
@@ -39,6 +40,7 @@ from zeroshard.engine.state._checkpoint_layout import (
     aliases,
     checkpoint_contents,
     checkpoint_group_name,
+    file_group,
     full_shapes,
     module_buffers,
     placements,
@@ -111,9 +113,12 @@ def save_checkpoint(
         lambda: encode_state({GLOBAL: client_state, PER_RANK: rank_state}),
         CHECKPOINT_ERRORS,
     )
-    if extra is not None and state.shard_group.rank != 0:
+    files = file_group(state)
+    if extra is not None and files.rank != 0:
         extra = encode_state({PER_RANK: rank_state})
-    writes = state.replicate is None or state.replicate.rank == 0
+    # Under hybrid sharding the first replica writes, or every rank where groups of their
+    # own cross the replicas (see _checkpoint_layout.py).
+    writes = state.replicate is None or state.replicate.rank == 0 or state.own_crosses_replicas
     handle = None
     if writes:
         meta, tensors = checkpoint_contents(model, state)
@@ -122,7 +127,7 @@ def save_checkpoint(
             step,
             meta=meta,
             tensors=tensors,
-            group=state.shard_group,
+            group=files,
             tag=tag,
             async_save=async_save,
             overwrite=overwrite,
@@ -282,12 +287,7 @@ def load_checkpoint(
                 "load that one"
             )
         own = sorted(
-            {
-                n
-                for g in state.groups
-                if state.tensor_parallel is None and g.process_group.pg is not state.shard_group.pg
-                for n in g.names
-            }
+            {n for g in state.groups if own_path(g.key.process_group) is not None for n in g.names}
         )
         if own:
             raise ValueError(
@@ -298,7 +298,7 @@ def load_checkpoint(
             )
         names = aliases(model, state)
         return load_named(model, state, Path(directory), tag, step, names, everyone)
-    shard_group = state.shard_group
+    shard_group = file_group(state)
     places = placements(state)
     expected = full_shapes(state)
     expected.update({alias: expected[name] for alias, name in aliases(model, state).items()})

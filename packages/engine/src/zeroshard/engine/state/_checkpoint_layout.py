@@ -13,6 +13,12 @@ Under tensor parallelism (`initialize(..., device_mesh=...)`) every group is suc
 group, sharded over the mesh's `dp` ranks: instance k is tensor-parallel rank k, and
 its `tensor_split` names the parameters whose pieces it holds (their dims), so the
 checkpoint consolidates to the whole model and loads at another tensor-parallel size.
+
+Under hybrid sharding the first replica writes the checkpoint, numbered over its ranks,
+unless groups of their own cross the replicas (`EngineState.own_crosses_replicas`):
+then every rank writes its file, numbered over the world (`file_group`); the other
+groups are one set of the first replica's ranks, whose files alone hold them
+(`writes`), and each group of its own is written by its ranks, once.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ from zeroshard.ckpt import (
     param_state_key,
     shard_key,
 )
+from zeroshard.comm import Group
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._names import canonical_name, named_parameters
 from zeroshard.engine.runtime._optimizers import class_path, stepped_by
 from zeroshard.engine.runtime._state import EngineState
-from zeroshard.engine.runtime._tensor_parallel import split_dim
+from zeroshard.engine.runtime._tensor_parallel import own_path, split_dim
 
 
 def checkpoint_group_name(g: FlatParamGroup) -> str:
@@ -51,32 +58,61 @@ def checkpoint_group_name(g: FlatParamGroup) -> str:
 RankSets = tuple[tuple[int, ...], ...]
 
 
+def file_group(state: EngineState) -> Group:
+    """The ranks whose files a checkpoint numbers and that write them: the shard group,
+    or every rank where groups of their own cross the replicas."""
+    if state.own_crosses_replicas:
+        return Group(timeout=state.shard_group.timeout)
+    return state.shard_group
+
+
+def writes(state: EngineState, g: FlatParamGroup) -> bool:
+    """Whether this rank writes `g`'s shards, where every rank writes a file (groups of
+    their own crossing the replicas): a group of its own on every rank, another on the
+    first replica's ranks (every replica holds the same)."""
+    return own_path(g.key.process_group) is not None or _first_replica(state)
+
+
+def _first_replica(state: EngineState) -> bool:
+    """Whether this rank writes what every replica holds alike: on the first replica,
+    or wherever only the first replica's ranks take part in a save."""
+    crossing = state.own_crosses_replicas
+    return not crossing or (state.replicate is not None and state.replicate.rank == 0)
+
+
 def rank_sets(state: EngineState) -> dict[int, RankSets]:
-    """For each flat group on a process group of its own: the ranks (of the shard group,
-    the checkpoint's numbering) of every instance of it, ordered by first rank.
-    Collective over the shard group when there are such groups."""
-    own = [g for g in state.groups if g.process_group.pg is not state.shard_group.pg]
+    """For each flat group not on the file group (`file_group`): the ranks (the
+    checkpoint's numbering) of every instance of it, ordered by first rank; under
+    hybrid sharding beside groups of their own, the first replica's only. Collective
+    over the file group when there are such groups."""
+    files = file_group(state)
+    own = [g for g in state.groups if g.process_group.pg is not files.pg]
     if not own:
         return {}
-    shard_pg = state.shard_group.pg
+    files_pg = files.pg
 
     def numbered(global_rank: int) -> int:
-        return global_rank if shard_pg is None else dist.get_group_rank(shard_pg, global_rank)
+        return global_rank if files_pg is None else dist.get_group_rank(files_pg, global_rank)
 
     mine = {
         g.index: tuple(
             numbered(g.process_group.global_rank(r)) for r in range(g.process_group.size)
         )
         for g in own
+        if writes(state, g)
     }
-    everyone: list[dict[int, tuple[int, ...]] | None] = [None] * state.shard_group.size
-    dist.all_gather_object(everyone, mine, group=shard_pg)
-    return {g.index: tuple(sorted({m[g.index] for m in everyone if m})) for g in own}
+    everyone: list[dict[int, tuple[int, ...]] | None] = [None] * files.size
+    dist.all_gather_object(everyone, mine, group=files_pg)
+    return {
+        g.index: tuple(sorted({m[g.index] for m in everyone if m and g.index in m})) for g in own
+    }
 
 
 def tensor_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
-    """How `g`'s instances cut its parameters under tensor parallelism (None without)."""
-    if state.tensor_parallel is None:
+    """How `g`'s instances cut its parameters under tensor parallelism (None without). A
+    group of its own (an expert) has an instance per expert and tensor-parallel rank:
+    each instance's pieces are stored as they are, not joined (None)."""
+    if state.tensor_parallel is None or own_path(g.key.process_group) is not None:
         return None
     dims = {n: split_dim(p) for n, p in zip(g.names, g.params, strict=True)}
     return TensorSplit({n: d for n, d in dims.items() if d is not None})
@@ -84,22 +120,32 @@ def tensor_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
 
 def full_shapes(state: EngineState) -> dict[str, tuple[int, ...]]:
     """Every flat group's parameter name -> the shape of its whole tensor (a DTensor's
-    global shape, not the local piece its slot holds)."""
+    global shape, not the local piece its slot holds, unless its group's pieces are not
+    joined: `tensor_split`)."""
     return {
-        n: tuple(int(d) for d in (p.shape if split_dim(p) is not None else slot.shape))
+        n: tuple(int(d) for d in (p.shape if joined and split_dim(p) is not None else slot.shape))
         for g in state.groups
+        for joined in (tensor_split(state, g) is not None,)
         for n, p, slot in zip(g.names, g.params, g.layout.slots, strict=True)
     }
 
 
 def placements(state: EngineState) -> dict[str, GroupPlacement]:
-    """Where this rank sits in each group on a process group of its own (collective)."""
-    me = state.shard_group.rank
+    """Where this rank sits in each group on a process group of its own (collective). A
+    rank of another replica than the first, in a group that replica alone writes, sits
+    where its peer of the first replica does."""
+    files = file_group(state)
+    me = files.rank
     out = {}
     by_index = {g.index: g for g in state.groups}
     for index, sets in rank_sets(state).items():
         g = by_index[index]
-        (instance,) = [i for i, ranks in enumerate(sets) if me in ranks]
+        at = me
+        if not writes(state, g):
+            assert state.replicate is not None
+            peer = state.replicate.global_rank(0)
+            at = peer if files.pg is None else dist.get_group_rank(files.pg, peer)
+        (instance,) = [i for i, ranks in enumerate(sets) if at in ranks]
         out[checkpoint_group_name(g)] = GroupPlacement(
             instance, len(sets), g.process_group.rank, tensor_split(state, g)
         )
@@ -145,7 +191,11 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
     inner = state.needs_optimizer("save_checkpoint").inner
     tensors: dict[str, torch.Tensor] = {}
     mine: dict[str, dict[str, Any]] = {}
-    for name, p in whole.owned.items():
+    files = file_group(state)
+    # Groups of their own are refused with these optimizers: what the others own is the
+    # same on every replica, written by the first.
+    owned = whole.owned.items() if _first_replica(state) else ()
+    for name, p in owned:
         kept: dict[str, Any] = {"tensors": {}, "scalars": {}}
         for key, value in inner.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
@@ -159,8 +209,8 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
                     "a tensor nor a number: cannot checkpoint it"
                 )
         mine[name] = kept
-    everyone: list[dict[str, dict[str, Any]] | None] = [None] * state.shard_group.size
-    dist.all_gather_object(everyone, mine, group=state.shard_group.pg)
+    everyone: list[dict[str, dict[str, Any]] | None] = [None] * files.size
+    dist.all_gather_object(everyone, mine, group=files.pg)
     states = {
         name: ParamState(rank, kept["tensors"], kept["scalars"])
         for rank, owned in enumerate(everyone)
@@ -190,10 +240,12 @@ def module_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_contents(
-    model: nn.Module, state: EngineState
+    model: nn.Module, state: EngineState, *, every_shard: bool = False
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     """This rank's checkpoint of the engine: the metadata and the tensors of its file
-    (collective over the shard group when there are groups on their own process group)."""
+    (collective over the file group when there are groups on their own process group).
+    `every_shard`: every group's shards this rank holds, those it does not write too (a
+    snapshot holds the rank's whole state)."""
     optimizer = state.needs_optimizer("save_checkpoint")
     inner = optimizer.inner
     groups: list[GroupMeta] = []
@@ -203,10 +255,12 @@ def checkpoint_contents(
         name = checkpoint_group_name(g)
         shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
         kinds = {MASTER: g.master.dtype}
-        tensors[shard_key(name, MASTER)] = g.master.detach()
+        mine = {MASTER: g.master.detach()}
         for key, t in shard_tensors.items():
             kinds[OPTIM_PREFIX + key] = t.dtype
-            tensors[shard_key(name, OPTIM_PREFIX + key)] = t
+            mine[OPTIM_PREFIX + key] = t
+        if every_shard or writes(state, g):
+            tensors.update({shard_key(name, kind): t for kind, t in mine.items()})
         groups.append(
             GroupMeta(
                 name,
@@ -222,11 +276,12 @@ def checkpoint_contents(
     whole, whole_tensors = param_states(state)
     tensors.update(whole_tensors)
     buffers = module_buffers(model)
-    if state.shard_group.rank == 0:
+    files = file_group(state)
+    if files.rank == 0:
         tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     scaler = optimizer.scaler
     meta = CheckpointMeta(
-        world_size=state.shard_group.size,
+        world_size=files.size,
         groups=tuple(groups),
         stage=state.config.stage,
         compute_dtype=state.config.precision.compute_dtype,

@@ -47,7 +47,7 @@ from zeroshard.engine.runtime._host_norm import shard_norm
 from zeroshard.engine.runtime._names import canonical_name, named_parameters
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineModel, EngineState, engine_module, engine_state
-from zeroshard.engine.runtime._tensor_parallel import TensorParallel, split_dim
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel, own_path, split_dim
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,10 @@ def grad_norms(model: EngineModel) -> dict[str, float]:
     held = [g for g in state.groups if g.trainable and g.grad_shard is not None]
     by_group: dict[int, tuple[Group, list[FlatParamGroup]]] = {}
     for g in held:
-        # Under tp every rank adds into one sum, as the clip norm does.
-        over = state.shard_group if tp is not None else g.process_group
+        # Under tp every rank adds into one sum, as the clip norm does; a group of its own
+        # (an expert) over its group, then over tp (its pieces, one expert).
+        own = own_path(g.key.process_group) is not None
+        over = state.shard_group if tp is not None and not own else g.process_group
         by_group.setdefault(id(over.pg), (over, []))[1].append(g)
     sums: list[tuple[list[FlatParamGroup], torch.Tensor, Handle]] = []
     for over, groups in by_group.values():
@@ -247,6 +249,8 @@ def grad_norms(model: EngineModel) -> dict[str, float]:
     out: dict[str, float] = {}
     for groups, squares, handle in sums:
         handle.wait()
+        if tp is not None and own_path(groups[0].key.process_group) is not None:
+            tp.group.all_reduce(squares, label="gradient norms over tp").wait()
         norms = (squares.sqrt() / scale).tolist()
         names = [n for g in groups for n in g.names]
         out.update(zip(names, norms, strict=True))

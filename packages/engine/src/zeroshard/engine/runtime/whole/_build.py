@@ -11,13 +11,12 @@ from torch import nn
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import Stepper, WholeParams
-from zeroshard.engine.runtime._tensor_parallel import TensorParallel
+from zeroshard.engine.runtime._tensor_parallel import TensorParallel, own_path
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._exchange import MatrixExchange, matrix_exchanges
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
 from zeroshard.engine.runtime.whole._whole_step import WholeParamStep, whole_parameters
-from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 
 def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
@@ -119,7 +118,7 @@ def _refuse_own_process_groups(
     optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]
 ) -> None:
     """Refuse whole parameters by name for parameters on a process group of their own."""
-    own = sorted({n for g in groups if g.key.process_group != DEFAULT_GROUP_LABEL for n in g.names})
+    own = sorted({n for g in groups if own_path(g.key.process_group) is not None for n in g.names})
     if own:
         # Their state is checkpointed by name, and several instances share names.
         raise ValueError(
