@@ -70,7 +70,7 @@ def _fill(g: FlatParamGroup, specs: Mapping[str, RangeSpec], out: torch.Tensor) 
             specs[slot.name].read_range(whole, out[at : at + n])
 
 
-def source_names(
+def _source_names(
     state: EngineState,
     named: NamedTrainingState,
     canonical: Mapping[str, str],
@@ -255,11 +255,11 @@ def read_named_shards(
     (on the host; no collective, nothing changed yet, so a failure leaves the run as it was).
 
     `aliases` maps the model's tied parameter names to the canonical ones of its groups;
-    `instances` each group of its own (by index) to its place (`source_names`).
+    `instances` each group of its own (by index) to its place (`_source_names`).
     """
     _check_names(model, state, named, aliases)
     canonical = dict(named.aliases)
-    sources = source_names(state, named, canonical, instances)
+    sources = _source_names(state, named, canonical, instances)
     if state.optimizer is None:  # evaluation only: the weights alone
         out = NamedShards(mapping={})
     else:
