@@ -370,10 +370,19 @@ def _tensor_parallel(root: str) -> None:
 
 def test_experts_with_tensor_parallelism(tmp_path: Path) -> None:
     run_ranks(_tensor_parallel, 4, str(tmp_path))
-    # An expert's tp pieces are not joined into a consolidated file yet: refused, not
-    # written as pieces under the whole tensor's name.
-    with pytest.raises(CheckpointError, match="experts under tensor parallelism"):
-        consolidate(tmp_path / "tp2-alone", tmp_path / "out.safetensors", instance=0)
+    # Each expert consolidated whole, its tp pieces joined: bit for bit the full state
+    # dict of a rank holding it at the save (rank 2k holds expert k where each rank has
+    # its own; every rank the one expert where the tp peers share it).
+    for layout, experts in [("tp2-alone", 2), ("tp3-alone", 2), ("tp2-shared", 1)]:
+        for k in range(experts):
+            out = tmp_path / f"{layout}-expert{k}.safetensors"
+            consolidate(tmp_path / layout, out, instance=k if experts > 1 else None)
+            got, want = load_file(out), torch.load(tmp_path / f"{layout}-rank{2 * k}.pt")
+            assert got.keys() == want.keys()
+            for name, value in want.items():
+                assert torch.equal(got[name], value), f"{layout} expert {k}: {name}"
+    with pytest.raises(CheckpointError, match="instance 2 out of range"):
+        consolidate(tmp_path / "tp2-alone", tmp_path / "out.safetensors", instance=2)
 
 
 # -- the planner ---------------------------------------------------------------------------

@@ -13,6 +13,8 @@ Under tensor parallelism (`initialize(..., device_mesh=...)`) every group is suc
 group, sharded over the mesh's `dp` ranks: instance k is tensor-parallel rank k, and
 its `tensor_split` names the parameters whose pieces it holds (their dims), so the
 checkpoint consolidates to the whole model and loads at another tensor-parallel size.
+A group of its own there has an instance per expert and tp rank: its `expert_split`
+names its split parameters and the tp size, so each expert consolidates whole.
 
 Under hybrid sharding the first replica writes the checkpoint, numbered over its ranks,
 unless groups of their own cross the replicas (`EngineState.own_crosses_replicas`):
@@ -116,6 +118,16 @@ def tensor_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
         return None
     dims = {n: split_dim(p) for n, p in zip(g.names, g.params, strict=True)}
     return TensorSplit({n: d for n, d in dims.items() if d is not None})
+
+
+def expert_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
+    """How a group of its own (an expert) cuts its parameters under tensor parallelism:
+    its instances are each expert's tp ranks in order (see `GroupMeta.expert_split`)."""
+    if state.tensor_parallel is None or own_path(g.key.process_group) is None:
+        return None
+    dims = {n: split_dim(p) for n, p in zip(g.names, g.params, strict=True)}
+    split = {n: d for n, d in dims.items() if d is not None}
+    return TensorSplit(split, ranks=state.tensor_parallel.size)
 
 
 def full_shapes(state: EngineState) -> dict[str, tuple[int, ...]]:
@@ -271,6 +283,7 @@ def checkpoint_contents(
                 scalars=scalars,
                 rank_sets=sets.get(g.index),
                 tensor_split=tensor_split(state, g),
+                expert_split=expert_split(state, g),
             )
         )
     whole, whole_tensors = param_states(state)
