@@ -37,7 +37,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -45,7 +44,8 @@ from torch import nn
 import zeroshard.compile as zc
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
-from tests.engine._models import VOCAB, global_batches
+from tests.engine._models import global_batches
+from tests.engine.test_expert_groups import Trunk, _loss
 from zeroshard.ckpt import CheckpointError, consolidate
 from zeroshard.comm import Group
 
@@ -54,31 +54,17 @@ MAX_NORM = 0.5
 STEPS = 3
 
 
-class Trunk(nn.Module):
-    def __init__(self, expert_seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, D)
-        self.head = nn.Linear(D, VOCAB)
-        torch.manual_seed(100 + expert_seed)
-        self.expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-
-    def forward(self, tokens: torch.Tensor, expert: nn.Module | None = None) -> torch.Tensor:
-        x = self.emb(tokens)
-        return self.head(x + (expert or self.expert)(x))
-
-
-def _loss(model: nn.Module, batch: torch.Tensor, expert: nn.Module | None = None) -> torch.Tensor:
-    logits = model(batch[..., :-1], expert)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[..., 1:].reshape(-1))
+def _trunk(expert_seed: int) -> Trunk:
+    """test_expert_groups.py's model at this file's sizes."""
+    return Trunk(expert_seed, D, hidden=2)
 
 
 class Reference:
     """The trunk and every expert in one process, stepped on the global batch."""
 
     def __init__(self, experts: int, scale: float) -> None:
-        self.model = Trunk(0)
-        self.experts = [copy.deepcopy(Trunk(i).expert) for i in range(experts)]
+        self.model = _trunk(0)
+        self.experts = [copy.deepcopy(_trunk(i).expert) for i in range(experts)]
         self.params = [
             *self.model.emb.parameters(),
             *self.model.head.parameters(),
@@ -162,7 +148,7 @@ def _hybrid_case(pairs: dict[int, Group], stage: int, root: str) -> None:
     where = f"{root}/hybrid-s{stage}"
 
     def build(seed: int) -> tuple[nn.Module, zs.ZeroOptimizer]:
-        model = Trunk(seed)
+        model = _trunk(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         cfg = _config(stage, shard_group_size=2)
         return zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
@@ -188,7 +174,7 @@ def _hybrid_overflow(pairs: dict[int, Group]) -> None:
     (after the reduce-scatter, in rank 3's half of expert 1) skips the step on every
     rank, those of the other shard group too."""
     rank = dist.get_rank()
-    model = Trunk(rank % 2)
+    model = _trunk(rank % 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = _config(2, shard_group_size=2, compute_dtype="fp16", initial_loss_scale=1024.0)
     model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
@@ -224,7 +210,7 @@ def _hybrid_snapshot(pairs: dict[int, Group], root: str) -> None:
     """A snapshot in memory holds every rank's shards, the replicas' too (which do not
     write the first replica's groups to disk): restored, the step after it repeats."""
     rank = dist.get_rank()
-    model = Trunk(rank % 2)
+    model = _trunk(rank % 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = _config(3, shard_group_size=2)
     model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
@@ -250,7 +236,7 @@ def _hybrid_refused(pairs: dict[int, Group]) -> None:
     rank = dist.get_rank()
     other = Group(dist.new_group([2, 3]))
     mine = pairs[rank] if rank < 2 else other
-    model = Trunk(0)
+    model = _trunk(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"rank 0 holds ranks \[0, 2\], but rank 2 passes"):
         zs.initialize(model, opt, _config(2, shard_group_size=2), process_groups={"expert": mine})
@@ -269,7 +255,7 @@ def _hybrid_loads_at_world_2(root: str) -> None:
     rank: the weights each rank held at the save, bit for bit."""
     rank = dist.get_rank()
     alone = [Group(dist.new_group([r])) for r in range(2)]
-    model = Trunk(rank + 7)
+    model = _trunk(rank + 7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, zopt = zs.initialize(model, opt, _config(3), process_groups={"expert": alone[rank]})
     assert zs.load_checkpoint(model, zopt, f"{root}/hybrid-s3") == STEPS - 1
@@ -319,7 +305,7 @@ def _tp_case(
     mine = groups[(rank,) if alone else (tp, tp + 2)]
 
     def build(seed: int) -> tuple[Any, zs.ZeroOptimizer]:
-        model = Trunk(seed)
+        model = _trunk(seed)
         parallelize_module(
             model.expert, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
         )
@@ -347,7 +333,7 @@ def _tp_refused(groups: dict[tuple[int, ...], Group]) -> None:
     }
     for why, ranks in bad.items():
         with pytest.raises(ValueError, match=why):
-            model = Trunk(0)
+            model = _trunk(0)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             zs.initialize(
                 model, opt, {"stage": 2}, process_groups={"expert": groups[ranks]}, device_mesh=mesh
@@ -393,7 +379,7 @@ def test_planner_prices_experts_memory_only() -> None:
     are checked against real engines in test_estimate_states.py); what it does not model
     it refuses by name."""
     with torch.device("meta"):
-        model = Trunk(0)
+        model = _trunk(0)
     cfg = _config(3, shard_group_size=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     alone, pairs = (

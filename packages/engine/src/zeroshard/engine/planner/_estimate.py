@@ -160,14 +160,7 @@ class Estimate:
                 "collectives send",
             ]
         if self.step is not None:
-            s = self.step
-            cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
-            lines += [
-                "",
-                f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}, communication "
-                f"{s.comm_s * 1e3:.0f}{cpu}, exposed {s.exposed_s * 1e3:.0f}; {s.bound}-bound), "
-                f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
-            ]
+            lines += ["", self.step.report_line(self.micro_batch * self.seq_len)]
         return "\n".join(lines)
 
 

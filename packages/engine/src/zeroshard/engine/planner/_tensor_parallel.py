@@ -199,15 +199,12 @@ class TensorParallelPlan:
             "the meta trace does not run)"
         )
         if self.step is not None:
-            s = self.step
-            cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
-            lines += [
-                "",
-                f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}: 1/{self.tp} "
-                f"of one GPU's; communication {s.comm_s * 1e3:.0f}, of it tensor-parallel "
-                f"{self.tp_step_s * 1e3:.0f}{cpu}; exposed {s.exposed_s * 1e3:.0f}; "
-                f"{s.bound}-bound), {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
-            ]
+            line = self.step.report_line(
+                self.tokens / self.tp,
+                compute=f": 1/{self.tp} of one GPU's",
+                communication=f", of it tensor-parallel {self.tp_step_s * 1e3:.0f}",
+            )
+            lines += ["", line]
         return "\n".join(lines)
 
 
