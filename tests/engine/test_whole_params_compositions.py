@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -179,6 +180,67 @@ def _offload(root: str) -> None:
 def test_declared_whole_params_with_offload(tmp_path: Path) -> None:
     """Offloaded groups' matrices stepped whole by a user's optimizer (module docstring)."""
     run_ranks(_offload, 2, str(tmp_path))
+
+
+def _where_state_lives(device: str, root: str) -> None:
+    """One rank, every parameter on `Factored`: offloaded, its state's tensors are on the
+    host between steps (and its whole parameters on the device its step runs on), and it
+    trains as the run without offload; a checkpoint of it loads into either, its state
+    where that run keeps it, and the next step follows."""
+    dev = torch.device(device, torch.cuda.current_device() if device == "cuda" else None)
+    data = global_batches(STEPS, 1, 1, 2)[:, 0].to(dev)
+    cfg = {"stage": 2, "reduce_dtype": "fp32", "reduce_bucket_bytes": 1500}
+
+    def build(offload: bool) -> tuple[nn.Module, Any]:
+        model = make_model(seed=5).to(dev)
+        opt = Factored(model.parameters(), lr=0.02)
+        return zs.initialize(model, opt, {**cfg, "offload_optimizer": offload})
+
+    def state_on(opt: Any, where: str) -> dict[str, torch.Tensor]:
+        whole = opt.inner.state
+        out = {}
+        for p, kept in whole.items():
+            assert p.device.type == dev.type
+            for key, t in kept.items():
+                if isinstance(t, torch.Tensor):
+                    assert t.device.type == where, (key, t.device)
+                    out[f"{id(p)}.{key}"] = t.cpu()
+        return out
+
+    def train(model: nn.Module, opt: Any, steps: range) -> None:
+        for step in steps:
+            loss_fn(model, data[step].reshape(-1, data.shape[-1])).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build(offload=True)
+    train(model, opt, range(2))
+    state_on(opt, "cpu")
+    zs.save_checkpoint(model, opt, Path(root) / "hosted", step=2)
+    train(model, opt, range(2, STEPS))
+    state_on(opt, "cpu")
+    want = zs.full_state_dict(model)
+    plain, plain_opt = build(offload=False)
+    train(plain, plain_opt, range(STEPS))
+    state_on(plain_opt, dev.type)
+    _close(zs.full_state_dict(plain), want, "offloaded against on the device")
+    for offload, where in ((True, "cpu"), (False, dev.type)):
+        again, opt2 = build(offload)
+        assert zs.load_checkpoint(again, opt2, Path(root) / "hosted") == 2
+        state_on(opt2, where)
+        train(again, opt2, range(2, STEPS))
+        got = zs.full_state_dict(again)
+        if offload:
+            assert all(torch.equal(got[k], v) for k, v in want.items()), "not bit for bit"
+        else:
+            _close(got, want, "resumed on the device")
+
+
+@pytest.mark.gpu
+def test_declared_whole_params_state_lives_on_the_host(device: str, tmp_path: Path) -> None:
+    """Where an offloaded declared optimizer's state lives (on one GPU with --device cuda,
+    where the host is not the device)."""
+    run_ranks(_where_state_lives, 1, device, str(tmp_path), device=device)
 
 
 # -- tensor parallelism -------------------------------------------------------------------
