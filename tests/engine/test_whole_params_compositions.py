@@ -13,7 +13,8 @@ steps the 2-D weights (the tied embedding aside), AdamW the rest.
 - Tensor parallelism (dp 2 x tp 2, stage 3; stage 2 offloaded): each matrix's pieces
   joined whole at its owner on every tp rank. The stage-3 checkpoint loads at dp 1 x tp 2
   and in one process (its state is the whole matrices'), and a step from there matches
-  the reference's.
+  the reference's; offloaded, a snapshot in memory restores and the step after it
+  repeats.
 
 Weights at fp32's tolerance (rtol 1e-5) after 3 steps with clipping; each case saves
 after step 2 and an engine built afresh loads it and repeats step 3 bit for bit.
@@ -129,6 +130,26 @@ def _resumes(build: Any, train: Any, root: Path) -> None:
     want, got = zs.full_state_dict(model), zs.full_state_dict(again)
     for k, v in want.items():
         assert torch.equal(got[k], v), f"{k}: the resume is not bit-identical"
+
+
+def _snapshot(build: Any, train: Any, root: Path) -> None:
+    """A snapshot in memory after step 1, restored after step 2: the state snapshotted
+    (the whole matrices' at every tp rank of their owners too) and step 2 again, bit for
+    bit."""
+    model, opt = build()
+    snaps = zs.Snapshots(model, opt, every=1, root=root / "shm")
+    try:
+        train(model, opt, range(1))
+        snaps.take(1)
+        saved = zs.full_state_dict(model)
+        train(model, opt, range(1, 2))
+        after = zs.full_state_dict(model)
+        assert snaps.resume(root / "ckpt") == 1
+        assert all(torch.equal(v, saved[k]) for k, v in zs.full_state_dict(model).items())
+        train(model, opt, range(1, 2))
+        assert all(torch.equal(v, after[k]) for k, v in zs.full_state_dict(model).items())
+    finally:
+        snaps.close()
 
 
 # -- offload ------------------------------------------------------------------------------
@@ -271,6 +292,8 @@ def _tp_case(stage: int, extra: dict[str, Any], root: str) -> None:
     train(model, opt, range(STEPS))
     _close(zs.full_state_dict(model), want, f"tp at stage {stage}")
     _resumes(build, train, Path(root) / f"tp{stage}")
+    if extra:  # offloaded too
+        _snapshot(build, train, Path(root) / f"snap{stage}")
     if dist.get_rank() == 0 and stage == 3:
         torch.save(want, Path(root) / "tp-want.pt")
 
