@@ -100,7 +100,8 @@ class WholeMatrixCost:
         buffer_bytes: the busiest rank's owner buffers and the buffers its pieces come
             back in, every group's (alive until the step ends).
         joined_bytes: under tensor parallelism, the most bytes of matrices one rank
-            joins whole over tp at once (bf16).
+            joins whole over tp at once (Muon's bf16 updates; a declared optimizer's
+            gradients and masters, in the master dtype).
         orthogonalize_bytes: the most bytes one orthogonalization of a group's local or
             owned matrices allocates beyond its inputs (under tp the joining, then
             Newton-Schulz's results and iterates: [Note: Newton-Schulz's memory]).
