@@ -206,23 +206,35 @@ def _hybrid_overflow(pairs: dict[int, Group]) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before), "nothing stepped"
 
 
-def _hybrid_snapshot(pairs: dict[int, Group], root: str) -> None:
+class WholeSGD(torch.optim.SGD):
+    """SGD stepped on whole parameters at their owners, through the declaration."""
+
+    zeroshard_whole_params = True
+
+
+def _hybrid_snapshot(pairs: dict[int, Group], root: str, declared: bool) -> None:
     """A snapshot in memory holds every rank's shards, the replicas' too (which do not
-    write the first replica's groups to disk): restored, the step after it repeats."""
+    write the first replica's groups to disk): restored, the step after it repeats. With
+    the trunk's matrices on an optimizer that declares whole parameters, the state each
+    replica's owners keep of them too."""
     rank = dist.get_rank()
     model = _trunk(rank % 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opts: list[torch.optim.Optimizer] = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    if declared:
+        trunk = [model.emb.weight, model.head.weight]
+        rest = [p for p in model.parameters() if all(p is not t for t in trunk)]
+        opts = [WholeSGD(trunk, lr=0.1, momentum=0.9), torch.optim.SGD(rest, lr=0.1, momentum=0.9)]
     cfg = _config(3, shard_group_size=2)
-    model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
+    model, zopt = zs.initialize(model, opts, cfg, process_groups={"expert": pairs[rank % 2]})
     batches = global_batches(2, 1, 4, 2)[:, 0, rank]
-    snaps = zs.Snapshots(model, zopt, every=1, root=f"{root}/shm")
+    snaps = zs.Snapshots(model, zopt, every=1, root=f"{root}/shm{int(declared)}")
     try:
         _step(model, zopt, batches[0])
         snaps.take(1)
         saved = zs.full_state_dict(model)
         norm = _step(model, zopt, batches[1])
         after = zs.full_state_dict(model)
-        assert snaps.resume(f"{root}/snap-ckpt") == 1
+        assert snaps.resume(f"{root}/snap-ckpt{int(declared)}") == 1
         assert all(torch.equal(v, saved[k]) for k, v in zs.full_state_dict(model).items())
         assert torch.equal(_step(model, zopt, batches[1]), norm)
         assert all(torch.equal(v, after[k]) for k, v in zs.full_state_dict(model).items())
@@ -247,7 +259,10 @@ def _hybrid(root: str) -> None:
     run_each([{}], lambda: _hybrid_refused(pairs))
     run_each([{"stage": 2}, {"stage": 3}], lambda stage: _hybrid_case(pairs, stage, root))
     run_each([{}], lambda: _hybrid_overflow(pairs))
-    run_each([{}], lambda: _hybrid_snapshot(pairs, root))
+    run_each(
+        [{"declared": False}, {"declared": True}],
+        lambda declared: _hybrid_snapshot(pairs, root, declared),
+    )
 
 
 def _hybrid_loads_at_world_2(root: str) -> None:

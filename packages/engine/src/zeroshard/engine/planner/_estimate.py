@@ -327,7 +327,9 @@ def estimate_on_trace(
         for k, n in state_floats_by_param_group(optimizers).items()
     }
     owner_state = 0 if whole is None else whole.owner_state_bytes
+    owner_host = 0 if whole is None else whole.owner_host_state_bytes
     host, pinned = host_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    host += owner_host
     states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     states["optimizer"] += owner_state
     step = None
@@ -357,5 +359,5 @@ def estimate_on_trace(
         step=step,
         float8=sum(g.layout.numel for g in plan.groups if g.wire is WireKind.FLOAT8),
         whole_matrix=whole,
-        snapshot=snapshot_bytes(plan, cfg, state_per_element) + owner_state,
+        snapshot=snapshot_bytes(plan, cfg, state_per_element) + owner_state + owner_host,
     )

@@ -53,7 +53,11 @@ from zeroshard.engine.planner._step_time import (
     check_step_in_backward,
     project_step,
 )
-from zeroshard.engine.planner._whole import WholeMatrixCost, whole_matrix_cost
+from zeroshard.engine.planner._whole import (
+    WholeMatrixCost,
+    owner_state_groups,
+    whole_matrix_cost,
+)
 from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.offload import steps_in_blocks
@@ -124,7 +128,7 @@ class TensorParallelPlan:
     host: int = 0  # offload: host bytes per rank (as `Estimate.host`)
     pinned: int = 0  # of them pinned
     replicas: int = 1  # hybrid sharding: the mesh's dp_replicate
-    whole_matrix: WholeMatrixCost | None = None  # torch's Muon: its step's scratch
+    whole_matrix: WholeMatrixCost | None = None  # a whole-matrix optimizer: its step
     snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
     tokens: int = 0  # of a micro-batch, which every rank of a tp group computes together
     step: StepTime | None = None  # given a compute figure
@@ -373,7 +377,13 @@ def plan_tensor_parallel(
     if optimizers is not None:
         pgs = [pg for o in optimizers for pg in o.param_groups]
         param_group_of = {id(p): k for k, pg in enumerate(pgs) for p in pg["params"]}
-        per_element = {k: 4 * n for k, n in state_floats_by_param_group(list(optimizers)).items()}
+        # An optimizer on whole parameters keeps its state at the owners (`whole`), none on
+        # the shards.
+        at_owners = owner_state_groups(optimizers)
+        per_element = {
+            k: 0 if k in at_owners else 4 * n
+            for k, n in state_floats_by_param_group(list(optimizers)).items()
+        }
         blocked = len(optimizers) == 1 and steps_in_blocks(optimizers[0])
     parameters = sum(p.numel() for p in model.parameters())
     tokens = micro_batch * seq_len
@@ -404,6 +414,13 @@ def plan_tensor_parallel(
         if optimizers is None
         else whole_matrix_cost(plan.groups, cfg, optimizers, tp, whole_shapes)
     )
+    states = state_bytes(plan, cfg, per_element)
+    snapshot = snapshot_bytes(plan, cfg, per_element)
+    if whole is not None:
+        # A declared optimizer's state, the whole matrices' at their owners.
+        states["optimizer"] += whole.owner_state_bytes
+        host += whole.owner_host_state_bytes
+        snapshot += whole.owner_state_bytes + whole.owner_host_state_bytes
     step, tp_step = None, 0.0
     if compute is not None:
         timed = tensor_parallel_time(ops, cluster, tp)
@@ -426,7 +443,7 @@ def plan_tensor_parallel(
         parameters,
         split,
         per_rank,
-        state_bytes(plan, cfg, per_element),
+        states,
         grad_shard_bytes(plan, cfg),
         ops,
         cluster,
@@ -434,7 +451,7 @@ def plan_tensor_parallel(
         pinned,
         world_size // replica,
         whole,
-        snapshot_bytes(plan, cfg, per_element),
+        snapshot,
         tokens,
         step,
         tp_step,
