@@ -334,7 +334,13 @@ def estimate_on_trace(
         for k, n in state_floats_by_param_group(optimizers).items()
     }
     owner_state = 0 if whole is None else whole.owner_state_bytes
-    host, pinned = host_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    host, pinned = host_bytes(
+        plan,
+        cfg,
+        state_per_element or optimizer_bytes_per_element,
+        optimizers,
+        step_in_backward=step_in_backward,
+    )
     states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     states["optimizer"] += owner_state
     step = None
