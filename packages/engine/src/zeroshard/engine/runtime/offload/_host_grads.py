@@ -106,7 +106,11 @@ class HostGrads:
         if self._held is None:
             n, s = self._layout.num_chunks, self._layout.shard_numel
             nbytes = n * s * self._reduce_dtype.itemsize
-            self._check(nbytes, "the offloaded gradients held until step()")
+            what = (
+                "the offloaded gradients held until step() (2 bytes a parameter in bf16; a "
+                "window of one backward under step_in_backward() holds none)"
+            )
+            self._check(nbytes, what)
             self._held = self._memory.alloc(n * s, self._reduce_dtype, self._pin).view(n, s)
         return self._part(self._held, index)
 
