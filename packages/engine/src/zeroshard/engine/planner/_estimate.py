@@ -328,7 +328,13 @@ def estimate_on_trace(
     }
     owner_state = 0 if whole is None else whole.owner_state_bytes
     owner_host = 0 if whole is None else whole.owner_host_state_bytes
-    host, pinned = host_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    host, pinned = host_bytes(
+        plan,
+        cfg,
+        state_per_element or optimizer_bytes_per_element,
+        optimizers,
+        step_in_backward=step_in_backward,
+    )
     host += owner_host
     states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     states["optimizer"] += owner_state

@@ -408,7 +408,9 @@ def plan_tensor_parallel(
         blocked,
         process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
-    host, pinned = host_bytes(plan, cfg, per_element)
+    host, pinned = host_bytes(
+        plan, cfg, per_element, optimizers or (), step_in_backward=step_in_backward
+    )
     whole = (
         None
         if optimizers is None
