@@ -9,9 +9,10 @@ The single-process reference holds the trunk, `shared` and both experts, backpro
 the mean of the ranks' losses and multiplies the own groups' gradients by world / f, so
 each is the sum over its ranks' gradients divided by f; torch's `clip_grad_norm_` then
 clips the divided gradients, as DeepSpeed clips. Each case trains 3 clipped steps: the
-clip norm and every weight match, at stages 1, 2 and 3, under `zeroshard.compile`, with
-the optimizer (and the parameters) offloaded, and in fp16 (loss scaled, unscaled and
-clipped after the division). A bad factor is refused by name on every rank.
+clip norm and every weight match, at stages 1, 2 and 3, under `zeroshard.compile` (its
+async collectives, the ops' own, and the host groups' gradients of offload), with the
+optimizer (and the parameters) offloaded, and in fp16 (loss scaled, unscaled and clipped
+after the division). A bad factor is refused by name on every rank.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ CASES: list[dict[str, Any]] = [
     {"stage": 3, "compiled": "async"},
     # The ops' own collectives, which `issue_async` otherwise rewrites.
     {"stage": 3, "compiled": "in the ops"},
+    {"stage": 3, "compiled": "async", "offload_optimizer": True},
     {"stage": 2, "offload_optimizer": True},
     {"stage": 3, "offload_optimizer": True, "offload_params": True},
     {"stage": 2, "compute_dtype": "fp16", "initial_loss_scale": 1024.0},
