@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,7 +64,7 @@ def check_divide_factor(factor: object, process_groups: Mapping[str, Any]) -> No
     `process_groups` (it divides those groups' gradients alone)."""
     if factor is None:
         return
-    if isinstance(factor, bool) or not isinstance(factor, int | float):
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
         raise TypeError(
             f"gradient_divide_factor must be a number (the whole data-parallel world, say), "
             f"not {type(factor).__name__} {factor!r}"
