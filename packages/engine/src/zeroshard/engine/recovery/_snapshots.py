@@ -71,15 +71,6 @@ class Snapshots:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
-        if self._state.own_crosses_replicas and self._state.whole_params is not None:
-            # Each replica's ranks own the same whole parameters, recorded by the first
-            # replica's ranks alone (see _checkpoint_layout.py): the others' state would
-            # not come back.
-            raise ValueError(
-                "Snapshots: not yet with groups of their own (process_groups) beside hybrid "
-                "sharding and an optimizer that declares zeroshard_whole_params: its state "
-                "is recorded for the first replica's ranks only"
-            )
         self.every = every
         self.client_state = client_state
         self.rank_state = rank_state

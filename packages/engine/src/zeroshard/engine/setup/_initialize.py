@@ -38,8 +38,6 @@ from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
 from zeroshard.engine.runtime.whole import (
     WholeMatrices,
-    check_whole_mesh,
-    check_whole_optimizers,
     steps_whole,
 )
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
@@ -144,7 +142,6 @@ def initialize(
     optimizers = [] if optimizer is None else as_optimizers(optimizer, model)
     # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
     unwrap_float8_weights(model, optimizers)
-    check_whole_optimizers(optimizers, cfg)
     check_offload(optimizers, cfg, whole=[o for o in optimizers if steps_whole(o)])
     inner = combine(optimizers) if optimizers else None
     check_module_paths(model, process_groups or {})
@@ -158,7 +155,6 @@ def initialize(
     # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
     # alone while the others wait for it in the agreement's collective.
     check_mesh_inputs(model, cfg, device_mesh, group=group)
-    check_whole_mesh(optimizers, device_mesh)
     placement = place(
         model,
         cfg,

@@ -193,10 +193,14 @@ def _split_state(
     return tensors, scalars
 
 
-def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
+def param_states(
+    state: EngineState, *, every_shard: bool = False
+) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
     """The whole-parameter optimizer state of every parameter a whole-matrix optimizer
     keeps it for (`EngineState.whole_params`): by name, each at the rank that owns it, and
-    this rank's tensors of it. Collective over the shard group when there are any."""
+    this rank's tensors of it; `every_shard`: this rank's own wherever it sits (a snapshot
+    holds what its rank holds), recorded at this rank. Collective over the file group
+    when there are any."""
     whole = state.whole_params
     if whole is None:
         return {}, {}
@@ -205,13 +209,20 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
     mine: dict[str, dict[str, Any]] = {}
     files = file_group(state)
     # Groups of their own are refused with these optimizers: what the others own is the
-    # same on every replica, written by the first.
-    owned = whole.owned.items() if _first_replica(state) else ()
+    # same on every replica, written by the first; under tp the same on every tp rank
+    # ([Note: whole parameters under tensor parallelism]), written by the first.
+    tp = state.tensor_parallel
+    first = _first_replica(state) and (tp is None or tp.group.rank == 0)
+    owned = whole.owned.items() if every_shard or first else ()
     for name, p in owned:
         kept: dict[str, Any] = {"tensors": {}, "scalars": {}}
         for key, value in inner.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
-                kept["tensors"][key] = (value.dtype, tuple(value.shape), value.device.type != "cpu")
+                # Whether the step reads it on the device (offloaded state is kept on the
+                # host between steps: [Note: whole parameters offloaded]).
+                stepped_up = name in whole.on_host and value.dim() > 0
+                on_device = p.device.type != "cpu" and (stepped_up or value.device == p.device)
+                kept["tensors"][key] = (value.dtype, tuple(value.shape), on_device)
                 tensors[param_state_key(name, key)] = value.detach()
             elif isinstance(value, (int, float, bool)):
                 kept["scalars"][key] = value
@@ -228,6 +239,8 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
         for rank, owned in enumerate(everyone)
         for name, kept in (owned or {}).items()
     }
+    # Several ranks hold the same state (replicas, tp ranks): each records its own.
+    states.update({n: ParamState(files.rank, k["tensors"], k["scalars"]) for n, k in mine.items()})
     return states, tensors
 
 
@@ -286,7 +299,7 @@ def checkpoint_contents(
                 expert_split=expert_split(state, g),
             )
         )
-    whole, whole_tensors = param_states(state)
+    whole, whole_tensors = param_states(state, every_shard=every_shard)
     tensors.update(whole_tensors)
     buffers = module_buffers(model)
     files = file_group(state)
