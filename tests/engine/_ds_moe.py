@@ -12,7 +12,8 @@ rank * 2 + local index, as DeepSpeed's expert files name them).
 
 A zeroshard run keeps the model's code: DeepSpeed's MoE layer, its expert-parallel groups
 made as `deepspeed.initialize` makes them (`expert_data_group`), the experts on the
-expert data-parallel group as a process group of their own.
+expert data-parallel group as a process group of their own, their gradients divided by
+the world as DeepSpeed divides them (`gradient_divide_factor`).
 """
 
 from __future__ import annotations
@@ -105,15 +106,6 @@ def expert_data_group(model: nn.Module) -> Any:
         if isinstance(m, MoE):
             m.set_deepspeed_parallelism()
     return groups._get_expert_data_parallel_group(f"ep_size_{EP}")
-
-
-def world_average(model: nn.Module) -> None:
-    """Scale the experts' gradients by 1 / expert-parallel size: the gradient of the mean
-    loss over the world, as DeepSpeed (and torchtitan's `set_gradient_divide_factor`) take
-    it, where zeroshard averages a group of its own over its ranks alone."""
-    for name, p in model.named_parameters():
-        if name.startswith(LOCAL):
-            p.register_hook(lambda grad: grad / EP)
 
 
 def param_groups(model: nn.Module) -> list[dict[str, Any]]:

@@ -9,7 +9,9 @@ on DeepSpeed's expert data-parallel group as a process group of their own, so ra
 holds expert-parallel rank k's experts (global experts 2k and 2k + 1), and loads the
 checkpoint at stages 2 and 3: before any step every parameter's Adam moments and step
 equal what DeepSpeed's live optimizer held (bit for bit), and the 2 steps after give
-DeepSpeed's losses (rtol 1e-6) and weights (atol 1e-6), every expert's included.
+DeepSpeed's losses (rtol 1e-6) and weights (atol 1e-6), every expert's included, with
+`gradient_divide_factor` the world (DeepSpeed divides an expert's gradient by the whole
+data-parallel world; without the factor the losses miss DeepSpeed's).
 Mismatches are refused by name; `consolidate` writes every expert under its global name,
 bit for bit DeepSpeed's own expert files.
 """
@@ -33,17 +35,36 @@ from zeroshard.ckpt import CheckpointError, ModelMismatchError, consolidate
 from zeroshard.comm import Group
 
 
-def _build(stage: int, own: bool = True) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
+def _build(
+    stage: int, own: bool = True, divide: bool = True
+) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
     torch.manual_seed(99)
     model = moe.MoELM()
-    moe.world_average(model)
     edp = moe.expert_data_group(model)
     opt = torch.optim.AdamW(moe.param_groups(model), lr=1e-3)
     cfg = {"stage": stage}
     if stage == 3:
         cfg.update(min_unit_params=1, persistence_threshold=0)
-    groups = {moe.EXPERTS_PATH: Group(edp)} if own else {}
-    return zs.initialize(model, opt, cfg, process_groups=groups)
+    if not own:
+        return zs.initialize(model, opt, cfg)
+    # DeepSpeed's division of the experts' gradients: by the whole data-parallel world.
+    factor = dist.get_world_size() if divide else None
+    groups = {moe.EXPERTS_PATH: Group(edp)}
+    return zs.initialize(model, opt, cfg, process_groups=groups, gradient_divide_factor=factor)
+
+
+def _continue(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> list[float]:
+    """The 2 steps DeepSpeed took after its save; the world's mean loss of each."""
+    losses = []
+    for batch in moe.batches()[moe.STEPS :]:
+        loss = moe.loss_fn(model, moe.rows(batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
 
 
 def _resume(root: str) -> None:
@@ -62,21 +83,19 @@ def _resume(root: str) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 want = moments[f"{key}/{moe.global_name(name)}"]
                 assert torch.equal(held[key], want), f"stage {stage}: {key} of {name}"
-        losses = []
-        for batch in moe.batches()[moe.STEPS :]:
-            loss = moe.loss_fn(model, moe.rows(batch))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / dist.get_world_size())
+        losses = _continue(model, opt)
         torch.testing.assert_close(losses, ref["losses"], rtol=1e-6, atol=0)
         got = zs.full_state_dict(model)
         assert {moe.LOCAL + "1.up.weight", "moe.deepspeed_moe.gate.wg.weight"} <= got.keys()
         for name, value in got.items():
             want = continued[moe.global_name(name)]
             torch.testing.assert_close(value, want, rtol=0, atol=1e-6, msg=name)
+    # Without the factor the experts' gradients are the expert-parallel size too large:
+    # DeepSpeed's continuation is missed.
+    model, opt = _build(2, divide=False)
+    zs.load_checkpoint(model, opt, root)
+    losses = _continue(model, opt)
+    assert not torch.allclose(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)
 
 
 def _refusals(root: str, fewer: str) -> None:

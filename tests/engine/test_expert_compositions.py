@@ -10,14 +10,16 @@ once.
 
 - Hybrid sharding: 4 ranks, `shard_group_size` 2 (shard groups {0, 1} and {2, 3}), expert
   e on ranks {e, e + 2}: its group crosses the shard groups (torchtitan shards experts
-  over the ranks that hold them, the rest over dp_shard). In fp16 an overflow in one
-  rank's expert shard skips the step everywhere; a snapshot in memory restores; ranks
-  that disagree on a group are refused.
+  over the ranks that hold them, the rest over dp_shard). At stage 3 the experts'
+  summed gradients are divided by `gradient_divide_factor` 1 instead (the reference's
+  scale: data-parallel ranks / 1), never averaged over the replicas. In fp16 an
+  overflow in one rank's expert shard skips the step everywhere; a snapshot in memory
+  restores; ranks that disagree on a group are refused.
 - Tensor parallelism: 4 ranks, a 2-D mesh (dp 2 x tp 2) or a 3-D one (dp_replicate 2 x
   dp_shard 1 x tp 2); each expert's Linears split over tp (column-, then row-wise); its
   group the data-parallel ranks of one tp coordinate that hold it: one rank each
   ("alone": two experts), or both ("shared": one); on the 3-D mesh under
-  `zeroshard.compile` too.
+  `zeroshard.compile` too, there with `gradient_divide_factor` 4.
 
 Each case trains 3 steps with clipping against the reference, saves after the second,
 and a fresh engine that loads that checkpoint repeats the third step bit for bit.
@@ -143,7 +145,7 @@ def _train_save_resume(
 # -- hybrid sharding -----------------------------------------------------------------------
 
 
-def _hybrid_case(pairs: dict[int, Group], stage: int, root: str) -> None:
+def _hybrid_case(pairs: dict[int, Group], stage: int, root: str, factor: int | None) -> None:
     rank = dist.get_rank()
     where = f"{root}/hybrid-s{stage}"
 
@@ -151,9 +153,16 @@ def _hybrid_case(pairs: dict[int, Group], stage: int, root: str) -> None:
         model = _trunk(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         cfg = _config(stage, shard_group_size=2)
-        return zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
+        return zs.initialize(
+            model,
+            opt,
+            cfg,
+            process_groups={"expert": pairs[rank % 2]},
+            gradient_divide_factor=factor,
+        )
 
-    _train_save_resume(build, rank, rank % 2, [0, 1, 0, 1], 2.0, where)
+    # The experts' gradients summed over their pair, divided by 2 or the factor.
+    _train_save_resume(build, rank, rank % 2, [0, 1, 0, 1], 4 / (factor or 2), where)
     # Each expert once (its pair's files), everything else once (the first replica's).
     _check_saved_once(Path(where) / f"step-{STEPS - 1}")
 
@@ -257,7 +266,8 @@ def _hybrid_refused(pairs: dict[int, Group]) -> None:
 def _hybrid(root: str) -> None:
     pairs = {e: Group(dist.new_group([e, e + 2])) for e in (0, 1)}
     run_each([{}], lambda: _hybrid_refused(pairs))
-    run_each([{"stage": 2}, {"stage": 3}], lambda stage: _hybrid_case(pairs, stage, root))
+    cases = [{"stage": 2, "factor": None}, {"stage": 3, "factor": 1}]
+    run_each(cases, lambda stage, factor: _hybrid_case(pairs, stage, root, factor))
     run_each([{}], lambda: _hybrid_overflow(pairs))
     run_each(
         [{"declared": False}, {"declared": True}],
@@ -300,7 +310,12 @@ def test_experts_with_hybrid_sharding(tmp_path: Path) -> None:
 
 
 def _tp_case(
-    groups: dict[tuple[int, ...], Group], dims: int, layout: str, root: str, compiled: bool
+    groups: dict[tuple[int, ...], Group],
+    dims: int,
+    layout: str,
+    root: str,
+    compiled: bool,
+    factor: int | None = None,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -326,14 +341,21 @@ def _tp_case(
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, zopt = zs.initialize(
-            model, opt, _config(3), process_groups={"expert": mine}, device_mesh=mesh
+            model,
+            opt,
+            _config(3),
+            process_groups={"expert": mine},
+            gradient_divide_factor=factor,
+            device_mesh=mesh,
         )
         # The engine's functions take zeroshard.compile's wrapper for the model.
         return (zc.compile(model, backend="aot_eager") if compiled else model), zopt
 
     expert_of = [0, 1] if alone else [0, 0]
     where = f"{root}/tp{dims}-{layout}{'-compiled' if compiled else ''}"
-    _train_save_resume(build, dp, expert, expert_of, 2.0 if alone else 1.0, where)
+    # The experts' gradients summed over their group, divided by its size or the factor.
+    divisor = factor or (1 if alone else 2)
+    _train_save_resume(build, dp, expert, expert_of, 2 / divisor, where)
 
 
 def _tp_refused(groups: dict[tuple[int, ...], Group]) -> None:
@@ -362,8 +384,9 @@ def _tensor_parallel(root: str) -> None:
         {"dims": 2, "layout": "alone", "compiled": False},
         {"dims": 2, "layout": "shared", "compiled": False},
         {"dims": 3, "layout": "alone", "compiled": False},
-        # zeroshard.compile averages the 3-D mesh's replicas as eager does (it did not).
-        {"dims": 3, "layout": "alone", "compiled": True},
+        # zeroshard.compile averages the 3-D mesh's replicas as eager does (it did not),
+        # and divides the experts' gradients by the factor.
+        {"dims": 3, "layout": "alone", "compiled": True, "factor": 4},
     ]
     run_each(cases, lambda **case: _tp_case(groups, root=root, **case))
     run_each([{}], lambda: _tp_refused(groups))

@@ -284,11 +284,14 @@ def _build_moe(r: Recipe, checkpoint: str) -> Built:
 
     moe.deepspeed_module()
     model = moe.MoELM()
-    moe.world_average(model)
     groups = {moe.EXPERTS_PATH: Group(moe.expert_data_group(model))}
     config = {"stage": r.stage, "min_unit_params": 1, "persistence_threshold": 0, **r.config}
     opt = torch.optim.AdamW(moe.param_groups(model), lr=1e-3)
-    model, opt = zs.initialize(model, opt, config, process_groups=groups)
+    # DeepSpeed divides the experts' gradients by the whole data-parallel world.
+    world = dist.get_world_size()
+    model, opt = zs.initialize(
+        model, opt, config, process_groups=groups, gradient_divide_factor=world
+    )
     zs.load_checkpoint(model, opt, checkpoint)
 
     def train(tokens: torch.Tensor) -> torch.Tensor:
