@@ -66,7 +66,8 @@ def compile_host_step(
         # Only with offload_params does the step write the compute-dtype cast (else the
         # device casts the masters: [Note: offload upload]).
         out = cfg.precision.compute_dtype if cfg.offload.params else None
-        compile_variants([a for a in adams if a is not None], grads, out, threads)
+        masters = cfg.precision.master_dtype
+        compile_variants([a for a in adams if a is not None], grads, out, threads, masters)
     except Exception as e:  # whatever inductor raises: every rank must hear of it
         error = e
     what = (
