@@ -199,8 +199,9 @@ def _one_rounding(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def _compiled_step_case(stage: int, early: bool = False, params: bool = False) -> None:
     """One rank, the whole global batch: after one step every master and moment within
     one bf16 rounding of torch's fused AdamW stepping bf16 parameters in one process (the
-    same gradients: the forward and backward are bit for bit torch's, test_one_rank_bit_
-    for_bit), and the next steps' losses within test_parity's bf16 rtol."""
+    same gradients: the forward and backward are torch's bit for bit, as
+    test_one_rank_bit_for_bit checks), and the next steps' losses within test_parity's
+    bf16 rtol."""
     base = make_model(seed=20 + stage)
     batches = global_batches(STEPS, 1, 1, MICRO)
     ref = _bf16_copy(base)
