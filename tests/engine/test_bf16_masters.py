@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch._dynamo.utils import counters
 
 import zeroshard.compile as zc
 import zeroshard.engine as zs
@@ -240,16 +241,20 @@ def _compiled_step_case(stage: int, early: bool = False, params: bool = False) -
 
 def _compiled_modes_case(stage: int, accum: int) -> None:
     """The compiled bf16 step after backward and inside it, bit for bit: 2 ranks, the
-    gradients bf16 or accumulated in fp32 (no clipping: step_in_backward refuses it)."""
+    gradients bf16 or accumulated in fp32 (no clipping: step_in_backward refuses it), with
+    nothing compiled after initialize."""
     runs = []
     for early in (False, True):
         base = make_model(seed=30 + stage)
         config = {"stage": stage, **BF16, "reduce_bucket_bytes": 1500, "offload_optimizer": True}
         config |= {"offload_chunk_bytes": 2000, "offload_compiled_step": True}
         model, opt = zs.initialize(base, _fused_adamw(base), config)
+        compiled = counters["stats"]["unique_graphs"]
         runs.append(
             train_and_collect(model, opt, steps=STEPS, accum=accum, micro=MICRO, early=early)
         )
+        # initialize compiled the bf16 kernels: the steps compile nothing.
+        assert counters["stats"]["unique_graphs"] == compiled, "a step compiled again"
     serial, early_run = runs
     assert early_run.losses == serial.losses
     for name, value in serial.weights.items():
