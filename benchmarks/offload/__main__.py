@@ -190,9 +190,10 @@ LIMITS = {
     "adam-ds": 40.0,
     "train-ds": 150.0,
 }
-# The same parts with bf16 masters take as long at most (the compiled step refuses them).
+# The same parts with bf16 masters take as long at most, compiled or not.
 _BF16_TWINS = ("adam-zs-host", "train-zs-overlap", "train-zs-ratio", "train-zs-dpu", "train-zs")
-LIMITS |= {f"{p}{BF16}": LIMITS[p] for p in (*_BF16_TWINS, "train-zs-clip", "train-ds")}
+_COMPILED = [f"{p}-compiled" for p in (*_BF16_TWINS, "train-zs-clip")]
+LIMITS |= {f"{p}{BF16}": LIMITS[p] for p in (*_BF16_TWINS, *_COMPILED, "train-zs-clip", "train-ds")}
 UNTIMED = {"ds-build"}
 
 

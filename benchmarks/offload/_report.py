@@ -28,18 +28,20 @@ NAMES = {
 ZS_ROWS = ("train-zs-overlap", "train-zs-ratio", "train-zs-dpu", "train-zs", "train-zs-clip")
 NAMES.update({f"{k}-compiled": f"{NAMES[k]}, compiled_step" for k in ZS_ROWS})
 NAMES.update({f"{k}{BF16}": f"{NAMES[k]}, bf16 masters" for k in ZS_ROWS})
+NAMES.update({f"{k}-compiled{BF16}": f"{NAMES[k]}, compiled_step, bf16 masters" for k in ZS_ROWS})
 NAMES[f"train-ds{BF16}"] = "DeepSpeed ZeRO-Offload, bf16 masters and optimizer states"
 # zeroshard's offloaded step alone, as each kind of row runs it (what its lines add).
 HOST_STEP_PARTS = (
     ("adam-zs-host", ""),
     ("adam-zs-host-compiled", ", compiled_step"),
     (f"adam-zs-host{BF16}", ", bf16 masters"),
+    (f"adam-zs-host-compiled{BF16}", ", compiled_step, bf16 masters"),
 )
 
 
 def _kind(part: str) -> str:
     """Which offloaded step alone a part's row runs: the name ending of its `adam-zs-host`."""
-    return "-compiled" if "-compiled" in part else BF16 if part.endswith(BF16) else ""
+    return ("-compiled" if "-compiled" in part else "") + (BF16 if part.endswith(BF16) else "")
 
 
 def _name(part: str, args: argparse.Namespace) -> str:
@@ -295,6 +297,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
         "adam-zs-host": "zeroshard offloaded step alone (bf16 grads in, fp32 masters up)",
         "adam-zs-host-compiled": "the same with offload_compiled_step",
         f"adam-zs-host{BF16}": "the same with bf16 masters and moments (bf16 shards out)",
+        f"adam-zs-host-compiled{BF16}": "the same with bf16 masters and offload_compiled_step",
     }
     adam_rows = []
     for p, label in adam_names.items():

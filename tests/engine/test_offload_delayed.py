@@ -170,12 +170,19 @@ def test_delayed_update_matches_lagged_reference(world_size: int, device: str) -
 
 
 def _train_lagged(
-    device: str, stage: int, dtype: str, accum: int, *, delayed: bool, compiled: bool = False
+    device: str,
+    stage: int,
+    dtype: str,
+    accum: int,
+    *,
+    delayed: bool,
+    compiled: bool = False,
+    masters: str = "fp32",
 ) -> Trained:
     """Losses, masters and optimizer state after STEPS steps in `dtype` with clipping:
     with delay_param_update, or with the plain step and the lag applied by hand (after
     each step the parameters are set back to the weights the step before published);
-    with offload_compiled_step if `compiled`."""
+    with offload_compiled_step if `compiled`, masters in `masters`."""
     model = make_model(seed=stage).to(device)
     config = {
         "stage": stage,
@@ -185,6 +192,7 @@ def _train_lagged(
         "offload_chunk_bytes": 2000,
         "offload_delay_param_update": delayed,
         "offload_compiled_step": compiled,
+        "master_dtype": masters,
     }
     model, opt = zs.initialize(model, _adamw(model), config)
     return train_and_collect(
@@ -197,6 +205,7 @@ def _same_as_lag_by_hand(device: str) -> None:
     cases.append({"stage": 2, "dtype": "fp16", "accum": 1})
     # The compiled host step ([Note: compiled host step]) delayed, against itself lagged.
     cases.append({"stage": 2, "dtype": "bf16", "accum": 2, "compiled": True})
+    cases.append({"stage": 2, "dtype": "bf16", "accum": 2, "compiled": True, "masters": "bf16"})
     for case in cases:
         ours = _train_lagged(device, **case, delayed=True)
         ref = _train_lagged(device, **case, delayed=False)
@@ -210,7 +219,7 @@ def _same_as_lag_by_hand(device: str) -> None:
 def test_delayed_update_is_the_plain_step_lagged(world_size: int, device: str) -> None:
     """In bf16 / fp16, with the gradient factors (clipping, unscaling) and fp32
     accumulation the host keeps per group, bit for bit the plain offloaded step with the
-    lag applied by hand; so too with offload_compiled_step."""
+    lag applied by hand; so too with offload_compiled_step, with fp32 or bf16 masters."""
     world_fits(device, world_size)
     run_ranks(_same_as_lag_by_hand, world_size, device, device=device)
 

@@ -289,7 +289,7 @@ def _goal_rows(body: str) -> dict[tuple[str, str, str], tuple[str, str]]:
     rows = {}
     for line in body.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[1].endswith("-bf16"):
+        if len(cells) == 6 and "-bf16" in cells[1]:
             rows[(cells[0], cells[1], cells[2])] = (cells[3], cells[5])
     return rows
 
@@ -305,7 +305,10 @@ def test_bf16_goals_are_judged_from_the_rows() -> None:
     assert _goal_rows(body) == {
         (f"{host} (engine's count)", "train-zs-bf16", "train-zs"): ("0.50", "met"),
         (f"{host} (host peak RSS)", "train-zs-bf16", "train-zs"): ("0.52", "MISSED"),
-        ("step speed over fp32 masters", "train-zs-bf16", "train-zs"): ("2.00", "met"),
+        ("step speed over fp32 masters, the same mode", "train-zs-bf16", "train-zs"): (
+            "2.00",
+            "met",
+        ),
         ("step speed over DeepSpeed ZeRO-Offload", "train-zs-bf16", "train-ds-bf16"): (
             "2.67",
             "MISSED",
@@ -317,6 +320,21 @@ def test_bf16_goals_are_judged_from_the_rows() -> None:
     rows = _goal_rows(goals({"train-zs": crash, "train-zs-bf16": bf16, "train-ds": crash}))
     assert len(rows) == 4 and set(rows.values()) == {("not measured", "not measured")}
     assert goals({"train-zs": fp32}) == ""
+    # Against its twin and the fastest fp32 row doing the same work (not a share's, whose
+    # step is shorter for holding more on the device); rows with the lag marked as such.
+    dpu = _held(1.2, "bfloat16", 7 * 10**9, 52.0)
+    runs = {"train-zs-dpu-compiled": _held(2.4, "float32", 14 * 10**9, 100.0)}
+    runs |= {"train-zs-overlap-compiled": fp32 | {"step_s": 2.0}}
+    runs |= {"train-zs-ratio": fp32 | {"step_s": 1.0}}
+    runs |= {"train-zs-dpu-compiled-bf16": dpu, "train-ds-bf16": ds}
+    rows = _goal_rows(goals(runs))
+    mine = "train-zs-dpu-compiled-bf16 (one-step lag)"
+    twin = "train-zs-dpu-compiled (one-step lag)"
+    assert rows[("step speed over fp32 masters, the same mode", mine, twin)] == ("2.00", "met")
+    fastest = ("step speed over zeroshard's fastest fp32 offload row", mine)
+    assert rows[(*fastest, "train-zs-overlap-compiled")] == ("1.67", "met")
+    assert rows[("step speed over DeepSpeed ZeRO-Offload", mine, "train-ds-bf16")][0] == "3.33"
+    assert len(rows) == 5, rows
 
 
 def _smoke(tmp: Path, *argv: str) -> tuple[str, dict[str, dict[str, Any]]]:
@@ -352,7 +370,7 @@ def test_smoke_bf16_row_beside_its_fp32_twin(tmp_path: Path) -> None:
     assert rows[(host, mine, twin)][0] == f"{share:.2f}"
     speed = fp32["step_s"] / bf16["step_s"]
     want = (f"{speed:.2f}", "met" if speed >= 1.6 else "MISSED")
-    assert rows[("step speed over fp32 masters", mine, twin)] == want
+    assert rows[("step speed over fp32 masters, the same mode", mine, twin)] == want
 
 
 @pytest.mark.slow

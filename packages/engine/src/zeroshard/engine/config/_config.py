@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 from zeroshard.engine.config._deepspeed_translate import (
     DEEPSPEED_ZERO_KEYS,
     PRECISION_BLOCKS,
@@ -110,12 +108,6 @@ class ZeroConfig:
             raise ValueError(
                 f"offload.params (offload_params) needs stage 3 (parameters are whole on every "
                 f"rank at stage {self.stage}); use offload_optimizer to offload optimizer state"
-            )
-        if self.offload.compiled_step and self.precision.master_dtype != torch.float32:
-            raise ValueError(
-                "offload.compiled_step (offload_compiled_step) compiles the host step of fp32 "
-                "masters; with precision.master_dtype (master_dtype) bf16 it is not built "
-                "yet: turn it off (the bf16 host step runs torch's fused kernel)"
             )
         if self.offload.delay_param_update and self.stage == 3:
             raise ValueError(

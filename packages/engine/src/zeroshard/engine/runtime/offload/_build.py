@@ -65,9 +65,12 @@ def compile_host_step(
             # The stepping thread's share while groups step beside the main thread.
             threads.add(stepping_threads(torch.get_num_threads()))
         # Only with offload_params does the step write the compute-dtype cast (else the
-        # device casts the masters: [Note: offload upload]).
-        out = cfg.precision.compute_dtype if cfg.offload.params else None
-        compile_variants([a for a in adams if a is not None], grads, out, threads)
+        # device casts the masters: [Note: offload upload]), and not where the masters are
+        # in the compute dtype: they are the host shards then (ShardUpload.target).
+        masters = cfg.precision.master_dtype
+        compute = cfg.precision.compute_dtype
+        out = compute if cfg.offload.params and compute != masters else None
+        compile_variants([a for a in adams if a is not None], grads, out, threads, masters)
     except Exception as e:  # whatever inductor raises: every rank must hear of it
         error = e
     what = (

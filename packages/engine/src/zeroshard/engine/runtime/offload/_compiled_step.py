@@ -12,10 +12,11 @@ upload] in _upload.py). That brings the step near torch's fused AdamW alone, whi
 blocked step is well behind (docs/benchmarks.md, design-measurements).
 
 The arithmetic is torch's Adam/AdamW (its hyperparameters, bias corrections computed in
-double and rounded to fp32, decoupled or L2 weight decay, amsgrad, maximize) but not its
-bits: inductor vectorizes and fuses multiply-adds its own way, and the factors are
-applied as their product. So this is an option, not the default: without it the step is
-bit for bit torch's. With it every mode (the serial step, `step_in_backward`,
+double and rounded to fp32, decoupled or L2 weight decay, amsgrad, maximize; its kernel's
+order of operations) but not its bits: inductor vectorizes and fuses multiply-adds its
+own way (torch's kernel lerps the first moment with a fused multiply-add), and the
+factors are applied as their product. So this is an option, not the default: without it
+the step is bit for bit torch's. With it every mode (the serial step, `step_in_backward`,
 `delay_param_update`) runs this same kernel, and they agree bit for bit.
 
 One compiled loop per variant (Adam or AdamW, amsgrad, maximize; the dtypes are guarded)
@@ -53,6 +54,20 @@ the only guard, and one compile serves every length but 1 (Dynamo specializes a 
 of 1: such a piece compiles once more). Marking the lengths unbacked instead would remove
 even that, but inductor's loop over an unbacked length is much slower on the CPU
 (docs/benchmarks.md, design-measurements).
+
+[Note: bf16 masters in the compiled step]
+With bf16 masters (`precision.master_dtype`) the same loop reads the bf16 master and
+moments and the gradient in its reduce dtype, computes in fp32 and stores each of them
+once, rounded to nearest: the arithmetic of torch's fused Adam/AdamW on bf16 parameters
+(fp32 opmath; the moments' fp32 values, not their stored bf16 ones, make the update, as
+there). The gradient such a step reads is a bf16 parameter's .grad: the gradient times
+its pending factors, rounded to bf16 (inductor drops a cast down and back up unless told
+to keep it: `emulate_precision_casts`). Every value is torch's fp32 result rounded once,
+so a last-bit difference in fp32 shows only where that result lies within it of a bf16
+rounding boundary: a few elements in ten thousand differ from torch's by one bf16 step
+(tests/engine/test_offload_compiled.py). With offload_params the compute shard is the
+master's own bf16 value, written in the same pass. One pass instead of the blocked step's
+upcast, narrowing and torch's kernel where the gradient has pending factors or is fp32.
 """
 
 from __future__ import annotations
@@ -85,23 +100,31 @@ def _kernel(decoupled: bool, amsgrad: bool, maximize: bool) -> Callable[..., Any
         coef: torch.Tensor,
         scale: torch.Tensor,
     ) -> None:
+        # Every value in fp32, each stored once ([Note: bf16 masters in the compiled step]).
         g = grad.float() * scale
+        if master.dtype != torch.float32:
+            # The gradient a bf16 parameter's step reads: its .grad, in the master's dtype.
+            g = g.to(master.dtype).float()
         if maximize:
             g = -g
+        p = master.float()
         if decoupled:
-            master.mul_(coef[_DECAY])
+            p = p * coef[_DECAY]
         else:
-            g = g + master * coef[_DECAY]
-        exp_avg.lerp_(g, coef[_AVG])
-        exp_avg_sq.mul_(coef[_BETA2]).add_(g * g * coef[_SQ])
-        second = exp_avg_sq
+            g = g + p * coef[_DECAY]
+        avg = exp_avg.float().lerp(g, coef[_AVG])
+        avg_sq = exp_avg_sq.float() * coef[_BETA2] + coef[_SQ] * g * g
+        exp_avg.copy_(avg)
+        exp_avg_sq.copy_(avg_sq)
+        second = avg_sq
         if max_exp_avg_sq is not None:
-            torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-            second = max_exp_avg_sq
+            second = torch.maximum(max_exp_avg_sq.float(), avg_sq)
+            max_exp_avg_sq.copy_(second)
         denom = second.sqrt() / coef[_BC2_SQRT] + coef[_EPS]
-        master.add_(exp_avg / denom * coef[_STEP])
+        p = p + coef[_STEP] * avg / denom
+        master.copy_(p)
         if out is not None:
-            out.copy_(master)
+            out.copy_(p)
 
     # A code object of its own: Dynamo keeps its compiled variants (and their recompile
     # limit) per code object, and the dtypes seen make a few of each.
@@ -112,6 +135,8 @@ def _kernel(decoupled: bool, amsgrad: bool, maximize: bool) -> Callable[..., Any
         "cpp.dynamic_threads": True,
         # Its entry point releases the GIL while the loop runs ([Note: compiled host step]).
         "cpp_wrapper": True,
+        # Keep the gradient's rounding to bf16 (inductor drops a cast down and back up).
+        "emulate_precision_casts": True,
     }
     compiled: Callable[..., Any] = torch.compile(
         update, dynamic=True, fullgraph=True, options=options
@@ -143,16 +168,18 @@ def compile_variants(
     grad_dtypes: Iterable[torch.dtype],
     out_dtype: torch.dtype | None,
     thread_counts: Iterable[int],
+    master_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Compile the update of each of `adams`' variants for each gradient dtype and each
     intra-op thread count the step will run with, now, on one piece of zeros: the first
     step then compiles nothing ([Note: compiled host step]). `out_dtype`: the cast the
-    step writes (None: it writes none)."""
+    step writes (None: it writes none); `master_dtype`: the masters' and moments'."""
     # Inductor tunes its loop to the length it sees here (its hint): a chunk-like one.
     n = 1 << 20
     # One piece for every call: what it holds after a call does not matter, only its
     # dtypes and length (zeros stay finite: the denominator is at least eps).
-    master, moments = torch.zeros(n), [torch.zeros(n) for _ in range(3)]
+    master = torch.zeros(n, dtype=master_dtype)
+    moments = [torch.zeros(n, dtype=master_dtype) for _ in range(3)]
     grads = [torch.zeros(n, dtype=dtype) for dtype in grad_dtypes]
     out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
     own = torch.get_num_threads()

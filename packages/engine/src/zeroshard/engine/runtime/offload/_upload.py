@@ -177,10 +177,11 @@ class ShardUpload:
     def target(self, lo: int, hi: int) -> torch.Tensor | None:
         """Where a step writes the cast of the masters of [lo, hi) (within one chunk) before
         `written(lo, hi, cast=False)`: the host shards' part with offload_params; None
-        where the masters go up in fp32 and the device casts them."""
+        where the masters go up in fp32 and the device casts them, and where the masters
+        are the host shards themselves (the step's write of the masters is the cast)."""
         s = self.shard_numel
         assert hi <= (lo // s + 1) * s, "a target lies within one chunk"
-        if self.compute_host is None:
+        if self.compute_host is None or self.masters_are_shards:
             return None
         return self.compute_host.view(-1)[lo:hi]
 
