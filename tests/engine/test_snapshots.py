@@ -181,8 +181,10 @@ def test_plan_prefers_own_node_and_skips_bad_copies() -> None:
         "a": [held(5, 0, OWN), held(5, 1, OWN), held(5, 2, REPLICA), held(5, 3, REPLICA)],
         "b": [held(5, 2, OWN), held(5, 0, REPLICA), held(5, 1, REPLICA), held(6, 2, OWN)],
     }
-    step, sources = plan_restore(4, nodes, inv, set())  # type: ignore[misc]
-    assert step == 5  # step 6 is rank 2's only
+    plan = plan_restore(4, nodes, inv, set())
+    assert plan is not None
+    step, sources = plan.step, plan.sources
+    assert step == 5 and plan.full == 5 and plan.entries == []  # step 6 is rank 2's only
     # Rank 3's own copy is gone (its node's memory): node a's first rank sends the replica.
     assert [(s.node, s.held.kind, s.server) for s in sources] == [
         ("a", OWN, 0),

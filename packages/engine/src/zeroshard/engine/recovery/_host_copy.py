@@ -42,6 +42,8 @@ class HostCopy:
         with torch.cuda.stream(stream):
             for key, t in device.items():
                 places[key].copy_(t, non_blocking=True)
+                # A source the caller drops (a journal's gradient) is not reused before.
+                t.record_stream(stream)
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(stream)
         self._copied = copied

@@ -16,6 +16,10 @@ another node, to restart from after a worker or a node is lost.
    of its node (a rank removes only once every rank finished S, so a step is held
    until a newer one is complete).
 A node thus holds at most two steps: the newest complete one and the one in flight.
+With `full_every=K` the steps between full snapshots take journal entries instead
+([Note: the gradient journal] in _journal.py): written, sealed and replicated the same
+way into a ring of slots of their own, and removed only once a newer full snapshot is
+complete; every rank agrees at each `take` whether it is an entry or a full snapshot.
 A kill at any point leaves at worst '.'-named files (never listed) and a step that is
 not complete; `resume` ([Note: restoring from memory]) finds what is whole.
 """
@@ -35,10 +39,11 @@ from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.recovery import _file, _wire
 from zeroshard.engine.recovery._contents import rank_contents
 from zeroshard.engine.recovery._host_copy import HostCopy
+from zeroshard.engine.recovery._journal import JournalStep, entry_contents, journal_refusal
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._restore import Resumed, resume
 from zeroshard.engine.recovery._slots import Slots
-from zeroshard.engine.recovery._store import OWN, REPLICA, NodeStore
+from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 
@@ -48,7 +53,10 @@ class Snapshots:
     Call on every rank after `initialize`; `resume(directory)` instead of
     `resume_checkpoint` on start, `take(step)` where a checkpoint would be saved (after
     the step, the scheduler and the data position), `close()` at the end.
-    `every`: `take` snapshots the steps it divides. `client_state` / `rank_state` are
+    `every`: `take` snapshots the steps it divides. `full_every` (with `every=1`): a
+    full snapshot every `full_every` steps, a journal entry of the step's gradients at
+    each step between ([Note: the gradient journal] in _journal.py); 1, the default:
+    full snapshots only. `client_state` / `rank_state` are
     the mappings `save_checkpoint` takes, read at each snapshot. `root`: where the
     shared memory is (`/dev/shm`; the job's folder goes under it). Host memory per
     rank: docs/reliability.md, "Recovery from memory"; `zeroshard-plan --snapshots`.
@@ -60,6 +68,7 @@ class Snapshots:
         optimizer: torch.optim.Optimizer,
         *,
         every: int = 1,
+        full_every: int = 1,
         client_state: MutableMapping[str, Any] | None = None,
         rank_state: MutableMapping[str, Any] | None = None,
         root: str | os.PathLike[str] = "/dev/shm",
@@ -71,6 +80,15 @@ class Snapshots:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        if full_every > 1 and every != 1:
+            raise ValueError(
+                f"full_every={full_every} needs every=1 (got every={every}): a journal entry "
+                "holds one step, and a restore replays every step since the full snapshot"
+            )
+        if full_every > 1 and (why := journal_refusal(self._state)):
+            raise ValueError(f"Snapshots(full_every={full_every}): not with {why}")
         if self._state.own_crosses_replicas and self._state.whole_params is not None:
             # Each replica's ranks own the same whole parameters, recorded by the first
             # replica's ranks alone (see _checkpoint_layout.py): the others' state would
@@ -81,6 +99,7 @@ class Snapshots:
                 "is recorded for the first replica's ranks only"
             )
         self.every = every
+        self.full_every = full_every
         self.client_state = client_state
         self.rank_state = rank_state
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -100,23 +119,39 @@ class Snapshots:
         self._copy = HostCopy()
         on_device = self._state.shard_group.device.type == "cuda"
         self._slots = Slots(self.store, self.rank, pin=on_device)
-        self._hook = engine_optimizer.register_step_pre_hook(
-            lambda *_: self._copy.wait_before_step()
-        )
+        self._journal: JournalStep | None = None
+        # The newest full snapshot taken since the start or the last resume, the last step.
+        self._full: int | None = None
+        self._last: int | None = None
+        if full_every > 1:
+            self._journal = JournalStep(engine_optimizer.stepper, engine_optimizer)
+            engine_optimizer.stepper = self._journal
+            self._entries = Slots(self.store, self.rank, on_device, full_every - 1, "e")
+        self._hook = engine_optimizer.register_step_pre_hook(lambda *_: self._before_step())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_resume: Resumed | None = None
 
+    def _before_step(self) -> None:
+        self._copy.wait_before_step()
+        if self._journal is not None:
+            self._journal.steps += 1
+
     # -- taking ----------------------------------------------------------------------
     def take(self, step: int) -> bool:
         """Snapshot the state as of `step` if `every` divides it; return whether it did.
-        Call on every rank at the same steps (collective)."""
+        Call on every rank at the same steps (collective). With `full_every`, a journal
+        entry where one can be taken, else a full snapshot."""
         if step % self.every:
             return False
         self.wait()
         # A delayed step in flight is part of this step; the parameters behind it are
         # kept too ([Note: a snapshot of a lagging run] in _contents.py).
         self._state.settle()
+        last, self._last = self._last, step
+        if self._journal is not None and self._take_entry(step, last):
+            return True
+        self._full = step
         meta, tensors, extra = rank_contents(
             self._model, self._state, step, self.client_state, self.rank_state
         )
@@ -139,10 +174,49 @@ class Snapshots:
         self._start(step, own)
         return True
 
-    def _start(self, step: int, own: Callable[[], torch.Tensor]) -> None:
+    def _take_entry(self, step: int, last: int | None) -> bool:
+        """Take a journal entry of `step` if every rank can; return whether they did."""
+        assert self._journal is not None
+        opt = self._state.needs_optimizer("Snapshots.take")
+        contents = entry_contents(
+            self._journal, self._model, opt, self.client_state, self.rank_state
+        )
+        due = self._full is None or last != step - 1 or step - self._full >= self.full_every
+        able = torch.tensor([0 if due or isinstance(contents, str) else 1])
+        if self.world_size > 1:
+            dist.all_reduce(able, op=dist.ReduceOp.MIN, group=self._pg)
+        if not able.item():
+            if not due:
+                why = contents if isinstance(contents, str) else "another rank's cannot"
+                warn_on_rank0(f"snapshots: step {step} is snapshotted in full, no entry: {why}")
+            return False
+        assert not isinstance(contents, str) and self._full is not None
+        record, tensors, extra = contents
+        items = _file.file_tensors(tensors, extra)
+        text = None if extra is None else extra.text
+        planned = _file.plan(
+            step, self.rank, self.world_size, None, items, text, record, pad=1 << 16
+        )
+        final = self.store.path(step, self.rank, self.world_size, ENTRY)
+        slot = self._entries.at(step - self._full - 1, planned.size)
+        buf = slot.buf
+        _file.fill_header(buf, planned)
+        finish = self._copy.start(items, _file.slots(buf, planned))
+        del items, tensors  # the side stream's copy keeps what it reads (record_stream)
+
+        def own() -> torch.Tensor:
+            finish()
+            _file.seal(buf)
+            self.store.link(slot.path, final)
+            return buf
+
+        self._start(step, own, entry=True)
+        return True
+
+    def _start(self, step: int, own: Callable[[], torch.Tensor], entry: bool = False) -> None:
         def work() -> None:
             try:
-                self._replicate(step, own())
+                self._replicate(step, own(), entry)
             except BaseException as e:  # raised on the main thread by wait()
                 self._error = e
 
@@ -150,28 +224,30 @@ class Snapshots:
         self._thread.daemon = True
         self._thread.start()
 
-    def _replicate(self, step: int, buf: torch.Tensor) -> None:
-        """Send this rank's snapshot to its buddy, keep its wards'; then agree the step is
-        complete and drop the older ones (see [Note: snapshot lifecycle])."""
+    def _replicate(self, step: int, buf: torch.Tensor, entry: bool) -> None:
+        """Send this rank's snapshot (or journal `entry`) to its buddy, keep its wards';
+        then agree the step is complete and, after a full snapshot, drop the older steps
+        (see [Note: snapshot lifecycle])."""
         pg, buddy = self._pg, self.placement.buddy[self.rank]
         wards = self.placement.wards(self.rank)
         works: _wire.Works = []
         if buddy is not None:
-            works += _wire.send_header(pg, [step, buf.numel()], buddy)
+            works += _wire.send_header(pg, [step, buf.numel(), int(entry)], buddy)
         heads = {}
         for w in wards:
-            heads[w], got = _wire.recv_header(pg, 2, w)
+            heads[w], got = _wire.recv_header(pg, 3, w)
             works += got
         _wire.wait(works)
         works = [] if buddy is None else _wire.send_bytes(pg, buf, buddy)
         received = []
-        for w, (their_step, size) in ((w, h.tolist()) for w, h in heads.items()):
-            if their_step != step:
+        for w, (their_step, size, their_entry) in ((w, h.tolist()) for w, h in heads.items()):
+            if (their_step, their_entry) != (step, int(entry)):
                 raise RuntimeError(
                     f"snapshots: rank {w} sent step {their_step} while this rank took step "
                     f"{step}: call take() with the same steps on every rank"
                 )
-            final = self.store.path(step, w, self.world_size, REPLICA)
+            kind = ENTRY_REPLICA if entry else REPLICA
+            final = self.store.path(step, w, self.world_size, kind)
             temp = self.store.temp(final)
             out = _file.mapped(temp, size)
             works += _wire.recv_bytes(pg, out, w)
@@ -182,7 +258,8 @@ class Snapshots:
             self.store.commit(temp, final)
         del received, buf
         dist.all_reduce(torch.ones(1), group=pg)  # every rank's copy and replica are in
-        self.store.drop(step, before=True)
+        if not entry:  # entries since the full snapshot before are what this one covers
+            self.store.drop(step, before=True)
 
     def wait(self) -> None:
         """Wait for the snapshot in flight (its copy, file and replica); raise its error."""
@@ -202,9 +279,14 @@ class Snapshots:
         self.wait()
         # Fresh slots: the restored step may be linked to one of the old ones.
         self._slots.close()
+        if self._journal is not None:
+            self._entries.close()
+            self._journal.taken, self._journal.steps = None, 0
+        # The next snapshot is a full one (the journal restarts from it).
+        self._full = self._last = None
         self.last_resume, republish = resume(self, Path(directory))
         if republish is not None:
-            self._start(self.last_resume.step or 0, republish)
+            self._start(*republish)
         return self.last_resume.step
 
     def close(self) -> None:
@@ -215,6 +297,9 @@ class Snapshots:
         finally:
             self._hook.remove()
             self._slots.close()
+            if self._journal is not None:
+                self._entries.close()
+                self._state.needs_optimizer("Snapshots.close").stepper = self._journal.inner
             dist.barrier(group=self._pg)  # no rank of the node still writes
             self.store.remove()
             dist.barrier(group=self._pg)  # every node's folder on this host is gone
