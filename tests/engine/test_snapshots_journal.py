@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard.engine as zs
-from tests._dist import run_each, run_ranks
+from tests._dist import run_each, run_ranks, seeded
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from zeroshard.engine.recovery import Snapshots
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
@@ -96,6 +96,12 @@ def _journal(folder: str, stage: int, kind: str, damage: bool) -> None:
                 pairs = ((rank, ENTRY), (1 - rank, ENTRY_REPLICA))
                 entries = {(s, r, k) for s in (6, 7) for r, k in pairs}
                 assert held == {(5, rank, OWN), (5, 1 - rank, REPLICA), *entries}, held
+                # The planner's count of an entry is its gradient shards (less its header,
+                # padded to 64 KiB, and the buffers and user state).
+                with seeded(0), torch.device("meta"):  # the run's RNG left as it was
+                    planned = zs.estimate(make_model(11), {"stage": stage}, 2, 1, 4)
+                size = snaps.store.path(7, rank, 2, ENTRY).stat().st_size
+                assert planned.grad_shards < size < planned.grad_shards + 80 * 1024, size
         if damage:
             # Both copies of rank 1's entry of step 6: only step 5 is covered.
             for k in (ENTRY, ENTRY_REPLICA):
