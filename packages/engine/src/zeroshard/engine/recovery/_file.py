@@ -18,7 +18,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -124,14 +124,18 @@ def slots(buf: torch.Tensor, planned: Planned) -> dict[str, torch.Tensor]:
     return {key: _view(buf, d, s, at) for key, (d, s, at) in planned.entries.items()}
 
 
-def _crc(buf: torch.Tensor, end: int) -> int:
-    return crc32(buf.numpy().data[:end])
+def _crc(buf: torch.Tensor, end: int, ready: Callable[[int], None] | None = None) -> int:
+    return crc32(buf.numpy().data[:end], ready)
 
 
-def seal(buf: torch.Tensor) -> int:
-    """Write the trailer (the crc32 of everything before it); return the crc32."""
+def seal(buf: torch.Tensor, ready: Callable[[int | None], None] | None = None) -> int:
+    """Write the trailer (the crc32 of everything before it); return the crc32. `ready`
+    (`HostCopy.start`'s): the bytes below an address may still be arriving."""
     end = buf.numel() - _TRAILER.size
-    crc = _crc(buf, end)
+    base = buf.data_ptr()
+    crc = _crc(buf, end, None if ready is None else lambda at: ready(base + at))
+    if ready is not None:
+        ready(None)
     tail = _TRAILER.pack(_MAGIC, end, crc)
     buf[end:].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
     return crc

@@ -166,8 +166,7 @@ class Snapshots:
         finish = self._copy.start(items, _file.slots(buf, planned))
 
         def own() -> torch.Tensor:
-            finish()
-            _file.seal(buf)
+            _file.seal(buf, finish)
             self.store.link(slot.path, final)
             return buf
 
@@ -205,8 +204,7 @@ class Snapshots:
         del items, tensors  # the side stream's copy keeps what it reads (record_stream)
 
         def own() -> torch.Tensor:
-            finish()
-            _file.seal(buf)
+            _file.seal(buf, finish)
             self.store.link(slot.path, final)
             return buf
 
