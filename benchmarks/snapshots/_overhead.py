@@ -67,8 +67,8 @@ class Row:
     blocks_ms: tuple[float, ...]
     call_ms: float
     snapshot_bytes: int
-    # journal: the mean take at a full snapshot, at the entry after one (which waits for
-    # the full snapshot's background work) and at the other entries; the entry's bytes.
+    # journal: the mean take at a full snapshot, at the entry after one and at the other
+    # entries; the entry's bytes.
     journal_ms: tuple[float, float, float] | None = None
     entry_bytes: int = 0
 

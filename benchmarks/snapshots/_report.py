@@ -33,9 +33,10 @@ def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
                 f"journal entry of {r['entry_bytes'] / 2**20:,.0f} MiB, the gradient shards, "
                 f"at each step between; its block's mean step is the amortized one at K): "
                 f"`take` {full:.1f} ms at a full snapshot, {after:.1f} ms at the entry after "
-                f"it (waiting for the full snapshot's background work), "
+                "it, "
                 + (f"{entry:.1f} ms" if entry == entry else "-")
-                + " at the other entries (waiting for the entry before)."
+                + " at the other entries (each waits for the entry before's device copy and "
+                "for its slot: [Note: snapshot lifecycle] in recovery/_snapshots.py)."
             )
     return (
         f"{shape}. Each rank's snapshot: {size:,.0f} MiB (masters and optimizer state). "

@@ -144,6 +144,41 @@ def _journal(folder: str, stage: int, kind: str, extra: dict[str, object], damag
     assert not snaps.store.folder.exists()
 
 
+def _falls_back_to_full(folder: str) -> None:
+    """A step whose gradients were written after it (zeroed in place before `take`), or
+    two optimizer steps between takes, gets a full snapshot, one warning saying why."""
+    model, opt, _ = _build(2, "adamw")
+    snaps = Snapshots(model, opt, every=1, full_every=4, root=folder)
+    rank = dist.get_rank()
+    try:
+        kinds, warned = {}, {}
+        for s in range(4):
+            batch = global_batches(12, 1, 12, 1)[s, 0]
+            loss_fn(model, batch.reshape(2, -1, batch.shape[-1])[rank]).backward()
+            opt.step()
+            if s == 3:
+                opt.step()  # a second step without its own take
+            opt.zero_grad(set_to_none=s != 2)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                snaps.take(s + 1)
+            snaps.wait()
+            kinds[s + 1] = {h.kind for h in snaps.store.held() if h.step == s + 1}
+            warned[s + 1] = [str(w.message) for w in caught if "in full" in str(w.message)]
+        assert kinds == {
+            1: {OWN, REPLICA},
+            2: {ENTRY, ENTRY_REPLICA},
+            3: {OWN, REPLICA},
+            4: {OWN, REPLICA},
+        }, kinds
+        if rank == 0:
+            assert warned[1] == warned[2] == [], warned
+            assert len(warned[3]) == 1 and "written after the step" in warned[3][0], warned
+            assert len(warned[4]) == 1 and "2 optimizer step(s)" in warned[4][0], warned
+    finally:
+        snaps.close()
+
+
 def _refusals(folder: str) -> None:
     model, opt, _ = _build(2, "adamw")
     with pytest.raises(ValueError, match="full_every=4 needs every=1"):
@@ -182,6 +217,7 @@ def _cases(folder: str) -> None:
         ],
         _journal,
     )
+    _falls_back_to_full(f"{folder}/fallback")
     _refusals(f"{folder}/refusals")
 
 
@@ -190,5 +226,6 @@ def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
     full snapshot of step 5 and the entries of 6 and 7; stage 2 with rank 1's entry of
     step 6 damaged in both copies, restored at step 5 with one warning; stage 1 with
     offload_optimizer (gradients on the host), bf16 masters, fp16 with skipped steps.
-    Refused: every > 1, step_in_backward, delay_param_update."""
+    A step's gradients zeroed in place before `take`, or two steps between takes: a full
+    snapshot, one warning. Refused: every > 1, step_in_backward, delay_param_update."""
     run_ranks(_cases, 2, str(tmp_path))

@@ -39,7 +39,7 @@ def _snapshot_rows(
     journal = ""
     if full_every > 1:
         replicas = " and as many replicas" if e.world_size > 1 else ""
-        journal = f"; a journal entry {entry / GIB:.2f} GiB, {full_every - 1} held{replicas}"
+        journal = f"; a journal entry {entry / GIB:.2f} GiB, {full_every} held{replicas}"
     text = (
         f"\nsnapshots in host memory per rank: {e.snapshot / GIB:.2f} GiB a copy{journal}; "
         f"{steady / GIB:.2f} GiB between snapshots (two slots, pinned, and a replica), "

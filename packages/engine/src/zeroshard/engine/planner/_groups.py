@@ -196,9 +196,11 @@ def snapshot_host_bytes(
     (the newest complete step and the one before, pinned under CUDA) and the replica it
     keeps for a rank of another node; while one is taken, a second replica too. One rank
     alone keeps no replica. With a journal (`full_every` > 1) of entries of `entry` bytes,
-    its ring of `full_every - 1` entry slots (pinned) and as many replicas of entries."""
+    its ring of `full_every` entry slots (pinned: the K - 1 entries since the full
+    snapshot and one more, so that the full snapshot's background work overlaps the
+    next steps) and as many replicas of entries."""
     replica = 0 if world_size == 1 else snapshot
-    journal = (full_every - 1) * entry * (1 if world_size == 1 else 2)
+    journal = full_every * entry * (1 if world_size == 1 else 2) if full_every > 1 else 0
     return 2 * snapshot + replica + journal, 2 * snapshot + 2 * replica + journal
 
 

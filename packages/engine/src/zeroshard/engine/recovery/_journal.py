@@ -45,6 +45,7 @@ from zeroshard.ckpt import CheckpointError, RankExtra, buffer_key
 from zeroshard.comm import Group
 from zeroshard.engine.recovery._file import Snapshot
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._stepper import AfterBackward, StepEach, StepOutcome, Stepper
@@ -121,7 +122,7 @@ class JournalStep:
         for g in self._opt.flat_groups:
             if g.trainable:
                 shard = g.home.ensure_grad_shard()
-                if shard.device.type == "cpu":
+                if g.home.kind is HomeKind.HOST:  # its memory is the next window's
                     shard = shard.clone()
                 grads[checkpoint_group_name(g)] = (g, shard, shard._version)
         self.taken = _Step(grads, hyperparameters(self._opt))
@@ -153,12 +154,16 @@ def entry_contents(
     opt: ZeroOptimizer,
     client_state: Mapping[str, Any] | None,
     rank_state: Mapping[str, Any] | None,
+    *,
+    skip: bool = False,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], RankExtra | None] | str:
     """This step's journal entry (its record, tensors and user state), or why this step
-    cannot have one (a full snapshot then): see [Note: the gradient journal]. Resets the
-    journal for the next step."""
+    cannot have one (a full snapshot then; `skip`: one is due anyway): see [Note: the
+    gradient journal]. Resets the journal for the next step."""
     taken, steps = journal.taken, journal.steps
     journal.taken, journal.steps = None, 0
+    if skip:
+        return "a full snapshot is due"
     if steps != 1:
         return f"{steps} optimizer step(s) since the last snapshot, an entry holds one"
     tensors: dict[str, torch.Tensor] = {}
@@ -167,7 +172,7 @@ def entry_contents(
             if shard._version != version:
                 return f"flat group {g.index}'s gradient was written after the step"
             held = g.home.grad_shard is shard or g.master.grad is shard
-            tensors[_GRAD + name] = shard.clone() if held and shard.device.type != "cpu" else shard
+            tensors[_GRAD + name] = shard.clone() if held else shard
     for k, v in module_buffers(model).items():
         # Forward may write a buffer while the copy runs: a copy of its own.
         tensors[buffer_key(k)] = v.detach().clone() if v.device.type != "cpu" else v.detach()

@@ -10,8 +10,8 @@ snapshots]). The two slots alternate: the one written next held the step before 
 newest complete one, whose folder was removed when the newest completed. A restarted
 process never writes into a dead process's slots (their steps may still be linked and
 needed): it makes its own, and removes the dead ones' names (their bytes live on while a
-step links them). The journal's entries have a ring of slots of their own, one per entry
-between two full snapshots ([Note: the gradient journal] in _journal.py).
+step links them). The journal's entries have a ring of K slots of their own ([Note:
+snapshot lifecycle] in _snapshots.py).
 """
 
 from __future__ import annotations

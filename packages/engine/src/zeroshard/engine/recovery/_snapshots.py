@@ -3,23 +3,30 @@ another node, to restart from after a worker or a node is lost.
 
 [Note: snapshot lifecycle]
 `take(step)`, on every rank at the same steps:
-1. The previous snapshot's background work is waited for (its error raised here).
+1. The slot it writes into is waited for: one of its two slots in the node's shared
+   memory ([Note: slots], [Note: a node's folder]), free once the snapshot before is
+   complete (the one before that is then unneeded); a background error is raised here.
 2. On the calling thread: the rank's contents (`rank_contents`: what a checkpoint
-   holds) laid out in one of its two slots in the node's shared memory ([Note: slots],
-   [Note: a node's folder]); host tensors are copied into it now, device tensors start
-   their copy on a side stream ([Note: the copy and the next step]). Training goes on.
-3. A background thread waits for the copy, seals the bytes (crc32) and links them into
-   place: the rank's own copy. Then it sends the bytes to the rank's buddy and
-   receives its wards' ([Note: the snapshots' process group]), each sealed file
-   renamed into place: the replicas. An all-reduce then says every rank's copy and
-   replica of step S are in place: S is complete, and each rank removes the older steps
-   of its node (a rank removes only once every rank finished S, so a step is held
-   until a newer one is complete).
+   holds) laid out in that slot; host tensors are copied into it now, device tensors
+   start their copy on a side stream ([Note: the copy and the next step]). Training
+   goes on. (The next `take` waits for an entry's copy: the device memory of the
+   gradients it reads is held until then.)
+3. A background thread seals the bytes (crc32, as the copy arrives) and links them into
+   place: the rank's own copy. Then, after the snapshots before ([Note: snapshots in
+   the background]), it sends the bytes to the rank's buddy and receives its wards'
+   ([Note: the snapshots' process group]), each sealed file renamed into place: the
+   replicas. An all-reduce then says every rank's copy and replica of step S are in
+   place: S is complete, and each rank removes the older steps of its node (a rank
+   removes only once every rank finished S, so a step is held until a newer one is
+   complete).
 A node thus holds at most two steps: the newest complete one and the one in flight.
 With `full_every=K` the steps between full snapshots take journal entries instead
 ([Note: the gradient journal] in _journal.py): written, sealed and replicated the same
-way into a ring of slots of their own, and removed only once a newer full snapshot is
+way into a ring of K slots of their own, and removed only once a newer full snapshot is
 complete; every rank agrees at each `take` whether it is an entry or a full snapshot.
+An entry's slot is free once the full snapshot after its old entry is complete: with K
+slots, an entry waits for the full snapshot before it only from the second entry after
+it, so the full snapshot's background work overlaps the next steps.
 A kill at any point leaves at worst '.'-named files (never listed) and a step that is
 not complete; `resume` ([Note: restoring from memory]) finds what is whole.
 """
@@ -27,7 +34,6 @@ not complete; `resume` ([Note: restoring from memory]) finds what is whole.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -37,8 +43,9 @@ import torch.distributed as dist
 
 from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.recovery import _file, _wire
+from zeroshard.engine.recovery._background import Background
 from zeroshard.engine.recovery._contents import rank_contents
-from zeroshard.engine.recovery._host_copy import HostCopy
+from zeroshard.engine.recovery._host_copy import HostCopy, Ready
 from zeroshard.engine.recovery._journal import JournalStep, entry_contents, journal_refusal
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._restore import Resumed, resume
@@ -106,6 +113,8 @@ class Snapshots:
         timeout = self._state.shard_group.timeout
         # Collective: every rank makes the group (see [Note: the snapshots' process group]).
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
+        # Where `take` agrees on an entry or a full snapshot while the threads use `_pg`.
+        self._agree_pg = dist.new_group(backend="gloo", timeout=timeout)
         nodes: list[str | None] = [None] * self.world_size
         me = node_key()
         dist.all_gather_object(nodes, me, group=self._pg)
@@ -126,10 +135,14 @@ class Snapshots:
         if full_every > 1:
             self._journal = JournalStep(engine_optimizer.stepper, engine_optimizer)
             engine_optimizer.stepper = self._journal
-            self._entries = Slots(self.store, self.rank, on_device, full_every - 1, "e")
+            self._entries = Slots(self.store, self.rank, on_device, full_every, "e")
+        # The step each entry slot holds, and the entries taken (the next one's slot).
+        self._ring: list[int | None] = [None] * full_every
+        self._entry_no = 0
+        # The last entry's device copy: its gradients' memory is held until it is done.
+        self._entry_copy: Ready | None = None
         self._hook = engine_optimizer.register_step_pre_hook(lambda *_: self._before_step())
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._work = Background()
         self.last_resume: Resumed | None = None
 
     def _before_step(self) -> None:
@@ -144,13 +157,18 @@ class Snapshots:
         entry where one can be taken, else a full snapshot."""
         if step % self.every:
             return False
-        self.wait()
+        self._work.raise_error()
+        if self._entry_copy is not None:  # bounds the gradients' memory held for copies
+            self._entry_copy(None)
+            self._entry_copy = None
         # A delayed step in flight is part of this step; the parameters behind it are
         # kept too ([Note: a snapshot of a lagging run] in _contents.py).
         self._state.settle()
         last, self._last = self._last, step
         if self._journal is not None and self._take_entry(step, last):
             return True
+        if self._full is not None:
+            self._work.wait_complete(self._full)  # the other slot's step is then unneeded
         self._full = step
         meta, tensors, extra = rank_contents(
             self._model, self._state, step, self.client_state, self.rank_state
@@ -177,13 +195,13 @@ class Snapshots:
         """Take a journal entry of `step` if every rank can; return whether they did."""
         assert self._journal is not None
         opt = self._state.needs_optimizer("Snapshots.take")
-        contents = entry_contents(
-            self._journal, self._model, opt, self.client_state, self.rank_state
-        )
         due = self._full is None or last != step - 1 or step - self._full >= self.full_every
+        contents = entry_contents(
+            self._journal, self._model, opt, self.client_state, self.rank_state, skip=due
+        )
         able = torch.tensor([0 if due or isinstance(contents, str) else 1])
         if self.world_size > 1:
-            dist.all_reduce(able, op=dist.ReduceOp.MIN, group=self._pg)
+            dist.all_reduce(able, op=dist.ReduceOp.MIN, group=self._agree_pg)
         if not able.item():
             if not due:
                 why = contents if isinstance(contents, str) else "another rank's cannot"
@@ -197,11 +215,17 @@ class Snapshots:
             step, self.rank, self.world_size, None, items, text, record, pad=1 << 16
         )
         final = self.store.path(step, self.rank, self.world_size, ENTRY)
-        slot = self._entries.at(step - self._full - 1, planned.size)
+        k, self._entry_no = self._entry_no % self.full_every, self._entry_no + 1
+        old = self._ring[k]
+        if old is not None:
+            self._work.wait_complete(old + 1)  # a full snapshot after it: it is unneeded
+        self._ring[k] = step
+        slot = self._entries.at(k, planned.size)
         buf = slot.buf
         _file.fill_header(buf, planned)
         finish = self._copy.start(items, _file.slots(buf, planned))
         del items, tensors  # the side stream's copy keeps what it reads (record_stream)
+        self._entry_copy = finish
 
         def own() -> torch.Tensor:
             _file.seal(buf, finish)
@@ -212,15 +236,7 @@ class Snapshots:
         return True
 
     def _start(self, step: int, own: Callable[[], torch.Tensor], entry: bool = False) -> None:
-        def work() -> None:
-            try:
-                self._replicate(step, own(), entry)
-            except BaseException as e:  # raised on the main thread by wait()
-                self._error = e
-
-        self._thread = threading.Thread(target=work, name=f"zeroshard-snapshot-{step}")
-        self._thread.daemon = True
-        self._thread.start()
+        self._work.start(step, own, lambda buf: self._replicate(step, buf, entry))
 
     def _replicate(self, step: int, buf: torch.Tensor, entry: bool) -> None:
         """Send this rank's snapshot (or journal `entry`) to its buddy, keep its wards';
@@ -258,15 +274,12 @@ class Snapshots:
         dist.all_reduce(torch.ones(1), group=pg)  # every rank's copy and replica are in
         if not entry:  # entries since the full snapshot before are what this one covers
             self.store.drop(step, before=True)
+            self._work.completed(step)
 
     def wait(self) -> None:
-        """Wait for the snapshot in flight (its copy, file and replica); raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"snapshots: the last snapshot failed: {error}") from error
+        """Wait for the snapshots in flight (copies, files and replicas); raise an error
+        one met."""
+        self._work.wait()
 
     # -- restoring --------------------------------------------------------------------
     def resume(self, directory: str | os.PathLike[str]) -> int | None:
@@ -275,11 +288,13 @@ class Snapshots:
         says how many steps that costs); return the step, None on a fresh start. Call on
         every rank before the first `take` (collective). See [Note: restoring from memory]."""
         self.wait()
+        self._work.reset()
         # Fresh slots: the restored step may be linked to one of the old ones.
         self._slots.close()
         if self._journal is not None:
             self._entries.close()
             self._journal.taken, self._journal.steps = None, 0
+            self._ring = [None] * self.full_every
         # The next snapshot is a full one (the journal restarts from it).
         self._full = self._last = None
         self.last_resume, republish = resume(self, Path(directory))
