@@ -15,8 +15,8 @@ so the masters and optimizer state are those of step S bit for bit; the last ent
 hyperparameters, loss scale, buffers and user state follow.
 
 Recording: `JournalStep` stands in for the optimizer's stepper and keeps a reference to
-each gradient shard as `step()` hands it over (host shards are copied at once: their
-memory is kept for the next window). `take` writes the entry. A shard the optimizer
+each gradient shard as `step()` hands it over (an offloaded group's, in host memory kept
+for the next window, is copied at once). `take` writes the entry. A shard the optimizer
 dropped (`zero_grad()`, set_to_none: the default) is only referenced by the journal, so
 its copy to host memory runs on a side stream beside the next forward, costing the
 training stream nothing; a shard still held by the optimizer at `take` is cloned first
