@@ -183,6 +183,8 @@ def _refusals(folder: str) -> None:
     model, opt, _ = _build(2, "adamw")
     with pytest.raises(ValueError, match="full_every=4 needs every=1"):
         Snapshots(model, opt, every=2, full_every=4, root=folder)
+    with pytest.raises(ValueError, match=r"the journal needs .* GiB of shared memory"):
+        Snapshots(model, opt, every=1, full_every=10**12, root=folder)
     snaps = Snapshots(model, opt, every=1, full_every=4, root=folder)
     try:
         with pytest.raises(ValueError, match="not with Snapshots"), opt.step_in_backward():
@@ -227,5 +229,6 @@ def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
     step 6 damaged in both copies, restored at step 5 with one warning; stage 1 with
     offload_optimizer (gradients on the host), bf16 masters, fp16 with skipped steps.
     A step's gradients zeroed in place before `take`, or two steps between takes: a full
-    snapshot, one warning. Refused: every > 1, step_in_backward, delay_param_update."""
+    snapshot, one warning. Refused: every > 1, step_in_backward, delay_param_update, a
+    journal larger than the shared memory free."""
     run_ranks(_cases, 2, str(tmp_path))

@@ -133,6 +133,7 @@ class Snapshots:
         self._full: int | None = None
         self._last: int | None = None
         if full_every > 1:
+            self._check_room(Path(root), full_every)
             self._journal = JournalStep(engine_optimizer.stepper, engine_optimizer)
             engine_optimizer.stepper = self._journal
             self._entries = Slots(self.store, self.rank, on_device, full_every, "e")
@@ -144,6 +145,27 @@ class Snapshots:
         self._hook = engine_optimizer.register_step_pre_hook(lambda *_: self._before_step())
         self._work = Background()
         self.last_resume: Resumed | None = None
+
+    def _check_room(self, root: Path, full_every: int) -> None:
+        """ValueError on every rank unless each node's shared memory has room for its
+        ranks' journal: K entry slots and K replicas (docs/reliability.md)."""
+        entry = sum(g.master.nbytes for g in self._state.groups if g.trainable)
+        need = full_every * entry * (1 if self.world_size == 1 else 2)
+        at = root if root.exists() else root.parent
+        stat = os.statvfs(at)
+        here = len(self.placement.node_ranks(self.placement.nodes[self.rank]))
+        everyone: list[tuple[int, int] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, (need * here, stat.f_bavail * stat.f_frsize), self._pg)
+        short = [(r, n, f) for r, (n, f) in enumerate(everyone) if n > f]  # type: ignore[misc]
+        if short:
+            r, n, f = short[0]
+            raise ValueError(
+                f"Snapshots(full_every={full_every}): the journal needs {n / 2**30:.2f} GiB "
+                f"of shared memory on rank {r}'s node ({full_every} entries of "
+                f"{entry / 2**30:.2f} GiB per rank, and as many replicas), {f / 2**30:.2f} "
+                f"GiB are free in {at}: a smaller full_every (zeroshard-plan --snapshots "
+                "--full-every prices it)"
+            )
 
     def _before_step(self) -> None:
         self._copy.wait_before_step()
