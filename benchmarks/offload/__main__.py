@@ -5,8 +5,8 @@
     python -m benchmarks.offload --rounds 3      # train rows: median of 3 rounds
     python -m benchmarks.offload --search-layers 40,48,56 --stage 3 --offload-params
     python -m benchmarks.offload --parts train-zs-overlap,train-zs-overlap-bf16,train-ds-bf16
-    python -m benchmarks.offload --search-layers 60,62 --stage 3 --offload-params \
-        --search-part train-zs-overlap-bf16
+    python -m benchmarks.offload --search-layers 102,103,104 --stage 3 --offload-params \
+        --search-part train-zs-overlap-bf16 --warmup 1 --steps 3 --budget-s 480
 
 Training rows: zeroshard with `offload_optimizer` (stage 2 by default) stepping the CPU
 inside backward (`train-zs-overlap`, `step_in_backward`), the same with only

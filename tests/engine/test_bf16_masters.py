@@ -9,12 +9,15 @@ bf16 tolerances; the ranks' bf16 gradient sums round otherwise than one process'
 fp8 gather with bf16 masters gathers the same bits as the bf16 gather. Checkpoints keep
 bf16 masters and state, resume bit for bit, and cross-load with fp32 masters both ways.
 With CPU offload the host keeps and steps the bf16 masters and state (torch's fused
-AdamW too, on bf16 gradients): bit for bit at one rank, eager and compiled, within the
-two-rank tolerances, fully and partially offloaded, and a checkpoint resumes bit for bit.
+AdamW too, on bf16 gradients): bit for bit at one rank, eager and compiled, and with
+offload_params under step_in_backward (the masters are the host's compute shards, each
+gradient stepped as it lands and dropped), within the two-rank tolerances, fully and
+partially offloaded, and a checkpoint resumes bit for bit (with offload_params too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -52,16 +55,23 @@ def _bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _train(
-    model: Any, opt: zs.ZeroOptimizer, batches: torch.Tensor, clip: bool, device: str = "cpu"
+    model: Any,
+    opt: zs.ZeroOptimizer,
+    batches: torch.Tensor,
+    clip: bool,
+    device: str = "cpu",
+    early: bool = False,
 ) -> list[float]:
-    """This rank's part of `batches`; the global mean loss (and grad norm) of each step."""
+    """This rank's part of `batches`; the global mean loss (and grad norm) of each step;
+    `early`: each backward under step_in_backward."""
     world, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for step in batches:
         total = torch.zeros(1, device=device)
         for micro in step:
             loss = loss_fn(model, micro[rank].to(device)) / len(step)
-            loss.backward()
+            with opt.step_in_backward() if early else contextlib.nullcontext():
+                loss.backward()
             total += loss.detach()
         if clip:
             out.append(float(opt.clip_grad_norm_(0.5)))
@@ -112,7 +122,9 @@ def _bf16_run(model: torch.nn.Module, batches: torch.Tensor, device: str) -> lis
     return losses
 
 
-def _one_rank_case(device: str, stage: int, compiled: bool, offload: bool = False) -> None:
+def _one_rank_case(
+    device: str, stage: int, compiled: bool, offload: bool = False, params: bool = False
+) -> None:
     base = make_model(seed=stage).to(device)
     batches = global_batches(STEPS, 1, 1, MICRO)
     result = copy.deepcopy(base)
@@ -120,9 +132,12 @@ def _one_rank_case(device: str, stage: int, compiled: bool, offload: bool = Fals
     config = {"stage": stage, **BF16, **(STAGE3 if stage == 3 else {})}
     if offload:
         config["offload_optimizer"] = True
+    if params:
+        # The masters are the host's compute shards; each gradient stepped as it lands.
+        config["offload_params"] = True
     model, opt = zs.initialize(base, make_optimizer(base), config)
     run = zc.compile(model, backend="aot_eager") if compiled else model
-    assert _train(run, opt, batches, False, device) == ref
+    assert _train(run, opt, batches, False, device, early=params) == ref
     if compiled:
         assert not run.eager and run.compiles == 1
     full = zs.full_state_dict(model)
@@ -137,6 +152,7 @@ def _one_rank(device: str) -> None:
     cases = [dict(stage=s, compiled=False) for s in (1, 2, 3)] + [dict(stage=3, compiled=True)]
     cases += [dict(stage=s, compiled=False, offload=True) for s in (1, 2, 3)]
     cases.append(dict(stage=3, compiled=True, offload=True))
+    cases.append(dict(stage=3, compiled=False, offload=True, params=True))
     run_each(cases, lambda **c: _one_rank_case(device, **c))
 
 
@@ -229,12 +245,13 @@ def test_fp8_gather_with_bf16_masters() -> None:
 
 
 def _engine(
-    stage: int, masters: str, offload: bool = False
+    stage: int, masters: str, offload: bool = False, params: bool = False
 ) -> tuple[torch.nn.Module, zs.ZeroOptimizer]:
     base = make_model(seed=7)
     config = {"stage": stage, "compute_dtype": "bf16", "master_dtype": masters, **STAGE3}
     if offload:
         config["offload_optimizer"] = True
+        config["offload_params"] = params
     return zs.initialize(base, make_optimizer(base), config)
 
 
@@ -306,16 +323,17 @@ def _checkpoint_case(root: str) -> None:
     dist.barrier()
 
 
-def _offload_checkpoint_case(root: str) -> None:
+def _offload_checkpoint_case(root: str, stage: int, params: bool) -> None:
     """Offloaded bf16 masters: the rank files hold them and their state in bf16, and a
-    resume continues bit for bit."""
-    model, opt = _engine(2, "bf16", offload=True)
+    resume continues bit for bit (with offload_params, loaded into the masters that are
+    the host's compute shards)."""
+    model, opt = _engine(stage, "bf16", offload=True, params=params)
     _steps(model, opt, 0, 2)
     _check_bf16_state(opt, grads=False)
-    zs.save_checkpoint(model, opt, f"{root}/host", step=2)
+    zs.save_checkpoint(model, opt, f"{root}/host{stage}", step=2)
     _steps(model, opt, 2, 2)
-    again, again_opt = _engine(2, "bf16", offload=True)
-    assert zs.load_checkpoint(again, again_opt, f"{root}/host") == 2
+    again, again_opt = _engine(stage, "bf16", offload=True, params=params)
+    assert zs.load_checkpoint(again, again_opt, f"{root}/host{stage}") == 2
     _steps(again, again_opt, 2, 2)
     full, resumed = zs.full_state_dict(model), zs.full_state_dict(again)
     for name, value in full.items():
@@ -324,7 +342,10 @@ def _offload_checkpoint_case(root: str) -> None:
 
 def _checkpoints(root: str) -> None:
     run_each([{}], lambda: _checkpoint_case(root))
-    run_each([{}], lambda: _offload_checkpoint_case(root))
+    run_each(
+        [dict(stage=2, params=False), dict(stage=3, params=True)],
+        lambda **c: _offload_checkpoint_case(root, **c),
+    )
 
 
 def test_checkpoints(tmp_path: Path) -> None:

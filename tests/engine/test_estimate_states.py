@@ -126,17 +126,29 @@ def _case(
         moved = [g for g in state.groups if offloaded(g)]
         host_opt = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
         # On the CPU nothing is pinned; the same buffers are allocated pageable.
-        assert est.host == state.offload.nbytes().host + host_opt
+        want_host = state.offload.nbytes().host + host_opt
         assert plan.offload is not None and plan.offload.chunks == state.offload.layout
     else:
-        assert est.host == 0
+        want_host = 0
+    owned = torch.zeros(2, dtype=torch.int64)
     if declared:
         # Its state is on the whole parameters at their owners, full-shape: planned as
-        # the busiest rank's.
-        t = opts[0].state.values()
-        owned = torch.tensor(sum(x.nbytes for st in t for x in st.values() if x.dim()))
+        # the busiest rank's, on the device or (offloaded groups' matrices) on the host.
+        whole = state.whole_params
+        assert whole is not None
+        for name, p in whole.owned.items():
+            kept = sum(x.nbytes for x in opts[0].state[p].values() if x.dim())
+            owned[int(name in whole.on_host)] += kept
         dist.all_reduce(owned, op=dist.ReduceOp.MAX)
-        real["optimizer"] += int(owned)
+        real["optimizer"] += int(owned[0])
+        w = est.whole_matrix
+        assert w is not None
+        # What its step holds beside the buffers: the device's copies of the offloaded
+        # groups' gradients and masters, and the state it owns of them, brought up.
+        moved = [g for g in state.groups if g.trainable and offloaded(g) and g.key.param_group == 0]
+        assert w.held_bytes == 2 * sum(g.master.nbytes for g in moved) + int(owned[1])
+        assert (int(owned[1]) > 0 and moved) or host is None
+    assert est.host == want_host + int(owned[1]), (est.host, want_host, owned)
     assert dict(est.states) == real, (dict(est.states), real)
     trainable = [g for g in state.groups if g.trainable and not offloaded(g)]
     assert est.grad_shards == sum(g.master.nbytes for g in trainable)
@@ -199,6 +211,16 @@ MORE: list[dict[str, Any]] = [
     # dtype, its state full-shape at the owners (bf16 masters: half the bytes).
     {"stage": 2, "dtype": "bf16", "master_dtype": "bf16", **MUON, "muon": False, "declared": True},
     {"stage": 3, "dtype": "fp32", **MUON, "muon": False, "declared": True},
+    # Offloaded, part of it: its state on the host for the groups offload holds.
+    {
+        "stage": 2,
+        "dtype": "fp32",
+        **MUON,
+        "muon": False,
+        "declared": True,
+        "offload_optimizer": True,
+        "offload_ratio": 0.5,
+    },
     # Several optimizers, all fused: the host steps each in blocks (delayed, too).
     {"stage": 2, "dtype": "bf16", "offload_optimizer": True, "several": True},
     {

@@ -10,14 +10,16 @@ once.
 
 - Hybrid sharding: 4 ranks, `shard_group_size` 2 (shard groups {0, 1} and {2, 3}), expert
   e on ranks {e, e + 2}: its group crosses the shard groups (torchtitan shards experts
-  over the ranks that hold them, the rest over dp_shard). In fp16 an overflow in one
-  rank's expert shard skips the step everywhere; a snapshot in memory restores; ranks
-  that disagree on a group are refused.
+  over the ranks that hold them, the rest over dp_shard). At stage 3 the experts'
+  summed gradients are divided by `gradient_divide_factor` 1 instead (the reference's
+  scale: data-parallel ranks / 1), never averaged over the replicas. In fp16 an
+  overflow in one rank's expert shard skips the step everywhere; a snapshot in memory
+  restores; ranks that disagree on a group are refused.
 - Tensor parallelism: 4 ranks, a 2-D mesh (dp 2 x tp 2) or a 3-D one (dp_replicate 2 x
   dp_shard 1 x tp 2); each expert's Linears split over tp (column-, then row-wise); its
   group the data-parallel ranks of one tp coordinate that hold it: one rank each
   ("alone": two experts), or both ("shared": one); on the 3-D mesh under
-  `zeroshard.compile` too.
+  `zeroshard.compile` too, there with `gradient_divide_factor` 4.
 
 Each case trains 3 steps with clipping against the reference, saves after the second,
 and a fresh engine that loads that checkpoint repeats the third step bit for bit.
@@ -37,7 +39,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -45,7 +46,8 @@ from torch import nn
 import zeroshard.compile as zc
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks
-from tests.engine._models import VOCAB, global_batches
+from tests.engine._models import global_batches
+from tests.engine.test_expert_groups import Trunk, _loss
 from zeroshard.ckpt import CheckpointError, consolidate
 from zeroshard.comm import Group
 
@@ -54,31 +56,17 @@ MAX_NORM = 0.5
 STEPS = 3
 
 
-class Trunk(nn.Module):
-    def __init__(self, expert_seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, D)
-        self.head = nn.Linear(D, VOCAB)
-        torch.manual_seed(100 + expert_seed)
-        self.expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-
-    def forward(self, tokens: torch.Tensor, expert: nn.Module | None = None) -> torch.Tensor:
-        x = self.emb(tokens)
-        return self.head(x + (expert or self.expert)(x))
-
-
-def _loss(model: nn.Module, batch: torch.Tensor, expert: nn.Module | None = None) -> torch.Tensor:
-    logits = model(batch[..., :-1], expert)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[..., 1:].reshape(-1))
+def _trunk(expert_seed: int) -> Trunk:
+    """test_expert_groups.py's model at this file's sizes."""
+    return Trunk(expert_seed, D, hidden=2)
 
 
 class Reference:
     """The trunk and every expert in one process, stepped on the global batch."""
 
     def __init__(self, experts: int, scale: float) -> None:
-        self.model = Trunk(0)
-        self.experts = [copy.deepcopy(Trunk(i).expert) for i in range(experts)]
+        self.model = _trunk(0)
+        self.experts = [copy.deepcopy(_trunk(i).expert) for i in range(experts)]
         self.params = [
             *self.model.emb.parameters(),
             *self.model.head.parameters(),
@@ -157,17 +145,24 @@ def _train_save_resume(
 # -- hybrid sharding -----------------------------------------------------------------------
 
 
-def _hybrid_case(pairs: dict[int, Group], stage: int, root: str) -> None:
+def _hybrid_case(pairs: dict[int, Group], stage: int, root: str, factor: int | None) -> None:
     rank = dist.get_rank()
     where = f"{root}/hybrid-s{stage}"
 
     def build(seed: int) -> tuple[nn.Module, zs.ZeroOptimizer]:
-        model = Trunk(seed)
+        model = _trunk(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         cfg = _config(stage, shard_group_size=2)
-        return zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
+        return zs.initialize(
+            model,
+            opt,
+            cfg,
+            process_groups={"expert": pairs[rank % 2]},
+            gradient_divide_factor=factor,
+        )
 
-    _train_save_resume(build, rank, rank % 2, [0, 1, 0, 1], 2.0, where)
+    # The experts' gradients summed over their pair, divided by 2 or the factor.
+    _train_save_resume(build, rank, rank % 2, [0, 1, 0, 1], 4 / (factor or 2), where)
     # Each expert once (its pair's files), everything else once (the first replica's).
     _check_saved_once(Path(where) / f"step-{STEPS - 1}")
 
@@ -188,7 +183,7 @@ def _hybrid_overflow(pairs: dict[int, Group]) -> None:
     (after the reduce-scatter, in rank 3's half of expert 1) skips the step on every
     rank, those of the other shard group too."""
     rank = dist.get_rank()
-    model = Trunk(rank % 2)
+    model = _trunk(rank % 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = _config(2, shard_group_size=2, compute_dtype="fp16", initial_loss_scale=1024.0)
     model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
@@ -220,23 +215,35 @@ def _hybrid_overflow(pairs: dict[int, Group]) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before), "nothing stepped"
 
 
-def _hybrid_snapshot(pairs: dict[int, Group], root: str) -> None:
+class WholeSGD(torch.optim.SGD):
+    """SGD stepped on whole parameters at their owners, through the declaration."""
+
+    zeroshard_whole_params = True
+
+
+def _hybrid_snapshot(pairs: dict[int, Group], root: str, declared: bool) -> None:
     """A snapshot in memory holds every rank's shards, the replicas' too (which do not
-    write the first replica's groups to disk): restored, the step after it repeats."""
+    write the first replica's groups to disk): restored, the step after it repeats. With
+    the trunk's matrices on an optimizer that declares whole parameters, the state each
+    replica's owners keep of them too."""
     rank = dist.get_rank()
-    model = Trunk(rank % 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model = _trunk(rank % 2)
+    opts: list[torch.optim.Optimizer] = [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    if declared:
+        trunk = [model.emb.weight, model.head.weight]
+        rest = [p for p in model.parameters() if all(p is not t for t in trunk)]
+        opts = [WholeSGD(trunk, lr=0.1, momentum=0.9), torch.optim.SGD(rest, lr=0.1, momentum=0.9)]
     cfg = _config(3, shard_group_size=2)
-    model, zopt = zs.initialize(model, opt, cfg, process_groups={"expert": pairs[rank % 2]})
+    model, zopt = zs.initialize(model, opts, cfg, process_groups={"expert": pairs[rank % 2]})
     batches = global_batches(2, 1, 4, 2)[:, 0, rank]
-    snaps = zs.Snapshots(model, zopt, every=1, root=f"{root}/shm")
+    snaps = zs.Snapshots(model, zopt, every=1, root=f"{root}/shm{int(declared)}")
     try:
         _step(model, zopt, batches[0])
         snaps.take(1)
         saved = zs.full_state_dict(model)
         norm = _step(model, zopt, batches[1])
         after = zs.full_state_dict(model)
-        assert snaps.resume(f"{root}/snap-ckpt") == 1
+        assert snaps.resume(f"{root}/snap-ckpt{int(declared)}") == 1
         assert all(torch.equal(v, saved[k]) for k, v in zs.full_state_dict(model).items())
         assert torch.equal(_step(model, zopt, batches[1]), norm)
         assert all(torch.equal(v, after[k]) for k, v in zs.full_state_dict(model).items())
@@ -250,7 +257,7 @@ def _hybrid_refused(pairs: dict[int, Group]) -> None:
     rank = dist.get_rank()
     other = Group(dist.new_group([2, 3]))
     mine = pairs[rank] if rank < 2 else other
-    model = Trunk(0)
+    model = _trunk(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"rank 0 holds ranks \[0, 2\], but rank 2 passes"):
         zs.initialize(model, opt, _config(2, shard_group_size=2), process_groups={"expert": mine})
@@ -259,9 +266,13 @@ def _hybrid_refused(pairs: dict[int, Group]) -> None:
 def _hybrid(root: str) -> None:
     pairs = {e: Group(dist.new_group([e, e + 2])) for e in (0, 1)}
     run_each([{}], lambda: _hybrid_refused(pairs))
-    run_each([{"stage": 2}, {"stage": 3}], lambda stage: _hybrid_case(pairs, stage, root))
+    cases = [{"stage": 2, "factor": None}, {"stage": 3, "factor": 1}]
+    run_each(cases, lambda stage, factor: _hybrid_case(pairs, stage, root, factor))
     run_each([{}], lambda: _hybrid_overflow(pairs))
-    run_each([{}], lambda: _hybrid_snapshot(pairs, root))
+    run_each(
+        [{"declared": False}, {"declared": True}],
+        lambda declared: _hybrid_snapshot(pairs, root, declared),
+    )
 
 
 def _hybrid_loads_at_world_2(root: str) -> None:
@@ -269,7 +280,7 @@ def _hybrid_loads_at_world_2(root: str) -> None:
     rank: the weights each rank held at the save, bit for bit."""
     rank = dist.get_rank()
     alone = [Group(dist.new_group([r])) for r in range(2)]
-    model = Trunk(rank + 7)
+    model = _trunk(rank + 7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, zopt = zs.initialize(model, opt, _config(3), process_groups={"expert": alone[rank]})
     assert zs.load_checkpoint(model, zopt, f"{root}/hybrid-s3") == STEPS - 1
@@ -299,7 +310,12 @@ def test_experts_with_hybrid_sharding(tmp_path: Path) -> None:
 
 
 def _tp_case(
-    groups: dict[tuple[int, ...], Group], dims: int, layout: str, root: str, compiled: bool
+    groups: dict[tuple[int, ...], Group],
+    dims: int,
+    layout: str,
+    root: str,
+    compiled: bool,
+    factor: int | None = None,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -319,20 +335,27 @@ def _tp_case(
     mine = groups[(rank,) if alone else (tp, tp + 2)]
 
     def build(seed: int) -> tuple[Any, zs.ZeroOptimizer]:
-        model = Trunk(seed)
+        model = _trunk(seed)
         parallelize_module(
             model.expert, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model, zopt = zs.initialize(
-            model, opt, _config(3), process_groups={"expert": mine}, device_mesh=mesh
+            model,
+            opt,
+            _config(3),
+            process_groups={"expert": mine},
+            gradient_divide_factor=factor,
+            device_mesh=mesh,
         )
         # The engine's functions take zeroshard.compile's wrapper for the model.
         return (zc.compile(model, backend="aot_eager") if compiled else model), zopt
 
     expert_of = [0, 1] if alone else [0, 0]
     where = f"{root}/tp{dims}-{layout}{'-compiled' if compiled else ''}"
-    _train_save_resume(build, dp, expert, expert_of, 2.0 if alone else 1.0, where)
+    # The experts' gradients summed over their group, divided by its size or the factor.
+    divisor = factor or (1 if alone else 2)
+    _train_save_resume(build, dp, expert, expert_of, 2 / divisor, where)
 
 
 def _tp_refused(groups: dict[tuple[int, ...], Group]) -> None:
@@ -347,7 +370,7 @@ def _tp_refused(groups: dict[tuple[int, ...], Group]) -> None:
     }
     for why, ranks in bad.items():
         with pytest.raises(ValueError, match=why):
-            model = Trunk(0)
+            model = _trunk(0)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             zs.initialize(
                 model, opt, {"stage": 2}, process_groups={"expert": groups[ranks]}, device_mesh=mesh
@@ -361,8 +384,9 @@ def _tensor_parallel(root: str) -> None:
         {"dims": 2, "layout": "alone", "compiled": False},
         {"dims": 2, "layout": "shared", "compiled": False},
         {"dims": 3, "layout": "alone", "compiled": False},
-        # zeroshard.compile averages the 3-D mesh's replicas as eager does (it did not).
-        {"dims": 3, "layout": "alone", "compiled": True},
+        # zeroshard.compile averages the 3-D mesh's replicas as eager does (it did not),
+        # and divides the experts' gradients by the factor.
+        {"dims": 3, "layout": "alone", "compiled": True, "factor": 4},
     ]
     run_each(cases, lambda **case: _tp_case(groups, root=root, **case))
     run_each([{}], lambda: _tp_refused(groups))
@@ -370,10 +394,19 @@ def _tensor_parallel(root: str) -> None:
 
 def test_experts_with_tensor_parallelism(tmp_path: Path) -> None:
     run_ranks(_tensor_parallel, 4, str(tmp_path))
-    # An expert's tp pieces are not joined into a consolidated file yet: refused, not
-    # written as pieces under the whole tensor's name.
-    with pytest.raises(CheckpointError, match="experts under tensor parallelism"):
-        consolidate(tmp_path / "tp2-alone", tmp_path / "out.safetensors", instance=0)
+    # Each expert consolidated whole, its tp pieces joined: bit for bit the full state
+    # dict of a rank holding it at the save (rank 2k holds expert k where each rank has
+    # its own; every rank the one expert where the tp peers share it).
+    for layout, experts in [("tp2-alone", 2), ("tp3-alone", 2), ("tp2-shared", 1)]:
+        for k in range(experts):
+            out = tmp_path / f"{layout}-expert{k}.safetensors"
+            consolidate(tmp_path / layout, out, instance=k if experts > 1 else None)
+            got, want = load_file(out), torch.load(tmp_path / f"{layout}-rank{2 * k}.pt")
+            assert got.keys() == want.keys()
+            for name, value in want.items():
+                assert torch.equal(got[name], value), f"{layout} expert {k}: {name}"
+    with pytest.raises(CheckpointError, match="instance 2 out of range"):
+        consolidate(tmp_path / "tp2-alone", tmp_path / "out.safetensors", instance=2)
 
 
 # -- the planner ---------------------------------------------------------------------------
@@ -384,7 +417,7 @@ def test_planner_prices_experts_memory_only() -> None:
     are checked against real engines in test_estimate_states.py); what it does not model
     it refuses by name."""
     with torch.device("meta"):
-        model = Trunk(0)
+        model = _trunk(0)
     cfg = _config(3, shard_group_size=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     alone, pairs = (

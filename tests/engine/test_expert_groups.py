@@ -41,13 +41,16 @@ D = 11
 
 
 class Trunk(nn.Module):
-    def __init__(self, expert_seed: int) -> None:
+    """A trunk (embedding, head) of seed 0 and an expert (an MLP of `hidden` x `d`) of
+    seed 100 + `expert_seed`: each expert's values its own, the trunk's the same."""
+
+    def __init__(self, expert_seed: int, d: int = D, hidden: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, D)
-        self.head = nn.Linear(D, VOCAB)
+        self.emb = nn.Embedding(VOCAB, d)
+        self.head = nn.Linear(d, VOCAB)
         torch.manual_seed(100 + expert_seed)
-        self.expert = nn.Sequential(nn.Linear(D, 3 * D), nn.GELU(), nn.Linear(3 * D, D))
+        self.expert = nn.Sequential(nn.Linear(d, hidden * d), nn.GELU(), nn.Linear(hidden * d, d))
 
     def forward(self, tokens: torch.Tensor, expert: nn.Module | None = None) -> torch.Tensor:
         x = self.emb(tokens)

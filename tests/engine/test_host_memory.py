@@ -3,7 +3,8 @@
 The bound is read from files (cgroup v2 or v1, /proc/meminfo); the reader is tested on
 fixture trees of each kind, and a real initialize on two gloo ranks is pointed at a
 fixture that leaves too little memory: every rank raises the same error naming the bytes
-needed and available, and the process group still works after it.
+needed and available, and the process group still works after it; so does the first
+backward that needs the host gradient, checked when it is allocated.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks
-from tests.engine._models import make_model, make_optimizer
+from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from zeroshard.engine.runtime import _host_memory
 from zeroshard.engine.runtime._host_memory import read_host_memory
 
@@ -93,3 +94,30 @@ def _too_small(root: str) -> None:
 
 def test_initialize_refuses_what_the_host_cannot_hold(tmp_path: Path) -> None:
     run_ranks(_too_small, 2, str(tmp_path))
+
+
+def _held_too_small(root: str) -> None:
+    rank = dist.get_rank()
+    _host_memory.PROC_MEMINFO = _meminfo(Path(root) / str(rank), 10**9)
+    _host_memory.PROC_SELF_CGROUP = Path(root) / "absent"
+    model = make_model(seed=1)
+    cfg = {"stage": 2, "compute_dtype": "bf16", "offload_optimizer": True}
+    model, _ = zs.initialize(model, make_optimizer(model), cfg)
+    # The gradients held until step() come with the first backward that needs them, and
+    # are checked then: by now rank 1's host has 1 MiB left.
+    _host_memory.PROC_MEMINFO = _meminfo(Path(root) / str(rank), 1024 if rank else 10**9)
+    batch = global_batches(1, 1, 2, 2)[0, 0, rank]
+    with pytest.raises(MemoryError) as err:
+        loss_fn(model, batch).backward()
+    message = str(err.value)
+    assert "the offloaded gradients held until step()" in message, message
+    assert "rank 1 needs" in message and "rank 0 needs" not in message
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+def test_held_gradients_are_checked_when_first_needed(tmp_path: Path) -> None:
+    """The host gradient (allocated at the first backward outside step_in_backward) is
+    checked as initialize's state is: the same MemoryError on every rank, no hang."""
+    run_ranks(_held_too_small, 2, str(tmp_path))

@@ -199,12 +199,13 @@ def _evenness(device: str) -> None:
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         assert b.chunks > 1, "the test wants several chunks"
-        # The fp32 host gradient is pinned (gradients land in it by DMA) where pinning works:
-        # on a GPU; CPU ranks pin nothing.
-        grad = offloaded.grads.grad.nbytes
+        # The bf16 gradients held until step() are pinned (gradients land in them by DMA)
+        # where pinning works: on a GPU; CPU ranks pin nothing.
+        held = offloaded.grads.held(next(g.index for g in opt.flat_groups if offloaded.holds(g)))
+        grad = b.chunks * offloaded.layout.shard_numel * held.itemsize
         assert b.host >= 2 * grad, (b, grad)
         if device == "cuda":
-            assert offloaded.grads.grad.is_pinned() and b.pinned >= grad, (b, grad)
+            assert held.is_pinned() and b.pinned >= grad, (b, grad)
             # The masters go up to be cast on the device (not with offload_params).
             assert offloaded.master.is_pinned() == (offloaded.compute_dev is not None)
         else:

@@ -184,10 +184,11 @@ def _host_bytes(device: str) -> None:
     space = off.layout.num_chunks * off.layout.shard_numel
     biggest = max(g.layout.shard_numel for g in opt.flat_groups if off.holds(g))
     assert biggest > STEP_BLOCK, "the test needs a group past one block"
-    # fp32 master + bf16 gradient per element; bf16 staging buffers; one block's fp32
-    # upcast (the fallback would grow it to one group's).
+    # fp32 master per element (the bf16 gradients held until step() come with the first);
+    # bf16 staging slots; one block's fp32 upcast (the fallback would grow it to one
+    # group's).
     fixed = GRAD_STAGING * biggest * 2 + STEP_BLOCK * 4
-    assert off.nbytes().host == space * 6 + fixed
+    assert off.nbytes().host == space * 4 + fixed
     batches = global_batches(2, 1, world, MICRO)
     for step in range(2):
         loss_fn(model, batches[step, 0, rank].to(device)).backward()

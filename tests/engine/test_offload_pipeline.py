@@ -8,9 +8,11 @@ several steps, at stages 1-3, with gradient accumulation, clipping, fp16 loss sc
 a share offloaded and offload_params, for an optimizer outside the per-group pipeline,
 and with the CPU step inside backward (`step_in_backward`), which refuses what it cannot
 do (stage 1, fp16, other optimizers, clipping after it) with a clear error. The host
-keeps 6 bytes per offloaded element (fp32 master, bf16 gradient) besides the optimizer
-state until a micro-step accumulates, which adds an fp32 gradient (4 bytes). The wrapped
-optimizer's step hooks run once per step.
+keeps 6 bytes per offloaded element (fp32 master, bf16 gradient, this from the first
+backward on) besides the optimizer state until a micro-step accumulates, which adds an
+fp32 gradient (4 bytes); with bf16 masters and offload_params under step_in_backward, 2
+(the bf16 master, which is the compute shard; no gradient held), as the planner counts.
+The wrapped optimizer's step hooks run once per step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests, world_fits
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
 from tests.engine._offload_train import train_and_collect
+from zeroshard.engine.planner._estimate import estimate
 from zeroshard.engine.runtime.offload._plan import GRAD_STAGING
 
 STEPS = 3
@@ -179,11 +182,11 @@ def _host_bytes(device: str) -> None:
     assert off is not None
     space = off.layout.num_chunks * off.layout.shard_numel
     biggest = max(g.layout.shard_numel for g in opt.flat_groups if off.holds(g))
-    # fp32 master + bf16 gradient per element; bf16 staging buffers (pinned on a GPU), one
-    # group's fp32 upcast.
+    # fp32 master per element; bf16 staging slots (pinned on a GPU), one group's fp32
+    # upcast; the bf16 gradients held until step() once the first one arrives.
     fixed = GRAD_STAGING * biggest * 2 + biggest * 4
-    assert off.nbytes().host == space * 6 + fixed
-    batches = global_batches(2, 2, world, MICRO)
+    assert off.nbytes().host == space * 4 + fixed
+    batches = global_batches(3, 2, world, MICRO)
     loss_fn(model, batches[0, 0, rank].to(device)).backward()
     opt.step()
     opt.zero_grad()
@@ -192,6 +195,62 @@ def _host_bytes(device: str) -> None:
         loss_fn(model, batches[1, a, rank].to(device)).backward()
     opt.step()
     assert off.nbytes().host == space * 10 + fixed, "accumulation adds one fp32 gradient"
+    _host_bytes_in_backward(device, batches)
+
+
+def _host_bytes_in_backward(device: str, batches: torch.Tensor) -> None:
+    """Stage 3, offload_params, bf16 masters, each backward under step_in_backward: the
+    masters are the host's compute shards (2 bytes an element) and no gradient is held,
+    each passes through a staging slot; the planner counts the same bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {
+        "stage": 3,
+        "compute_dtype": "bf16",
+        "master_dtype": "bf16",
+        "offload_optimizer": True,
+        "offload_params": True,
+        "min_unit_params": 1,
+        "persistence_threshold": 0,
+    }
+    model = make_model(seed=3).to(device)
+    model, opt = zs.initialize(model, make_optimizer(model), cfg)
+    off = zs.engine_state(model).offload
+    assert off is not None and off.compute_host is not None
+    assert off.compute_host.data_ptr() == off.master.data_ptr(), "the masters are the shards"
+    on_host = [g for g in opt.flat_groups if off.holds(g)]
+    space = off.layout.num_chunks * off.layout.shard_numel
+    biggest = max(g.layout.shard_numel for g in on_host)
+    # bf16 staging slots; one group's fp32 upcast and its bf16 cast (AdamW, not fused).
+    fixed = GRAD_STAGING * biggest * 2 + biggest * 6
+    for step in range(2):
+        with opt.step_in_backward():
+            loss_fn(model, batches[step, 0, rank].to(device)).backward()
+        assert all(g.grad_shard is None for g in on_host), "a gradient stepped was kept"
+        opt.step()
+        opt.zero_grad()
+    with torch.device("meta"):
+        meta = make_model(seed=3)
+    moved = [g for g in on_host if g.trainable]
+    state = sum(t.nbytes for g in moved for t in opt.state[g.master].values() if t.dim())
+
+    def planned(in_backward: bool) -> int:
+        est = estimate(
+            meta,
+            cfg,
+            world,
+            MICRO,
+            batches.shape[-1],
+            optimizer=make_optimizer(meta),
+            step_in_backward=in_backward,
+        )
+        return est.host - state
+
+    assert off.nbytes().host == space * 2 + fixed == planned(True)
+    # A backward outside step_in_backward holds every gradient until step(): 2 bytes more.
+    loss_fn(model, batches[2, 0, rank].to(device)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert off.nbytes().host == space * 4 + fixed == planned(False)
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from tests.engine import _tp
 from tests.engine._models import muon_and_adamw
 from tests.engine.test_tensor_parallel import engine_config
 from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
+from tests.engine.test_whole_matrix import DeclaredMuon
 from zeroshard.ckpt import buffer_key
 from zeroshard.comm._group import Handle
 from zeroshard.comm._inflight import _held
@@ -280,21 +281,32 @@ class Allocated:
 
 
 def _pair(
-    shape: tuple[int, ...], stage: int, muon: bool, offload: dict[str, Any], folder: str
+    shape: tuple[int, ...],
+    stage: int,
+    muon: bool,
+    offload: dict[str, Any],
+    folder: str,
+    declared: bool = False,
 ) -> None:
     mesh = _mesh(shape)
     # Small offload chunks: the host's staging buffers stay small.
     config = {**engine_config(stage, "fp32"), "offload_chunk_bytes": 1024, **offload}
     replica = shape[-2] * shape[-1]
+
+    def optimizers(m: Any) -> list[torch.optim.Optimizer]:
+        if declared:
+            return muon_and_adamw(m, DeclaredMuon)
+        return muon_and_adamw(m) if muon else [_tp.make_optimizer(m)]
+
     plan = _tp.plan(
         zs.ZeroConfig.from_dict(config),
         sp=False,
         tp=shape[-1],
-        optimizers=muon_and_adamw if muon else lambda m: [_tp.make_optimizer(m)],
+        optimizers=optimizers,
         shard_group_size=None if len(shape) == 2 else replica,
     )
     model, _ = _tp.split_model(mesh, sp=False, seed=1)
-    opts = muon_and_adamw(model) if muon else [_tp.make_optimizer(model)]
+    opts = optimizers(model)
     with pytest.MonkeyPatch.context() as patch:
         allocated = Allocated(patch)
         model, opt = zs.initialize(model, opts, config, device_mesh=mesh)
@@ -310,11 +322,24 @@ def _pair(
     def held(groups: list[Any]) -> int:
         return sum(t.nbytes for g in groups for t in opt.state[g.master].values() if t.dim())
 
+    # A declared optimizer's state: the whole matrices' at their owners (each tp rank of
+    # an owner holds it whole), on the device or on the host; planned as the busiest rank's.
+    owned = torch.zeros(2, dtype=torch.int64)
+    whole = state.whole_params
+    for name, p in ({} if whole is None else whole.owned).items():
+        assert whole is not None
+        kept = sum(t.nbytes for t in opt.state[p].values() if t.dim())
+        owned[int(name in whole.on_host)] += kept
+    mine = int(owned.sum())
+    dist.all_reduce(owned, op=dist.ReduceOp.MAX)
+    if declared:
+        assert int(owned[0]) > 0 and int(owned[1]) > 0, owned
     assert plan.states["master"] == sum(g.master.nbytes for g in on_device), plan.states
-    assert plan.states["optimizer"] == held(on_device), (plan.states, held(on_device))
+    device_state = held(on_device) + int(owned[0])
+    assert plan.states["optimizer"] == device_state, (plan.states, device_state)
     if host is not None:
         # On the CPU nothing is pinned; the same buffers are allocated pageable.
-        assert plan.host == host.nbytes().host + held(on_host), plan.host
+        assert plan.host == host.nbytes().host + held(on_host) + int(owned[1]), plan.host
         assert plan.states["offload_compute"] == host.nbytes().device, plan.states
     else:
         assert plan.host == 0
@@ -328,13 +353,15 @@ def _pair(
         planned = sum(
             t.nbytes for k, t in tensors.items() if t.dim() and not k.startswith(buffer_key(""))
         )
-        assert plan.snapshot == planned, (plan.snapshot, planned)
+        # With the busiest owners' whole-parameter state in place of this rank's own.
+        busiest = planned + int(owned.sum()) - mine
+        assert plan.snapshot == busiest, (plan.snapshot, busiest)
         size = snaps.store.path(1, dist.get_rank(), 4, OWN).stat().st_size
         assert planned < size < planned + 64 * 1024, (planned, size)
     finally:
         snaps.close()
     w = plan.whole_matrix
-    if not muon:
+    if not (muon or declared):
         assert w is None
         return
     assert w is not None and w.joined_bytes > 0
@@ -352,6 +379,16 @@ PAIRS: list[dict[str, Any]] = [
         "stage": 3,
         "muon": True,
         "offload": {"offload_optimizer": True, "offload_params": True, "offload_ratio": 0.5},
+    },
+    # A declared whole-matrix optimizer under tp, part of it offloaded: its state the
+    # whole matrices', on the host for the offloaded groups; its gradients and masters
+    # joined whole over tp at the owners.
+    {
+        "shape": (2, 2),
+        "stage": 2,
+        "muon": False,
+        "declared": True,
+        "offload": {"offload_optimizer": True, "offload_ratio": 0.5},
     },
     # The 3-D mesh, (dp_replicate, dp_shard, tp) = (2, 1, 2): --shard-group-size 2.
     {"shape": (2, 1, 2), "stage": 3, "muon": False, "offload": {"offload_optimizer": True}},

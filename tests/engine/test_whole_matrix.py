@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, subtests
@@ -338,20 +337,11 @@ def _refusals() -> None:
     # The parameters where the optimizer goes (it said "optimizer 0 is a Parameter").
     with pytest.raises(TypeError, match=r"takes the optimizer built on them: pass torch.optim"):
         zs.initialize(model, model.parameters(), _config(2))  # type: ignore[arg-type]
-    declared, rest = _make("declared")(model)
-    with pytest.raises(ValueError, match=r"offload_optimizer: DeclaredMuon steps whole param"):
-        zs.initialize(model, [declared, rest], _config(2, offload_optimizer=True))
     # Several optimizers step delayed where each is one the delayed step snapshots.
     with pytest.raises(ValueError, match=r"delay_param_update .*fused=True.*got SGD"):
         sgd = torch.optim.SGD(muon.param_groups[0]["params"], lr=0.1)
         delayed = _config(2, offload_optimizer=True, offload_delay_param_update=True)
         zs.initialize(model, [sgd, adamw], delayed)
-    # A declared optimizer does not yet join a matrix's tp pieces (torch's Muon does:
-    # test_tensor_parallel_compositions.py).
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    declared, adamw = _make("declared")(model)
-    with pytest.raises(ValueError, match=r"device_mesh: DeclaredMuon steps whole parameters"):
-        zs.initialize(model, [declared, adamw], _config(3), device_mesh=mesh)
 
 
 def test_bad_optimizer_sets_are_refused() -> None:

@@ -6,8 +6,9 @@ built on `build` here, where neither feature's own tests do; or this one, where 
 step is taken), or "refused: why". Here, on 2 gloo ranks in one spawned job, every pair
 the parity test does not train is built the way a user would (`FEATURES`: each feature
 a small change to a `Recipe`), initialized on a small model (DeepSpeed's
-`resume_tied_even_stage2` fixture model, so its checkpoint loads) and stepped once (`realize`,
-with `build`): a "works" pair that raises fails the test, and so
+`resume_tied_even_stage2` fixture model, so its checkpoint loads; with groups of their own,
+the MoE model whose DeepSpeed checkpoint `deepspeed_moe_checkpoint` writes) and stepped once
+(`realize`, with `build`): a "works" pair that raises fails the test, and so
 does a "refused" pair that does not raise a ValueError (a refusal names its reason). A
 feature added to `FEATURES` without its rows in the table fails
 `test_table_lists_every_pair`.
@@ -272,14 +273,50 @@ def _param_init(model: nn.Module) -> Callable[[nn.Module], None]:
     return init
 
 
-def build(r: Recipe, own: Any) -> Built:
-    """Build the recipe as a user would and initialize it (a DeepSpeed checkpoint loaded);
+def _build_moe(r: Recipe, checkpoint: str) -> Built:
+    """Groups of their own from a DeepSpeed checkpoint: experts, which only DeepSpeed's MoE
+    checkpoints hold (one value per expert-parallel rank): DeepSpeed's MoE model
+    (tests/engine/_ds_moe.py) with its experts on their expert data-parallel groups,
+    loading the one DeepSpeed wrote."""
+    import zeroshard.engine as zs
+    from tests.engine import _ds_moe as moe
+    from zeroshard.comm import Group
+
+    moe.deepspeed_module()
+    model = moe.MoELM()
+    groups = {moe.EXPERTS_PATH: Group(moe.expert_data_group(model))}
+    config = {"stage": r.stage, "min_unit_params": 1, "persistence_threshold": 0, **r.config}
+    opt = torch.optim.AdamW(moe.param_groups(model), lr=1e-3)
+    # DeepSpeed divides the experts' gradients by the whole data-parallel world.
+    world = dist.get_world_size()
+    model, opt = zs.initialize(
+        model, opt, config, process_groups=groups, gradient_divide_factor=world
+    )
+    zs.load_checkpoint(model, opt, checkpoint)
+
+    def train(tokens: torch.Tensor) -> torch.Tensor:
+        loss = moe.loss_fn(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    tokens = moe.rows(moe.batches()[moe.STEPS])
+    return Built(model, opt, model, train, lambda: train(tokens))
+
+
+def build(r: Recipe, own: Any, moe_checkpoint: str | None = None) -> Built:
+    """Build the recipe as a user would and initialize it (a DeepSpeed checkpoint loaded:
+    with groups of their own, `moe_checkpoint`, DeepSpeed's MoE one: `_build_moe`);
     whatever the engine refuses raises. Tensor parallelism splits over 2 ranks, the data
     over the others."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import zeroshard.compile as zc
     import zeroshard.engine as zs
+
+    if r.own_groups and r.deepspeed and moe_checkpoint is not None:
+        return _build_moe(r, moe_checkpoint)
 
     mesh = None
     if r.tensor_parallel:
@@ -321,10 +358,10 @@ def build(r: Recipe, own: Any) -> Built:
     return Built(model, opt, runner, train, lambda: train(tokens))
 
 
-def realize(r: Recipe, own: Any, folder: Path) -> None:
+def realize(r: Recipe, own: Any, folder: Path, moe_checkpoint: str) -> None:
     """Build the recipe and take one step (with snapshots: `_round_trip` in `folder`);
     whatever the engine refuses raises."""
-    built = build(r, own)
+    built = build(r, own, moe_checkpoint)
     if r.snapshots:
         _round_trip(built, folder)
     else:
@@ -380,7 +417,7 @@ def _round_trip(built: Built, folder: Path) -> None:
         snaps.close()
 
 
-def _try(pairs: list[tuple[str, str]], out: str) -> None:
+def _try(pairs: list[tuple[str, str]], out: str, moe_checkpoint: str) -> None:
     """Each pair on this rank: '' where it ran, else the error, written by rank 0."""
     import json
     import traceback
@@ -392,7 +429,7 @@ def _try(pairs: list[tuple[str, str]], out: str) -> None:
     results = {}
     for i, (a, b) in enumerate(pairs):
         try:
-            realize(_recipe(a, b), own, Path(out).parent / f"pair{i}")
+            realize(_recipe(a, b), own, Path(out).parent / f"pair{i}", moe_checkpoint)
             results[f"{a} x {b}"] = ""
         except Exception as e:
             kind = "ValueError" if isinstance(e, ValueError) else "other"
@@ -405,7 +442,7 @@ def _try(pairs: list[tuple[str, str]], out: str) -> None:
         Path(out).write_text(json.dumps(results, indent=1))
 
 
-def test_table_holds(tmp_path: Path) -> None:
+def test_table_holds(tmp_path: Path, deepspeed_moe_checkpoint: Path) -> None:
     """Every pair of the table, tried on 2 ranks: "works" ones run, "refused" ones raise a
     ValueError."""
     import json
@@ -415,7 +452,7 @@ def test_table_holds(tmp_path: Path) -> None:
     cells = read_table()
     pairs = [p for p in _pairs() if PARITY_TEST not in cells[frozenset(p)].tests]
     out = tmp_path / "results.json"
-    run_ranks(_try, 2, pairs, str(out), timeout_s=900)
+    run_ranks(_try, 2, pairs, str(out), str(deepspeed_moe_checkpoint), timeout_s=900)
     results = json.loads(out.read_text())
     wrong = []
     for a, b in pairs:
@@ -434,8 +471,10 @@ if __name__ == "__main__":
     import tempfile
 
     from tests._dist import run_ranks
+    from tests.engine._ds_moe import write_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
-        run_ranks(_try, 2, _pairs(), f"{d}/r.json", timeout_s=1800)
+        run_ranks(write_checkpoint, 2, f"{d}/moe", timeout_s=300)
+        run_ranks(_try, 2, _pairs(), f"{d}/r.json", f"{d}/moe", timeout_s=1800)
         for pair, error in json.loads(Path(f"{d}/r.json").read_text()).items():
             print(f"{pair}: {error or 'works'}")

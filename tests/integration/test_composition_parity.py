@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,6 +291,9 @@ def _check_all(pairs: list[tuple[str, str]], out: str) -> None:
         folder = Path(out).parent / f"pair{i}"
         checks.append((a, b, lambda a=a, b=b, folder=folder: check_pair(a, b, own, folder)))
     for a, b, check in checks:
+        # Named on stderr first: a rank that dies in native code (a heap corruption was
+        # seen once in CI, in a compiled pair) shows which pair it was in.
+        print(f"rank {dist.get_rank()}: {a} x {b}", file=sys.stderr, flush=True)
         try:
             wrong = check()
         except Exception:

@@ -39,21 +39,27 @@ class TensorSplit:
     Instance k is tensor-parallel rank k. A slot named in `dims` holds piece k of its
     full tensor, cut into `instances` equal pieces along dim `dims[name]` (its slot shape
     is the piece's); every other slot holds the same values on every instance.
+
+    As a group's `expert_split` (experts, groups of their own, under tensor parallelism),
+    `ranks` is the tensor-parallel size: the instances come in runs of `ranks`, run e
+    expert e's tensor-parallel ranks in order, each cut as above into `ranks` pieces.
     """
 
     dims: Mapping[str, int] = field(default_factory=dict)
+    ranks: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", {str(k): int(v) for k, v in self.dims.items()})
+        object.__setattr__(self, "ranks", int(self.ranks))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {"dims": dict(self.dims)}
+        return {"dims": dict(self.dims), **({"ranks": self.ranks} if self.ranks else {})}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> TensorSplit:
         """Read `to_dict()` output."""
-        return TensorSplit({str(k): int(v) for k, v in d["dims"].items()})
+        return TensorSplit({str(k): int(v) for k, v in d["dims"].items()}, int(d.get("ranks", 0)))
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,9 @@ class GroupMeta:
     `tensor_split` (tensor parallelism) says that the instances are the tensor-parallel
     ranks of one model, and which slots are pieces of a bigger tensor (see `TensorSplit`):
     a full state dict then holds one tensor per name, made from every instance.
+    `expert_split` (a group of its own under tensor parallelism: experts) says how its
+    instances, each expert's tensor-parallel ranks, cut each expert (`TensorSplit.ranks`):
+    consolidation joins an expert's pieces; loading reads the instances as saved.
     """
 
     name: str
@@ -89,6 +98,7 @@ class GroupMeta:
     scalars: Mapping[str, Any] = field(default_factory=dict)
     rank_sets: tuple[tuple[int, ...], ...] | None = None
     tensor_split: TensorSplit | None = None
+    expert_split: TensorSplit | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -127,6 +137,14 @@ class GroupMeta:
                 raise CheckpointError(f"group {self.name!r}: rank sets not ordered by first rank")
         if self.tensor_split is not None:
             self._check_split(self.tensor_split)
+        if self.expert_split is not None:
+            self._check_split(self.expert_split)
+            ranks = self.expert_split.ranks
+            if ranks < 1 or self.instances % ranks:
+                raise CheckpointError(
+                    f"group {self.name!r}: expert_split's {ranks} tensor-parallel ranks do not "
+                    f"divide its {self.instances} instances"
+                )
 
     def _check_split(self, split: TensorSplit) -> None:
         shapes = {s.name: s.shape for s in self.layout.slots}
@@ -189,6 +207,7 @@ class GroupMeta:
             "scalars": dict(self.scalars),
             **({} if self.rank_sets is None else {"rank_sets": [list(s) for s in self.rank_sets]}),
             **({} if self.tensor_split is None else {"tensor_split": self.tensor_split.to_dict()}),
+            **({} if self.expert_split is None else {"expert_split": self.expert_split.to_dict()}),
         }
 
     @staticmethod
@@ -197,6 +216,7 @@ class GroupMeta:
         pg = d["param_group"]
         sets = d.get("rank_sets")
         split = d.get("tensor_split")
+        experts = d.get("expert_split")
         return GroupMeta(
             name=str(d["name"]),
             layout=FlatLayout.from_dict(dict(d["layout"])),
@@ -206,6 +226,7 @@ class GroupMeta:
             scalars=dict(d.get("scalars", {})),
             rank_sets=None if sets is None else tuple(tuple(s) for s in sets),
             tensor_split=None if split is None else TensorSplit.from_dict(split),
+            expert_split=None if experts is None else TensorSplit.from_dict(experts),
         )
 
 

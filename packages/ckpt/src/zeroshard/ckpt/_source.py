@@ -5,7 +5,9 @@ each spec reads its slot's pieces straight from the rank files that hold them. G
 a process group of their own (experts) hold several instances under the same names: one
 full state dict is one instance of each (`instance`), as `full_state_dict` gives on the
 ranks holding it. The instances of a tensor-parallel group (`tensor_split`) are one model:
-each split parameter's spec joins its pieces, the others read instance 0.
+each split parameter's spec joins its pieces, the others read instance 0. Experts under
+tensor parallelism (`expert_split`) are both: instance k of the full state dict is
+expert k, its split parameters joined from its tensor-parallel ranks' pieces.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ def slot_spec(
     reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str, instance: int = 0
 ) -> RangeSpec:
     """Slot `slot` of `group`'s stored `kind` (`master`, `optim.exp_avg`, ...) as a full
-    tensor (pieces joined under tensor parallelism), read from the rank files."""
+    tensor (pieces joined under tensor parallelism), read from the rank files; of a group
+    with several instances, instance `instance`'s (expert `instance`'s, under tensor
+    parallelism)."""
     if group.tensor_split is not None:
         return _split_spec(reader, group, slot, kind)
+    if group.expert_split is not None:
+        return _split_spec(reader, group, slot, kind, instance)
 
     def read_range(start: int, out: torch.Tensor) -> None:
         lo = slot.offset + start
@@ -40,14 +46,21 @@ def slot_spec(
     return RangeSpec(slot.name, slot.shape, group.shards[kind], read, read_range)
 
 
-def _split_spec(reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str) -> RangeSpec:
+def _split_spec(
+    reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str, expert: int | None = None
+) -> RangeSpec:
     def read_range(start: int, out: torch.Tensor) -> None:
-        read_full_range(reader, group, kind, slot, start, out)
+        read_full_range(reader, group, kind, slot, start, out, expert)
 
     def read(out: torch.Tensor) -> None:
         read_range(0, out)
 
-    return RangeSpec(slot.name, group.full_shape(slot), group.shards[kind], read, read_range)
+    shape = group.full_shape(slot)
+    split = group.expert_split
+    if expert is not None and split is not None and slot.name in split.dims:
+        dim = split.dims[slot.name]
+        shape = tuple(n * split.ranks if d == dim else n for d, n in enumerate(slot.shape))
+    return RangeSpec(slot.name, shape, group.shards[kind], read, read_range)
 
 
 def _buffer_spec(reader: CheckpointReader, name: str) -> RangeSpec:
@@ -70,22 +83,29 @@ def checkpoint_specs(
     tied aliases {alias: canonical}; aliases are not specs (their tensor is written once).
     `instance` picks one instance of the groups that have several (required then)."""
     meta = reader.meta
+    # Instances per group that are different values: experts (each expert's run of
+    # tensor-parallel ranks one instance, under tensor parallelism).
     several = {
-        g.name: g.instances for g in meta.groups if g.instances > 1 and g.tensor_split is None
+        g.name: g.instances // (g.expert_split.ranks if g.expert_split else 1)
+        for g in meta.groups
+        if g.tensor_split is None
     }
+    several = {name: n for name, n in several.items() if n > 1}
     if several and instance is None:
         raise CheckpointError(
             f"groups {sorted(several)} hold {max(several.values())} instances each (parameters "
             "on a process group of their own, e.g. experts, with different values on "
             "different ranks): consolidate one instance at a time (instance=k, --instance k)"
         )
-    if several and any(g.tensor_split is not None for g in meta.groups):
-        # Groups of their own in a tensor-parallel checkpoint: an instance per expert and
-        # tp rank, each holding its pieces (docs/checkpoint-format.md).
+    if any(g.tensor_split is not None for g in meta.groups) and any(
+        g.instances > 1 and g.tensor_split is None and g.expert_split is None for g in meta.groups
+    ):
+        # Experts of a tensor-parallel checkpoint saved before `expert_split` was written:
+        # which instances are one expert's pieces is not recorded.
         raise CheckpointError(
-            f"groups {sorted(several)} hold experts under tensor parallelism, each instance "
-            "one tensor-parallel rank's pieces of one expert: joining them is not yet done "
-            "(load the checkpoint at the layout it was saved at)"
+            f"groups {sorted(several)} hold experts under tensor parallelism without "
+            "expert_split (an older checkpoint): which instances are one expert's pieces is "
+            "not recorded (load the checkpoint at the layout it was saved at)"
         )
     count = max(several.values(), default=1)
     if instance is not None and not 0 <= instance < count:

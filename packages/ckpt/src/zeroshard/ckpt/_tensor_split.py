@@ -40,15 +40,21 @@ def read_full_range(
     slot: Slot,
     start: int,
     out: torch.Tensor,
+    expert: int | None = None,
 ) -> None:
     """Flat elements [start, start + out.numel()) of `slot`'s full tensor into `out` (1-D):
     its pieces joined when it is split, else instance 0's (see [Note: recutting
-    tensor-parallel pieces])."""
-    dim = group.split_dim(slot.name)
+    tensor-parallel pieces]); `expert`: that expert's, from its run of instances
+    (`GroupMeta.expert_split`)."""
+    split = group.tensor_split if expert is None else group.expert_split
+    dim = None if split is None else split.dims.get(slot.name)
+    first = 0 if expert is None or split is None else expert * split.ranks
     if dim is None:
-        reader.read_flat(group, kind, slot.offset + start, slot.offset + start + out.numel(), out)
+        lo = slot.offset + start
+        reader.read_flat(group, kind, lo, lo + out.numel(), out, first)
         return
-    parts = group.instances
+    assert split is not None
+    parts = group.instances if expert is None else split.ranks
     inner = math.prod(slot.shape[dim:])  # one run: the piece's extent along dim, and after
     at, end = start, start + out.numel()
     while at < end:
@@ -56,7 +62,9 @@ def read_full_range(
         outer, instance = divmod(run, parts)
         n = min(inner - within, end - at)
         lo = slot.offset + outer * inner + within
-        reader.read_flat(group, kind, lo, lo + n, out[at - start : at - start + n], instance)
+        reader.read_flat(
+            group, kind, lo, lo + n, out[at - start : at - start + n], first + instance
+        )
         at += n
 
 

@@ -48,7 +48,7 @@ from zeroshard.compile._graph import (
     order,
     refresh_val,
 )
-from zeroshard.compile._ops import group_name, rank_of, replicate_of, wire_of
+from zeroshard.compile._ops import divisor_of, group_name, rank_of, replicate_of, wire_of
 from zeroshard.compile._pipeline import PassContext
 
 _c10d = torch.ops._c10d_functional
@@ -232,7 +232,7 @@ def issue_async(graph: fx.Graph, context: PassContext) -> None:
         with graph.inserting_before(first):
             done = _call(graph, _c10d.wait_tensor.default, (start,))
             counted = graph.call_function(_ACCOUNT, (full, key, True))
-            mean = _call(graph, torch.ops.aten.div.Scalar, (done, world))
+            mean = _call(graph, torch.ops.aten.div.Scalar, (done, divisor_of(key)))
             tail = [done, counted, mean]
             replicate = replicate_of(key)
             if replicate is not None:

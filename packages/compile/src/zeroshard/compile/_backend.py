@@ -13,7 +13,8 @@ the JOINT pass's `uuid()`. On a cache hit AOTAutograd skips the JOINT, FORWARD a
 BACKWARD passes, so that uuid must name everything they depend on: the passes' code (the
 sources of this package), their order and phases, the budgets, and the process groups
 behind the op keys in the graph with this rank's place in each (after `issue_async` the
-compiled code names the groups, and its in-place collectives the rank's part).
+compiled code names the groups, and its in-place collectives the rank's part) and what
+each reduce-scatter divides by.
 A pipeline with a pass of the user's own has no such name (its code and state are
 unknown): its uuid is None and inductor compiles afresh in every process.
 
@@ -50,7 +51,7 @@ from torch import fx
 from torch._functorch import config as functorch_config
 
 from zeroshard.compile._graph import gathers
-from zeroshard.compile._ops import group_name, rank_of, replicate_of
+from zeroshard.compile._ops import divisor_of, group_name, rank_of, replicate_of
 from zeroshard.compile._pipeline import PassContext, Phase, Pipeline
 
 INNER_BACKENDS = ("inductor", "aot_eager")
@@ -175,7 +176,7 @@ def _cache_uuid(pipeline: Pipeline, context: PassContext, graph: fx.Graph) -> st
     steps = [(s.name, sorted(p.value for p in s.phases)) for s in pipeline]
     budgets = (context.prefetch_bytes, context.persist_bytes, context.fuse_bytes)
     keys = sorted({k for k in (n.args[1] for n in gathers(graph)) if isinstance(k, int)})
-    groups = [(k, group_name(k), rank_of(k), replicate_of(k)) for k in keys]
+    groups = [(k, group_name(k), rank_of(k), replicate_of(k), divisor_of(k)) for k in keys]
     return f"zeroshard.compile {_package_source_hash()} {steps} {budgets} {groups}"
 
 

@@ -84,7 +84,8 @@ def flat_specs(state: EngineState, stats: EngineStats) -> list[FlatSpec]:
         # over `replicate`, as the eager reducer does; not a group of its own (experts).
         replicate = state.replicate if state.replicated(g) else None
         wire = float8_wire(g)
-        key = register_target(g.process_group, stats, f"flat group {g.index}", replicate, wire)
+        label = f"flat group {g.index}"
+        key = register_target(g.process_group, stats, label, replicate, wire, g.grad_divisor)
         pieces, piece_of_slot = g.layout.split_sizes()
         slots = tuple(
             (piece, tuple(s.shape)) for piece, s in zip(piece_of_slot, g.layout.slots, strict=True)

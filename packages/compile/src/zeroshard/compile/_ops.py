@@ -13,8 +13,9 @@ Every op has a fake kernel, so Dynamo and AOTAutograd trace them by shape alone.
 
 Ops carry an integer `key` rather than a process group (ops take only tensors and
 scalars): `register_target` maps it to the `Group` to talk on, the engine's `EngineStats`
-to count into and, under hybrid sharding, the `replicate` group a reduce-scatter's result
-is then averaged over (the ranks holding the same shard).
+to count into, what a reduce-scatter's sum is divided by (the group's size, or a group of
+its own's gradient divide factor) and, under hybrid sharding, the `replicate` group its
+result is then averaged over (the ranks holding the same shard).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class _Target:
     label: str
     replicate: Group | None
     wire: Float8Wire | None
+    divisor: float
 
 
 _TARGETS: dict[int, _Target] = {}
@@ -55,15 +57,18 @@ def register_target(
     label: str,
     replicate: Group | None = None,
     wire: Float8Wire | None = None,
+    divisor: float | None = None,
 ) -> int:
     """A key under which the ops find `process_group` (and `replicate`, under hybrid
-    sharding; `wire`, for a group of fp8 weights) and count into `stats`: the smallest
-    one no live model holds."""
+    sharding; `wire`, for a group of fp8 weights; `divisor`, what a reduce-scatter's sum
+    is divided by, None: the group's size) and count into `stats`: the smallest one no
+    live model holds."""
     # Keys are constants in the traced graphs, so in the compile caches' keys too: a model
     # compiled after an earlier one was dropped gets the keys that one had, and so loads
     # its compiled code (with ever-new keys it would miss every cache, in-process too).
     key = next(k for k in itertools.count() if k not in _TARGETS)
-    _TARGETS[key] = _Target(process_group, stats, label, replicate, wire)
+    size = process_group.size if divisor is None else divisor
+    _TARGETS[key] = _Target(process_group, stats, label, replicate, wire, size)
     return key
 
 
@@ -135,18 +140,22 @@ def wire_of(key: int) -> Float8Wire:
 
 @torch.library.custom_op("zeroshard::reduce_scatter", mutates_args=())
 def reduce_scatter(full: torch.Tensor, key: int, world: int) -> torch.Tensor:
-    """Average `full` over ranks and return this rank's 1/world part of it (then averaged
-    over the replicas under hybrid sharding)."""
+    """Average `full` over ranks (or sum it and divide by the group's divisor) and return
+    this rank's 1/world part of it (then averaged over the replicas under hybrid
+    sharding)."""
     target = _target(key)
     send = full.contiguous()
+    average = target.divisor == target.process_group.size
     out, handle = reduce_scatter_grads(
         target.process_group,
         send,
-        op="avg",
+        op="avg" if average else "sum",
         in_place=False,
         label=f"compiled reduce-scatter of {target.label}",
     )
     handle.wait()
+    if not average:
+        out.div_(target.divisor)
     target.stats.reduced(send.nbytes)
     if target.replicate is not None:
         label = f"compiled replica average of {target.label}"
@@ -210,6 +219,11 @@ def group_name(key: int) -> str:
 def rank_of(key: int) -> int:
     """This rank's index in the process group of `key`."""
     return _target(key).process_group.rank
+
+
+def divisor_of(key: int) -> float:
+    """What the reduce-scatter of `key` divides its sum by."""
+    return _target(key).divisor
 
 
 def replicate_of(key: int) -> tuple[str, int] | None:

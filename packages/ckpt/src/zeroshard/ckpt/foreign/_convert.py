@@ -156,6 +156,12 @@ def convert_deepspeed(
             "'zeroshard-ckpt consolidate'"
         )
     named = read_deepspeed_training_state(Path(src), tag)
+    if named.experts:
+        raise CheckpointError(
+            f"{src}: a checkpoint of DeepSpeed MoE layers (expert parallelism) is not converted: "
+            "its experts' placement has no place in the converted groups; load it with "
+            "load_checkpoint directly, or write its weights with 'zeroshard-ckpt consolidate'"
+        )
     size = world_size or named.world_size
     if size < 1:
         raise CheckpointError(f"world size must be >= 1, got {size}")

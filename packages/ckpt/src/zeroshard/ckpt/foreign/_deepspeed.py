@@ -12,6 +12,8 @@ How the fp32 master weights are laid out, which is all the files do not say:
 - ZeRO 1/2: per param group, every rank holds an equal slice of one flat vector; the
   group's parameters sit in it back to back, each followed by its entry of
   `param_alignment_paddings` when the checkpoint has them; the vector's tail is padding.
+  MoE experts are the exception: each expert-parallel rank's have a vector of their own,
+  sliced over fewer ranks, and are named by their global expert (`_deepspeed_moe`).
 - ZeRO 3: every parameter is split on its own: rank r holds elements
   [r * ceil(n / W), (r + 1) * ceil(n / W)) of it (the last rank zero-padded), and each
   rank's param groups, concatenated, hold its slices of all parameters back to back.
@@ -40,6 +42,7 @@ from zeroshard.ckpt.foreign._deepspeed_files import (
     load_optim_states,
     resolve_tag_directory,
 )
+from zeroshard.ckpt.foreign._deepspeed_moe import expert_names
 from zeroshard.ckpt.foreign._deepspeed_source import FlatSource, OpenFile
 from zeroshard.ckpt.foreign._unpickle import CorruptFileError, UnsafePickleError
 
@@ -68,6 +71,9 @@ class DeepSpeedCheckpoint:
     aliases: Mapping[str, str]
     buffers: frozenset[str] = field(default_factory=frozenset)
     frozen: frozenset[str] = field(default_factory=frozenset)
+    # MoE experts (`_deepspeed_moe`): local name -> its global name per expert-parallel
+    # rank; `specs` hold every expert under its global name.
+    experts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class _Piece(NamedTuple):
@@ -135,44 +141,66 @@ def _flat_sources(tensors: Any, file: OpenFile, what: str, rank: int, key: str) 
     return [FlatSource(t, file, f"{what} rank {rank} group {g}") for g, t in enumerate(tensors)]
 
 
+def _zero12_group(
+    parts: Sequence[FlatSource],
+    shapes: Mapping[str, Any],
+    pads: Sequence[int] | None,
+    label: str,
+    specs: dict[str, TensorSpec],
+) -> None:
+    """The parameters of one ZeRO 1/2 param group, from its ranks' partitions in order."""
+    starts = _cumulative(parts)
+    total = starts[-1] + parts[-1].numel
+    if pads is not None and len(pads) != len(shapes):
+        raise DeepSpeedCheckpointError(
+            f"{label}: {len(pads)} alignment paddings for {len(shapes)} parameters"
+        )
+    offset = 0
+    for i, (name, shape) in enumerate(shapes.items()):
+        n = _numel(shape)
+        if offset + n > total:
+            raise DeepSpeedCheckpointError(
+                f"{label}: parameter {name!r} needs elements up to {offset + n} but the "
+                f"ranks' partitions hold {total}"
+            )
+        pieces = _slices(parts, starts, offset, n, 0)
+        specs[name] = _spec(name, shape, torch.float32, pieces)
+        offset += n + (pads[i] if pads is not None else 0)
+    # The flat vector is padded to a multiple of 2 * its ranks (as DeepSpeed checks).
+    align = 2 * len(parts)
+    if align * math.ceil(offset / align) != align * math.ceil(total / align):
+        raise DeepSpeedCheckpointError(
+            f"{label}: the parameters use {offset} elements of {total}: "
+            "param_shapes and the optimizer partitions do not match"
+        )
+
+
 def _zero12_trainable(
     groups: Sequence[Sequence[FlatSource]],
     param_shapes: Sequence[Mapping[str, Any]],
     paddings: Sequence[Sequence[int]] | None,
     world_size: int,
     specs: dict[str, TensorSpec],
+    experts: Mapping[str, tuple[str, ...]],
 ) -> None:
+    """Every param group's parameters; an MoE expert group's (`experts`: local name -> its
+    global names) once per expert-parallel rank k, from the partitions of ranks k, k + P,
+    ... under its experts' global names (`_deepspeed_moe`)."""
     if len(param_shapes) != len(groups[0]):
         raise DeepSpeedCheckpointError(
             f"param_shapes has {len(param_shapes)} groups but the optimizer files {len(groups[0])}"
         )
-    align = 2 * world_size
     for g, shapes in enumerate(param_shapes):
-        parts = [groups[r][g] for r in range(world_size)]
-        starts = _cumulative(parts)
-        total = starts[-1] + parts[-1].numel
         pads = None if paddings is None else list(paddings[g])
-        if pads is not None and len(pads) != len(shapes):
-            raise DeepSpeedCheckpointError(
-                f"group {g}: {len(pads)} alignment paddings for {len(shapes)} parameters"
-            )
-        offset = 0
-        for i, (name, shape) in enumerate(shapes.items()):
-            n = _numel(shape)
-            if offset + n > total:
-                raise DeepSpeedCheckpointError(
-                    f"group {g}: parameter {name!r} needs elements up to {offset + n} but the "
-                    f"ranks' partitions hold {total}"
-                )
-            pieces = _slices(parts, starts, offset, n, 0)
-            specs[name] = _spec(name, shape, torch.float32, pieces)
-            offset += n + (pads[i] if pads is not None else 0)
-        # The flat vector is padded to a multiple of 2 * world size (as DeepSpeed checks).
-        if align * math.ceil(offset / align) != align * math.ceil(total / align):
-            raise DeepSpeedCheckpointError(
-                f"group {g}: the parameters use {offset} elements of {total}: "
-                "param_shapes and the optimizer partitions do not match"
-            )
+        ep = len(experts.get(next(iter(shapes), ""), ()))
+        if ep == 0:
+            parts = [groups[r][g] for r in range(world_size)]
+            _zero12_group(parts, shapes, pads, f"group {g}", specs)
+            continue
+        for k in range(ep):
+            parts = [groups[r][g] for r in range(k, world_size, ep)]
+            renamed = {experts[n][k]: shape for n, shape in shapes.items()}
+            _zero12_group(parts, renamed, pads, f"group {g} of expert-parallel rank {k}", specs)
 
 
 def _zero3_trainable(
@@ -289,6 +317,7 @@ def read_deepspeed_checkpoint(
         )
     for p, o in zip(files.optim_states, optim, strict=True):
         count = o.get("partition_count")
+        # MoE experts are partitioned over fewer ranks (`_deepspeed_moe`).
         count = max(count) if isinstance(count, (list, tuple)) else count
         if count != world_size:
             raise DeepSpeedCheckpointError(
@@ -307,11 +336,21 @@ def read_deepspeed_checkpoint(
     specs: dict[str, TensorSpec] = {}
     buffers = _buffers(model0, model_files[0], specs)
     frozen = set() if exclude_frozen else _frozen(models, model_files, stage, specs)
+    experts: dict[str, tuple[str, ...]] = {}
     if stage == 3:
+        if model0.get("num_experts"):
+            raise DeepSpeedCheckpointError(
+                f"{directory}: a ZeRO-3 checkpoint of MoE layers: its experts' layout is read "
+                "at ZeRO 1/2 only"
+            )
         _zero3_trainable(groups, model0["param_shapes"], world_size, specs)
     else:
+        counts = optim[0]["partition_count"]
+        if not isinstance(counts, (list, tuple)):
+            counts = [counts] * len(model0["param_shapes"])
+        experts = expert_names(directory, model0, counts, world_size)
         paddings = optim[0].get("param_alignment_paddings")
-        _zero12_trainable(groups, model0["param_shapes"], paddings, world_size, specs)
+        _zero12_trainable(groups, model0["param_shapes"], paddings, world_size, specs, experts)
     aliases: dict[str, str] = {}
     for shared, canonical in (model0.get("shared_params") or {}).items():
         if canonical in specs:
@@ -330,4 +369,5 @@ def read_deepspeed_checkpoint(
         aliases=aliases,
         buffers=frozenset(buffers & specs.keys()),
         frozen=frozenset(frozen & specs.keys()),
+        experts=experts,
     )

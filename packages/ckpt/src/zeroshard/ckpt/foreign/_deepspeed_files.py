@@ -9,7 +9,9 @@ parallelism:
   for ZeRO 3), plus its optimizer state, which we never read;
 - `mp_rank_00_model_states.pt` (ZeRO 1/2) or `zero_pp_rank_{r}_mp_rank_00_model_states.pt`
   for every r (ZeRO 3): parameter names and shapes per group, buffers, frozen parameters
-  (whole for ZeRO 1/2, rank r's partition for ZeRO 3) and the shared (tied) parameters.
+  (whole for ZeRO 1/2, rank r's partition for ZeRO 3) and the shared (tied) parameters;
+- with MoE layers, `layer_{L}_expert_{E}_mp_rank_00_model_states.pt`: each expert's
+  weights (read by `_deepspeed_moe`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from zeroshard.ckpt.foreign._unpickle import load_torch_file
 
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+# An MoE layer's expert (`_deepspeed_moe`): layer, global expert, model-parallel rank.
+EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 class DeepSpeedCheckpointError(CheckpointError):
@@ -135,7 +139,10 @@ def find_files(directory: Path, tag: str, world_size: int, stage: int) -> DeepSp
     _missing(
         directory, world_size, optim, prefix + "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
     )
-    models = _by_rank(sorted(directory.glob("*_model_states.pt")), _MODEL_RE, "model")
+    found = directory.glob("*_model_states.pt")
+    models = _by_rank(
+        sorted(p for p in found if not EXPERT_FILE_RE.match(p.name)), _MODEL_RE, "model"
+    )
     if stage == 3:
         _missing(directory, world_size, models, "zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         model_paths = tuple(models[r] for r in range(world_size))

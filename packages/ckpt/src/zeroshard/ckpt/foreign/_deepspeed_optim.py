@@ -157,8 +157,14 @@ def _loss_scale(optim: Mapping[str, Any]) -> LossScaleState | None:
     return LossScaleState(scale=float(attrs["cur_scale"]), good_steps=good)
 
 
+# DeepSpeed MoE's bookkeeping in a param group (`split_params_into_different_moe_groups_
+# for_optimizer`: the group's name, and whether it holds experts), not hyperparameters.
+_MOE_KEYS = ("name", "moe")
+
+
 def _hyperparameters(base: Mapping[str, Any], group: int) -> dict[str, Any]:
-    return {k: v for k, v in base["param_groups"][group].items() if k not in ("params", "step")}
+    saved = base["param_groups"][group].items()
+    return {k: v for k, v in saved if k not in ("params", "step", *_MOE_KEYS)}
 
 
 def read_deepspeed_training_state(path: Path, tag: str | None = None) -> NamedTrainingState:
@@ -194,9 +200,14 @@ def read_deepspeed_training_state(path: Path, tag: str | None = None) -> NamedTr
             _zero3_trainable(groups, shapes, ckpt.world_size, specs)
         else:
             pads = None if paddings is None else [paddings[g] for g in held]
-            _zero12_trainable(groups, shapes, pads, ckpt.world_size, specs)
+            _zero12_trainable(groups, shapes, pads, ckpt.world_size, specs, ckpt.experts)
         optimizer_state[state_key] = {n: _as_range(s) for n, s in specs.items()}
     if any(_is_muon(bases[0], g) for g in range(len(param_shapes))):
+        if ckpt.experts:
+            raise DeepSpeedCheckpointError(
+                f"{ckpt.directory}: DeepSpeed's Muon beside MoE experts: its momentum's layout "
+                "is read without experts only"
+            )
         if ckpt.stage == 3:
             raise DeepSpeedCheckpointError(
                 f"{ckpt.directory}: a checkpoint of DeepSpeed's Muon is read at ZeRO 1/2 only "
@@ -229,6 +240,7 @@ def read_deepspeed_training_state(path: Path, tag: str | None = None) -> NamedTr
         optimizer_state=optimizer_state,
         loss_scale=_loss_scale(optim[0]),
         not_carried=_not_carried(model0),
+        experts=ckpt.experts,
     )
 
 

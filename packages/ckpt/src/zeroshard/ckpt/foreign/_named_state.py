@@ -48,6 +48,9 @@ class NamedTrainingState:
     maps a state key (`exp_avg`) to each trainable parameter's tensor of it;
     `not_carried` names what the source holds that cannot be carried over (a
     scheduler's state), each with why. `stage` and `world_size` are the source run's.
+    `experts` (DeepSpeed MoE) maps an expert parameter's name to the names `masters` and
+    `optimizer_state` hold its value under on each expert-parallel rank (instance), in
+    rank order; the first is the name itself.
     """
 
     source: str
@@ -62,3 +65,4 @@ class NamedTrainingState:
     optimizer_state: Mapping[str, Mapping[str, RangeSpec]]
     loss_scale: LossScaleState | None = None
     not_carried: tuple[str, ...] = field(default_factory=tuple)
+    experts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)

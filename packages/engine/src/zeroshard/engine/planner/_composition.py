@@ -12,7 +12,6 @@ from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.planner._step_time import check_step_in_backward
 from zeroshard.engine.runtime.whole import (
     WHOLE_STEP_IS_COLLECTIVE,
-    check_whole_optimizers,
     steps_whole,
 )
 
@@ -28,7 +27,6 @@ def check_composition(
             # The whole-matrix steppers' own refusal (AfterBackward.step_in_backward): they
             # step at step(), beside another optimizer's groups stepped in backward.
             raise ValueError(f"step_in_backward: {WHOLE_STEP_IS_COLLECTIVE}")
-    check_whole_optimizers(optimizers, cfg)
 
 
 def check_step_priced(cfg: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -160,14 +160,7 @@ class Estimate:
                 "collectives send",
             ]
         if self.step is not None:
-            s = self.step
-            cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
-            lines += [
-                "",
-                f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}, communication "
-                f"{s.comm_s * 1e3:.0f}{cpu}, exposed {s.exposed_s * 1e3:.0f}; {s.bound}-bound), "
-                f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
-            ]
+            lines += ["", self.step.report_line(self.micro_batch * self.seq_len)]
         return "\n".join(lines)
 
 
@@ -334,7 +327,15 @@ def estimate_on_trace(
         for k, n in state_floats_by_param_group(optimizers).items()
     }
     owner_state = 0 if whole is None else whole.owner_state_bytes
-    host, pinned = host_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    owner_host = 0 if whole is None else whole.owner_host_state_bytes
+    host, pinned = host_bytes(
+        plan,
+        cfg,
+        state_per_element or optimizer_bytes_per_element,
+        optimizers,
+        step_in_backward=step_in_backward,
+    )
+    host += owner_host
     states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     states["optimizer"] += owner_state
     step = None
@@ -364,5 +365,5 @@ def estimate_on_trace(
         step=step,
         float8=sum(g.layout.numel for g in plan.groups if g.wire is WireKind.FLOAT8),
         whole_matrix=whole,
-        snapshot=snapshot_bytes(plan, cfg, state_per_element) + owner_state,
+        snapshot=snapshot_bytes(plan, cfg, state_per_element) + owner_state + owner_host,
     )

@@ -9,7 +9,7 @@ them against real engines.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from zeroshard.engine.runtime._tensor_parallel import group_label, own_path
 from zeroshard.engine.runtime._unit_plan import is_persistent
 from zeroshard.engine.runtime._wire import WireKind
 from zeroshard.engine.runtime.offload import OffloadSizes, place_offloaded
+from zeroshard.engine.runtime.whole import whole_param_groups
 from zeroshard.partition import GroupKey
 
 
@@ -134,13 +135,25 @@ def state_bytes(
 
 
 def host_bytes(
-    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
+    plan: GroupPlan,
+    cfg: ZeroConfig,
+    optimizer_bytes_per_element: int | Mapping[int, int],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    *,
+    step_in_backward: bool = False,
 ) -> tuple[int, int]:
     """Offload's host bytes per rank (its buffers, the masters and the optimizer state of
     the groups on the host) and the pinned ones of them; (0, 0) with nothing offloaded.
-    `optimizer_bytes_per_element` as `state_bytes` takes it."""
+    `optimizer_bytes_per_element` as `state_bytes` takes it; `step_in_backward`: every
+    backward runs under `step_in_backward()`, where no gradient is held until `step()`
+    but those of host groups that step only then (whole-matrix `optimizers`')."""
     if plan.offload is None:
         return 0, 0
+    after_backward = whole_param_groups(optimizers)
+    held = not step_in_backward or any(
+        g.home is HomeKind.HOST and g.trainable and g.key.param_group in after_backward
+        for g in plan.groups
+    )
     # torch's optimizers keep their state in the master's dtype.
     master = cfg.precision.master_dtype.itemsize
     state = sum(
@@ -155,7 +168,8 @@ def host_bytes(
         for g in plan.groups
         if g.home is HomeKind.HOST and g.trainable
     )
-    return plan.offload.host_bytes + state, plan.offload.pinned_bytes
+    offload = plan.offload
+    return offload.host_bytes(grads_held=held) + state, offload.pinned_bytes(grads_held=held)
 
 
 def snapshot_bytes(

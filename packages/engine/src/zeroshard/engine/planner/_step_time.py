@@ -120,6 +120,25 @@ class StepTime:
     bound: str  # 'compute', 'bandwidth', 'latency' or 'cpu optimizer'
     cpu_s: float = 0.0  # the offloaded optimizer's CPU step ([Note: the offload model])
 
+    def report_line(
+        self, tokens_per_gpu: float, *, compute: str = "", communication: str = ""
+    ) -> str:
+        """The planner report's "step ... ms" line, for `tokens_per_gpu` a step; `compute`
+        and `communication` are clauses said after those figures (tensor parallelism's
+        share and collectives)."""
+        total, comp, comm, exposed, cpu_s = (
+            f"{t * 1e3:.0f}"
+            for t in (self.total_s, self.compute_s, self.comm_s, self.exposed_s, self.cpu_s)
+        )
+        cpu = f", CPU optimizer {cpu_s}" if self.cpu_s else ""
+        # A clause brings commas of its own: the figures are then set apart by semicolons.
+        sep = "; " if compute or communication else ", "
+        return (
+            f"step {total} ms (compute {comp}{compute}{sep}communication {comm}{communication}"
+            f"{cpu}{sep}exposed {exposed}; "
+            f"{self.bound}-bound), {tokens_per_gpu / self.total_s:,.0f} tokens/s/GPU"
+        )
+
 
 # Bytes a parameter that torch's fused AdamW moves through memory ([Note: the offload model]).
 _FUSED_ADAMW_BYTES = 28

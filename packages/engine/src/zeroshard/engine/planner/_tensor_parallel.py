@@ -53,7 +53,11 @@ from zeroshard.engine.planner._step_time import (
     check_step_in_backward,
     project_step,
 )
-from zeroshard.engine.planner._whole import WholeMatrixCost, whole_matrix_cost
+from zeroshard.engine.planner._whole import (
+    WholeMatrixCost,
+    owner_state_groups,
+    whole_matrix_cost,
+)
 from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.offload import steps_in_blocks
@@ -124,7 +128,7 @@ class TensorParallelPlan:
     host: int = 0  # offload: host bytes per rank (as `Estimate.host`)
     pinned: int = 0  # of them pinned
     replicas: int = 1  # hybrid sharding: the mesh's dp_replicate
-    whole_matrix: WholeMatrixCost | None = None  # torch's Muon: its step's scratch
+    whole_matrix: WholeMatrixCost | None = None  # a whole-matrix optimizer: its step
     snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
     tokens: int = 0  # of a micro-batch, which every rank of a tp group computes together
     step: StepTime | None = None  # given a compute figure
@@ -199,15 +203,12 @@ class TensorParallelPlan:
             "the meta trace does not run)"
         )
         if self.step is not None:
-            s = self.step
-            cpu = f", CPU optimizer {s.cpu_s * 1e3:.0f}" if s.cpu_s else ""
-            lines += [
-                "",
-                f"step {s.total_s * 1e3:.0f} ms (compute {s.compute_s * 1e3:.0f}: 1/{self.tp} "
-                f"of one GPU's; communication {s.comm_s * 1e3:.0f}, of it tensor-parallel "
-                f"{self.tp_step_s * 1e3:.0f}{cpu}; exposed {s.exposed_s * 1e3:.0f}; "
-                f"{s.bound}-bound), {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
-            ]
+            line = self.step.report_line(
+                self.tokens / self.tp,
+                compute=f": 1/{self.tp} of one GPU's",
+                communication=f", of it tensor-parallel {self.tp_step_s * 1e3:.0f}",
+            )
+            lines += ["", line]
         return "\n".join(lines)
 
 
@@ -376,7 +377,13 @@ def plan_tensor_parallel(
     if optimizers is not None:
         pgs = [pg for o in optimizers for pg in o.param_groups]
         param_group_of = {id(p): k for k, pg in enumerate(pgs) for p in pg["params"]}
-        per_element = {k: 4 * n for k, n in state_floats_by_param_group(list(optimizers)).items()}
+        # An optimizer on whole parameters keeps its state at the owners (`whole`), none on
+        # the shards.
+        at_owners = owner_state_groups(optimizers)
+        per_element = {
+            k: 0 if k in at_owners else 4 * n
+            for k, n in state_floats_by_param_group(list(optimizers)).items()
+        }
         blocked = len(optimizers) == 1 and steps_in_blocks(optimizers[0])
     parameters = sum(p.numel() for p in model.parameters())
     tokens = micro_batch * seq_len
@@ -401,12 +408,21 @@ def plan_tensor_parallel(
         blocked,
         process_group_of=lambda _, p: SPLIT_LABEL if id(p) in cut else DEFAULT_GROUP_LABEL,
     )
-    host, pinned = host_bytes(plan, cfg, per_element)
+    host, pinned = host_bytes(
+        plan, cfg, per_element, optimizers or (), step_in_backward=step_in_backward
+    )
     whole = (
         None
         if optimizers is None
         else whole_matrix_cost(plan.groups, cfg, optimizers, tp, whole_shapes)
     )
+    states = state_bytes(plan, cfg, per_element)
+    snapshot = snapshot_bytes(plan, cfg, per_element)
+    if whole is not None:
+        # A declared optimizer's state, the whole matrices' at their owners.
+        states["optimizer"] += whole.owner_state_bytes
+        host += whole.owner_host_state_bytes
+        snapshot += whole.owner_state_bytes + whole.owner_host_state_bytes
     step, tp_step = None, 0.0
     if compute is not None:
         timed = tensor_parallel_time(ops, cluster, tp)
@@ -429,7 +445,7 @@ def plan_tensor_parallel(
         parameters,
         split,
         per_rank,
-        state_bytes(plan, cfg, per_element),
+        states,
         grad_shard_bytes(plan, cfg),
         ops,
         cluster,
@@ -437,7 +453,7 @@ def plan_tensor_parallel(
         pinned,
         world_size // replica,
         whole,
-        snapshot_bytes(plan, cfg, per_element),
+        snapshot,
         tokens,
         step,
         tp_step,

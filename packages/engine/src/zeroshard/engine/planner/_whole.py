@@ -23,9 +23,17 @@ one call at a time: Newton-Schulz's results, kept until the call returns, and th
 iterates of the matrix in progress ([Note: Newton-Schulz's memory]); under tensor
 parallelism ([Note: Muon under tensor parallelism] in runtime/whole/_muon.py) on the
 matrices joined whole over tp, after their pieces' copy, the all-gather's buffer and the
-joined copies, which stay beside them. What a declared optimizer's own step() allocates
-on the whole parameters is its own: not counted (its state, full-shape at the owners,
-is: `WholeMatrixCost.owner_state_bytes`).
+joined copies, which stay beside them. A declared optimizer ([Note: whole parameters]
+in runtime/whole/_whole_step.py) holds every matrix it steps whole at once, its step()
+being one call: under tensor parallelism the gradients and masters of its split matrices
+joined over tp (per group's local and owned matrices, one join at a time: the pieces'
+copy, the all-gather's buffer and the joined copies, which stay until step() returns);
+for a group offload homes on the host, the device's copies of its gradient and master
+shard and the state of its matrices this rank owns, brought up for the step ([Note:
+whole parameters offloaded]): `WholeMatrixCost.held_bytes`. What its step() allocates
+beyond is its own: not counted (its state, full-shape at the owners, is:
+`WholeMatrixCost.owner_state_bytes`, and `owner_host_state_bytes` where offload keeps it
+on the host between steps; under tp it is the whole matrix's on each tp rank).
 
 [Note: Newton-Schulz's memory]
 torch's `_zeropower_via_newtonschulz` on a matrix of r x c (r <= c, transposed to be so)
@@ -45,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +61,7 @@ from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
+from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.whole import (
@@ -91,13 +100,20 @@ class WholeMatrixCost:
         buffer_bytes: the busiest rank's owner buffers and the buffers its pieces come
             back in, every group's (alive until the step ends).
         joined_bytes: under tensor parallelism, the most bytes of matrices one rank
-            joins whole over tp at once (bf16).
+            joins whole over tp at once (Muon's bf16 updates; a declared optimizer's
+            gradients and masters, in the master dtype).
         orthogonalize_bytes: the most bytes one orthogonalization of a group's local or
             owned matrices allocates beyond its inputs (under tp the joining, then
             Newton-Schulz's results and iterates: [Note: Newton-Schulz's memory]).
         owner_state_bytes: the busiest rank's state of the optimizers that step whole
-            parameters with their own step(), kept full-shape at the owners (in the
-            master dtype; their param groups keep none on the shards: `owner_state_groups`).
+            parameters with their own step(), kept full-shape at the owners on the device
+            (in the master dtype; their param groups keep none on the shards:
+            `owner_state_groups`); under tp each whole matrix's on every tp rank.
+        owner_host_state_bytes: the same of the matrices of groups offload homes on the
+            host, kept there between steps.
+        held_bytes: what such an optimizer's step holds on the busiest rank beside the
+            buffers, its matrices joined over tp and an offloaded group's copies and
+            state on the device ([Note: the whole-matrix step's scratch]).
     """
 
     owners: MatrixOwners
@@ -110,12 +126,14 @@ class WholeMatrixCost:
     joined_bytes: int = 0
     orthogonalize_bytes: int = 0
     owner_state_bytes: int = 0
+    owner_host_state_bytes: int = 0
+    held_bytes: int = 0
 
     @property
     def scratch(self) -> int:
         """Device bytes the step allocates at its peak beside the model states ([Note:
         the whole-matrix step's scratch])."""
-        return self.update_bytes + self.buffer_bytes + self.orthogonalize_bytes
+        return self.update_bytes + self.buffer_bytes + self.orthogonalize_bytes + self.held_bytes
 
     @property
     def balance(self) -> float:
@@ -234,8 +252,10 @@ def whole_matrix_cost(
     # of an exchanged matrix travel too, to itself).
     buffers = [0] * size
     orthogonalize = [0] * size
-    # Each rank's state of the optimizers on whole parameters, at the owners.
-    state = [0] * size
+    # Each rank's state of the optimizers on whole parameters, at the owners (on the
+    # device, on the host), and what their step holds whole beside the buffers.
+    state, host_state = [0] * size, [0] * size
+    held = [_Held() for _ in range(size)]
     floats = state_floats_by_param_group(list(optimizers))
     master = cfg.precision.master_dtype.itemsize
     exchanges = update = 0
@@ -250,13 +270,24 @@ def whole_matrix_cost(
         local, owned = [0] * size, [0] * size
         # Each rank's local and owned matrices, whole, in the order it orthogonalizes them.
         shapes: list[list[list[Sequence[int]]]] = [[[], []] for _ in range(size)]
-        joins = split and g.key.process_group == SPLIT_LABEL
+        on_host = g.home is HomeKind.HOST
+        tp_split = g.key.process_group == SPLIT_LABEL and whole_shapes is not None
+        joins = split and tp_split
+        if not split and on_host:
+            # The device's copies of its gradient and master shard ([Note: the whole-matrix
+            # step's scratch]).
+            for h in held:
+                h.copies += 2 * g.layout.shard_numel * master
         for s in g.layout.slots:
             o = owners.owner[s.name]
+            whole = math.prod(whole_shapes[s.name]) if tp_split and whole_shapes else s.numel
             if not split:
-                state[o] += s.numel * floats[g.key.param_group] * master
+                kept = whole * floats[g.key.param_group] * master
+                state[o] += 0 if on_host else kept
+                host_state[o] += kept if on_host else 0
+                held[o].state += kept if on_host else 0
             pieces = [p for p in g.layout.pieces(s) if p.numel]
-            shape = whole_shapes[s.name] if joins and whole_shapes is not None else s.shape
+            shape = whole_shapes[s.name] if tp_split and whole_shapes is not None else s.shape
             if all(p.rank == o for p in pieces):
                 local[o] += s.numel
                 shapes[o][0].append(shape)
@@ -278,6 +309,16 @@ def whole_matrix_cost(
             joined = [
                 max(j, tp * 2 * max(a, b)) for j, a, b in zip(joined, local, owned, strict=True)
             ]
+        elif not split and tp_split:
+            # Each rank joins the gradients and masters of its local matrices, then of its
+            # owned ones, in the master dtype: the joins of every group kept to the end.
+            for r, h in enumerate(held):
+                h.local.append(2 * master * local[r])
+                h.owned.append(2 * master * owned[r])
+            joined = [
+                max(j, tp * 2 * master * max(a, b))
+                for j, a, b in zip(joined, local, owned, strict=True)
+            ]
         if split:
             steps = ns[g.key.param_group]
             orthogonalize = [
@@ -298,7 +339,31 @@ def whole_matrix_cost(
         max(joined),
         max(orthogonalize),
         max(state),
+        max(host_state),
+        max(h.peak(tp) for h in held),
     )
+
+
+@dataclass
+class _Held:
+    """What one rank's declared-optimizer step holds whole beside the buffers ([Note: the
+    whole-matrix step's scratch]): the device's copies of offloaded shards, the offloaded
+    state brought up, and the bytes of each join over tp (local ones in group order, then
+    owned ones)."""
+
+    copies: int = 0
+    state: int = 0
+    local: list[int] = field(default_factory=list)
+    owned: list[int] = field(default_factory=list)
+
+    def peak(self, tp: int) -> int:
+        """The most held at once: the joins done so far and the one in progress (its
+        pieces' copy, the all-gather's buffer and its joined copies)."""
+        done = most = 0
+        for b in (b for b in (*self.local, *self.owned) if b):
+            most = max(most, done + b * (1 + 2 * tp))
+            done += tp * b
+        return self.copies + self.state + max(most, done)
 
 
 def _other_bytes(groups: Sequence[PlannedFlatGroup], cfg: ZeroConfig, size: int) -> int:

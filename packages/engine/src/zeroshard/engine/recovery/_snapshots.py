@@ -96,15 +96,6 @@ class Snapshots:
             )
         if full_every > 1 and (why := journal_refusal(self._state)):
             raise ValueError(f"Snapshots(full_every={full_every}): not with {why}")
-        if self._state.own_crosses_replicas and self._state.whole_params is not None:
-            # Each replica's ranks own the same whole parameters, recorded by the first
-            # replica's ranks alone (see _checkpoint_layout.py): the others' state would
-            # not come back.
-            raise ValueError(
-                "Snapshots: not yet with groups of their own (process_groups) beside hybrid "
-                "sharding and an optimizer that declares zeroshard_whole_params: its state "
-                "is recorded for the first replica's ranks only"
-            )
         self.every = every
         self.full_every = full_every
         self.client_state = client_state

@@ -67,9 +67,11 @@ class ShardedStorage:
 @dataclass(eq=False)
 class FlatParamGroup:
     """One flat group. `names[i]` is the canonical name of `params[i]`; `process_group`
-    is the process group it is sharded and reduced over; `home` is where its master and
-    gradient shard live and `wire` how its shard travels ([Note: home and wire] in
-    _home.py)."""
+    is the process group it is sharded and reduced over, `grad_divisor` what the sum of
+    its ranks' gradients is divided by (the group's size, unless a group of its own was
+    given a gradient divide factor: [Note: the gradient divide factor] in
+    setup/_placement.py); `home` is where its master and gradient shard live and `wire`
+    how its shard travels ([Note: home and wire] in _home.py)."""
 
     index: int
     key: GroupKey
@@ -81,6 +83,7 @@ class FlatParamGroup:
     wire: Wire
     tier: FlattenTier
     storage: ReplicatedStorage | ShardedStorage
+    grad_divisor: float
 
     @property
     def master(self) -> nn.Parameter:
@@ -216,9 +219,11 @@ def build_flat_group(
     home: HomeBuilder,
     wire: WireBuilder,
     takes_grads: bool = True,
+    grad_divisor: float | None = None,
 ) -> FlatParamGroup:
     """Flatten `named` (one GroupKey, laid out as `layout`) into a flat group whose master
-    shard `home` keeps and whose shard travels by `wire`.
+    shard `home` keeps and whose shard travels by `wire`, its summed gradients divided by
+    `grad_divisor` (None: `process_group`'s size).
 
     Stages 1/2 keep the parameters whole, as views of a compute-dtype buffer (stage 1 also
     a full gradient buffer, unless the engine `takes_grads` not: it has no optimizer),
@@ -276,6 +281,7 @@ def build_flat_group(
         wire.build(params, layout, layout.shard_range(rank), slots),
         used,
         storage,
+        process_group.size if grad_divisor is None else grad_divisor,
     )
     if isinstance(storage, ShardedStorage):
         group.release()

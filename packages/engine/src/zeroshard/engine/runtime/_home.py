@@ -14,8 +14,9 @@ The home owns the gradient shard's life in a step window: the reducer hands redu
 shards to its `grads` (the `GradDestination` every home of its kind shares), which calls
 back `claim_grad_shard` / `adopt_grad_shard` here; clipping reads them through `grads`;
 `zero_grad` forgets them. A home of the device exposes its gradient shard as
-`master.grad`; a home of the host keeps it in host memory allocated once
-(`grad_memory`) and sets `master.grad` only while the host step steps it.
+`master.grad`; a home of the host keeps it in host memory allocated once (on first
+need: [Note: offload host memory] in offload/_host_offload.py) and sets `master.grad`
+only while the host step steps it.
 """
 
 from __future__ import annotations
@@ -62,14 +63,11 @@ class Home(ABC):
         master: nn.Parameter,
         grads: GradDestination,
         store: HomeStore,
-        grad_memory: torch.Tensor | None = None,
     ) -> None:
         self.master = master
         # Where the reduced gradient shards go, and what reads them back.
         self.grads = grads
         self.store = store
-        # The gradient shard's memory kept between steps (None: new memory per window).
-        self._grad_memory = grad_memory
         self.grad_shard: torch.Tensor | None = None
 
     @abstractmethod
@@ -85,25 +83,20 @@ class Home(ABC):
 
     def claim_grad_shard(self) -> torch.Tensor:
         """The gradient shard's memory, NOT zeroed: for a caller that overwrites all of it
-        (the first reduced gradient since the last `zero_grad`). New memory exposed as
-        `master.grad`, or the memory kept between steps (`grad_memory`), where holding
-        no gradient of this window is `grad_shard is None`, so zero_grad never touches it."""
+        (the first reduced gradient since the last `zero_grad`): new memory exposed as
+        `master.grad` (a host home's is memory kept between steps instead)."""
         assert self.grad_shard is None
-        if self._grad_memory is not None:
-            self.grad_shard = self._grad_memory
-        else:
-            self.grad_shard = self.master.grad = torch.empty_like(self.master)
+        self.grad_shard = self.master.grad = torch.empty_like(self.master)
         return self.grad_shard
 
     def adopt_grad_shard(self, reduced: torch.Tensor) -> bool:
         """Make `reduced` (a fresh reduced shard nobody else holds) the gradient shard
         itself, as `master.grad`, instead of copying it into new memory; False where it
-        cannot be (memory kept between steps, or another dtype, device or shape)."""
+        cannot be (another dtype, device or shape; a host home's memory is its own)."""
         assert self.grad_shard is None
         master = self.master
         if (
-            self._grad_memory is not None
-            or reduced.dtype != master.dtype
+            reduced.dtype != master.dtype
             or reduced.device != master.device
             or reduced.shape != master.shape
         ):

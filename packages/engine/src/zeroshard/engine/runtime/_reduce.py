@@ -19,7 +19,10 @@ copied into its bucket (the copy is a pass over it anyway), and the reduce-scatt
 That is what NCCL's float average does inside the collective (it multiplies every input
 by 1/size before the sum), so the numbers are the same, but the collective has no pass of
 its own left: an in-place sum over one rank is no work at all, where an average still
-scales every element. Stage 1 reduces its accumulated buffers with the average.
+scales every element. Stage 1 reduces its accumulated buffers with the average. A group
+of its own given a gradient divide factor is divided by that instead of its size (its
+`grad_divisor`: [Note: the gradient divide factor] in setup/_placement.py); stage 1 then
+sums, and divides the reduced shard.
 
 [Note: bucket memory]
 A bucket is held until its reduce-scatter is waited on. At most
@@ -140,8 +143,8 @@ class GradReducer:
         if bucket is None:
             bucket = self._new_bucket(g, p.device)
         slot = g.layout.slots[i]
-        # The average's 1/size, in the copy ([Note: averaging in the copy]).
-        scale = 1.0 / g.process_group.size
+        # The average's 1/size (or 1/factor), in the copy ([Note: averaging in the copy]).
+        scale = 1.0 / g.grad_divisor
         grad, dst = local.reshape(-1), bucket[slot.offset : slot.end]
         if grad.dtype == dst.dtype:
             torch.mul(grad, scale, out=dst)
@@ -276,9 +279,13 @@ class GradReducer:
             full = buf
             if buf.dtype != self.reduce_dtype:
                 full = cast_into(torch.empty_like(buf, dtype=self.reduce_dtype), buf)
-            pending.append((g, buf, *self._reduce_scatter(g, full, op="avg")))
+            # The average, unless the group divides by a factor of its own.
+            op: ReduceOp = "avg" if g.grad_divisor == g.process_group.size else "sum"
+            pending.append((g, buf, *self._reduce_scatter(g, full, op=op)))
         for g, buf, out, handle in pending:
             handle.wait()
+            if g.grad_divisor != g.process_group.size:
+                out.div_(g.grad_divisor)
             self._fold(g, out, fresh=True)
             buf.zero_()
         self._drain()

@@ -37,10 +37,13 @@ class StepOutcome(Enum):
 class WholeParams:
     """What the steppers of whole-matrix optimizers that keep their state per parameter
     step whole (`whole/_whole_step.py`), for checkpoints to keep that state by name: every
-    such parameter's name (the same on every rank), and this rank's own whole parameters."""
+    such parameter's name (the same on every rank), this rank's own whole parameters, and
+    those of them whose state lives on the host between steps (offloaded: [Note: whole
+    parameters offloaded])."""
 
     names: frozenset[str]
     owned: Mapping[str, nn.Parameter]
+    on_host: frozenset[str] = frozenset()
 
 
 class Stepper(Protocol):

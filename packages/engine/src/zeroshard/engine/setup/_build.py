@@ -145,4 +145,5 @@ def _build(
         home=planned.homes[g.home],
         wire=planned.wires[g.wire],
         takes_grads=planned.takes_grads,
+        grad_divisor=placement.grad_divisor(g.key),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,6 +57,29 @@ def check_module_paths(model: nn.Module, process_groups: Mapping[str, Any]) -> N
     unknown = [p for p in process_groups if p not in paths]
     if unknown:
         raise ValueError(f"process_groups names {unknown}, which are not module paths of the model")
+
+
+def check_divide_factor(factor: object, process_groups: Mapping[str, Any]) -> None:
+    """`gradient_divide_factor`: None, or a finite positive number given with
+    `process_groups` (it divides those groups' gradients alone)."""
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(
+            f"gradient_divide_factor must be a number (the whole data-parallel world, say), "
+            f"not {type(factor).__name__} {factor!r}"
+        )
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(
+            f"gradient_divide_factor must be a finite positive number, not {factor!r}: "
+            "the summed gradients of the groups of process_groups are divided by it"
+        )
+    if not process_groups:
+        raise ValueError(
+            f"gradient_divide_factor={factor!r} divides the gradients of groups of their own, "
+            "and no process_groups were given: pass it with process_groups (the rest of the "
+            "model is averaged over its data-parallel group)"
+        )
 
 
 def param_group_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:

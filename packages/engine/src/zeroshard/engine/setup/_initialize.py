@@ -38,14 +38,13 @@ from zeroshard.engine.runtime._watch import ChangeWatch
 from zeroshard.engine.runtime.offload import check_offload, compile_host_step
 from zeroshard.engine.runtime.whole import (
     WholeMatrices,
-    check_whole_mesh,
-    check_whole_optimizers,
     steps_whole,
 )
 from zeroshard.engine.setup._agreement import check_ranks_agree, describe_rank
 from zeroshard.engine.setup._broadcast import broadcast_initial_state
 from zeroshard.engine.setup._build import GroupsPlan, build_groups, plan_groups
 from zeroshard.engine.setup._checks import (
+    check_divide_factor,
     check_evaluation_config,
     check_model,
     check_module_paths,
@@ -68,6 +67,7 @@ def initialize(
     *,
     group: Group | None = None,
     process_groups: Mapping[str, Group] | None = None,
+    gradient_divide_factor: float | None = None,
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
     device_mesh: DeviceMesh | None = None,
@@ -82,6 +82,7 @@ def initialize(
     *,
     group: Group | None = None,
     process_groups: Mapping[str, Group] | None = None,
+    gradient_divide_factor: float | None = None,
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
     device_mesh: DeviceMesh | None = None,
@@ -95,6 +96,7 @@ def initialize(
     *,
     group: Group | None = None,
     process_groups: Mapping[str, Group] | None = None,
+    gradient_divide_factor: float | None = None,
     param_init: ParamInit = reset_parameters,
     init_seed: int = 0,
     device_mesh: DeviceMesh | None = None,
@@ -121,6 +123,9 @@ def initialize(
     same experts): those parameters get flat groups of their own, sharded over and
     reduced (averaged) within that group, beside hybrid sharding (a group may cross the
     shard groups) and a device mesh (a group holds ranks of one tp coordinate) alike.
+    `gradient_divide_factor` (with `process_groups`) divides those groups' summed
+    gradients by it instead of their size: the whole data-parallel world for experts fed
+    by an all-to-all, as DeepSpeed MoE and FSDP2's `set_gradient_divide_factor` do.
 
     `device_mesh` (dims `dp` and `tp`, or `dp_replicate`, `dp_shard` and `tp` for hybrid
     sharding) takes a model that torch's tensor parallelism split over
@@ -137,18 +142,19 @@ def initialize(
     optimizers = [] if optimizer is None else as_optimizers(optimizer, model)
     # Before anything reads the parameters' storage: torchao's fp8-gather subclass has none.
     unwrap_float8_weights(model, optimizers)
-    check_whole_optimizers(optimizers, cfg)
     check_offload(optimizers, cfg, whole=[o for o in optimizers if steps_whole(o)])
     inner = combine(optimizers) if optimizers else None
     check_module_paths(model, process_groups or {})
+    check_divide_factor(gradient_divide_factor, process_groups or {})
     # 2. Every rank agrees on them, then on where each parameter is sharded.
     timeout = timedelta(seconds=cfg.comm.collective_timeout_s)
     everyone = (group or Group()).with_timeout(timeout)
-    check_ranks_agree(everyone, describe_rank(cfg, everyone, model, inner, device_mesh))
+    factor = None if gradient_divide_factor is None else float(gradient_divide_factor)
+    described = describe_rank(cfg, everyone, model, inner, device_mesh)
+    check_ranks_agree(everyone, [*described, ("gradient_divide_factor", repr(factor))])
     # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
     # alone while the others wait for it in the agreement's collective.
     check_mesh_inputs(model, cfg, device_mesh, group=group)
-    check_whole_mesh(optimizers, device_mesh)
     placement = place(
         model,
         cfg,
@@ -157,6 +163,7 @@ def initialize(
         process_groups=process_groups,
         device_mesh=device_mesh,
         timeout=timeout,
+        gradient_divide_factor=factor,
     )
     if cfg.offload.compiled_step:
         # After the checks above, which fail at once; this may take a minute.

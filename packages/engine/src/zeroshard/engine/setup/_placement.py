@@ -13,6 +13,18 @@ checkpoint, numbered over the world (`state/_checkpoint_layout.py`). Under a dev
 an expert's own group holds data-parallel ranks of one tensor-parallel coordinate, the
 same ones at every coordinate of a tensor-parallel group (`check_own_groups`):
 the expert's tp pieces are then one expert, joined over tp as any split parameter.
+
+[Note: the gradient divide factor]
+A group of its own sums its ranks' gradients and divides the sum by its size: DDP over
+that group, right where each rank's expert sees its own data. An expert fed by an
+all-to-all sees tokens of every rank, so its local gradient already sums the world's
+contributions: DeepSpeed MoE, and torchtitan through FSDP2's
+`set_gradient_divide_factor`, divide it by the whole data-parallel world instead.
+`initialize(..., gradient_divide_factor=f)` divides every group of its own by `f` (each
+`FlatParamGroup.grad_divisor`): the reducer scales by 1/f as it copies a gradient into
+its bucket (stage 1 sums, then divides the shard), `zeroshard.compile`'s reduce-scatter
+divides by it, and a group of its own is never averaged over replicas, so nothing else
+divides it; clipping, fp16's unscaling and an offloaded step read the divided shards.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ class Placement:
     replicate: Group | None
     own: Mapping[str, Group]  # module path -> the data-parallel group of its parameters
     mesh: MeshGroups | None = None
+    # What the own groups' summed gradients are divided by (None: each group's size):
+    # [Note: the gradient divide factor].
+    divide_factor: float | None = None
 
     def label(self, name: str, param: nn.Parameter) -> str:
         """The longest module path of `own` that contains parameter `name`, or 'default'
@@ -55,6 +70,13 @@ class Placement:
         if path is not None:
             return self.own[path]
         return self.shard_group if self.mesh is None else self.mesh.data_parallel
+
+    def grad_divisor(self, key: GroupKey) -> float:
+        """What a GroupKey's summed gradients are divided by: its process group's size,
+        or a group of its own's `divide_factor` ([Note: the gradient divide factor])."""
+        if self.divide_factor is not None and own_path(key.process_group) is not None:
+            return self.divide_factor
+        return self.process_group(key).size
 
     @property
     def own_crosses_replicas(self) -> bool:
@@ -73,6 +95,7 @@ def place(
     process_groups: Mapping[str, Group] | None,
     device_mesh: DeviceMesh | None,
     timeout: timedelta,
+    gradient_divide_factor: float | None = None,
 ) -> Placement:
     """The placement `initialize`'s arguments ask for (collective: it makes the mesh's and
     hybrid sharding's groups)."""
@@ -95,7 +118,7 @@ def place(
     own = {k: g.with_timeout(timeout) for k, g in (process_groups or {}).items()}
     if own:
         check_own_groups(own, everyone, 1 if mesh is None else mesh.tensor_parallel.size)
-    return Placement(shard_group, replicate, own, mesh)
+    return Placement(shard_group, replicate, own, mesh, gradient_divide_factor)
 
 
 def check_own_groups(own: Mapping[str, Group], everyone: Group, tp: int) -> None:

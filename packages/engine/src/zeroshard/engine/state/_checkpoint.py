@@ -21,6 +21,7 @@ from zeroshard.ckpt import (
     CHECKPOINT_ERRORS,
     MASTER,
     CheckpointError,
+    GroupPlacement,
     LoadedShards,
     SaveHandle,
     checkpoint_step,
@@ -289,15 +290,30 @@ def load_checkpoint(
         own = sorted(
             {n for g in state.groups if own_path(g.key.process_group) is not None for n in g.names}
         )
-        if own:
+        if own and is_dcp_checkpoint(directory, tag, step):
             raise ValueError(
                 f"parameters on a process group of their own ({own[:3]}...) hold a different "
-                "value on each group (experts), while a DeepSpeed or DCP (named) checkpoint "
-                "holds one tensor per name (DeepSpeed writes experts to files of their own, "
-                "which zeroshard does not read): load them from a zeroshard checkpoint"
+                "value on each group (experts), while a DCP checkpoint holds one tensor per "
+                "name: load them from a zeroshard or DeepSpeed MoE checkpoint"
+            )
+        if own and state.tensor_parallel is not None:
+            raise ValueError(
+                f"parameters on a process group of their own ({own[:3]}...) under tensor "
+                "parallelism (device_mesh) do not load from a DeepSpeed checkpoint yet: load "
+                "it without a mesh, save a zeroshard checkpoint, and load that one"
             )
         names = aliases(model, state)
-        return load_named(model, state, Path(directory), tag, step, names, everyone)
+        # Each group of its own loads its instance's experts (collective: before the read);
+        # one over every rank of the checkpoint is its only instance.
+        places = placements(state) if own else {}
+        instances = {
+            g.index: places.get(
+                checkpoint_group_name(g), GroupPlacement(0, 1, g.process_group.rank)
+            )
+            for g in state.groups
+            if own_path(g.key.process_group) is not None
+        }
+        return load_named(model, state, Path(directory), tag, step, names, everyone, instances)
     shard_group = file_group(state)
     places = placements(state)
     expected = full_shapes(state)

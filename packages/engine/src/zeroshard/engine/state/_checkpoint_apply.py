@@ -200,13 +200,18 @@ def apply_loaded(
                 float(value), dtype=torch.float32, device=g.master.device if on_device else "cpu"
             )
         states.append((g, opt_state))
-    owned = {} if state.whole_params is None else state.whole_params.owned
+    whole = state.whole_params
+    owned = {} if whole is None else whole.owned
     whole_states = []
     for name, p in owned.items():
         saved_state = loaded.meta.param_states[name]
         kept: dict[str, Any] = dict(saved_state.scalars)
         for key, t in loaded.param_states[name].items():
             on_device = saved_state.tensors[key][2]
+            # Offloaded state waits on the host for the step ([Note: whole parameters
+            # offloaded] in runtime/whole/_whole_step.py).
+            if whole is not None and name in whole.on_host and t.dim():
+                on_device = False
             kept[key] = t.to(p.device if on_device else "cpu", copy=True)
         whole_states.append((p, kept))
     # Every new tensor exists now (an allocation that fails has changed nothing): copy.

@@ -13,6 +13,8 @@ Under tensor parallelism (`initialize(..., device_mesh=...)`) every group is suc
 group, sharded over the mesh's `dp` ranks: instance k is tensor-parallel rank k, and
 its `tensor_split` names the parameters whose pieces it holds (their dims), so the
 checkpoint consolidates to the whole model and loads at another tensor-parallel size.
+A group of its own there has an instance per expert and tp rank: its `expert_split`
+names its split parameters and the tp size, so each expert consolidates whole.
 
 Under hybrid sharding the first replica writes the checkpoint, numbered over its ranks,
 unless groups of their own cross the replicas (`EngineState.own_crosses_replicas`):
@@ -118,6 +120,16 @@ def tensor_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
     return TensorSplit({n: d for n, d in dims.items() if d is not None})
 
 
+def expert_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
+    """How a group of its own (an expert) cuts its parameters under tensor parallelism:
+    its instances are each expert's tp ranks in order (see `GroupMeta.expert_split`)."""
+    if state.tensor_parallel is None or own_path(g.key.process_group) is None:
+        return None
+    dims = {n: split_dim(p) for n, p in zip(g.names, g.params, strict=True)}
+    split = {n: d for n, d in dims.items() if d is not None}
+    return TensorSplit(split, ranks=state.tensor_parallel.size)
+
+
 def full_shapes(state: EngineState) -> dict[str, tuple[int, ...]]:
     """Every flat group's parameter name -> the shape of its whole tensor (a DTensor's
     global shape, not the local piece its slot holds, unless its group's pieces are not
@@ -181,10 +193,14 @@ def _split_state(
     return tensors, scalars
 
 
-def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
+def param_states(
+    state: EngineState, *, every_shard: bool = False
+) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
     """The whole-parameter optimizer state of every parameter a whole-matrix optimizer
     keeps it for (`EngineState.whole_params`): by name, each at the rank that owns it, and
-    this rank's tensors of it. Collective over the shard group when there are any."""
+    this rank's tensors of it; `every_shard`: this rank's own wherever it sits (a snapshot
+    holds what its rank holds), recorded at this rank. Collective over the file group
+    when there are any."""
     whole = state.whole_params
     if whole is None:
         return {}, {}
@@ -193,13 +209,20 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
     mine: dict[str, dict[str, Any]] = {}
     files = file_group(state)
     # Groups of their own are refused with these optimizers: what the others own is the
-    # same on every replica, written by the first.
-    owned = whole.owned.items() if _first_replica(state) else ()
+    # same on every replica, written by the first; under tp the same on every tp rank
+    # ([Note: whole parameters under tensor parallelism]), written by the first.
+    tp = state.tensor_parallel
+    first = _first_replica(state) and (tp is None or tp.group.rank == 0)
+    owned = whole.owned.items() if every_shard or first else ()
     for name, p in owned:
         kept: dict[str, Any] = {"tensors": {}, "scalars": {}}
         for key, value in inner.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
-                kept["tensors"][key] = (value.dtype, tuple(value.shape), value.device.type != "cpu")
+                # Whether the step reads it on the device (offloaded state is kept on the
+                # host between steps: [Note: whole parameters offloaded]).
+                stepped_up = name in whole.on_host and value.dim() > 0
+                on_device = p.device.type != "cpu" and (stepped_up or value.device == p.device)
+                kept["tensors"][key] = (value.dtype, tuple(value.shape), on_device)
                 tensors[param_state_key(name, key)] = value.detach()
             elif isinstance(value, (int, float, bool)):
                 kept["scalars"][key] = value
@@ -216,6 +239,8 @@ def param_states(state: EngineState) -> tuple[dict[str, ParamState], dict[str, t
         for rank, owned in enumerate(everyone)
         for name, kept in (owned or {}).items()
     }
+    # Several ranks hold the same state (replicas, tp ranks): each records its own.
+    states.update({n: ParamState(files.rank, k["tensors"], k["scalars"]) for n, k in mine.items()})
     return states, tensors
 
 
@@ -271,9 +296,10 @@ def checkpoint_contents(
                 scalars=scalars,
                 rank_sets=sets.get(g.index),
                 tensor_split=tensor_split(state, g),
+                expert_split=expert_split(state, g),
             )
         )
-    whole, whole_tensors = param_states(state)
+    whole, whole_tensors = param_states(state, every_shard=every_shard)
     tensors.update(whole_tensors)
     buffers = module_buffers(model)
     files = file_group(state)

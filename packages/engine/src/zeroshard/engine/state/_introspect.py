@@ -16,8 +16,11 @@ stage and under `zeroshard.compile`:
   the step has unscaled the shards yet (`ZeroOptimizer.grad_scale`); an overflowing
   window's gradient holds its infs, and the step that skips it forgets it;
 - none before a window's first backward, after `zero_grad()` (zeros with
-  `set_to_none=False` where the gradient is on the device, as torch's) and for a frozen
-  parameter: `full_grad` gives None, `grad_norms` leaves it out.
+  `set_to_none=False` where the gradient is on the device, as torch's), for a frozen
+  parameter, and for an offloaded one stepped as its gradient landed under
+  `step_in_backward()` in a window of one backward (its gradient is dropped once
+  stepped, as torch's optimizer-in-backward drops `.grad`: [Note: offload host memory]
+  in runtime/offload/_host_offload.py): `full_grad` gives None, `grad_norms` leaves it out.
 
 An offloaded gradient is read on the host block by block, upcast with the clipping and
 unscaling factors still pending on it (`GradDestination.read`), once the delayed step in

@@ -25,6 +25,7 @@ from torch import nn
 
 from zeroshard.ckpt import (
     CHECKPOINT_ERRORS,
+    GroupPlacement,
     ModelMismatchError,
     NamedTrainingState,
     RangeSpec,
@@ -69,10 +70,51 @@ def _fill(g: FlatParamGroup, specs: Mapping[str, RangeSpec], out: torch.Tensor) 
             specs[slot.name].read_range(whole, out[at : at + n])
 
 
+def _source_names(
+    state: EngineState,
+    named: NamedTrainingState,
+    canonical: Mapping[str, str],
+    instances: Mapping[int, GroupPlacement],
+) -> dict[int, dict[str, str]]:
+    """Each flat group's parameter names -> the names the checkpoint holds their values
+    under: a parameter on a process group of its own (an expert, `instances`: its group's
+    place) takes the value of its instance, the expert-parallel rank of a DeepSpeed MoE
+    checkpoint (its expert's global name); every other, the one value of its name."""
+    out: dict[int, dict[str, str]] = {}
+    for g in state.groups:
+        placed = instances.get(g.index)
+        names = {}
+        for n in g.names:
+            name = canonical.get(n, n)
+            per = named.experts.get(name, (name,))
+            if placed is None and len(per) > 1:
+                raise ModelMismatchError(
+                    f"{named.source} holds {name!r} once per expert-parallel rank ({len(per)}), "
+                    "an expert, but your model holds one value of it: give its module a "
+                    "process group of its own (initialize(..., process_groups=...))"
+                )
+            if placed is not None and name not in named.experts:
+                raise ModelMismatchError(
+                    f"{name!r} is on a process group of its own (an expert: a value per "
+                    f"group), but {named.source} holds one value of it: load it from a "
+                    "zeroshard checkpoint or a DeepSpeed MoE one with its expert files"
+                )
+            if placed is not None and len(per) != placed.instances:
+                raise ModelMismatchError(
+                    f"{named.source} holds {name!r} on {len(per)} expert-parallel ranks, your "
+                    f"model on {placed.instances} groups of its own: give it as many"
+                )
+            names[n] = per[0] if placed is None else per[placed.instance]
+        out[g.index] = names
+    return out
+
+
 def _check_names(
     model: nn.Module, state: EngineState, named: NamedTrainingState, aliases: Mapping[str, str]
 ) -> None:
-    have = {n: s.shape for n, s in named.masters.items()}
+    # An expert's other instances (its global names past the first) are not model names.
+    others = {name for per in named.experts.values() for name in per[1:]}
+    have = {n: s.shape for n, s in named.masters.items() if n not in others}
     have.update({a: named.masters[c].shape for a, c in named.aliases.items() if c in named.masters})
     have.update({n: s.shape for n, s in named.buffers.items()})
     expected = full_shapes(state)
@@ -203,15 +245,21 @@ class NamedShards:
 
 
 def read_named_shards(
-    model: nn.Module, state: EngineState, named: NamedTrainingState, aliases: Mapping[str, str]
+    model: nn.Module,
+    state: EngineState,
+    named: NamedTrainingState,
+    aliases: Mapping[str, str],
+    instances: Mapping[int, GroupPlacement],
 ) -> NamedShards:
     """Check the checkpoint against model and optimizer, and read this rank's shards of it
     (on the host; no collective, nothing changed yet, so a failure leaves the run as it was).
 
-    `aliases` maps the model's tied parameter names to the canonical ones of its groups.
+    `aliases` maps the model's tied parameter names to the canonical ones of its groups;
+    `instances` each group of its own (by index) to its place (`_source_names`).
     """
     _check_names(model, state, named, aliases)
     canonical = dict(named.aliases)
+    sources = _source_names(state, named, canonical, instances)
     if state.optimizer is None:  # evaluation only: the weights alone
         out = NamedShards(mapping={})
     else:
@@ -225,17 +273,18 @@ def read_named_shards(
     for g in state.groups:
         # The masters and their optimizer state in the run's master dtype, as saved
         # in fp32 or not (torch's optimizers keep their state in the parameter's dtype).
+        source = sources[g.index]
         host = torch.empty(g.master.numel(), dtype=g.master.dtype)
-        _fill(g, {n: named.masters[canonical.get(n, n)] for n in g.names}, host)
+        _fill(g, {n: named.masters[source[n]] for n in g.names}, host)
         out.masters[g.index] = host
         if not g.trainable or state.optimizer is None:
             continue
         opt_state = {}
         for key, specs in named.optimizer_state.items():
-            if canonical.get(g.names[0], g.names[0]) not in specs:
+            if source[g.names[0]] not in specs:
                 continue  # another optimizer's state (Muon's momentum, its Adam's moments)
             host = torch.empty(g.master.numel(), dtype=g.master.dtype)
-            _fill(g, {n: specs[canonical.get(n, n)] for n in g.names}, host)
+            _fill(g, {n: specs[source[n]] for n in g.names}, host)
             opt_state[key] = host
         out.optimizer_state[g.index] = opt_state
     buffers = dict(named_buffers(model))
@@ -313,10 +362,11 @@ def load_named(
     step: int | None,
     aliases: Mapping[str, str],
     everyone: Group,
+    instances: Mapping[int, GroupPlacement],
 ) -> int:
     """`load_checkpoint` of a DeepSpeed, converted or DCP checkpoint (`step=N`:
     `global_stepN`, DCP's `step-N`); `everyone` is every rank of the job (under hybrid
-    sharding, every replica too)."""
+    sharding, every replica too); `instances` places each group of its own (experts)."""
 
     def read() -> tuple[NamedTrainingState, NamedShards]:
         if is_deepspeed_checkpoint(path):
@@ -326,7 +376,7 @@ def load_named(
             named = read_dcp_training_state(path, tag=tag, step=step, buffers=buffer_names)
         else:
             named = read_named_state(path, tag, step)
-        return named, read_named_shards(model, state, named, aliases)
+        return named, read_named_shards(model, state, named, aliases, instances)
 
     # DCP does not say which of its tensors are buffers: the model's persistent ones.
     persistent = {canonical_name(k) for k in model.state_dict(keep_vars=True)}

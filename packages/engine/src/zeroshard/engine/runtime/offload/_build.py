@@ -4,6 +4,7 @@ it holds."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -107,17 +108,21 @@ def build_host_storage(
     state = sum(size * floats[g.key.param_group] * g.layout.shard_numel for g in trainable)
     names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
     per_element = sorted(set(floats.values()))
+    # The gradients held until step() are checked when they are first needed: under
+    # step_in_backward without accumulation they never are ([Note: offload host memory]).
+    host = sizes.host_bytes(grads_held=False)
     what = (
-        f"the offloaded state: {sizes.host_bytes:,} bytes of masters, gradients and staging "
+        f"the offloaded state: {host:,} bytes of masters and staging "
         f"and {state:,} of {names} state ({'/'.join(map(str, per_element))} "
         f"{'fp32' if size == 4 else 'bf16'} per element)"
     )
-    check_host_memory(world, sizes.host_bytes + state, what)
+    check_host_memory(world, host + state, what)
     storage = HostOffload(
         sizes,
         [g.index for g in on_host],
         device=device,
         pin=cfg.offload.pin_memory,
+        check=functools.partial(check_host_memory, world),
         compiled_step=cfg.offload.compiled_step,
     )
     _warn_unfused(optimizers)

@@ -9,9 +9,10 @@ clipping / unscaling factors not yet applied to them ([Note: offload host memory
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +27,15 @@ from zeroshard.engine.runtime.offload._step_thread import StepThread
 _MAX_PENDING = 4
 
 
+class _Passing(NamedTuple):
+    """A gradient stepped in backward from a staging slot, until its step finished."""
+
+    step: Future[None]
+    slot: torch.Tensor
+    group: FlatParamGroup
+    grad: torch.Tensor
+
+
 @dataclass(frozen=True)
 class HostGrad:
     """An offloaded group's gradient as its step reads it: the tensor (the reduce dtype or
@@ -38,7 +48,9 @@ class HostGrad:
 
 class HostGrads:
     """The host gradients of the offloaded groups (laid out as their masters, at `offset`
-    in the chunk space of `sizes`), the copies that bring them down, and what reads them."""
+    in the chunk space of `sizes`), the copies that bring them down, and what reads them.
+    `check(nbytes, what)` raises on every rank where a host cannot hold `nbytes` more (the
+    gradients held until `step()`, allocated on first need: [Note: offload host memory])."""
 
     def __init__(
         self,
@@ -49,21 +61,25 @@ class HostGrads:
         pin: bool,
         memory: HostMemory,
         thread: StepThread,
+        check: Callable[[int, str], None],
     ) -> None:
         self._offset = offset
         self._numel = dict(zip(offset, sizes.shard_numels, strict=True))
         self._largest = sizes.staging_numel
         self._layout = sizes.chunks
         self._memory = memory
+        self._pin = pin
+        self._check = check
         # Told of each arrival: it steps groups as they land (step_in_backward) and holds
         # a gradient back until the delayed step in flight is done with its group.
         self._thread = thread
-        n, s = self._layout.num_chunks, self._layout.shard_numel
-        reduce_dtype = sizes.reduce_dtype
-        self.grad = memory.alloc(n * s, reduce_dtype, pin).view(n, s)
+        self._reduce_dtype = sizes.reduce_dtype
+        # The gradients held until step(), made when the first one that needs holding
+        # arrives (none under step_in_backward without accumulation: see the Note).
+        self._held: torch.Tensor | None = None
         # The fp32 gradient of gradient accumulation, made on first use (see the Note);
-        # without one (`grad` is fp32 already) accumulation adds into `grad`.
-        self._acc: torch.Tensor | None = self.grad if reduce_dtype == torch.float32 else None
+        # with fp32 gradients accumulation adds into the held ones.
+        self._acc: torch.Tensor | None = None
         # The step's fp32 upcast: one block, or one group's where the step is not blocked
         # (grown to that on first need); pageable: only the CPU reads it.
         self._upcast = memory.alloc(sizes.upcast_numel, torch.float32, False)
@@ -76,11 +92,27 @@ class HostGrads:
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._down = SideStream(device)
         staging = [
-            memory.alloc(sizes.staging_numel, reduce_dtype, pin) for _ in range(GRAD_STAGING)
+            memory.alloc(sizes.staging_numel, sizes.reduce_dtype, pin) for _ in range(GRAD_STAGING)
         ]
         self._free_staging = staging
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
+        # Gradients stepped in backward from a staging slot: each one's step, slot, group
+        # and gradient (the slot's part the group holds until it is stepped).
+        self._passing: deque[_Passing] = deque()
         self._worker = grad_worker(device)
+
+    def held(self, index: int) -> torch.Tensor:
+        """Group `index`'s part of the gradients held until step() (made on first use)."""
+        if self._held is None:
+            n, s = self._layout.num_chunks, self._layout.shard_numel
+            nbytes = n * s * self._reduce_dtype.itemsize
+            what = (
+                "the offloaded gradients held until step() (2 bytes a parameter in bf16; a "
+                "window of one backward under step_in_backward() holds none)"
+            )
+            self._check(nbytes, what)
+            self._held = self._memory.alloc(n * s, self._reduce_dtype, self._pin).view(n, s)
+        return self._part(self._held, index)
 
     @property
     def upcast(self) -> torch.Tensor:
@@ -111,13 +143,18 @@ class HostGrads:
             self._retire_oldest()
         self._thread.arrived(g)
         staged: torch.Tensor | None = None
+        passing: torch.Tensor | None = None
         add = None
-        if g.grad_shard is None:
+        if g.grad_shard is None and self._thread.steps_now(g):
+            # Stepped as it lands, then dropped: through a slot, not held ([Note: offload
+            # host memory]).
+            passing = self._slot()
+            dst = passing[: out.numel()]
+            g.home.grad_shard = dst
+        elif g.grad_shard is None:
             dst = g.home.claim_grad_shard()
         else:
-            while not self._free_staging:
-                self._retire_oldest()
-            staged = self._free_staging.pop()
+            staged = self._slot()
             dst = staged[: out.numel()]
             add = self._accumulate(g, dst)
         with self._down.after_current():
@@ -127,7 +164,20 @@ class HostGrads:
             out.record_stream(self._down.stream)
         future = self._worker.submit(land, event, add)
         self._pending.append((future, staged))
-        self._thread.landing(g, future)
+        step = self._thread.landing(g, future)
+        if passing is not None:
+            assert step is not None
+            self._passing.append(_Passing(step, passing, g, dst))
+
+    def _slot(self) -> torch.Tensor:
+        """A free staging slot, waiting for the oldest add or step in backward that holds
+        one to finish."""
+        while not self._free_staging:
+            if self._passing:
+                self._retire_passing()
+            else:
+                self._retire_oldest()
+        return self._free_staging.pop()
 
     def _accumulate(self, g: FlatParamGroup, staged: torch.Tensor) -> GradAdd:
         """The add of `staged` into `g`'s fp32 gradient, promoting it there the first time."""
@@ -150,12 +200,32 @@ class HostGrads:
             if staged is not None:
                 self._free_staging.append(staged)
 
+    def _retire_passing(self) -> None:
+        """The oldest group stepped from a slot: once stepped (or failed) it holds no
+        gradient and its slot is free."""
+        p = self._passing.popleft()
+        try:
+            p.step.result()
+        finally:
+            self._passed(p)
+
+    def _passed(self, p: _Passing) -> None:
+        if p.group.home.grad_shard is p.grad:  # not a later window's gradient
+            p.group.home.grad_shard = None
+        self._free_staging.append(p.slot)
+
     def drain(self) -> None:
         """Wait until every gradient copy has landed, every staged one was added and every
-        group stepped in backward was stepped."""
-        while self._pending:
-            self._retire_oldest()
-        self._thread.drain()
+        group stepped in backward was stepped (its slot free again)."""
+        try:
+            while self._pending:
+                self._retire_oldest()
+            self._thread.drain()
+        finally:
+            # After a failed step too, no slot is freed while a step still reads it.
+            wait([p.step for p in self._passing])
+            while self._passing:
+                self._passed(self._passing.popleft())
 
     # -- the step's gradients ------------------------------------------------------------
     def blocks(self, g: FlatParamGroup) -> list[tuple[int, int]]:

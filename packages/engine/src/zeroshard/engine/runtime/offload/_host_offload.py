@@ -4,14 +4,28 @@ The offloaded groups' shards are laid end to end in one rank-local "chunk space"
 `ChunkLayout` into fixed-size chunks; every rank holds the same number of chunks of the
 same size (flat-group shards are equal on every rank), so every rank moves the same
 bytes at the same time and none waits on a larger peer. The host holds, per chunk, the
-fp32 master (pinned: it goes up to the device, which casts it; pageable with
-offload_params, where it never crosses the bus), the gradient in the reduce dtype
-(pinned: gradients land in it straight from the device) and the optimizer state torch
-allocates beside each master.
+master (pinned: it goes up to the device, which casts it; pageable with offload_params,
+where it never crosses the bus, unless it is in the compute dtype and so is the compute
+shard the gathers upload: [Note: offload upload] in _upload.py), the gradient in the
+reduce dtype while it is held (pinned: gradients land in it straight from the device)
+and the optimizer state torch allocates beside each master.
 
 [Note: offload host memory]
 With bf16 gradients an offloaded element costs 4 (master) + 2 (gradient) + the optimizer's
 state (AdamW: 8) = 14 bytes: no fp32 gradient of the whole model is ever on the host. With
+bf16 masters and offload_params under `step_in_backward`, 2 (the master, which is the
+compute shard) + 4 (AdamW's bf16 moments) = 6. The gradients are held until `step()`
+only where something reads them then: they are allocated (after the same host-memory
+check as `initialize`'s, on every rank) when the first gradient that needs holding
+arrives. Under `step_in_backward` a group that the stepping thread steps as its
+gradient lands needs none: its fresh gradient lands in one of the `GRAD_STAGING` pinned
+slots, is stepped from there, and the group then holds no gradient (`full_grad` gives
+None, as torch's optimizer-in-backward drops `.grad`; clipping after such a backward is
+refused anyway: the global norm needs every gradient before any step). A receive that
+finds no slot free waits for the oldest step, which bounds how far the CPU step may fall
+behind backward to the slots. Gradient accumulation (an earlier micro-step's backward,
+outside `step_in_backward`), a step at `step()` and groups stepped only then (a
+whole-matrix optimizer's, beside `step_in_backward`) hold them. With
 torch's fused Adam/AdamW the step upcasts one block of a group's gradient at a time into
 one fp32 block (`grad_block`, [Note: blocked host step] in _fused_adam.py); the clip norm
 reads the same blocks. Any other optimizer steps a group at a time on its whole upcast,
@@ -28,12 +42,13 @@ Gradients in. A reduce-scatter's output `out` is complete on the current stream 
 handle was waited. `receive` makes the D2H stream wait on the current stream and copies
 `out` as it is (the reduce dtype) to the host, then records an event; `out.record_stream`
 keeps the allocator from reusing its block before that stream has read it. The first
-gradient a group receives since `zero_grad` lands in its host gradient directly: no zero
-fill, no add, no host work at all. A later one (gradient accumulation) lands in a pinned
-staging buffer and one worker thread adds it into the fp32 gradient once the copy's event
+gradient a group receives since `zero_grad` lands in its host gradient directly (or in a
+staging slot, stepped in backward: [Note: offload host memory]): no zero fill, no add, no
+host work at all. A later one (gradient accumulation) lands in a pinned
+staging slot and one worker thread adds it into the fp32 gradient once the copy's event
 completed, while backward goes on (torch ops release the GIL). The worker runs its tasks
 in order (each waits on its copy's event first), so an add never reads a copy still in
-flight nor races the copy it adds to. A staging buffer is reused only after its add finished; at
+flight nor races the copy it adds to. A slot is reused only after its add (or step) finished; at
 most `_MAX_PENDING` copies are outstanding, which bounds the device blocks they hold and
 the staging memory. `drain` (end of backward, stage 1's reduction) waits for every copy
 and add, so the optimizer, clipping and checkpoints read complete gradients.
@@ -52,7 +67,8 @@ shard.
 
 With `offload_params` the compute shards stay on the host (pinned) and each gather copies
 its group's shard to the device on the current stream just before the all-gather, which
-the prefetch order issues ahead of need.
+the prefetch order issues ahead of need; where they are the masters, what writes the
+masters first waits for those copies ([Note: masters read by gathers] in _upload.py).
 
 On the CPU (gloo) there are no streams or events: the same calls copy within host memory
 and are complete when they return.
@@ -60,7 +76,7 @@ and are complete when they return.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,10 +121,13 @@ class HostOffload:
         *,
         device: torch.device,
         pin: bool,
+        check: Callable[[int, str], None],
         compiled_step: bool = False,
     ) -> None:
         """Allocate the host storage of `sizes` for the flat groups `indices` (in chunk-space
-        order); each group takes its part when its home is built (`build`)."""
+        order); each group takes its part when its home is built (`build`). `check(nbytes,
+        what)` raises on every rank where a host cannot hold `nbytes` more (before the
+        gradients held until `step()` are allocated, on first need)."""
         self.device = device
         # Pinning only speeds up copies to a GPU; on the CPU there is no bus to cross.
         pin = pin and self.device.type == "cuda"
@@ -119,15 +138,22 @@ class HostOffload:
         n, s = self.layout.num_chunks, self.layout.shard_numel
         self._memory = HostMemory()
         # Pinned where the masters go up to be cast on the device ([Note: offload upload]
-        # in _upload.py); with offload_params they never cross the bus.
-        master_pinned = pin and not offload_params
+        # in _upload.py) or are the compute shards the gathers upload; else, with
+        # offload_params, they never cross the bus.
+        master_pinned = pin and (not offload_params or sizes.masters_are_shards)
         self.master = self._memory.alloc(n * s, sizes.master_dtype, master_pinned).view(n, s)
         # The thread that steps groups beside the main thread (step_in_backward,
         # delay_param_update).
         self.step_thread = StepThread(self.device)
         # The offloaded groups' GradDestination: their gradients on the host.
         self.grads = HostGrads(
-            sizes, self.offset, device=device, pin=pin, memory=self._memory, thread=self.step_thread
+            sizes,
+            self.offset,
+            device=device,
+            pin=pin,
+            memory=self._memory,
+            thread=self.step_thread,
+            check=check,
         )
         self._blocked = BlockedStep()
         # offload.compiled_step: each group in one compiled pass per chunk ([Note: compiled
@@ -151,8 +177,7 @@ class HostOffload:
         `shard`'s values (this rank's part of its flat buffer, on the device) as its
         master; its compute shard goes up with the chunks it completes."""
         master = nn.Parameter(self._take_master(index, shard), requires_grad)
-        grad_memory = self._part(self.grads.grad, index)
-        return HostHome(self, index, master, grad_memory)
+        return HostHome(self, index, master)
 
     def holds(self, g: FlatParamGroup) -> bool:
         """Whether `g` is one of the offloaded groups."""
@@ -238,6 +263,12 @@ class HostOffload:
         """Upload the chunks `begin_upload` named that have not gone yet."""
         self._out.finish()
 
+    def settle_reads(self) -> None:
+        """Before the masters are written outside a step: wait for the gathers' copies
+        still reading them, where they are the compute shards ([Note: masters read by
+        gathers] in _upload.py)."""
+        self._out.settle_reads()
+
     @torch.no_grad()
     def refresh(self, groups: Sequence[FlatParamGroup]) -> None:
         """`HomeStore`: recast the masters of `groups` and upload them (after an edit of
@@ -278,12 +309,23 @@ class HostHome(Home):
 
     kind = HomeKind.HOST
 
-    def __init__(
-        self, offload: HostOffload, index: int, master: nn.Parameter, grad_memory: torch.Tensor
-    ) -> None:
-        super().__init__(master, offload.grads, offload, grad_memory)
+    def __init__(self, offload: HostOffload, index: int, master: nn.Parameter) -> None:
+        super().__init__(master, offload.grads, offload)
         self._offload, self._index = offload, index
 
     def compute_shard(self) -> torch.Tensor:
         """The compute shard of the master, on the device."""
         return self._offload.compute_shard(self._index)
+
+    def claim_grad_shard(self) -> torch.Tensor:
+        """The group's part of the gradients held until `step()` (made on first use: [Note:
+        offload host memory]), NOT zeroed: memory kept between steps, where holding no
+        gradient of this window is `grad_shard is None`, so zero_grad never touches it;
+        never `master.grad`."""
+        assert self.grad_shard is None
+        self.grad_shard = self._offload.grads.held(self._index)
+        return self.grad_shard
+
+    def adopt_grad_shard(self, reduced: torch.Tensor) -> bool:
+        """Never: the gradient lives in the host's own memory."""
+        return False

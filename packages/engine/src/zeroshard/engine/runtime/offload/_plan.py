@@ -16,9 +16,11 @@ from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime.offload._fused_adam import STEP_BLOCK
 from zeroshard.partition import ChunkLayout
 
-# Pinned staging buffers for reduce-dtype gradients coming down under gradient accumulation:
-# two, so that one can fill while the other drains (see [Note: offload stream order] in
-# _host_offload.py).
+# Pinned slots, each of the largest shard, that a gradient coming down passes through
+# rather than lands in: staged under gradient accumulation until its add, or stepped in
+# backward until its step (`step_in_backward` without accumulation, where no gradient is
+# held until `step()`); two, so that one can fill while the other drains (see [Note:
+# offload stream order] and [Note: offload host memory] in _host_offload.py).
 GRAD_STAGING = 2
 
 
@@ -53,12 +55,15 @@ def choose_offloaded(
 @dataclass(frozen=True)
 class OffloadSizes:
     """The buffers `HostOffload` allocates on one rank: the offloaded shards laid end to end
-    in a chunk space of `chunks`, a master in `master_dtype` (pinned, as it goes up to the
-    device; pageable with offload_params) and a gradient in the reduce dtype (pinned) per chunk,
-    the compute-dtype shards (pinned on the host with offload_params, else on the device,
-    cast there from an fp32 staging chunk), the gradient staging buffers (pinned) and the
-    step's fp32 upcast (pageable): one block where the optimizer steps in blocks, else one
-    shard.
+    in a chunk space of `chunks`, a master in `master_dtype` (pinned where it goes up to the
+    device or is the compute shard; else pageable), the compute-dtype shards (with
+    offload_params pinned on the host, the masters themselves where they are in the compute
+    dtype; else on the device, cast there from a staging chunk of masters), the gradient
+    staging slots (pinned), the step's fp32 upcast (pageable: one block where the
+    optimizer steps in blocks, else one shard) and its cast to bf16 masters' dtype, and
+    the gradients held until `step()` (`grads_held`): one per chunk in the reduce dtype
+    (pinned), allocated when the first gradient that needs it arrives; under
+    `step_in_backward` without accumulation none is, each passes through a staging slot.
 
     Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
     gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
@@ -92,22 +97,37 @@ class OffloadSizes:
         return self.chunks.num_chunks * self.chunks.shard_numel
 
     @property
-    def pinned_bytes(self) -> int:
-        """Host bytes that are pinned (when pinning succeeds: on a GPU)."""
-        compute, grad = self.compute_dtype.itemsize, self.reduce_dtype.itemsize
-        pinned = (self.chunk_space_numel + GRAD_STAGING * self.staging_numel) * grad
-        if self.offload_params:
-            return pinned + self.chunk_space_numel * compute
-        return pinned + self.chunk_space_numel * self.master_dtype.itemsize
+    def masters_are_shards(self) -> bool:
+        """With offload_params and masters in the compute dtype, the host's compute shards
+        are the masters themselves ([Note: offload upload] in _upload.py)."""
+        return self.offload_params and self.master_dtype == self.compute_dtype
 
     @property
-    def host_bytes(self) -> int:
-        """All host bytes: the pinned ones, the masters and the step's fp32 upcast (and its
-        cast to bf16 masters' dtype)."""
-        pageable_masters = self.chunk_space_numel if self.offload_params else 0
+    def grads_held_bytes(self) -> int:
+        """The gradients held until `step()`: one per chunk in the reduce dtype (pinned)."""
+        return self.chunk_space_numel * self.reduce_dtype.itemsize
+
+    def pinned_bytes(self, *, grads_held: bool) -> int:
+        """Host bytes that are pinned (when pinning succeeds: on a GPU); `grads_held`: with
+        the gradients held until `step()` (every way of stepping but `step_in_backward`
+        without accumulation)."""
+        staging = GRAD_STAGING * self.staging_numel * self.reduce_dtype.itemsize
+        held = self.grads_held_bytes if grads_held else 0
+        # What goes up: the compute shards with offload_params (the masters themselves
+        # where they share a dtype), else the masters, cast on the device.
+        up = self.compute_dtype if self.offload_params else self.master_dtype
+        return staging + held + self.chunk_space_numel * up.itemsize
+
+    def host_bytes(self, *, grads_held: bool) -> int:
+        """All host bytes (`grads_held` as `pinned_bytes` takes it): the pinned ones, the
+        masters that are not, and the step's fp32 upcast (and its cast to bf16 masters'
+        dtype)."""
+        pageable = self.offload_params and not self.masters_are_shards
         master = self.master_dtype.itemsize
+        masters = self.chunk_space_numel * master if pageable else 0
         narrow = 0 if self.master_dtype == torch.float32 else self.upcast_numel * master
-        return pageable_masters * master + self.upcast_numel * 4 + narrow + self.pinned_bytes
+        upcast = self.upcast_numel * 4 + narrow
+        return masters + upcast + self.pinned_bytes(grads_held=grads_held)
 
     @property
     def device_bytes(self) -> int:

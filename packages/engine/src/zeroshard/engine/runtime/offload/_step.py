@@ -273,19 +273,14 @@ class EarlyStep:
             self._hooks.enter_context(_step_hooks(o.inner))
         # One upload round for every optimizer's groups: a chunk may hold several's.
         offload.begin_upload(_on_host(owned))
-        by_group = {
-            g.index: functools.partial(_step_group, step, o.inner, offload, g)
-            for o, step in zip(owned, steps, strict=True)
-            for g in o.on_host
-        }
-
-        def step_one(g: FlatParamGroup) -> None:
-            # Another stepper's groups land too (Muon's, stepped at step()).
-            step = by_group.get(g.index)
-            if step is not None:
-                step()
-
-        offload.step_thread.step_each(step_one)
+        # Another stepper's groups land too (Muon's, stepped at step(): held till then).
+        offload.step_thread.step_each(
+            {
+                g.index: functools.partial(_step_group, step, o.inner, offload, g)
+                for o, step in zip(owned, steps, strict=True)
+                for g in o.on_host
+            }
+        )
 
     def finish(self) -> None:
         """After the backward (its gradients and steps drained): the device groups, the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -29,8 +29,8 @@ class StepThread:
         self._thread: ThreadPoolExecutor | None = None
         # The main thread's intra-op threads while its team is cut.
         self._main_threads: int | None = None
-        # step_in_backward: the step of one group, run as its gradient lands.
-        self._step_one: Callable[[FlatParamGroup], None] | None = None
+        # step_in_backward: the step of each group stepped as its gradient lands, by index.
+        self._step_now: Mapping[int, Callable[[], None]] = {}
         self._steps: deque[Future[None]] = deque()
         # delay_param_update: the step of each group in flight, and what runs after them.
         self._delayed: dict[int, Future[None]] = {}
@@ -48,22 +48,30 @@ class StepThread:
         if step is not None:
             step.result()
 
-    def landing(self, g: FlatParamGroup, copy: Future[None]) -> None:
-        """Under `step_each`: step `g` on this thread once `copy` (its gradient's copy and
-        add) completed. Not on the copying worker: a receive waiting for its oldest copy
-        to retire would wait behind the CPU steps queued before it, so backward would
-        stall on the optimizer."""
-        if self._step_one is not None:
-            self._steps.append(self._executor().submit(_after, copy, self._step_one, g))
+    def steps_now(self, g: FlatParamGroup) -> bool:
+        """Whether `g` is stepped as its gradient lands (`step_each`)."""
+        return g.index in self._step_now
 
-    def step_each(self, step_one: Callable[[FlatParamGroup], None] | None) -> None:
-        """From now on step each group on the stepping thread as its gradient lands (None:
-        stop)."""
-        if step_one is not None:
+    def landing(self, g: FlatParamGroup, copy: Future[None]) -> Future[None] | None:
+        """Under `step_each`: step `g` on this thread once `copy` (its gradient's copy and
+        add) completed, if it is one of the groups stepped so; that step, or None. Not on
+        the copying worker: a receive waiting for its oldest copy to retire would wait
+        behind the CPU steps queued before it, so backward would stall on the optimizer."""
+        step_one = self._step_now.get(g.index)
+        if step_one is None:
+            return None
+        step = self._executor().submit(_after, copy, step_one)
+        self._steps.append(step)
+        return step
+
+    def step_each(self, steps: Mapping[int, Callable[[], None]] | None) -> None:
+        """From now on step each group of `steps` (its step by index) on the stepping
+        thread as its gradient lands (None: stop)."""
+        if steps is not None:
             self._take_cores()
         else:
             self._give_cores_back()
-        self._step_one = step_one
+        self._step_now = steps or {}
 
     def step_delayed(
         self,
@@ -122,9 +130,7 @@ class StepThread:
             self._main_threads = None
 
 
-def _after(
-    landed: Future[None], step_one: Callable[[FlatParamGroup], None], g: FlatParamGroup
-) -> None:
-    """On the stepping thread: step `g` once its gradient landed (and was added)."""
+def _after(landed: Future[None], step_one: Callable[[], None]) -> None:
+    """On the stepping thread: step a group once its gradient landed (and was added)."""
     landed.result()
-    step_one(g)
+    step_one()

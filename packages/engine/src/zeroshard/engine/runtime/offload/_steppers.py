@@ -63,7 +63,9 @@ class HostStep(_HostSteps):
         return StepOutcome.PUBLISH
 
     def settle(self) -> None:
-        """Nothing runs after `step()` returned."""
+        """Nothing runs after `step()` returned; what writes the masters next waits for
+        the gathers reading them ([Note: masters read by gathers] in _upload.py)."""
+        self.offload.settle_reads()
 
     @contextlib.contextmanager
     def step_in_backward(self, *, stage: int, loss_scaled: bool) -> Iterator[None]:

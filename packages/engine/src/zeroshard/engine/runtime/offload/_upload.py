@@ -25,7 +25,19 @@ stream, the next copy after the cast before it).
 With offload_params the compute shards stay on the host (pinned): `target` gives the step
 their part of a chunk to write its cast into while the masters are in cache, and
 `written` casts what no step wrote. A chunk's parts that no named range covers (frozen
-groups, padding) are rewritten when it completes.
+groups, padding) are rewritten when it completes. Where the masters are in the compute
+dtype (bf16 masters) they are the compute shards: one pinned array, nothing to cast or
+copy, the gathers upload from the masters themselves (2 host bytes a parameter fewer).
+
+[Note: masters read by gathers]
+Then what a gather reads, the step writes, so a write must not start while a gather's
+copy from the masters is still queued. The step's are ordered as the host shards' writes
+always were: `begin` synchronizes the current stream first (the last forward's and
+backward's gathers), and under `step_in_backward` a group is stepped only once its
+gradient landed, whose copy followed on the device every gather of its shard in that
+backward ([Note: upload stream order]). Anything else that writes masters (a load, an
+edit in `gathered_parameters`, a whole-matrix optimizer's step) calls
+`ZeroOptimizer.settle` first, which waits for the last gather's copy (`settle_reads`).
 
 [Note: upload stream order]
 A chunk's copy overwrites the device shard that gathers and the publish read. The H2D
@@ -81,7 +93,10 @@ class ShardUpload:
         # The staging chunk on the device that a chunk's masters are cast from (none where
         # they are in the compute dtype: they go straight into the shards).
         self._stage: torch.Tensor | None = None
-        if offload_params:
+        if offload_params and compute_dtype == master.dtype:
+            # [Note: masters read by gathers]
+            self.compute_host = master
+        elif offload_params:
             self.compute_host = alloc(n * s, compute_dtype, pin).view(n, s)
         else:
             self.compute_dev = torch.zeros(n, s, dtype=compute_dtype, device=device)
@@ -96,6 +111,22 @@ class ShardUpload:
         self._waiting: dict[int, int] = {}
         self._rest: dict[int, list[tuple[int, int]]] = {}
         self._begun: torch.cuda.Event | None = None
+        # With the masters as the compute shards: each stream's event after the last
+        # gather's copy from them on it ([Note: masters read by gathers]).
+        self._reads: dict[int, torch.cuda.Event] = {}
+
+    @property
+    def masters_are_shards(self) -> bool:
+        """Whether the compute shards are the masters themselves (offload_params with
+        masters in the compute dtype)."""
+        return self.compute_host is self.master
+
+    def settle_reads(self) -> None:
+        """Wait until no gather's copy from the masters is queued, so that they may be
+        written ([Note: masters read by gathers])."""
+        for event in self._reads.values():
+            event.synchronize()
+        self._reads.clear()
 
     @property
     def device_nbytes(self) -> int:
@@ -141,6 +172,7 @@ class ShardUpload:
             # Gathers issued in the last step may still copy from the host shards; device
             # shards are ordered by the upload stream's wait instead.
             torch.cuda.current_stream(self.device).synchronize()
+            self.settle_reads()
 
     def target(self, lo: int, hi: int) -> torch.Tensor | None:
         """Where a step writes the cast of the masters of [lo, hi) (within one chunk) before
@@ -158,7 +190,7 @@ class ShardUpload:
         """The masters of [lo, hi) (`src`, if given, is their view) are final for this
         round: with offload_params cast them into the host shards now, unless `cast` is
         False (the step wrote its `target`); send each chunk this completes."""
-        if cast and self.compute_host is not None:
+        if cast and self.compute_host is not None and not self.masters_are_shards:
             self.compute_host.view(-1)[lo:hi].copy_(self._flat[lo:hi] if src is None else src)
         for i, a, b in self._pieces(lo, hi):
             self._count(i, b - a)
@@ -182,6 +214,8 @@ class ShardUpload:
         rest = self._rest.pop(i, [])
         off = i * self.shard_numel
         flat = self._flat
+        if self.masters_are_shards:
+            return
         if self.compute_host is not None:
             for a, b in [(off, off + self.shard_numel)] if whole else rest:
                 self.compute_host.view(-1)[a:b].copy_(flat[a:b])
@@ -203,7 +237,11 @@ class ShardUpload:
         """The compute shard of [lo, hi) on the device, ready for the current stream."""
         if self.compute_host is not None:
             host = self.compute_host.view(-1)[lo:hi]
-            return host.to(self.device, non_blocking=host.is_pinned())
+            up = host.to(self.device, non_blocking=host.is_pinned())
+            if self.masters_are_shards and self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                self._reads[stream.cuda_stream] = stream.record_event()
+            return up
         if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)
             for i, _, _ in self._pieces(lo, hi):

@@ -5,8 +5,6 @@ the core through the `Stepper` seam."""
 
 from zeroshard.engine.runtime.whole._build import (
     WholeMatrices,
-    check_whole_mesh,
-    check_whole_optimizers,
     whole_param_groups,
 )
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
@@ -17,8 +15,6 @@ __all__ = [
     "WHOLE_STEP_IS_COLLECTIVE",
     "MatrixOwners",
     "WholeMatrices",
-    "check_whole_mesh",
-    "check_whole_optimizers",
     "plan_owners",
     "split_muon",
     "steps_whole",

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from zeroshard.engine.config._config import ZeroConfig
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._stepper import Stepper, WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, own_path
@@ -16,35 +15,7 @@ from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
 from zeroshard.engine.runtime.whole._exchange import MatrixExchange, matrix_exchanges
 from zeroshard.engine.runtime.whole._muon import MuonStep
 from zeroshard.engine.runtime.whole._owners import DEFAULT_NS_STEPS, plan_owners
-from zeroshard.engine.runtime.whole._whole_step import WholeParamStep, whole_parameters
-
-
-def check_whole_optimizers(optimizers: Sequence[torch.optim.Optimizer], cfg: ZeroConfig) -> None:
-    """Refuse what the whole-matrix steps do not run with CPU offload: a declared
-    whole-matrix optimizer's step on offloaded groups (torch's Muon runs there)."""
-    if not cfg.offload.optimizer:
-        return
-    declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
-    if declared:
-        raise ValueError(
-            f"offload_optimizer: {', '.join(declared)} steps whole parameters at their owner "
-            "with its own step(); on offloaded groups that is not built yet (torch's Muon "
-            "is): turn offload_optimizer off, or give the matrices torch.optim.Muon"
-        )
-
-
-def check_whole_mesh(optimizers: Sequence[torch.optim.Optimizer], mesh: object | None) -> None:
-    """Refuse a declared whole-matrix optimizer under tensor parallelism (`initialize`'s
-    `device_mesh`); torch's Muon brings a split matrix's pieces together ([Note: Muon under
-    tensor parallelism])."""
-    declared = [type(o).__name__ for o in optimizers if steps_whole(o) and not split_muon(o)]
-    if declared and mesh is not None:
-        raise ValueError(
-            f"device_mesh: {', '.join(declared)} steps whole parameters at one owner, keeping "
-            "their state by name, which does not yet bring the pieces of a matrix split over "
-            "tp together (torch.optim.Muon does): give the split matrices another optimizer, "
-            "or train without tp"
-        )
+from zeroshard.engine.runtime.whole._whole_step import WholeParamStep, on_host, whole_parameters
 
 
 def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, int]:
@@ -67,7 +38,7 @@ class WholeMatrices:
     with their own step() one empty whole parameter per matrix this rank owns (`bound`:
     what each of their param groups steps in place of the masters, for `bind_masters`;
     `params`: by name, for checkpoints). Their steppers are built on param groups bound
-    so (matrices split over `tensor_parallel` joined for Muon's)."""
+    so (matrices split over `tensor_parallel` joined whole for either kind)."""
 
     def __init__(
         self,
@@ -82,6 +53,7 @@ class WholeMatrices:
         self._params: dict[int, dict[str, nn.Parameter]] = {}
         self.bound: dict[int, list[torch.Tensor]] = {}
         names: set[str] = set()
+        hosted: set[str] = set()
         offset = 0
         for o in optimizers:
             ks = range(offset, offset + len(o.param_groups))
@@ -92,6 +64,7 @@ class WholeMatrices:
                 if not split_muon(o):
                     _refuse_own_process_groups(o, mine)
                     params = self._params[offset] = whole_parameters(mine, exchanges)
+                    hosted |= on_host(mine, exchanges)
                     self.bound.update({k: [] for k in ks})
                     for g in (g for g in mine if g.trainable):
                         names.update(g.names)
@@ -100,7 +73,9 @@ class WholeMatrices:
             offset += len(o.param_groups)
         owned = {n: p for params in self._params.values() for n, p in params.items()}
         # What whole-parameter optimizers step whole by name (None: none do).
-        self.params = WholeParams(frozenset(names), owned) if self._params else None
+        self.params = (
+            WholeParams(frozenset(names), owned, frozenset(hosted)) if self._params else None
+        )
 
     def stepper(
         self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup], offset: int
@@ -108,10 +83,18 @@ class WholeMatrices:
         """The stepper of whole-matrix `optimizer` (its first param group the `offset`-th
         of all) over `groups`, its flat groups: torch's Muon split (`MuonStep`, which
         joins the pieces of matrices split over tensor parallelism), another on the whole
-        parameters its param groups were bound to (`WholeParamStep`)."""
+        parameters its param groups were bound to (`WholeParamStep`, which joins them
+        too)."""
         if split_muon(optimizer):
             return MuonStep(optimizer, groups, self._exchanges, offset, self._tensor_parallel)
-        return WholeParamStep(optimizer, groups, self._exchanges, self._params[offset], offset)
+        return WholeParamStep(
+            optimizer,
+            groups,
+            self._exchanges,
+            self._params[offset],
+            offset,
+            self._tensor_parallel,
+        )
 
 
 def _refuse_own_process_groups(

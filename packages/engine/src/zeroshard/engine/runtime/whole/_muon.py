@@ -21,6 +21,19 @@ for the exchange and Newton-Schulz, the orthogonalized update comes back down to
 and the home's compute shard is rewritten from the stepped master afterwards. The bits
 are the device step's: the same elementwise ops on the same values.
 
+[Note: Muon's host transfers]
+A host group's step crosses the bus twice: its bf16 update goes up, its orthogonalized
+matrices come down. Neither copy makes the host wait on the device's queue per matrix:
+the update is written into pinned memory (torch's caching host allocator keeps the block
+until the copy has read it) and sent with `non_blocking`; a group's orthogonalized
+matrices come down together, into one pinned buffer behind one event (`_Down`), which
+the host waits for only once it has computed the next group's momentum and update, so
+Newton-Schulz on the device runs beside the host's elementwise passes. Each group's adds
+still follow its weight decay and all are in before the compute shards are rewritten:
+the same ops on the same values, one wait per group where there was one per matrix and
+one per update (a copy from pageable memory waits for the device's queue). On the CPU
+(gloo) nothing crosses a bus: no copy, and the adds follow at once.
+
 [Note: Muon under tensor parallelism]
 A matrix split over tp is a piece on each tensor-parallel rank, in a flat group of its
 own sharded over dp with the same layout on every tp rank; so the same dp rank owns the
@@ -35,6 +48,7 @@ The learning rate is adjusted by the whole matrix's shape.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,12 +108,18 @@ class MuonStep(ExchangingStep):
         """Every group's momentum and update on its shard, each exchanged update to its
         owner and back orthogonalized, weight decay and the add ([Note: Muon's step,
         split]). Each group's sends start before its own matrices are orthogonalized, and
-        every group's before any owner waits, so the collectives overlap the work."""
+        every group's before any owner waits, so the collectives overlap the work; a
+        group's local adds wait for the next group's update ([Note: Muon's host
+        transfers])."""
         arriving = []
         stepped = [g for g in self.groups if g.grad_shard is not None]
+        pending: _Down | None = None
         for g in stepped:
             pg = self.optimizer.param_groups[g.key.param_group - self.offset]
             update = self._update(g, pg)
+            if pending is not None:
+                self._add_all(pending)
+                pending = None
             ex = self.exchanges[g.index]
             if ex.active:
                 # The pieces are copied into the send buffer: `update` may go after this.
@@ -110,8 +130,9 @@ class MuonStep(ExchangingStep):
             if ex.local:
                 slots = [p.slot for p in ex.local]
                 done = self._orthogonalized(slots, ex.local_views(update), pg)
-                for piece, o in zip(ex.local, done, strict=True):
-                    self._add(g, piece, o, pg)
+                pending = _down(g, pg, ex.local, done)
+        if pending is not None:
+            self._add_all(pending)
         returning = []
         for g, pg, (owned, handle) in arriving:
             handle.wait()
@@ -126,12 +147,21 @@ class MuonStep(ExchangingStep):
             returning.append((g, pg, ex.from_owners(owned, label=label)))
         for g, pg, (back, handle) in returning:
             handle.wait()
-            for piece, chunk in self.exchanges[g.index].split_back(back):
-                self._add(g, piece, chunk, pg)
+            back_pieces = self.exchanges[g.index].split_back(back)
+            if back_pieces:
+                pieces, chunks = zip(*back_pieces, strict=True)
+                self._add_all(_down(g, pg, pieces, chunks))
         # What gathers read of a master homed on the host follows it (the device's
         # masters are read as they are).
         refresh_homes([g for g in stepped if g.home.kind is HomeKind.HOST])
         return StepOutcome.PUBLISH
+
+    def _add_all(self, down: _Down) -> None:
+        """Add each orthogonalized piece of `down` to its group's master, once it is there."""
+        if down.ready is not None:
+            down.ready.synchronize()
+        for piece, update in zip(down.pieces, down.updates, strict=True):
+            self._add(down.group, piece, update, down.pg)
 
     def _add(
         self, g: FlatParamGroup, piece: ShardPiece, update: torch.Tensor, pg: Mapping[str, Any]
@@ -142,7 +172,7 @@ class MuonStep(ExchangingStep):
         shape = self.splits[name][1] if name in self.splits else torch.Size(piece.slot.shape)
         alpha = -self.adjusted_lr(float(pg["lr"]), pg["adjust_lr_fn"], shape)
         target = g.master[piece.start : piece.start + piece.numel]
-        target.view_as(update).add_(update.to(target.device), alpha=alpha)
+        target.view_as(update).add_(update, alpha=alpha)
 
     def _update(self, g: FlatParamGroup, pg: Mapping[str, Any]) -> torch.Tensor:
         """Momentum and Nesterov blend of `g`'s shard, where its master lives (the
@@ -153,10 +183,52 @@ class MuonStep(ExchangingStep):
             state["momentum_buffer"] = torch.zeros_like(g.master)
         buf: torch.Tensor = state["momentum_buffer"]
         momentum = pg["momentum"]
-        update = torch.empty_like(buf, dtype=torch.bfloat16)
+        device = g.process_group.device
+        # Pinned where it goes up to a GPU, to go without waiting ([Note: Muon's host
+        # transfers]).
+        pin = buf.device.type == "cpu" and device.type == "cuda"
+        update = torch.empty(buf.shape, dtype=torch.bfloat16, device=buf.device, pin_memory=pin)
+        blend: torch.Tensor | None = None  # the Nesterov blend of a piece: one, reused
         for start, grad in g.grads.read(g):
             end = start + grad.numel()
             grad = grad.to(buf.dtype)
             part = buf[start:end].lerp_(grad, 1 - momentum)
-            update[start:end] = grad.lerp(part, momentum) if pg["nesterov"] else part
-        return update.to(g.process_group.device)
+            if pg["nesterov"]:
+                if blend is None or blend.numel() < grad.numel():
+                    blend = torch.empty_like(grad)
+                part = torch.lerp(grad, part, momentum, out=blend[: grad.numel()])
+            update[start:end] = part
+        return update.to(device, non_blocking=pin)
+
+
+@dataclass(frozen=True)
+class _Down:
+    """A group's orthogonalized pieces on its master's device, to read once `ready` (the
+    event of their copy down; None where nothing was copied) completed."""
+
+    group: FlatParamGroup
+    pg: Mapping[str, Any]
+    pieces: Sequence[ShardPiece]
+    updates: Sequence[torch.Tensor]
+    ready: torch.cuda.Event | None
+
+
+def _down(
+    g: FlatParamGroup,
+    pg: Mapping[str, Any],
+    pieces: Sequence[ShardPiece],
+    updates: Sequence[torch.Tensor],
+) -> _Down:
+    """`updates` (orthogonalized, of `pieces` of `g`'s master) on their way to the master's
+    device: from a GPU to the host, into one pinned buffer behind one event ([Note: Muon's
+    host transfers])."""
+    if g.master.device == updates[0].device:
+        return _Down(g, pg, pieces, updates, None)
+    host = torch.empty(sum(u.numel() for u in updates), dtype=updates[0].dtype, pin_memory=True)
+    down, at = [], 0
+    for u in updates:
+        down.append(host[at : at + u.numel()].view(u.shape).copy_(u, non_blocking=True))
+        at += u.numel()
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()
+    return _Down(g, pg, pieces, down, ready)
