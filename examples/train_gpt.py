@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "restart from there (docs/reliability.md); 0 = never",
     )
     p.add_argument(
+        "--snapshot-full-every",
+        type=int,
+        default=1,
+        help="with --snapshot-every 1: a full snapshot every K steps and a gradient journal "
+        "entry at each step between (Snapshots(full_every=K)); 1 = full snapshots only",
+    )
+    p.add_argument(
         "--resume",
         default="auto",
         choices=["auto", "never"],
@@ -398,6 +405,7 @@ def main() -> None:
             model,
             opt,
             every=args.snapshot_every,
+            full_every=args.snapshot_full_every,
             client_state=client_state,
             rank_state=rank_state,
         )

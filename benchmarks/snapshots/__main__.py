@@ -2,12 +2,16 @@
 how long a restart from them takes.
 
     python -m benchmarks.snapshots --part overhead           # one GPU: GPT 1.3b, N = 1, 10
+    python -m benchmarks.snapshots --part overhead --modes none,journal,dcp-async \
+        --every 1 --full-every 5 --steps 10 --rounds 2       # the journal at K = 5
     python -m benchmarks.snapshots --part recovery           # CPU: 2 simulated nodes x 2
     python -m benchmarks.snapshots --smoke                   # both, tiny, CPU
 
 `overhead` (`_overhead.py`): one rank trains the GPT and times blocks of steps with
 nothing saved, with `Snapshots.take` every N-th step, and with torch DCP's `async_save`
-of the same tensors every N-th step into shared memory, in alternating rounds. `recovery`
+of the same tensors every N-th step into shared memory, and `take` every step with a
+gradient journal (`journal`: a full snapshot every K steps, entries between), in
+alternating rounds. `recovery`
 (`_recovery.py`): two torchrun agents stand for two nodes; one is SIGKILLed with its
 workers and replaced by a new one with empty memory; the time from the kill to the first
 new step, split into rendezvous, setup, fetch and load, against a fresh start of the
@@ -38,6 +42,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--every", default="1,10", help="N of every N-th step (default 1,10)")
     p.add_argument(
+        "--modes",
+        default="none,snapshot,dcp-async,journal",
+        help="overhead's modes, of none,snapshot,dcp-async,journal (default all)",
+    )
+    p.add_argument(
+        "--full-every",
+        type=int,
+        default=5,
+        help="the journal's K: a full snapshot every K steps, entries between (default 5)",
+    )
+    p.add_argument(
         "--shm",
         default="/dev/shm",
         help="shared memory for overhead's snapshots and DCP's folder (default /dev/shm)",
@@ -61,6 +76,8 @@ def _overhead_part(a: argparse.Namespace) -> None:
             warmup=1 if a.smoke else 3,
             rounds=1 if a.smoke else a.rounds,
             every=(1, 2) if a.smoke else every,
+            modes=tuple(a.modes.split(",")),
+            full_every=2 if a.smoke else a.full_every,
             on_gpu=placement.on_gpus,
             shm=a.shm,
             out=str(out),

@@ -5,8 +5,11 @@ fused on CUDA) on random tokens and times blocks of `steps` steps in turn: nothi
 (`none`), `Snapshots.take` every N-th step (`snapshot`), and torch DCP's `async_save`
 every N-th step of the same tensors (the masters and optimizer state `save_checkpoint`
 holds) into a folder in shared memory (`--shm`), each save first waiting for the one
-before (`dcp-async`, as torchtitan does). Two snapshots and two DCP saves run untimed
-first (mapping and pinning the snapshots' two slots). A block's time runs
+before (`dcp-async`, as torchtitan does), and `take` every step of a second `Snapshots`
+with a gradient journal (`journal`: every=1, full_every=K; a block's first take is a
+full snapshot, then one every K steps, entries between: with blocks of a multiple of K
+steps its mean step is the amortized one at K). Two snapshots, two DCP saves and K+1
+journal takes run untimed first (mapping and pinning the slots). A block's time runs
 from its first step to the end of its last save (the background work waited for), so its
 mean step includes any wait a save caused; `take` (or `async_save`) alone is timed too.
 Rounds alternate the order of the modes; each mode's figure is its median block.
@@ -47,6 +50,8 @@ class Settings:
     warmup: int
     rounds: int
     every: tuple[int, ...]
+    modes: tuple[str, ...]
+    full_every: int
     on_gpu: bool
     shm: str
     out: str
@@ -62,6 +67,10 @@ class Row:
     blocks_ms: tuple[float, ...]
     call_ms: float
     snapshot_bytes: int
+    # journal: the mean take at a full snapshot, at the entry after one and at the other
+    # entries; the entry's bytes.
+    journal_ms: tuple[float, float, float] | None = None
+    entry_bytes: int = 0
 
 
 def run(rank: int, world: int, s: Settings) -> None:
@@ -88,8 +97,12 @@ def run(rank: int, world: int, s: Settings) -> None:
 
     shm = Path(tempfile.mkdtemp(prefix="zeroshard-bench-", dir=s.shm))
     # One Snapshots for every N (its two slots reused): the modes call it every N-th step.
-    snaps = zs.Snapshots(model, opt, every=1, root=shm / "snap")
+    snaps = zs.Snapshots(model, opt, every=1, root=shm / "snap") if "snapshot" in s.modes else None
+    journal = None
+    if "journal" in s.modes:
+        journal = zs.Snapshots(model, opt, every=1, full_every=s.full_every, root=shm / "jrnl")
     state = engine_state(model)
+    entry = sum(g.master.nbytes for g in state.groups if g.trainable)
     _, tensors = checkpoint_contents(model, state)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     del tensors
@@ -112,23 +125,52 @@ def run(rank: int, world: int, s: Settings) -> None:
     def every(e: int, save: Callable[[int], object]) -> Callable[[int], object]:
         return lambda n: save(n) if n % e == 0 else None
 
+    # The journal's takes by place: a full snapshot, the entry after it, the others.
+    places: dict[str, list[float]] = {"full": [], "after": [], "entry": []}
+
+    def journal_take(n: int) -> None:
+        assert journal is not None
+        full, start = journal._full, time.perf_counter()
+        journal.take(n)
+        took = time.perf_counter() - start
+        place = "full" if journal._full == n else "after" if full == n - 1 else "entry"
+        places[place].append(took)
+
     Mode = tuple[str, int, Callable[[int], object], Callable[[], None]]
-    modes: list[Mode] = [("none", 1, lambda n: None, lambda: None)]
+    modes: list[Mode] = [("none", 1, lambda n: None, lambda: None)] if "none" in s.modes else []
     for e in s.every:
-        modes.append(("snapshot", e, every(e, snaps.take), snaps.wait))
-        modes.append(("dcp-async", e, every(e, dcp_save), dcp_wait))
+        if snaps is not None:
+            modes.append(("snapshot", e, every(e, snaps.take), snaps.wait))
+        if "dcp-async" in s.modes:
+            modes.append(("dcp-async", e, every(e, dcp_save), dcp_wait))
+    if journal is not None:
+        modes.append(("journal", s.full_every, journal_take, journal.wait))
     blocks: dict[tuple[str, int], list[float]] = {}
+    n = 0
     try:
         for _ in range(s.warmup):
             step()
-        # Untimed: the first two snapshots map (and pin) the two slots, DCP warms up.
+        # Untimed: the first two snapshots map (and pin) the two slots, DCP warms up, the
+        # journal maps its slots (a full snapshot and K - 1 entries, then a full one).
         for n in (1, 2):
-            snaps.take(n)
-            dcp_save(n)
-        snaps.wait()
+            if snaps is not None:
+                snaps.take(n)
+            if "dcp-async" in s.modes:
+                dcp_save(n)
+        if journal is not None:
+            for n in range(3, 3 + s.full_every + 1):
+                step()
+                journal.take(n)
+            journal.wait()
+        if snaps is not None:
+            snaps.wait()
         dcp_wait()
-        print(f"[snapshots] set up; a snapshot is {size / 2**30:.1f} GiB", flush=True)
-        n = 0
+        places.update(full=[], after=[], entry=[])
+        print(
+            f"[snapshots] set up; a snapshot is {size / 2**30:.1f} GiB, a journal entry "
+            f"{entry / 2**30:.1f} GiB",
+            flush=True,
+        )
         for r in range(s.rounds):
             for mode, e, save, finish in modes if r % 2 == 0 else modes[::-1]:
                 sync(device)
@@ -149,7 +191,9 @@ def run(rank: int, world: int, s: Settings) -> None:
                     flush=True,
                 )
     finally:
-        snaps.close()
+        for done in (snaps, journal):
+            if done is not None:
+                done.close()
         shutil.rmtree(shm, ignore_errors=True)
     rows = [
         Row(
@@ -159,7 +203,16 @@ def run(rank: int, world: int, s: Settings) -> None:
             tuple(x * 1e3 for x in b),
             statistics.mean(calls[f"{mode}-{e}"]) * 1e3,
             size,
+            None if mode != "journal" else _places_ms(places),
+            entry,
         )
         for (mode, e), b in blocks.items()
     ]
     Path(s.out).write_text(json.dumps([asdict(r) for r in rows]))
+
+
+def _places_ms(places: dict[str, list[float]]) -> tuple[float, float, float]:
+    """The journal's mean take (ms) at a full snapshot, after one, at the other entries
+    (nan: none, K = 2)."""
+    mean = [statistics.mean(places[k]) * 1e3 if places[k] else float("nan") for k in places]
+    return mean[0], mean[1], mean[2]

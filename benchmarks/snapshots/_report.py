@@ -11,7 +11,7 @@ from benchmarks._common import markdown_table
 
 def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
     """The overhead table: each mode's mean step against no saving."""
-    base = next(r["step_ms"] for r in rows if r["mode"] == "none")
+    base = next((r["step_ms"] for r in rows if r["mode"] == "none"), float("nan"))
     table = [
         (
             r["mode"],
@@ -24,6 +24,20 @@ def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
         for r in sorted(rows, key=lambda r: (r["mode"] != "none", r["every"], r["mode"]))
     ]
     size = rows[0]["snapshot_bytes"] / 2**20
+    journal = ""
+    for r in rows:
+        if r["mode"] == "journal" and r["journal_ms"] is not None:
+            full, after, entry = r["journal_ms"]
+            journal = (
+                f"\n\n`journal` (every N steps: K, a full snapshot every K steps and a "
+                f"journal entry of {r['entry_bytes'] / 2**20:,.0f} MiB, the gradient shards, "
+                f"at each step between; its block's mean step is the amortized one at K): "
+                f"`take` {full:.1f} ms at a full snapshot, {after:.1f} ms at the entry after "
+                "it, "
+                + (f"{entry:.1f} ms" if entry == entry else "-")
+                + " at the other entries (each waits for the entry before's device copy and "
+                "for its slot: [Note: snapshot lifecycle] in recovery/_snapshots.py)."
+            )
     return (
         f"{shape}. Each rank's snapshot: {size:,.0f} MiB (masters and optimizer state). "
         "Mean step over a block (its saves' background work waited for at its end), the "
@@ -32,6 +46,7 @@ def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
         + markdown_table(
             ["mode", "every N steps", "step ms", "vs none", "save call ms", "blocks ms"], table
         )
+        + journal
     )
 
 

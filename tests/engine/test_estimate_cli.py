@@ -44,6 +44,15 @@ def _load(name: str, path: Path):  # type: ignore[no-untyped-def]
         (["gpt-9000", "--world", "2"], "unknown preset 'gpt-9000'"),
         (["tiny", "--world", "0"], "--world must be >= 1"),
         (["1.3b", "--world", "1", "--snapshots", "24"], "snapshots do not fit in host memory"),
+        # 29.4 GiB of full snapshots fit, with 5 journal entries of 4.9 GiB no more.
+        (
+            ["1.3b", "--world", "1", "--snapshots", "40", "--full-every", "5"],
+            "smaller --full-every",
+        ),
+        (
+            ["tiny", "--world", "2", "--full-every", "2"],
+            "--full-every takes K >= 1 with --snapshots",
+        ),
         (["tiny", "--world", "2", "--snapshots", "0"], "--snapshots takes the host memory"),
         (["tiny", "--world", "2", "--stage", "2", "--offload", "params"], "needs --stage 3"),
         (["tiny", "--world", "2", "--offload-overlap", "backward"], "needs --offload"),

@@ -21,7 +21,7 @@ from tests.engine._models import global_batches, loss_fn, make_model, make_optim
 from zeroshard.engine.recovery import Snapshots
 from zeroshard.engine.recovery._places import Placement
 from zeroshard.engine.recovery._restore import plan_restore
-from zeroshard.engine.recovery._store import OWN, REPLICA, Held
+from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA, Held
 
 
 def _build(stage: int, device: str) -> tuple[torch.nn.Module, zs.ZeroOptimizer, object]:
@@ -181,8 +181,10 @@ def test_plan_prefers_own_node_and_skips_bad_copies() -> None:
         "a": [held(5, 0, OWN), held(5, 1, OWN), held(5, 2, REPLICA), held(5, 3, REPLICA)],
         "b": [held(5, 2, OWN), held(5, 0, REPLICA), held(5, 1, REPLICA), held(6, 2, OWN)],
     }
-    step, sources = plan_restore(4, nodes, inv, set())  # type: ignore[misc]
-    assert step == 5  # step 6 is rank 2's only
+    plan = plan_restore(4, nodes, inv, set())
+    assert plan is not None
+    step, sources = plan.step, plan.sources
+    assert step == 5 and plan.full == 5 and plan.entries == []  # step 6 is rank 2's only
     # Rank 3's own copy is gone (its node's memory): node a's first rank sends the replica.
     assert [(s.node, s.held.kind, s.server) for s in sources] == [
         ("a", OWN, 0),
@@ -193,3 +195,33 @@ def test_plan_prefers_own_node_and_skips_bad_copies() -> None:
     bad = {("a", held(5, 3, REPLICA))}
     assert plan_restore(4, nodes, inv, bad) is None
     assert plan_restore(2, nodes[:2], inv, set()) is None  # another world size
+
+
+def test_plan_replays_journal_entries_up_to_the_first_gap() -> None:
+    """A full snapshot and the entries after it that every rank has; a damaged entry
+    (or one rank's lacking) ends the steps there; the newest reachable step wins."""
+    nodes = ["a", "b"]
+
+    def held(step: int, rank: int, kind: str) -> Held:
+        return Held(step, rank, 2, kind, 100)
+
+    inv = {
+        "a": [held(4, 0, OWN), held(4, 1, REPLICA), *(held(s, 0, ENTRY) for s in (5, 6, 7))],
+        "b": [held(4, 1, OWN), held(5, 1, ENTRY), held(6, 1, ENTRY), held(6, 0, ENTRY_REPLICA)],
+    }
+    plan = plan_restore(2, nodes, inv, set())
+    assert plan is not None and (plan.full, plan.step) == (4, 6)  # rank 1 has no entry 7
+    assert [(s, [(x.node, x.held.kind) for x in src]) for s, src in plan.entries] == [
+        (5, [("a", ENTRY), ("b", ENTRY)]),
+        (6, [("a", ENTRY), ("b", ENTRY)]),
+    ]
+    plan = plan_restore(2, nodes, inv, {("a", held(6, 0, ENTRY))})
+    assert plan is not None and plan.step == 6  # the replica on b covers rank 0's 6
+    assert (plan.entries[1][1][0].node, plan.entries[1][1][0].server) == ("b", 1)
+    plan = plan_restore(2, nodes, inv, {("b", held(5, 1, ENTRY))})
+    assert plan is not None and (plan.full, plan.step, plan.entries) == (4, 4, [])
+    # A newer full snapshot, every rank's, without entries: the newest step.
+    inv["a"] += [held(8, 0, OWN)]
+    inv["b"] += [held(8, 1, OWN)]
+    plan = plan_restore(2, nodes, inv, set())
+    assert plan is not None and (plan.full, plan.step) == (8, 8)

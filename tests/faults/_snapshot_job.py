@@ -6,6 +6,8 @@ FAULTS is a comma-separated list ('-' for none); the i-th is injected in attempt
 - `step:S`     rank 1 is SIGKILLed in the forward of step S (mid-step);
 - `own:S`      rank 1 is SIGKILLed as its own snapshot of step S (written and sealed)
                is renamed into place: mid-snapshot, step S is not complete;
+- `entry:S`    rank 1 is SIGKILLed as its own journal entry of step S is renamed into
+               place (`--snapshot-full-every`): step S is not complete;
 - `replica:S`  rank 0 is SIGKILLed as the replica of rank 1's step S it received is
                renamed into place: mid-replication;
 - `flip:S`     once step S is complete, one bit of rank 1's own snapshot is flipped and
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
-from zeroshard.engine.recovery._store import OWN, REPLICA
+from zeroshard.engine.recovery._store import ENTRY, OWN, REPLICA
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -137,6 +139,8 @@ def main() -> None:
             _on_forward(int(at[0]), rank1)
         elif kind == "own":
             _at_rename(OWN, int(at[0]), 1)
+        elif kind == "entry":
+            _at_rename(ENTRY, int(at[0]), 1)
         elif kind == "replica":
             _at_rename(REPLICA, int(at[0]), 0)
         elif kind == "flip":

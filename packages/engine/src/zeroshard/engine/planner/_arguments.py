@@ -156,6 +156,14 @@ def parser() -> argparse.ArgumentParser:
         help="price snapshots in host memory (zeroshard.engine.Snapshots) on nodes of this "
         "many GiB of host memory; refused when they do not fit",
     )
+    p.add_argument(
+        "--full-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --snapshots: a full snapshot every K steps and a gradient journal entry "
+        "at each step between (Snapshots(full_every=K); default 1: full snapshots only)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument(
         "--internode-gbps",
@@ -241,6 +249,8 @@ def check(a: argparse.Namespace) -> None:
         raise ValueError("--micro-batch and --seq must be >= 1")
     if a.snapshots is not None and not a.snapshots > 0:
         raise ValueError(f"--snapshots takes the host memory per node in GiB, got {a.snapshots}")
+    if a.full_every < 1 or (a.full_every > 1 and a.snapshots is None):
+        raise ValueError(f"--full-every takes K >= 1 with --snapshots, got {a.full_every}")
     if a.memory_limit_gib is not None and not a.memory_limit_gib > 0:
         raise ValueError(f"--memory-limit-gib must be > 0, got {a.memory_limit_gib}")
     if (a.achieved_tflops is None) != (a.flops_per_token is None):

@@ -20,7 +20,7 @@ from zeroshard.engine.planner._estimate import (
     estimate_on_trace,
     trace_micro_batch,
 )
-from zeroshard.engine.planner._groups import plan_groups
+from zeroshard.engine.planner._groups import journal_entry_bytes, plan_groups, snapshot_host_bytes
 from zeroshard.engine.planner._presets import PRESETS, build, convert_float8
 from zeroshard.engine.planner._recommend import MEMORY_ONLY_RULE, candidate_configs, recommend
 from zeroshard.engine.planner._step_time import Compute
@@ -28,21 +28,32 @@ from zeroshard.engine.planner._tensor_parallel import TensorParallelPlan, plan_t
 from zeroshard.engine.planner._whole import muon_recipe
 
 
-def _snapshot_rows(e: Estimate | TensorParallelPlan, host_gib: float, ranks: int) -> str:
-    """What snapshots take of a node's host memory; ValueError when they do not fit."""
-    steady, peak = e.snapshot_host
+def _snapshot_rows(
+    e: Estimate | TensorParallelPlan, host_gib: float, ranks: int, full_every: int, entry: int
+) -> str:
+    """What snapshots (with a journal of `entry`-byte entries when `full_every` > 1) take
+    of a node's host memory; ValueError when they do not fit."""
+    steady, peak = snapshot_host_bytes(e.snapshot, e.world_size, entry, full_every)
     node = (peak + e.host) * ranks
     offload = f" and offload's {e.host * ranks / GIB:.2f}" if e.host else ""
+    journal = ""
+    if full_every > 1:
+        replicas = " and as many replicas" if e.world_size > 1 else ""
+        journal = f"; a journal entry {entry / GIB:.2f} GiB, {full_every} held{replicas}"
     text = (
-        f"\nsnapshots in host memory per rank: {e.snapshot / GIB:.2f} GiB a copy; "
+        f"\nsnapshots in host memory per rank: {e.snapshot / GIB:.2f} GiB a copy{journal}; "
         f"{steady / GIB:.2f} GiB between snapshots (two slots, pinned, and a replica), "
         f"{peak / GIB:.2f} GiB while one is taken; a node of {ranks} ranks needs "
         f"{node / GIB:.2f} GiB (snapshots{offload}) of its {host_gib:g} GiB"
     )
     if node > host_gib * GIB:
+        less = (
+            "A smaller --full-every holds fewer journal entries; else"
+            if full_every > 1
+            else "Taking them less often does not help (two steps are held while one is taken):"
+        )
         raise ValueError(
-            f"snapshots do not fit in host memory: {text.strip()}. Taking them less often "
-            "does not help (two steps are held while one is taken): more nodes, less "
+            f"snapshots do not fit in host memory: {text.strip()}. {less} more nodes, less "
             "offload, or checkpoints on disk only"
         )
     return text
@@ -95,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(split.table())
             if a.snapshots is not None:
-                print(_snapshot_rows(split, a.snapshots, min(a.gpus_per_node, a.world)))
+                ranks = min(a.gpus_per_node, a.world)
+                # The device's gradient shards (an offloaded group's are not counted here).
+                entry = split.grad_shards
+                print(_snapshot_rows(split, a.snapshots, ranks, a.full_every, entry))
             return 0
 
         # One forward and backward on meta per compute dtype, whatever the configs compared.
@@ -123,7 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = run(cfg)
         print(first.table())
         if a.snapshots is not None:
-            print(_snapshot_rows(first, a.snapshots, min(a.gpus_per_node, a.world)))
+            ranks = min(a.gpus_per_node, a.world)
+            entry = journal_entry_bytes(plan_groups(model, cfg, first.shard_size), cfg)
+            print(_snapshot_rows(first, a.snapshots, ranks, a.full_every, entry))
         if a.memory_limit_gib is not None:
             stage3 = cfg.replace(stage=3, offload_delay_param_update=False)
             units = plan_groups(model, stage3, 1).units

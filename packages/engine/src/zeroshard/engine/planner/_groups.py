@@ -194,14 +194,28 @@ def snapshot_bytes(
     return total
 
 
-def snapshot_host_bytes(snapshot: int, world_size: int) -> tuple[int, int]:
+def journal_entry_bytes(plan: GroupPlan, cfg: ZeroConfig) -> int:
+    """One rank's journal entry (`Snapshots(full_every=K)`) in bytes: the gradient shards
+    of its trainable groups in the master dtype (its header, buffers and user state
+    aside)."""
+    master = cfg.precision.master_dtype.itemsize
+    return sum(g.layout.shard_numel * master for g in plan.groups if g.trainable)
+
+
+def snapshot_host_bytes(
+    snapshot: int, world_size: int, entry: int = 0, full_every: int = 1
+) -> tuple[int, int]:
     """Host bytes per rank that snapshots every N steps take (docs/reliability.md,
     "Recovery from memory"), of one rank's `snapshot`: between snapshots, its two slots
     (the newest complete step and the one before, pinned under CUDA) and the replica it
     keeps for a rank of another node; while one is taken, a second replica too. One rank
-    alone keeps no replica."""
+    alone keeps no replica. With a journal (`full_every` > 1) of entries of `entry` bytes,
+    its ring of `full_every` entry slots (pinned: the K - 1 entries since the full
+    snapshot and one more, so that the full snapshot's background work overlaps the
+    next steps) and as many replicas of entries."""
     replica = 0 if world_size == 1 else snapshot
-    return 2 * snapshot + replica, 2 * snapshot + 2 * replica
+    journal = full_every * entry * (1 if world_size == 1 else 2) if full_every > 1 else 0
+    return 2 * snapshot + replica + journal, 2 * snapshot + 2 * replica + journal
 
 
 def state_rows(states: Mapping[str, int], grad_shards: int) -> list[str]:

@@ -118,6 +118,8 @@ def _loaded(state: EngineState, snap: Snapshot, where: str) -> LoadedShards:
     """The snapshot as the checkpoint load's result, once it is checked to be of this
     engine (the same flat groups, layouts and optimizer structure)."""
     meta = snap.meta
+    if meta is None:
+        raise CheckpointError(f"{where} is a journal entry, not a full snapshot")
     layouts = {checkpoint_group_name(g): g.layout for g in state.groups}
     saved = {g.name: g.layout for g in meta.groups}
     if saved != layouts:

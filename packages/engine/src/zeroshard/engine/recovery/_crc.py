@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 _PIECE = 32 * 1024 * 1024
@@ -60,10 +61,18 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 _pool = ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) // 2)), "zeroshard-crc")
 
 
-def crc32(data: memoryview) -> int:
-    """`zlib.crc32(data)`, its pieces on several threads."""
+def crc32(data: memoryview, ready: Callable[[int], None] | None = None) -> int:
+    """`zlib.crc32(data)`, its pieces on several threads; each piece once `ready(end)`
+    returned, `end` its end's offset (bytes still arriving: [Note: the copy and the next
+    step] in _host_copy.py)."""
     pieces = [data[i : i + _PIECE] for i in range(0, len(data), _PIECE)]
+
+    def one(k: int) -> int:
+        if ready is not None:
+            ready(k * _PIECE + len(pieces[k]))
+        return zlib.crc32(pieces[k])
+
     crc = 0
-    for piece, part in zip(pieces, _pool.map(zlib.crc32, pieces), strict=True):
+    for piece, part in zip(pieces, _pool.map(one, range(len(pieces))), strict=True):
         crc = combine(crc, part, len(piece))
     return crc

@@ -3,8 +3,9 @@ metadata, tensors and user state), laid out for a copy into memory, with a check
 
 [Note: the snapshot file]
 8 bytes, the header's length n (little-endian); n bytes of JSON: the step, the rank, the
-world size, the checkpoint metadata's own JSON (`CheckpointMeta.to_json`), the user
-state's (`RankExtra.text`) and each tensor's key, dtype, shape and offset; then the
+world size, the checkpoint metadata's own JSON (`CheckpointMeta.to_json`; none in a
+journal entry, which has its `journal` record instead: [Note: the gradient journal]),
+the user state's (`RankExtra.text`) and each tensor's key, dtype, shape and offset; then the
 tensors' bytes, each at a multiple of 64; then a 16-byte trailer: `zsnap001`, the
 payload's length and its crc32 (the checkpoints' checksum). Bytes whose trailer is
 missing or whose crc32 differs are no snapshot (a killed write, a flipped bit): `check`
@@ -17,10 +18,10 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,9 +56,10 @@ class Snapshot:
     step: int
     rank: int
     world_size: int
-    meta: CheckpointMeta
+    meta: CheckpointMeta | None  # None: a journal entry
     tensors: Mapping[str, torch.Tensor]
     extra: RankExtra | None
+    journal: Mapping[str, Any] | None = None  # a journal entry's record
 
 
 def file_tensors(
@@ -74,11 +76,15 @@ def plan(
     step: int,
     rank: int,
     world_size: int,
-    meta: CheckpointMeta,
+    meta: CheckpointMeta | None,
     items: Mapping[str, torch.Tensor],
     extra_text: str | None,
+    journal: Mapping[str, Any] | None = None,
+    pad: int = _ALIGN,
 ) -> Planned:
-    """The layout of a snapshot of `items` (`file_tensors`): see [Note: the snapshot file]."""
+    """The layout of a snapshot of `items` (`file_tensors`): see [Note: the snapshot file].
+    The header is padded to a multiple of `pad` bytes (a journal's: a size that stays the
+    same from step to step, so its slot is reused)."""
     entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
     at = 0
     for key, t in items.items():
@@ -88,12 +94,13 @@ def plan(
         "step": step,
         "rank": rank,
         "world_size": world_size,
-        "meta": meta.to_json(),
+        "meta": None if meta is None else meta.to_json(),
+        "journal": journal,
         "extra": extra_text,
         "tensors": {k: [safetensors_dtype_code(d), list(s), o] for k, (d, s, o) in entries.items()},
     }
     text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % _ALIGN)
+    text += b" " * (-(8 + len(text)) % pad)
     head = struct.pack("<Q", len(text)) + text
     shifted = {k: (d, s, o + len(head)) for k, (d, s, o) in entries.items()}
     return Planned(head, shifted, len(head) + at + _TRAILER.size)
@@ -117,14 +124,18 @@ def slots(buf: torch.Tensor, planned: Planned) -> dict[str, torch.Tensor]:
     return {key: _view(buf, d, s, at) for key, (d, s, at) in planned.entries.items()}
 
 
-def _crc(buf: torch.Tensor, end: int) -> int:
-    return crc32(buf.numpy().data[:end])
+def _crc(buf: torch.Tensor, end: int, ready: Callable[[int], None] | None = None) -> int:
+    return crc32(buf.numpy().data[:end], ready)
 
 
-def seal(buf: torch.Tensor) -> int:
-    """Write the trailer (the crc32 of everything before it); return the crc32."""
+def seal(buf: torch.Tensor, ready: Callable[[int | None], None] | None = None) -> int:
+    """Write the trailer (the crc32 of everything before it); return the crc32. `ready`
+    (`HostCopy.start`'s): the bytes below an address may still be arriving."""
     end = buf.numel() - _TRAILER.size
-    crc = _crc(buf, end)
+    base = buf.data_ptr()
+    crc = _crc(buf, end, None if ready is None else lambda at: ready(base + at))
+    if ready is not None:
+        ready(None)
     tail = _TRAILER.pack(_MAGIC, end, crc)
     buf[end:].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
     return crc
@@ -157,7 +168,7 @@ def parse(buf: torch.Tensor, where: str) -> Snapshot:
             key: _view(buf, safetensors_dtype(code), tuple(shape), 8 + n + at)
             for key, (code, shape, at) in doc["tensors"].items()
         }
-        meta = CheckpointMeta.from_json(doc["meta"])
+        meta = None if doc["meta"] is None else CheckpointMeta.from_json(doc["meta"])
         extra = None
         if doc["extra"] is not None:
             # Copies: the user's state outlives the bytes (and torch's set_rng_state wants
@@ -166,7 +177,13 @@ def parse(buf: torch.Tensor, where: str) -> Snapshot:
             extra = RankExtra(str(doc["extra"]), mine)
         tensors = {k: t for k, t in tensors.items() if not k.startswith(_EXTRA)}
         return Snapshot(
-            int(doc["step"]), int(doc["rank"]), int(doc["world_size"]), meta, tensors, extra
+            int(doc["step"]),
+            int(doc["rank"]),
+            int(doc["world_size"]),
+            meta,
+            tensors,
+            extra,
+            doc.get("journal"),
         )
     except (KeyError, TypeError, ValueError, struct.error) as e:
         if isinstance(e, CheckpointError):

@@ -7,14 +7,24 @@ Device tensors are copied straight into it (the slot is pinned: [Note: slots]) o
 stream that first waits for the work that produced them; nothing in forward or backward
 writes a master or an optimizer state, so the copy overlaps them, and the next optimizer
 step waits for it on the device (`wait_before_step`, an optimizer pre-step hook), never
-on the host. The background thread waits for the copy before it checksums the bytes.
+on the host. The background thread checksums the bytes as they arrive: each piece once
+the copies into it are done (an event after each tensor's copy), so the checksum
+overlaps the copy instead of following it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping
 
 import torch
+
+# Wait until the copies into host memory below an address are done (None: all of them).
+Ready = Callable[[int | None], None]
+
+
+def _copied(upto: int | None = None) -> None:
+    """Nothing to wait for: the host copied it all."""
 
 
 class HostCopy:
@@ -26,26 +36,40 @@ class HostCopy:
 
     def start(
         self, sources: Mapping[str, torch.Tensor], places: Mapping[str, torch.Tensor]
-    ) -> Callable[[], None]:
+    ) -> Ready:
         """Copy host sources into `places` now and device sources on a side stream;
-        return what waits for the device's copies."""
+        return what waits for the device's copies (those below an address, or all)."""
         device = {k: t for k, t in sources.items() if t.device.type != "cpu"}
         for key, t in sources.items():
             if key not in device:
                 places[key].copy_(t)
         if not device:
-            return lambda: None
+            return _copied
         if self._stream is None:
             self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
+        starts: list[int] = []
+        events: list[torch.cuda.Event] = []
         with torch.cuda.stream(stream):
-            for key, t in device.items():
+            # In the order of their places, so an event says every copy below it is done.
+            for key, t in sorted(device.items(), key=lambda kv: places[kv[0]].data_ptr()):
                 places[key].copy_(t, non_blocking=True)
-            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copied.record(stream)
-        self._copied = copied
-        return copied.synchronize
+                # A source the caller drops (a journal's gradient) is not reused before.
+                t.record_stream(stream)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                starts.append(places[key].data_ptr())
+                events.append(event)
+        self._copied = events[-1]
+
+        def ready(upto: int | None = None) -> None:
+            # The last copy starting below `upto` (the stream runs them in order).
+            k = len(events) if upto is None else bisect.bisect_left(starts, upto)
+            if k:
+                events[k - 1].synchronize()
+
+        return ready
 
     def wait_before_step(self) -> None:
         """Make the current stream wait for the last copy (see [Note: the copy and the next

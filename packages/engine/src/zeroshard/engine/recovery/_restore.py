@@ -5,17 +5,21 @@
    rank gets every node's list (over the snapshots' group).
 2. Plan (`plan_restore`, the same on every rank): the newest step S at which every
    rank r of this world has a file of its state at S, for this world size, on some
-   node, none of those found bad; each rank's source is its own node's file if there
-   is one (read from shared memory), else the first node's that holds one (its first
-   rank sends it).
+   node, none of those found bad: a full snapshot F = S, or one F < S followed by
+   journal entries F+1..S of every rank ([Note: the gradient journal] in _journal.py);
+   each rank's source of each file is its own node's if there is one (read from shared
+   memory), else the first node's that holds one (its first rank sends it).
 3. Fetch and check: every rank reads or receives its file and checks its crc32, that it
    is its own state at S, and that it fits this engine (`check_snapshot`). The ranks
    then share their outcomes: if any file failed, it is marked bad on every rank and
    the plan is made again (the other copy may be whole), else
-4. every rank puts its state back (`apply_snapshot`, the checkpoint's own phases), each
-   node keeps step S only, and the background thread writes each rank's own copy
-   where it was fetched from another node and replicates every rank's state again,
-   so a second failure before the next snapshot finds S whole.
+4. every rank puts its state back (`apply_snapshot`, the checkpoint's own phases) and
+   replays the entries (`replay`), each node keeps steps F..S only, and the background
+   thread writes each rank's own copy of F where it was fetched from another node and
+   replicates every rank's F again, so a second failure before the next snapshot finds
+   F whole (the entries are where they were; the next `take` is a full snapshot).
+   Where a damaged file made it restore an older step than the newest held, one
+   warning says which and how many steps that costs.
 5. When no step is covered, the snapshots are dropped and `resume_checkpoint` loads
    the newest intact checkpoint from disk; one warning on rank 0 says why, and how many
    steps behind the newest snapshot that is.
@@ -34,8 +38,10 @@ import torch.distributed as dist
 from zeroshard.ckpt import CheckpointError
 from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.recovery import _file, _wire
-from zeroshard.engine.recovery._contents import apply_snapshot, check_snapshot
-from zeroshard.engine.recovery._store import OWN, Held
+from zeroshard.engine.recovery._contents import Checked, apply_snapshot, check_snapshot
+from zeroshard.engine.recovery._file import Snapshot
+from zeroshard.engine.recovery._journal import Entry, check_entry, replay
+from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, Held
 from zeroshard.engine.state._checkpoint import every_rank
 from zeroshard.engine.state._resume import resume_checkpoint
 
@@ -67,33 +73,64 @@ class Resumed(NamedTuple):
 Bad = tuple[str, Held]
 
 
+class Plan(NamedTuple):
+    """What a restore reads: the full snapshot of step `full` (each rank's source), then
+    the journal entries of steps full+1..`step` (each step's sources)."""
+
+    step: int
+    full: int
+    sources: list[Source]
+    entries: list[tuple[int, list[Source]]]
+
+
+Holders = dict[tuple[int, int], list[tuple[str, Held]]]
+
+
+def _covered(holders: Holders, step: int, nodes: Sequence[str]) -> list[Source] | None:
+    """Each rank's source of its file of `step` in `holders`; None if a rank has none."""
+    first = {n: nodes.index(n) for n in dict.fromkeys(nodes)}
+    sources = []
+    for rank in range(len(nodes)):
+        there = holders.get((step, rank), [])
+        if not there:
+            return None
+        # Its own node first (no transfer), its own copy before a replica.
+        node, held = min(
+            there, key=lambda nh: (nh[0] != nodes[rank], nh[1].kind not in (OWN, ENTRY))
+        )
+        sources.append(Source(node, held, rank if node == nodes[rank] else first[node]))
+    return sources
+
+
 def plan_restore(
     world_size: int,
     nodes: Sequence[str],
     inventory: Mapping[str, Sequence[Held]],
     bad: set[Bad],
-) -> tuple[int, list[Source]] | None:
-    """The newest step every rank's snapshot covers and each rank's source (see [Note:
-    restoring from memory]); None when no step is covered. `nodes[r]` is rank r's node."""
+) -> Plan | None:
+    """The newest step every rank's snapshot (or full snapshot and journal entries)
+    covers, and each rank's sources (see [Note: restoring from memory]); None when no
+    step is covered. `nodes[r]` is rank r's node."""
     first = {n: nodes.index(n) for n in dict.fromkeys(nodes)}
-    holders: dict[tuple[int, int], list[tuple[str, Held]]] = {}
+    fulls: Holders = {}
+    entries: Holders = {}
     for node in sorted(inventory, key=lambda n: first.get(n, len(nodes))):
         for h in inventory[node]:
             if h.world_size == world_size and (node, h) not in bad and node in first:
-                holders.setdefault((h.step, h.rank), []).append((node, h))
-    steps = sorted({s for s, _ in holders}, reverse=True)
-    for step in steps:
-        sources = []
-        for rank in range(world_size):
-            there = holders.get((step, rank), [])
-            if not there:
-                break
-            # Its own node first (no transfer), its own copy before a replica.
-            node, held = min(there, key=lambda nh: (nh[0] != nodes[rank], nh[1].kind != OWN))
-            sources.append(Source(node, held, rank if node == nodes[rank] else first[node]))
-        else:
-            return step, sources
-    return None
+                into = entries if h.kind in (ENTRY, ENTRY_REPLICA) else fulls
+                into.setdefault((h.step, h.rank), []).append((node, h))
+    best = None
+    for full in sorted({s for s, _ in fulls}, reverse=True):
+        sources = _covered(fulls, full, nodes)
+        if sources is None:
+            continue
+        step, journal = full, []
+        while (more := _covered(entries, step + 1, nodes)) is not None:
+            step += 1
+            journal.append((step, more))
+        if best is None or step > best.step:
+            best = Plan(step, full, sources, journal)
+    return best
 
 
 def _inventory(snaps: Snapshots) -> dict[str, list[Held]]:
@@ -136,15 +173,16 @@ def _fetch(snaps: Snapshots, step: int, sources: list[Source]) -> torch.Tensor:
     return out
 
 
-def _outcomes(snaps: Snapshots, problem: str | None) -> list[str | None]:
-    everyone: list[str | None] = [None] * snaps.world_size
+def _outcomes(snaps: Snapshots, problem: tuple[str, int] | None) -> list[tuple[str, int] | None]:
+    everyone: list[tuple[str, int] | None] = [None] * snaps.world_size
     dist.all_gather_object(everyone, problem, group=snaps._pg)
     return everyone
 
 
-def _republisher(
-    snaps: Snapshots, step: int, src: Source, buf: torch.Tensor
-) -> Callable[[], torch.Tensor]:
+Republish = tuple[int, Callable[[], torch.Tensor]]
+
+
+def _republisher(snaps: Snapshots, step: int, src: Source, buf: torch.Tensor) -> Republish:
     """What the background thread runs first after a restore: this rank's own copy of
     `step` written to its node where it came from elsewhere; its bytes returned."""
 
@@ -158,11 +196,59 @@ def _republisher(
         snaps.store.commit(temp, final)
         return copy
 
-    return own
+    return step, own
+
+
+def _read(
+    snaps: Snapshots, plan: Plan
+) -> tuple[list[torch.Tensor], tuple[str, int] | None, Checked | None, list[Entry]]:
+    """Fetch this rank's files of `plan` (the full snapshot's, then each entry's; serving
+    the ranks it is a source of) and check them: the bytes, the problem found (its text
+    and the file's index in the plan) or the checked contents."""
+    state, me = snaps._state, snaps.rank
+    files = [(plan.full, plan.sources), *plan.entries]
+    bufs: list[torch.Tensor] = []
+    problem = None
+    for i, (step, sources) in enumerate(files):
+        try:
+            bufs.append(_fetch(snaps, step, sources))
+        except OSError as e:
+            bufs.append(torch.empty(0, dtype=torch.uint8))
+            problem = problem or (str(e), i)
+    if problem is not None:
+        return bufs, problem, None, []
+    checked = None
+    entries = []
+    for i, ((step, sources), buf) in enumerate(zip(files, bufs, strict=True)):
+        src = sources[me]
+        what = "journal entry" if i else "snapshot"
+        where = f"{what} of rank {me} at step {step} (node {src.node}, {src.held.kind})"
+        try:
+            _file.check(buf, where)
+            snap = _file.parse(buf, where)
+            _check_identity(snaps, snap, step, where)
+            if i == 0:
+                checked = check_snapshot(state, snap, where, snaps.client_state, snaps.rank_state)
+            else:
+                entries.append(
+                    check_entry(
+                        state, snaps._model, snap, where, snaps.client_state, snaps.rank_state
+                    )
+                )
+        except (CheckpointError, OSError) as e:
+            return bufs, (str(e), i), None, []
+    return bufs, None, checked, entries
+
+
+def _check_identity(snaps: Snapshots, snap: Snapshot, step: int, where: str) -> None:
+    if (snap.step, snap.rank, snap.world_size) != (step, snaps.rank, snaps.world_size):
+        raise CheckpointError(
+            f"{where} holds rank {snap.rank}'s state at step {snap.step} of {snap.world_size} ranks"
+        )
 
 
 @torch.no_grad()
-def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Callable[[], torch.Tensor] | None]:
+def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Republish | None]:
     """See [Note: restoring from memory]; the republish to start in the background."""
     state, model = snaps._state, snaps._model
     me = snaps.rank
@@ -173,43 +259,38 @@ def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Callable[[], tor
     why: list[str] = []
     label = f"Snapshots.resume({str(directory)!r})"
     while (
-        found := plan_restore(snaps.world_size, snaps.placement.nodes, inventory, bad)
+        plan := plan_restore(snaps.world_size, snaps.placement.nodes, inventory, bad)
     ) is not None:
-        step, sources = found
-        src = sources[me]
-        where = f"snapshot of rank {me} at step {step} (node {src.node}, {src.held.kind})"
-        problem = None
-        fetch_s = 0.0
-        try:
-            buf = _fetch(snaps, step, sources)
-            _file.check(buf, where)
-            snap = _file.parse(buf, where)
-            if (snap.step, snap.rank, snap.world_size) != (step, me, snaps.world_size):
-                raise CheckpointError(
-                    f"{where} holds rank {snap.rank}'s state at step {snap.step} of "
-                    f"{snap.world_size} ranks"
-                )
-            fetch_s = time.perf_counter() - t0
-            checked = check_snapshot(state, snap, where, snaps.client_state, snaps.rank_state)
-        except (CheckpointError, OSError) as e:
-            problem = str(e)
+        bufs, problem, checked, entries = _read(snaps, plan)
+        fetch_s = time.perf_counter() - t0
         outcomes = _outcomes(snaps, problem)
         if any(outcomes):
-            for rank, text in enumerate(outcomes):
-                if text is not None:
-                    bad.add((sources[rank].node, sources[rank].held))
+            files = [plan.sources, *(sources for _, sources in plan.entries)]
+            for rank, found in enumerate(outcomes):
+                if found is not None:
+                    text, i = found
+                    bad.add((files[i][rank].node, files[i][rank].held))
                     why.append(text)
             continue
+        assert checked is not None
         t1 = time.perf_counter()
-        apply_snapshot(
-            model, state, every_rank(state), label, checked, snaps.client_state, snaps.rank_state
-        )
-        _keep_only(snaps, step)
+        everyone = every_rank(state)
+        apply_snapshot(model, state, everyone, label, checked, snaps.client_state, snaps.rank_state)
+        if entries:
+            replay(model, state, everyone, label, entries, snaps.client_state, snaps.rank_state)
+        _keep_only(snaps, plan.full, plan.step)
         if why:
-            warn_on_rank0(f"resume: skipped damaged snapshots ({'; '.join(why)})")
-        got = 0 if src.server == me else buf.numel()
-        done = Resumed(step, "memory", fetch_s, time.perf_counter() - t1, got)
-        return done, _republisher(snaps, step, src, buf)
+            assert newest is not None
+            warn_on_rank0(
+                f"resume: skipped damaged snapshots ({'; '.join(why)}): resumed from step "
+                f"{plan.step}, {newest - plan.step} step(s) behind the newest snapshot "
+                f"(step {newest}), which are redone"
+            )
+        src = plan.sources[me]
+        files = [plan.sources, *(sources for _, sources in plan.entries)]
+        got = sum(b.numel() for b, f in zip(bufs, files, strict=True) if f[me].server != me)
+        done = Resumed(plan.step, "memory", fetch_s, time.perf_counter() - t1, got)
+        return done, _republisher(snaps, plan.full, src, bufs[0])
     _keep_only(snaps, None)
     t1 = time.perf_counter()
     disk = resume_checkpoint(
@@ -235,8 +316,12 @@ def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Callable[[], tor
     return Resumed(disk, source, t1 - t0, time.perf_counter() - t1, 0), None
 
 
-def _keep_only(snaps: Snapshots, step: int | None) -> None:
-    """Each node keeps only `step`'s snapshots (none: no step)."""
+def _keep_only(snaps: Snapshots, first: int | None, last: int | None = None) -> None:
+    """Each node keeps only the steps `first`..`last` (`first` alone without `last`; none
+    without either)."""
     if snaps.placement.node_ranks(snaps.placement.nodes[snaps.rank])[0] == snaps.rank:
-        snaps.store.drop(step)
+        if first is None:
+            snaps.store.drop(None)
+        else:
+            snaps.store.keep_only(first, first if last is None else last)
     dist.barrier(group=snaps._pg)

@@ -10,7 +10,8 @@ snapshots]). The two slots alternate: the one written next held the step before 
 newest complete one, whose folder was removed when the newest completed. A restarted
 process never writes into a dead process's slots (their steps may still be linked and
 needed): it makes its own, and removes the dead ones' names (their bytes live on while a
-step links them).
+step links them). The journal's entries have a ring of K slots of their own ([Note:
+snapshot lifecycle] in _snapshots.py).
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ def _unpin(slot: Slot) -> None:
 
 
 class Slots:
-    """This process's two slots for rank `rank` in `store`'s node folder."""
+    """This process's `count` slots for rank `rank` in `store`'s node folder, their file
+    names tagged `tag` (two for full snapshots; the journal's ring)."""
 
-    def __init__(self, store: NodeStore, rank: int, pin: bool) -> None:
+    def __init__(
+        self, store: NodeStore, rank: int, pin: bool, count: int = 2, tag: str = ""
+    ) -> None:
         self._folder = store.folder / "slots"
         self._rank = rank
         self._pin = pin
-        self._slots: list[Slot | None] = [None, None]
+        self._tag = tag
+        self._slots: list[Slot | None] = [None] * count
         self._turn = 0
         self._folder.mkdir(parents=True, exist_ok=True)
         for f in self._folder.glob("rank*-*-*.buf"):
@@ -64,14 +69,18 @@ class Slots:
 
     def next(self, size: int) -> Slot:
         """The slot to write a snapshot of `size` bytes into (see [Note: slots])."""
-        k, self._turn = self._turn, 1 - self._turn
+        k, self._turn = self._turn, (self._turn + 1) % len(self._slots)
+        return self.at(k, size)
+
+    def at(self, k: int, size: int) -> Slot:
+        """Slot `k`, holding `size` bytes."""
         slot = self._slots[k]
         if slot is not None and slot.buf.numel() == size:
             return slot
         if slot is not None:
             _unpin(slot)
         # A new file, not the old one resized: a step may still link the old bytes.
-        path = self._folder / f"rank{self._rank:05d}-{os.getpid()}-{k}.buf"
+        path = self._folder / f"rank{self._rank:05d}-{os.getpid()}-{self._tag}{k}.buf"
         path.unlink(missing_ok=True)
         try:
             buf = mapped(path, size)
@@ -91,4 +100,4 @@ class Slots:
         for slot in self._slots:
             if slot is not None:
                 _unpin(slot)
-        self._slots = [None, None]
+        self._slots = [None] * len(self._slots)

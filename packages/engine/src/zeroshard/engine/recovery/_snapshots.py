@@ -3,19 +3,30 @@ another node, to restart from after a worker or a node is lost.
 
 [Note: snapshot lifecycle]
 `take(step)`, on every rank at the same steps:
-1. The previous snapshot's background work is waited for (its error raised here).
+1. The slot it writes into is waited for: one of its two slots in the node's shared
+   memory ([Note: slots], [Note: a node's folder]), free once the snapshot before is
+   complete (the one before that is then unneeded); a background error is raised here.
 2. On the calling thread: the rank's contents (`rank_contents`: what a checkpoint
-   holds) laid out in one of its two slots in the node's shared memory ([Note: slots],
-   [Note: a node's folder]); host tensors are copied into it now, device tensors start
-   their copy on a side stream ([Note: the copy and the next step]). Training goes on.
-3. A background thread waits for the copy, seals the bytes (crc32) and links them into
-   place: the rank's own copy. Then it sends the bytes to the rank's buddy and
-   receives its wards' ([Note: the snapshots' process group]), each sealed file
-   renamed into place: the replicas. An all-reduce then says every rank's copy and
-   replica of step S are in place: S is complete, and each rank removes the older steps
-   of its node (a rank removes only once every rank finished S, so a step is held
-   until a newer one is complete).
+   holds) laid out in that slot; host tensors are copied into it now, device tensors
+   start their copy on a side stream ([Note: the copy and the next step]). Training
+   goes on. (The next `take` waits for an entry's copy: the device memory of the
+   gradients it reads is held until then.)
+3. A background thread seals the bytes (crc32, as the copy arrives) and links them into
+   place: the rank's own copy. Then, after the snapshots before ([Note: snapshots in
+   the background]), it sends the bytes to the rank's buddy and receives its wards'
+   ([Note: the snapshots' process group]), each sealed file renamed into place: the
+   replicas. An all-reduce then says every rank's copy and replica of step S are in
+   place: S is complete, and each rank removes the older steps of its node (a rank
+   removes only once every rank finished S, so a step is held until a newer one is
+   complete).
 A node thus holds at most two steps: the newest complete one and the one in flight.
+With `full_every=K` the steps between full snapshots take journal entries instead
+([Note: the gradient journal] in _journal.py): written, sealed and replicated the same
+way into a ring of K slots of their own, and removed only once a newer full snapshot is
+complete; every rank agrees at each `take` whether it is an entry or a full snapshot.
+An entry's slot is free once the full snapshot after its old entry is complete: with K
+slots, an entry waits for the full snapshot before it only from the second entry after
+it, so the full snapshot's background work overlaps the next steps.
 A kill at any point leaves at worst '.'-named files (never listed) and a step that is
 not complete; `resume` ([Note: restoring from memory]) finds what is whole.
 """
@@ -23,7 +34,6 @@ not complete; `resume` ([Note: restoring from memory]) finds what is whole.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -33,12 +43,14 @@ import torch.distributed as dist
 
 from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.recovery import _file, _wire
+from zeroshard.engine.recovery._background import Background
 from zeroshard.engine.recovery._contents import rank_contents
-from zeroshard.engine.recovery._host_copy import HostCopy
+from zeroshard.engine.recovery._host_copy import HostCopy, Ready
+from zeroshard.engine.recovery._journal import JournalStep, entry_contents, journal_refusal
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._restore import Resumed, resume
 from zeroshard.engine.recovery._slots import Slots
-from zeroshard.engine.recovery._store import OWN, REPLICA, NodeStore
+from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 
@@ -48,7 +60,10 @@ class Snapshots:
     Call on every rank after `initialize`; `resume(directory)` instead of
     `resume_checkpoint` on start, `take(step)` where a checkpoint would be saved (after
     the step, the scheduler and the data position), `close()` at the end.
-    `every`: `take` snapshots the steps it divides. `client_state` / `rank_state` are
+    `every`: `take` snapshots the steps it divides. `full_every` (with `every=1`): a
+    full snapshot every `full_every` steps, a journal entry of the step's gradients at
+    each step between ([Note: the gradient journal] in _journal.py); 1, the default:
+    full snapshots only. `client_state` / `rank_state` are
     the mappings `save_checkpoint` takes, read at each snapshot. `root`: where the
     shared memory is (`/dev/shm`; the job's folder goes under it). Host memory per
     rank: docs/reliability.md, "Recovery from memory"; `zeroshard-plan --snapshots`.
@@ -60,6 +75,7 @@ class Snapshots:
         optimizer: torch.optim.Optimizer,
         *,
         every: int = 1,
+        full_every: int = 1,
         client_state: MutableMapping[str, Any] | None = None,
         rank_state: MutableMapping[str, Any] | None = None,
         root: str | os.PathLike[str] = "/dev/shm",
@@ -71,13 +87,25 @@ class Snapshots:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        if full_every > 1 and every != 1:
+            raise ValueError(
+                f"full_every={full_every} needs every=1 (got every={every}): a journal entry "
+                "holds one step, and a restore replays every step since the full snapshot"
+            )
+        if full_every > 1 and (why := journal_refusal(self._state)):
+            raise ValueError(f"Snapshots(full_every={full_every}): not with {why}")
         self.every = every
+        self.full_every = full_every
         self.client_state = client_state
         self.rank_state = rank_state
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         timeout = self._state.shard_group.timeout
         # Collective: every rank makes the group (see [Note: the snapshots' process group]).
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
+        # Where `take` agrees on an entry or a full snapshot while the threads use `_pg`.
+        self._agree_pg = dist.new_group(backend="gloo", timeout=timeout)
         nodes: list[str | None] = [None] * self.world_size
         me = node_key()
         dist.all_gather_object(nodes, me, group=self._pg)
@@ -91,23 +119,70 @@ class Snapshots:
         self._copy = HostCopy()
         on_device = self._state.shard_group.device.type == "cuda"
         self._slots = Slots(self.store, self.rank, pin=on_device)
-        self._hook = engine_optimizer.register_step_pre_hook(
-            lambda *_: self._copy.wait_before_step()
-        )
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._journal: JournalStep | None = None
+        # The newest full snapshot taken since the start or the last resume, the last step.
+        self._full: int | None = None
+        self._last: int | None = None
+        if full_every > 1:
+            self._check_room(Path(root), full_every)
+            self._journal = JournalStep(engine_optimizer.stepper, engine_optimizer)
+            engine_optimizer.stepper = self._journal
+            self._entries = Slots(self.store, self.rank, on_device, full_every, "e")
+        # The step each entry slot holds, and the entries taken (the next one's slot).
+        self._ring: list[int | None] = [None] * full_every
+        self._entry_no = 0
+        # The last entry's device copy: its gradients' memory is held until it is done.
+        self._entry_copy: Ready | None = None
+        self._hook = engine_optimizer.register_step_pre_hook(lambda *_: self._before_step())
+        self._work = Background()
         self.last_resume: Resumed | None = None
+
+    def _check_room(self, root: Path, full_every: int) -> None:
+        """ValueError on every rank unless each node's shared memory has room for its
+        ranks' journal: K entry slots and K replicas (docs/reliability.md)."""
+        entry = sum(g.master.nbytes for g in self._state.groups if g.trainable)
+        need = full_every * entry * (1 if self.world_size == 1 else 2)
+        at = root if root.exists() else root.parent
+        stat = os.statvfs(at)
+        here = len(self.placement.node_ranks(self.placement.nodes[self.rank]))
+        everyone: list[tuple[int, int] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, (need * here, stat.f_bavail * stat.f_frsize), self._pg)
+        short = [(r, n, f) for r, (n, f) in enumerate(everyone) if n > f]  # type: ignore[misc]
+        if short:
+            r, n, f = short[0]
+            raise ValueError(
+                f"Snapshots(full_every={full_every}): the journal needs {n / 2**30:.2f} GiB "
+                f"of shared memory on rank {r}'s node ({full_every} entries of "
+                f"{entry / 2**30:.2f} GiB per rank, and as many replicas), {f / 2**30:.2f} "
+                f"GiB are free in {at}: a smaller full_every (zeroshard-plan --snapshots "
+                "--full-every prices it)"
+            )
+
+    def _before_step(self) -> None:
+        self._copy.wait_before_step()
+        if self._journal is not None:
+            self._journal.steps += 1
 
     # -- taking ----------------------------------------------------------------------
     def take(self, step: int) -> bool:
         """Snapshot the state as of `step` if `every` divides it; return whether it did.
-        Call on every rank at the same steps (collective)."""
+        Call on every rank at the same steps (collective). With `full_every`, a journal
+        entry where one can be taken, else a full snapshot."""
         if step % self.every:
             return False
-        self.wait()
+        self._work.raise_error()
+        if self._entry_copy is not None:  # bounds the gradients' memory held for copies
+            self._entry_copy(None)
+            self._entry_copy = None
         # A delayed step in flight is part of this step; the parameters behind it are
         # kept too ([Note: a snapshot of a lagging run] in _contents.py).
         self._state.settle()
+        last, self._last = self._last, step
+        if self._journal is not None and self._take_entry(step, last):
+            return True
+        if self._full is not None:
+            self._work.wait_complete(self._full)  # the other slot's step is then unneeded
+        self._full = step
         meta, tensors, extra = rank_contents(
             self._model, self._state, step, self.client_state, self.rank_state
         )
@@ -122,47 +197,84 @@ class Snapshots:
         finish = self._copy.start(items, _file.slots(buf, planned))
 
         def own() -> torch.Tensor:
-            finish()
-            _file.seal(buf)
+            _file.seal(buf, finish)
             self.store.link(slot.path, final)
             return buf
 
         self._start(step, own)
         return True
 
-    def _start(self, step: int, own: Callable[[], torch.Tensor]) -> None:
-        def work() -> None:
-            try:
-                self._replicate(step, own())
-            except BaseException as e:  # raised on the main thread by wait()
-                self._error = e
+    def _take_entry(self, step: int, last: int | None) -> bool:
+        """Take a journal entry of `step` if every rank can; return whether they did."""
+        assert self._journal is not None
+        opt = self._state.needs_optimizer("Snapshots.take")
+        due = self._full is None or last != step - 1 or step - self._full >= self.full_every
+        contents = entry_contents(
+            self._journal, self._model, opt, self.client_state, self.rank_state, skip=due
+        )
+        able = torch.tensor([0 if due or isinstance(contents, str) else 1])
+        if self.world_size > 1:
+            dist.all_reduce(able, op=dist.ReduceOp.MIN, group=self._agree_pg)
+        if not able.item():
+            if not due:
+                why = contents if isinstance(contents, str) else "another rank's cannot"
+                warn_on_rank0(f"snapshots: step {step} is snapshotted in full, no entry: {why}")
+            return False
+        assert not isinstance(contents, str) and self._full is not None
+        record, tensors, extra = contents
+        items = _file.file_tensors(tensors, extra)
+        text = None if extra is None else extra.text
+        planned = _file.plan(
+            step, self.rank, self.world_size, None, items, text, record, pad=1 << 16
+        )
+        final = self.store.path(step, self.rank, self.world_size, ENTRY)
+        k, self._entry_no = self._entry_no % self.full_every, self._entry_no + 1
+        old = self._ring[k]
+        if old is not None:
+            self._work.wait_complete(old + 1)  # a full snapshot after it: it is unneeded
+        self._ring[k] = step
+        slot = self._entries.at(k, planned.size)
+        buf = slot.buf
+        _file.fill_header(buf, planned)
+        finish = self._copy.start(items, _file.slots(buf, planned))
+        del items, tensors  # the side stream's copy keeps what it reads (record_stream)
+        self._entry_copy = finish
 
-        self._thread = threading.Thread(target=work, name=f"zeroshard-snapshot-{step}")
-        self._thread.daemon = True
-        self._thread.start()
+        def own() -> torch.Tensor:
+            _file.seal(buf, finish)
+            self.store.link(slot.path, final)
+            return buf
 
-    def _replicate(self, step: int, buf: torch.Tensor) -> None:
-        """Send this rank's snapshot to its buddy, keep its wards'; then agree the step is
-        complete and drop the older ones (see [Note: snapshot lifecycle])."""
+        self._start(step, own, entry=True)
+        return True
+
+    def _start(self, step: int, own: Callable[[], torch.Tensor], entry: bool = False) -> None:
+        self._work.start(step, own, lambda buf: self._replicate(step, buf, entry))
+
+    def _replicate(self, step: int, buf: torch.Tensor, entry: bool) -> None:
+        """Send this rank's snapshot (or journal `entry`) to its buddy, keep its wards';
+        then agree the step is complete and, after a full snapshot, drop the older steps
+        (see [Note: snapshot lifecycle])."""
         pg, buddy = self._pg, self.placement.buddy[self.rank]
         wards = self.placement.wards(self.rank)
         works: _wire.Works = []
         if buddy is not None:
-            works += _wire.send_header(pg, [step, buf.numel()], buddy)
+            works += _wire.send_header(pg, [step, buf.numel(), int(entry)], buddy)
         heads = {}
         for w in wards:
-            heads[w], got = _wire.recv_header(pg, 2, w)
+            heads[w], got = _wire.recv_header(pg, 3, w)
             works += got
         _wire.wait(works)
         works = [] if buddy is None else _wire.send_bytes(pg, buf, buddy)
         received = []
-        for w, (their_step, size) in ((w, h.tolist()) for w, h in heads.items()):
-            if their_step != step:
+        for w, (their_step, size, their_entry) in ((w, h.tolist()) for w, h in heads.items()):
+            if (their_step, their_entry) != (step, int(entry)):
                 raise RuntimeError(
                     f"snapshots: rank {w} sent step {their_step} while this rank took step "
                     f"{step}: call take() with the same steps on every rank"
                 )
-            final = self.store.path(step, w, self.world_size, REPLICA)
+            kind = ENTRY_REPLICA if entry else REPLICA
+            final = self.store.path(step, w, self.world_size, kind)
             temp = self.store.temp(final)
             out = _file.mapped(temp, size)
             works += _wire.recv_bytes(pg, out, w)
@@ -173,16 +285,14 @@ class Snapshots:
             self.store.commit(temp, final)
         del received, buf
         dist.all_reduce(torch.ones(1), group=pg)  # every rank's copy and replica are in
-        self.store.drop(step, before=True)
+        if not entry:  # entries since the full snapshot before are what this one covers
+            self.store.drop(step, before=True)
+            self._work.completed(step)
 
     def wait(self) -> None:
-        """Wait for the snapshot in flight (its copy, file and replica); raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"snapshots: the last snapshot failed: {error}") from error
+        """Wait for the snapshots in flight (copies, files and replicas); raise an error
+        one met."""
+        self._work.wait()
 
     # -- restoring --------------------------------------------------------------------
     def resume(self, directory: str | os.PathLike[str]) -> int | None:
@@ -191,11 +301,18 @@ class Snapshots:
         says how many steps that costs); return the step, None on a fresh start. Call on
         every rank before the first `take` (collective). See [Note: restoring from memory]."""
         self.wait()
+        self._work.reset()
         # Fresh slots: the restored step may be linked to one of the old ones.
         self._slots.close()
+        if self._journal is not None:
+            self._entries.close()
+            self._journal.taken, self._journal.steps = None, 0
+            self._ring = [None] * self.full_every
+        # The next snapshot is a full one (the journal restarts from it).
+        self._full = self._last = None
         self.last_resume, republish = resume(self, Path(directory))
         if republish is not None:
-            self._start(self.last_resume.step or 0, republish)
+            self._start(*republish)
         return self.last_resume.step
 
     def close(self) -> None:
@@ -206,6 +323,9 @@ class Snapshots:
         finally:
             self._hook.remove()
             self._slots.close()
+            if self._journal is not None:
+                self._entries.close()
+                self._state.needs_optimizer("Snapshots.close").stepper = self._journal.inner
             dist.barrier(group=self._pg)  # no rank of the node still writes
             self.store.remove()
             dist.barrier(group=self._pg)  # every node's folder on this host is gone

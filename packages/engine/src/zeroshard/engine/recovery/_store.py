@@ -3,10 +3,12 @@
 [Note: a node's snapshots]
 `{node folder}/step-{S}/own-rank{r}-of-{W}.snap` is rank r's own copy of its state at
 step S in a world of W ranks, `replica-...` the copy a rank keeps for a rank of another
-node (see [Note: the replica's rank]). A file is written under a '.'-name and renamed
-once sealed (its checksum written), so a listed file is whole unless damaged after.
-Every rank of a node sees the same folder: they write different files, and a step's
-folder is removed only once no rank writes into it (see [Note: snapshot lifecycle]).
+node (see [Note: the replica's rank]); `entry-...` and `entry-replica-...` are the same
+for a journal entry of step S ([Note: the gradient journal] in _journal.py). A file is
+written under a '.'-name and renamed once sealed (its checksum written), so a listed
+file is whole unless damaged after. Every rank of a node sees the same folder: they
+write different files, and a step's folder is removed only once no rank writes into it
+(see [Note: snapshot lifecycle]).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from typing import NamedTuple
 
 OWN = "own"
 REPLICA = "replica"
-_FILE = re.compile(r"(own|replica)-rank(\d+)-of-(\d+)\.snap")
+# A journal entry's files ([Note: the gradient journal] in _journal.py).
+ENTRY = "entry"
+ENTRY_REPLICA = "entry-replica"
+_FILE = re.compile(r"(own|replica|entry|entry-replica)-rank(\d+)-of-(\d+)\.snap")
 _STEP = re.compile(r"step-(\d+)")
 
 
@@ -101,6 +106,12 @@ class NodeStore:
             if step == keep or (before and keep is not None and step > keep):
                 continue
             shutil.rmtree(d, ignore_errors=True)  # another rank of the node may race us
+
+    def keep_only(self, first: int, last: int) -> None:
+        """Remove the folders of every step outside [first, last]."""
+        for d in self._steps():
+            if not first <= int(d.name.split("-")[1]) <= last:
+                shutil.rmtree(d, ignore_errors=True)
 
     def remove(self) -> None:
         """Remove the node's folder and those of this job's agents on this host that are

@@ -1,0 +1,276 @@
+"""The gradient journal: between two full snapshots, what each optimizer step consumed,
+so that a restore replays the steps since the last full snapshot.
+
+[Note: the gradient journal]
+With `Snapshots(every=1, full_every=K)` a full snapshot (masters, optimizer state: what a
+checkpoint holds) is taken every K steps, and at each step between, a journal entry of
+what that step consumed and left beside the state: each trainable flat group's gradient
+shard exactly as the stepper read it (reduced, unscaled, clipped, in the master's
+dtype), whether the step ran (fp16 skips a step on overflow), the param groups'
+hyperparameters it stepped with and those after it (a scheduler changes them), the loss
+scale, the module buffers, and the user's state (`client_state`, `rank_state`). A
+restore puts the newest full snapshot F back and steps each entry F+1..S through the same
+stepper on the same gradients and hyperparameters: the same kernels on the same inputs,
+so the masters and optimizer state are those of step S bit for bit; the last entry's
+hyperparameters, loss scale, buffers and user state follow.
+
+Recording: `JournalStep` stands in for the optimizer's stepper and keeps a reference to
+each gradient shard as `step()` hands it over (an offloaded group's, in host memory kept
+for the next window, is copied at once). `take` writes the entry. A shard the optimizer
+dropped (`zero_grad()`, set_to_none: the default) is only referenced by the journal, so
+its copy to host memory runs on a side stream beside the next forward, costing the
+training stream nothing; a shard still held by the optimizer at `take` is cloned first
+on the training stream (the next backward writes it). A shard written after the step
+(its version moved: `zero_grad(set_to_none=False)` before `take`, or an optimizer that
+writes its gradients) is no longer what the step read: that step gets a full snapshot.
+So does a step `take` is not called after exactly once (the journal holds one step per
+entry).
+
+Not journaled (refused by name): steps in backward (`step_in_backward`), whose groups step
+before the stepper sees them; `offload.delay_param_update`, whose step in flight and
+lagging parameters a replay does not give back; whole-matrix optimizers (Muon), whose
+exchanges are not replayed here yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from zeroshard.ckpt import CheckpointError, RankExtra, buffer_key
+from zeroshard.comm import Group
+from zeroshard.engine.recovery._file import Snapshot
+from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._home import HomeKind
+from zeroshard.engine.runtime._optimizer import ZeroOptimizer
+from zeroshard.engine.runtime._state import EngineState
+from zeroshard.engine.runtime._stepper import AfterBackward, StepEach, StepOutcome, Stepper
+from zeroshard.engine.state._checkpoint_apply import restore_user_state
+from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, module_buffers
+from zeroshard.engine.state._user_state import (
+    GLOBAL,
+    PER_RANK,
+    check_requested,
+    encode_state,
+    saved_scope,
+)
+
+_GRAD = "grad."
+
+
+def journal_refusal(state: EngineState) -> str:
+    """Why this engine's steps cannot be journaled ('' where they can)."""
+    if state.config.offload.delay_param_update:
+        return (
+            "offload.delay_param_update: the step in flight and the parameters lagging "
+            "behind the masters are not replayed"
+        )
+    opt = state.optimizer
+    steppers = opt.stepper.steppers if isinstance(opt.stepper, StepEach) else [opt.stepper]  # type: ignore[union-attr]
+    if any(isinstance(s, AfterBackward) for s in steppers):
+        return "a whole-matrix optimizer (Muon): its exchanges are not replayed"
+    return ""
+
+
+def _hyper_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_hyper_value(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:
+    """Every param group's hyperparameters, as JSON values (a checkpoint's encoding)."""
+    return [{k: _hyper_value(v) for k, v in pg.items() if k != "params"} for pg in opt.param_groups]
+
+
+def set_hyperparameters(opt: ZeroOptimizer, saved: Sequence[Mapping[str, Any]]) -> None:
+    """Put `hyperparameters()` output back, each value in its present type."""
+    for pg, values in zip(opt.param_groups, saved, strict=True):
+        for key, value in values.items():
+            here = pg.get(key)
+            if isinstance(here, torch.Tensor):
+                here.fill_(value)
+            else:
+                pg[key] = tuple(value) if isinstance(here, tuple) else value
+
+
+class _Step(NamedTuple):
+    """What one `step()` handed its stepper: each group's gradient and its version then."""
+
+    grads: dict[str, tuple[FlatParamGroup, torch.Tensor, int]]
+    hyper: list[dict[str, Any]]
+
+
+class JournalStep:
+    """The optimizer's stepper, recording what each `step()` consumes for the journal."""
+
+    def __init__(self, inner: Stepper, opt: ZeroOptimizer) -> None:
+        self.inner = inner
+        self._opt = opt
+        self.taken: _Step | None = None
+        self.steps = 0  # step() calls since the last entry (skipped ones too)
+
+    def record(self) -> None:
+        """Keep this step's gradients and hyperparameters (see [Note: the gradient journal])."""
+        grads = {}
+        for g in self._opt.flat_groups:
+            if g.trainable:
+                shard = g.home.ensure_grad_shard()
+                if g.home.kind is HomeKind.HOST:  # its memory is the next window's
+                    shard = shard.clone()
+                grads[checkpoint_group_name(g)] = (g, shard, shard._version)
+        self.taken = _Step(grads, hyperparameters(self._opt))
+
+    def step(self) -> StepOutcome:
+        """Record, then step as the stepper does."""
+        self.record()
+        return self.inner.step()
+
+    def settle(self) -> None:
+        """The stepper's."""
+        self.inner.settle()
+
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
+        """Refused: groups stepped in backward are stepped before the journal sees them."""
+        raise ValueError(
+            "step_in_backward(): not with Snapshots(full_every > 1): the gradient journal "
+            "records what step() hands the stepper"
+        )
+
+    def clip_refusal(self) -> str:
+        """The stepper's."""
+        return self.inner.clip_refusal()
+
+
+def entry_contents(
+    journal: JournalStep,
+    model: nn.Module,
+    opt: ZeroOptimizer,
+    client_state: Mapping[str, Any] | None,
+    rank_state: Mapping[str, Any] | None,
+    *,
+    skip: bool = False,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], RankExtra | None] | str:
+    """This step's journal entry (its record, tensors and user state), or why this step
+    cannot have one (a full snapshot then; `skip`: one is due anyway): see [Note: the
+    gradient journal]. Resets the journal for the next step."""
+    taken, steps = journal.taken, journal.steps
+    journal.taken, journal.steps = None, 0
+    if skip:
+        return "a full snapshot is due"
+    if steps != 1:
+        return f"{steps} optimizer step(s) since the last snapshot, an entry holds one"
+    tensors: dict[str, torch.Tensor] = {}
+    if taken is not None:
+        for name, (g, shard, version) in taken.grads.items():
+            if shard._version != version:
+                return f"flat group {g.index}'s gradient was written after the step"
+            held = g.home.grad_shard is shard or g.master.grad is shard
+            tensors[_GRAD + name] = shard.clone() if held else shard
+    for k, v in module_buffers(model).items():
+        # Forward may write a buffer while the copy runs: a copy of its own.
+        tensors[buffer_key(k)] = v.detach().clone() if v.device.type != "cpu" else v.detach()
+    record = {
+        "stepped": taken is not None,
+        "consumed": None if taken is None else taken.hyper,
+        "after": hyperparameters(opt),
+        "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict(),
+    }
+    extra = encode_state({GLOBAL: client_state, PER_RANK: rank_state})
+    return record, tensors, extra
+
+
+class Entry(NamedTuple):
+    """A journal entry checked to fit this engine: its record, gradients by group index,
+    buffers, and the user's global and per-rank state."""
+
+    record: Mapping[str, Any]
+    grads: dict[int, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    glob: dict[str, Any]
+    mine: dict[str, Any]
+
+
+def check_entry(
+    state: EngineState,
+    model: nn.Module,
+    snap: Snapshot,
+    where: str,
+    client_state: Mapping[str, Any] | None,
+    rank_state: Mapping[str, Any] | None,
+) -> Entry:
+    """A journal entry's contents, checked to fit this engine (CheckpointError)."""
+    record = snap.journal
+    if record is None or snap.meta is not None:
+        raise CheckpointError(f"{where} is not a journal entry")
+    grads = {}
+    if record["stepped"]:
+        for g in state.groups:
+            if not g.trainable:
+                continue
+            t = snap.tensors.get(_GRAD + checkpoint_group_name(g))
+            if t is None or t.dtype != g.master.dtype or t.shape != g.master.shape:
+                got = None if t is None else (t.dtype, tuple(t.shape))
+                raise CheckpointError(
+                    f"{where} holds no gradient of flat group {g.index} as its master is "
+                    f"({g.master.dtype}, {tuple(g.master.shape)}; got {got})"
+                )
+            grads[g.index] = t
+    buffers = {}
+    for k, v in module_buffers(model).items():
+        t = snap.tensors.get(buffer_key(k))
+        if t is None or t.shape != v.shape or t.dtype != v.dtype:
+            raise CheckpointError(f"{where} holds no buffer {k!r} of this model's shape")
+        buffers[k] = t
+    glob: dict[str, Any] = {}
+    mine: dict[str, Any] = {}
+    if client_state is not None:
+        glob = saved_scope(snap.extra, GLOBAL, where)
+        check_requested(glob, client_state, f"{where}'s {GLOBAL}")
+    if rank_state is not None:
+        mine = saved_scope(snap.extra, PER_RANK, where)
+        check_requested(mine, rank_state, f"{where}'s {PER_RANK}")
+    return Entry(record, grads, buffers, glob, mine)
+
+
+@torch.no_grad()
+def replay(
+    model: nn.Module,
+    state: EngineState,
+    everyone: Group,
+    label: str,
+    entries: Sequence[Entry],
+    client_state: MutableMapping[str, Any] | None,
+    rank_state: MutableMapping[str, Any] | None,
+) -> None:
+    """Step `entries` in order on the state a full snapshot put back, then put back the
+    last one's hyperparameters, loss scale, buffers and user state; publish the masters.
+    Collective (the stepper's own collectives, the publish)."""
+    opt = state.needs_optimizer("Snapshots.resume")
+    stepper = opt.stepper.inner if isinstance(opt.stepper, JournalStep) else opt.stepper
+    trainable = [g for g in state.groups if g.trainable]
+    for e in entries:
+        if not e.record["stepped"]:
+            continue
+        set_hyperparameters(opt, e.record["consumed"])
+        for g in trainable:
+            g.home.ensure_grad_shard().copy_(e.grads[g.index])
+        stepper.step()
+        opt.zero_grad()
+    last = entries[-1]
+    set_hyperparameters(opt, last.record["after"])
+    if opt.scaler is not None and last.record["loss_scaler"] is not None:
+        opt.scaler.load_state_dict(last.record["loss_scaler"])
+    live = module_buffers(model)
+    for k, t in last.buffers.items():
+        live[k].copy_(t)
+    if client_state is not None or rank_state is not None:
+        pairs = [(last.glob, client_state or {}), (last.mine, rank_state or {})]
+        restore_user_state(everyone, label, pairs)
+    opt.republish()

@@ -1,0 +1,234 @@
+"""The gradient journal (Snapshots(every=1, full_every=K): [Note: the gradient journal] in
+zeroshard/engine/recovery/_journal.py) on 2 gloo ranks, each its own "node": a restore at
+a step between two full snapshots loads the full one and replays the entries after it,
+ending where the uninterrupted run was, bit for bit (masters, optimizer state, learning
+rate, the user's state), and the steps after it repeat that run's losses. The steps clip
+(the norm is above the limit at every step, so each step's coefficient matters) and a
+scheduler changes the learning rate at every step. A damaged entry makes the restore
+stop at the newest step the intact files reach, with one warning saying how many steps
+that costs."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard.engine as zs
+from tests._dist import run_each, run_ranks, seeded
+from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from zeroshard.engine.recovery import Snapshots
+from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
+
+STEPS = 7  # full snapshots at 1 and 5, entries at 2-4 and 6-7 (full_every=4)
+MAX_NORM = 0.05
+
+
+def _build(
+    stage: int, kind: str, extra: dict[str, object] | None = None
+) -> tuple[torch.nn.Module, zs.ZeroOptimizer, object]:
+    model = make_model(11)
+    config = {"stage": stage, "min_unit_params": 1, **(extra or {})}
+    model, opt = zs.initialize(model, make_optimizer(model, kind), config)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def _step(model: torch.nn.Module, opt: zs.ZeroOptimizer, sched: object, step: int) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = global_batches(12, 1, 12, 1)[step, 0]
+    x = batch.reshape(world, -1, batch.shape[-1])[rank]
+    noise = torch.rand(())  # an RNG draw per step: the restored RNG must give it again
+    loss = loss_fn(model, x) * (1 + 0.01 * noise)
+    loss.backward()
+    norm = opt.clip_grad_norm_(MAX_NORM)
+    assert norm > MAX_NORM  # clipped: the journal must hold the clipped gradient
+    opt.step()
+    opt.zero_grad()
+    sched.step()  # type: ignore[attr-defined]
+    return float(loss.detach())
+
+
+def _state(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{k}": v.clone() for k, v in zs.full_state_dict(model).items()}
+    for i, g in enumerate(opt.param_groups):
+        for j, p in enumerate(g["params"]):
+            for k, v in opt.state.get(p, {}).items():
+                out[f"o.{i}.{j}.{k}"] = torch.as_tensor(v).clone()
+        out[f"lr.{i}"] = torch.tensor(g["lr"])
+    return out
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def _journal(folder: str, stage: int, kind: str, extra: dict[str, object], damage: bool) -> None:
+    root, disk = f"{folder}/shm", f"{folder}/ckpt"
+    rank = dist.get_rank()
+    torch.manual_seed(7 + rank)
+    random.seed(rank)
+    model, opt, sched = _build(stage, kind, extra)
+    data = {"next_step": 0}
+    client = {"sched": sched, "data": data}
+    mine = {"rng": zs.RNGState()}
+    snaps = Snapshots(
+        model, opt, every=1, full_every=4, client_state=client, rank_state=mine, root=root
+    )
+    try:
+        assert snaps.resume(disk) is None
+        states, losses = {}, {}
+        for s in range(STEPS + 2):
+            losses[s] = _step(model, opt, sched, s)
+            data["next_step"] = s + 1
+            states[s + 1] = _state(model, opt)
+            if s < STEPS:
+                assert snaps.take(s + 1)
+            if s == STEPS - 1:
+                snaps.wait()
+                # Step 5's full snapshot and the entries after it; step 1's and its
+                # entries dropped once 5 was complete.
+                held = {(h.step, h.rank, h.kind) for h in snaps.store.held()}
+                pairs = ((rank, ENTRY), (1 - rank, ENTRY_REPLICA))
+                entries = {(s, r, k) for s in (6, 7) for r, k in pairs}
+                assert held == {(5, rank, OWN), (5, 1 - rank, REPLICA), *entries}, held
+                # The planner's count of an entry is its gradient shards (less its header,
+                # padded to 64 KiB, and the buffers and user state).
+                with seeded(0), torch.device("meta"):  # the run's RNG left as it was
+                    planned = zs.estimate(make_model(11), {"stage": stage, **extra}, 2, 1, 4)
+                size = snaps.store.path(7, rank, 2, ENTRY).stat().st_size
+                if not extra.get("offload_optimizer"):  # (its gradients are on the host)
+                    grads = planned.grad_shards
+                    assert grads < size < grads + 80 * 1024, (size, grads)
+        if damage:
+            # Both copies of rank 1's entry of step 6: only step 5 is covered.
+            for k in (ENTRY, ENTRY_REPLICA):
+                path = snaps.store.path(6, 1, 2, k)
+                if path.exists():
+                    data_ = bytearray(path.read_bytes())
+                    data_[len(data_) // 2] ^= 0x10
+                    path.write_bytes(data_)
+        dist.barrier()
+        client["data"] = {"next_step": -1}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = snaps.resume(disk)
+        texts = [str(w.message) for w in caught if "resume" in str(w.message)]
+        want = 5 if damage else STEPS
+        assert step == want and snaps.last_resume.source == "memory"
+        assert client["data"] == {"next_step": want}
+        if rank == 0:
+            if damage:
+                assert len(texts) == 1 and "crc32" in texts[0], texts
+                assert "2 step(s) behind the newest snapshot (step 7)" in texts[0], texts
+            else:
+                assert texts == []
+        _equal(_state(model, opt), states[want])
+        # The steps after it are the uninterrupted run's, with a full snapshot next.
+        for s in range(want, STEPS + 2):
+            assert _step(model, opt, sched, s) == losses[s], s
+            data["next_step"] = s + 1
+            _equal(_state(model, opt), states[s + 1])
+            if s == want:
+                snaps.take(s + 1)
+        snaps.wait()
+        assert {h.step for h in snaps.store.held()} == {want + 1}
+    finally:
+        snaps.close()
+    assert not snaps.store.folder.exists()
+
+
+def _falls_back_to_full(folder: str) -> None:
+    """A step whose gradients were written after it (zeroed in place before `take`), or
+    two optimizer steps between takes, gets a full snapshot, one warning saying why."""
+    model, opt, _ = _build(2, "adamw")
+    snaps = Snapshots(model, opt, every=1, full_every=4, root=folder)
+    rank = dist.get_rank()
+    try:
+        kinds, warned = {}, {}
+        for s in range(4):
+            batch = global_batches(12, 1, 12, 1)[s, 0]
+            loss_fn(model, batch.reshape(2, -1, batch.shape[-1])[rank]).backward()
+            opt.step()
+            if s == 3:
+                opt.step()  # a second step without its own take
+            opt.zero_grad(set_to_none=s != 2)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                snaps.take(s + 1)
+            snaps.wait()
+            kinds[s + 1] = {h.kind for h in snaps.store.held() if h.step == s + 1}
+            warned[s + 1] = [str(w.message) for w in caught if "in full" in str(w.message)]
+        assert kinds == {
+            1: {OWN, REPLICA},
+            2: {ENTRY, ENTRY_REPLICA},
+            3: {OWN, REPLICA},
+            4: {OWN, REPLICA},
+        }, kinds
+        if rank == 0:
+            assert warned[1] == warned[2] == [], warned
+            assert len(warned[3]) == 1 and "written after the step" in warned[3][0], warned
+            assert len(warned[4]) == 1 and "2 optimizer step(s)" in warned[4][0], warned
+    finally:
+        snaps.close()
+
+
+def _refusals(folder: str) -> None:
+    model, opt, _ = _build(2, "adamw")
+    with pytest.raises(ValueError, match="full_every=4 needs every=1"):
+        Snapshots(model, opt, every=2, full_every=4, root=folder)
+    with pytest.raises(ValueError, match=r"the journal needs .* GiB of shared memory"):
+        Snapshots(model, opt, every=1, full_every=10**12, root=folder)
+    snaps = Snapshots(model, opt, every=1, full_every=4, root=folder)
+    try:
+        with pytest.raises(ValueError, match="not with Snapshots"), opt.step_in_backward():
+            pass
+    finally:
+        snaps.close()
+    config = {"stage": 2, "offload_optimizer": True, "offload_delay_param_update": True}
+    model = make_model(11)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, opt = zs.initialize(model, fused, config)
+    with pytest.raises(ValueError, match=r"not with offload\.delay_param_update"):
+        Snapshots(model, opt, every=1, full_every=4, root=folder)
+
+
+CASES: list[tuple[int, str, dict[str, object], bool]] = [
+    (2, "adamw", {}, False),
+    (3, "sgd", {}, False),
+    (2, "adamw", {}, True),
+    (1, "adamw", {"offload_optimizer": True}, False),
+    (2, "adamw", {"compute_dtype": "bf16", "master_dtype": "bf16"}, False),
+    # A first loss scale that overflows until 2**16: steps 0-5 are skipped (journaled so:
+    # the entry of step 6 replays a skip), step 6 on are stepped.
+    (3, "adamw", {"compute_dtype": "fp16", "initial_loss_scale": 2.0**22}, False),
+]
+
+
+def _cases(folder: str) -> None:
+    run_each(
+        [
+            {"folder": f"{folder}/{i}", "stage": s, "kind": k, "extra": x, "damage": d}
+            for i, (s, k, x, d) in enumerate(CASES)
+        ],
+        _journal,
+    )
+    _falls_back_to_full(f"{folder}/fallback")
+    _refusals(f"{folder}/refusals")
+
+
+def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Stage 2 with AdamW and stage 3 with SGD (momentum), restored at step 7 from the
+    full snapshot of step 5 and the entries of 6 and 7; stage 2 with rank 1's entry of
+    step 6 damaged in both copies, restored at step 5 with one warning; stage 1 with
+    offload_optimizer (gradients on the host), bf16 masters, fp16 with skipped steps.
+    A step's gradients zeroed in place before `take`, or two steps between takes: a full
+    snapshot, one warning. Refused: every > 1, step_in_backward, delay_param_update, a
+    journal larger than the shared memory free."""
+    run_ranks(_cases, 2, str(tmp_path))
