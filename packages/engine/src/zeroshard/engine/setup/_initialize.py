@@ -151,7 +151,9 @@ def initialize(
     everyone = (group or Group()).with_timeout(timeout)
     factor = None if gradient_divide_factor is None else float(gradient_divide_factor)
     described = describe_rank(cfg, everyone, model, inner, device_mesh)
-    check_ranks_agree(everyone, [*described, ("gradient_divide_factor", repr(factor))])
+    # The factor before the model's fields, which run to each rank's own length: after
+    # them, a model with an extra layer would pair it against the factor.
+    check_ranks_agree(everyone, [("gradient_divide_factor", repr(factor)), *described])
     # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
     # alone while the others wait for it in the agreement's collective.
     check_mesh_inputs(model, cfg, device_mesh, group=group)
