@@ -9,9 +9,12 @@ bf16 tolerances; the ranks' bf16 gradient sums round otherwise than one process'
 fp8 gather with bf16 masters gathers the same bits as the bf16 gather. Checkpoints keep
 bf16 masters and state, resume bit for bit, and cross-load with fp32 masters both ways.
 With CPU offload the host keeps and steps the bf16 masters and state (torch's fused
-AdamW too, on bf16 gradients): bit for bit at one rank, eager and compiled, and with
-offload_params under step_in_backward (the masters are the host's compute shards, each
-gradient stepped as it lands and dropped), within the two-rank tolerances, fully and
+AdamW too, on bf16 gradients): bit for bit at one rank on the CPU, eager and compiled,
+and with offload_params under step_in_backward (the masters are the host's compute shards,
+each gradient stepped as it lands and dropped); on CUDA (`--device cuda -m gpu`) the
+host's CPU kernel and the reference's CUDA kernel round their fp32 results in their own
+ways, which flips a bf16 rounding near a boundary: there the state is held to within
+two bf16 steps (rtol 2**-7). Within the two-rank tolerances, fully and
 partially offloaded, and a checkpoint resumes bit for bit (with offload_params too).
 """
 
@@ -150,7 +153,13 @@ def _one_rank_case(
         if name != "offset":  # the buffer: fp32 in both
             assert full[name].dtype == torch.bfloat16, name
         # `result`'s parameters are fp32 again; they hold the reference's bf16 values.
-        assert torch.equal(full[name].float(), value.cpu().float()), name
+        if offload and device != "cpu":
+            # The host's kernel against the device's (see the module docstring).
+            torch.testing.assert_close(
+                full[name].float(), value.cpu().float(), rtol=2**-7, atol=1e-5, msg=name
+            )
+        else:
+            assert torch.equal(full[name].float(), value.cpu().float()), name
 
 
 def _one_rank(device: str) -> None:
