@@ -103,9 +103,6 @@ def run(rank: int, world: int, s: Settings) -> None:
         journal = zs.Snapshots(model, opt, every=1, full_every=s.full_every, root=shm / "jrnl")
     state = engine_state(model)
     entry = sum(g.master.nbytes for g in state.groups if g.trainable)
-    _, tensors = checkpoint_contents(model, state)
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    del tensors
     calls: dict[str, list[float]] = {}
     pending: list[Any] = []
     # DCP's async save needs a CPU process group (training's may be NCCL alone).
@@ -150,6 +147,11 @@ def run(rank: int, world: int, s: Settings) -> None:
     try:
         for _ in range(s.warmup):
             step()
+        # After a step: before it the optimizer holds no state (AdamW's moments come at
+        # the first step), and the snapshot would count the masters alone.
+        _, tensors = checkpoint_contents(model, state)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
         # Untimed: the first two snapshots map (and pin) the two slots, DCP warms up, the
         # journal maps its slots (a full snapshot and K - 1 entries, then a full one).
         for n in (1, 2):
