@@ -28,12 +28,25 @@ STEPS = 7  # full snapshots at 1 and 5, entries at 2-4 and 6-7 (full_every=4)
 MAX_NORM = 0.05
 
 
+def _optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """`kind` "sgd+adamw": SGD with momentum on the matrices, AdamW on the rest (several
+    optimizers, each stepping its own flat groups); else make_optimizer's."""
+    if kind != "sgd+adamw":
+        return [make_optimizer(model, kind)]
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        torch.optim.SGD(matrices, lr=0.05, momentum=0.9),
+        torch.optim.AdamW(rest, lr=1e-3, betas=(0.9, 0.95), foreach=True),
+    ]
+
+
 def _build(
     stage: int, kind: str, extra: dict[str, object] | None = None
 ) -> tuple[torch.nn.Module, zs.ZeroOptimizer, object]:
     model = make_model(11)
     config = {"stage": stage, "min_unit_params": 1, **(extra or {})}
-    model, opt = zs.initialize(model, make_optimizer(model, kind), config)
+    model, opt = zs.initialize(model, _optimizers(model, kind), config)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched
 
@@ -208,6 +221,10 @@ CASES: list[tuple[int, str, dict[str, object], bool]] = [
     # A first loss scale that overflows until 2**16: steps 0-5 are skipped (journaled so:
     # the entry of step 6 replays a skip), step 6 on are stepped.
     (3, "adamw", {"compute_dtype": "fp16", "initial_loss_scale": 2.0**22}, False),
+    # Several optimizers; hybrid sharding (each rank a shard group, the two replicas
+    # averaged).
+    (2, "sgd+adamw", {}, False),
+    (3, "adamw", {"shard_group_size": 1}, False),
 ]
 
 
@@ -227,7 +244,8 @@ def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
     """Stage 2 with AdamW and stage 3 with SGD (momentum), restored at step 7 from the
     full snapshot of step 5 and the entries of 6 and 7; stage 2 with rank 1's entry of
     step 6 damaged in both copies, restored at step 5 with one warning; stage 1 with
-    offload_optimizer (gradients on the host), bf16 masters, fp16 with skipped steps.
+    offload_optimizer (gradients on the host), bf16 masters, fp16 with skipped steps,
+    several optimizers, hybrid sharding.
     A step's gradients zeroed in place before `take`, or two steps between takes: a full
     snapshot, one warning. Refused: every > 1, step_in_backward, delay_param_update, a
     journal larger than the shared memory free."""
