@@ -153,14 +153,16 @@ def run(rank: int, world: int, s: Settings) -> None:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
         # Untimed: the first two snapshots map (and pin) the two slots, DCP warms up, the
-        # journal maps its slots (a full snapshot and K - 1 entries, then a full one).
+        # journal maps its slots: two rounds of K steps and a full snapshot, because on
+        # one H100 the first timed journal block still took ~2 s a step after one round
+        # (docs/benchmarks.md, snapshots_overhead).
         for n in (1, 2):
             if snaps is not None:
                 snaps.take(n)
             if "dcp-async" in s.modes:
                 dcp_save(n)
         if journal is not None:
-            for n in range(3, 3 + s.full_every + 1):
+            for n in range(3, 3 + 2 * s.full_every + 1):
                 step()
                 journal.take(n)
             journal.wait()
