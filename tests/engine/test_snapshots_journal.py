@@ -21,6 +21,7 @@ import torch.distributed as dist
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, seeded
 from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from tests.engine.test_snapshots import _state
 from zeroshard.engine.recovery import Snapshots
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
 
@@ -64,16 +65,6 @@ def _step(model: torch.nn.Module, opt: zs.ZeroOptimizer, sched: object, step: in
     opt.zero_grad()
     sched.step()  # type: ignore[attr-defined]
     return float(loss.detach())
-
-
-def _state(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> dict[str, torch.Tensor]:
-    out = {f"p.{k}": v.clone() for k, v in zs.full_state_dict(model).items()}
-    for i, g in enumerate(opt.param_groups):
-        for j, p in enumerate(g["params"]):
-            for k, v in opt.state.get(p, {}).items():
-                out[f"o.{i}.{j}.{k}"] = torch.as_tensor(v).clone()
-        out[f"lr.{i}"] = torch.tensor(g["lr"])
-    return out
 
 
 def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -162,6 +162,18 @@ def check_snapshot(
     """Everything a restore needs, checked, with no side effect (CheckpointError)."""
     loaded = _loaded(state, snap, where)
     behind = _behind(state, snap, where)
+    glob, mine = checked_user_state(snap, where, client_state, rank_state)
+    return Checked(loaded, glob, mine, behind)
+
+
+def checked_user_state(
+    snap: Snapshot,
+    where: str,
+    client_state: Mapping[str, Any] | None,
+    rank_state: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The user's saved `client_state` and `rank_state` of a snapshot or journal entry,
+    each checked to hold what the mappings ask for ({} where one is None)."""
     glob: dict[str, Any] = {}
     mine: dict[str, Any] = {}
     if client_state is not None:
@@ -170,7 +182,7 @@ def check_snapshot(
     if rank_state is not None:
         mine = saved_scope(snap.extra, PER_RANK, where)
         check_requested(mine, rank_state, f"{where}'s {PER_RANK}")
-    return Checked(loaded, glob, mine, behind)
+    return glob, mine
 
 
 def apply_snapshot(

@@ -43,6 +43,7 @@ from torch import nn
 
 from zeroshard.ckpt import CheckpointError, RankExtra, buffer_key
 from zeroshard.comm import Group
+from zeroshard.engine.recovery._contents import checked_user_state
 from zeroshard.engine.recovery._file import Snapshot
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._home import HomeKind
@@ -54,9 +55,7 @@ from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, mod
 from zeroshard.engine.state._user_state import (
     GLOBAL,
     PER_RANK,
-    check_requested,
     encode_state,
-    saved_scope,
 )
 
 _GRAD = "grad."
@@ -228,14 +227,7 @@ def check_entry(
         if t is None or t.shape != v.shape or t.dtype != v.dtype:
             raise CheckpointError(f"{where} holds no buffer {k!r} of this model's shape")
         buffers[k] = t
-    glob: dict[str, Any] = {}
-    mine: dict[str, Any] = {}
-    if client_state is not None:
-        glob = saved_scope(snap.extra, GLOBAL, where)
-        check_requested(glob, client_state, f"{where}'s {GLOBAL}")
-    if rank_state is not None:
-        mine = saved_scope(snap.extra, PER_RANK, where)
-        check_requested(mine, rank_state, f"{where}'s {PER_RANK}")
+    glob, mine = checked_user_state(snap, where, client_state, rank_state)
     return Entry(record, grads, buffers, glob, mine)
 
 
