@@ -241,7 +241,7 @@ def _zero_optimizer(
     # The whole-matrix optimizers' owners and whole parameters, then every param group
     # bound once (to those, or to the masters), then the steppers built on what is bound.
     whole = (
-        WholeMatrices(optimizers, groups, tensor_parallel)
+        WholeMatrices(optimizers, groups, tensor_parallel, cfg.offload.pin_memory)
         if any(map(steps_whole, optimizers))
         else None
     )
