@@ -319,6 +319,18 @@ class _ReadsValues(torch.optim.SGD):
                     super().step()
 
 
+class _Counting(Factored):
+    """`Factored` that counts its steps in a tensor of its own, in place."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr)
+        self.steps = torch.zeros((), dtype=torch.int64)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.steps.add_(1)
+        super().step()
+
+
 def test_declared_state_is_what_its_step_allocates() -> None:
     """A declared optimizer's state per whole matrix is measured by a step on meta
     ([Note: a declared optimizer's state, measured]): Adafactor's r + c floats, Muon's
@@ -327,7 +339,7 @@ def test_declared_state_is_what_its_step_allocates() -> None:
     from zeroshard.engine.planner._owner_state import OwnerState
 
     params = [torch.nn.Parameter(torch.zeros(3, 4))]
-    factored = Factored(params, lr=0.02)
+    factored = _Counting(params, lr=0.02)
     muon = DeclaredMuon(params, lr=0.02)
     reads = _ReadsValues(params, lr=0.1, momentum=0.9)
 
@@ -342,3 +354,4 @@ def test_declared_state_is_what_its_step_allocates() -> None:
     # SGD with momentum by the rule: 1 float an element.
     assert sizes.nbytes(2, (64, 32)) == 64 * 32 * 4
     assert not factored.state and not muon.state and not reads.state
+    assert factored.steps.item() == 0  # the probe stepped a copy of its attributes

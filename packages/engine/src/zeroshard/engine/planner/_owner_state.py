@@ -4,21 +4,23 @@ the matrix's owner ([Note: whole parameters] in runtime/whole/_whole_step.py).
 [Note: a declared optimizer's state, measured]
 Such an optimizer's state need not be shaped like the parameter: Adafactor keeps a row
 and a column vector per matrix, Shampoo a preconditioner per side, so no count per
-element prices it. The planner asks the optimizer itself: a probe of it (its class and
-attributes, one of its param groups' hyperparameters, no state, no hooks) steps once a
-meta matrix of the shape and the master dtype the owner steps, with a meta gradient,
-and its state's tensors of one dim or more are what the owner keeps of that matrix (the
-engine moves those between the host and the device: a 0-dim step count is a few bytes
-per matrix). Meta tensors cost no memory and give the state's true shapes and dtypes,
-so this is exact for a state allocated at the first step. Once per param group and
-shape. A step that cannot run on meta (one that reads a value: `.item()`, a comparison
-turned into a bool) falls back to the runtime's count per element (`state_floats`:
-torch's classes by name, 2 floats for an unknown one).
+element prices it. The planner asks the optimizer itself: a probe of it (its class, a
+copy of its attributes, one of its param groups' hyperparameters, no state, no hooks:
+the optimizer is left as it was) steps once a meta matrix of the shape and the master
+dtype the owner steps, with a meta gradient, and its state's tensors of one dim or more
+are what the owner keeps of that matrix (the engine moves those between the host and
+the device: a 0-dim step count is a few bytes per matrix). Meta tensors cost no memory
+and give the state's true shapes and dtypes, so this is exact for a state allocated at
+the first step. Once per param group and shape. A step that cannot run on meta (one
+that reads a value: `.item()`, a comparison turned into a bool) falls back to the
+runtime's count per element (`state_floats`: torch's classes by name, 2 floats for an
+unknown one).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -63,16 +65,24 @@ def probe_state_bytes(
     (on meta: no memory); None where its step cannot run there."""
     param = nn.Parameter(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     param.grad = torch.empty_like(param)
-    # The optimizer's own attributes, but nothing it steps or keeps, and no hooks (the
-    # step below is the unhooked one: the user's and torch's global hooks do not run).
-    probe = object.__new__(type(optimizer))
-    probe.__dict__.update(optimizer.__dict__)
-    probe.param_groups = [{**param_group, "params": [param]}]
-    probe.state = collections.defaultdict(dict)
-    probe._optimizer_step_pre_hooks = collections.OrderedDict()
-    probe._optimizer_step_post_hooks = collections.OrderedDict()
+    # A copy of the optimizer's own attributes (a step that changes one in place changes
+    # the copy's), but not what it steps or keeps (its parameters are not copied where
+    # an attribute reaches them), and no hooks: the step below is the unhooked one, so
+    # neither the user's nor torch's global hooks run.
+    own = {id(p): p for pg in optimizer.param_groups for p in pg["params"]}
+    attrs = {
+        k: v
+        for k, v in vars(optimizer).items()
+        if k not in ("param_groups", "state") and not k.endswith("_hooks")
+    }
     step = type(optimizer).step
     try:
+        probe = object.__new__(type(optimizer))
+        probe.__dict__.update(copy.deepcopy(attrs, own))
+        probe.param_groups = [{**param_group, "params": [param]}]
+        probe.state = collections.defaultdict(dict)
+        probe._optimizer_step_pre_hooks = collections.OrderedDict()
+        probe._optimizer_step_post_hooks = collections.OrderedDict()
         getattr(step, "__wrapped__", step)(probe)
     except Exception:  # whatever a step that cannot run on meta raises: counted by rule
         return None
