@@ -167,13 +167,8 @@ def plan(
     styles), with `optimizers` built on its meta copy, else `make_optimizer`'s param
     groups."""
     from zeroshard.engine.planner._cluster import Cluster
-    from zeroshard.engine.planner._tensor_parallel import (
-        COLWISE,
-        EMBEDDING,
-        GATHERED,
-        ROWWISE,
-        plan_tensor_parallel,
-    )
+    from zeroshard.engine.planner._tensor_parallel import plan_tensor_parallel
+    from zeroshard.engine.planner._tp_split import COLWISE, EMBEDDING, GATHERED, ROWWISE
 
     with torch.device("meta"):
         meta = TPModel()

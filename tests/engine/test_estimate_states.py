@@ -23,6 +23,7 @@ from tests._dist import run_each, run_ranks
 from tests.engine._models import VOCAB, make_model, make_optimizer, muon_and_adamw
 from tests.engine.test_plan_tensor_parallel import Allocated
 from tests.engine.test_whole_matrix import DeclaredMuon
+from tests.engine.test_whole_params_compositions import Factored, factored_and_adamw
 from zeroshard.comm import Group
 from zeroshard.engine import HomeKind
 from zeroshard.engine.planner._estimate import estimate
@@ -51,10 +52,12 @@ def _two_fused(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
 
 
 def _optimizers(
-    model: torch.nn.Module, muon: bool, several: bool, declared: bool
+    model: torch.nn.Module, muon: bool, several: bool, declared: str
 ) -> list[torch.optim.Optimizer]:
     if several:
         return _two_fused(model)
+    if declared == "factored":
+        return factored_and_adamw(model)
     if declared:
         return muon_and_adamw(model, DeclaredMuon)
     return muon_and_adamw(model) if muon else [make_optimizer(model)]
@@ -66,7 +69,7 @@ def _case(
     shard: int | None = None,
     muon: bool = False,
     several: bool = False,
-    declared: bool = False,
+    declared: str = "",
     experts: str = "",
     **extra: Any,
 ) -> None:
@@ -137,7 +140,11 @@ def _case(
         whole = state.whole_params
         assert whole is not None
         for name, p in whole.owned.items():
-            kept = sum(x.nbytes for x in opts[0].state[p].values() if x.dim())
+            kept = sum(
+                x.numel() * x.element_size()
+                for x in opts[0].state[p].values()
+                if isinstance(x, torch.Tensor) and x.dim()
+            )
             owned[int(name in whole.on_host)] += kept
         dist.all_reduce(owned, op=dist.ReduceOp.MAX)
         real["optimizer"] += int(owned[0])
@@ -209,15 +216,33 @@ MORE: list[dict[str, Any]] = [
     {"stage": 3, "dtype": "bf16", **MUON, "offload_optimizer": True, "offload_params": True},
     # A declared whole-parameter optimizer (Muon's subclass): its exchange in the master
     # dtype, its state full-shape at the owners (bf16 masters: half the bytes).
-    {"stage": 2, "dtype": "bf16", "master_dtype": "bf16", **MUON, "muon": False, "declared": True},
-    {"stage": 3, "dtype": "fp32", **MUON, "muon": False, "declared": True},
+    {
+        "stage": 2,
+        "dtype": "bf16",
+        "master_dtype": "bf16",
+        **MUON,
+        "muon": False,
+        "declared": "muon",
+    },
+    {"stage": 3, "dtype": "fp32", **MUON, "muon": False, "declared": "muon"},
     # Offloaded, part of it: its state on the host for the groups offload holds.
     {
         "stage": 2,
         "dtype": "fp32",
         **MUON,
         "muon": False,
-        "declared": True,
+        "declared": "muon",
+        "offload_optimizer": True,
+        "offload_ratio": 0.5,
+    },
+    # One whose state is not shaped like the matrix (Adafactor's row and column: r + c
+    # floats of an r x c matrix), as its step allocates it, on the device and the host.
+    {
+        "stage": 3,
+        "dtype": "fp32",
+        **MUON,
+        "muon": False,
+        "declared": "factored",
         "offload_optimizer": True,
         "offload_ratio": 0.5,
     },
@@ -279,3 +304,54 @@ def _all_cases() -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_planned_states_match_the_engine(world_size: int) -> None:
     run_ranks(_all_cases, world_size)
+
+
+class _ReadsValues(torch.optim.SGD):
+    """A declared optimizer whose step reads a value (`.item()`): it cannot step on meta."""
+
+    zeroshard_whole_params = True
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.abs().max().item() > 0:
+                    super().step()
+
+
+class _Counting(Factored):
+    """`Factored` that counts its steps in a tensor of its own, in place."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr)
+        self.steps = torch.zeros((), dtype=torch.int64)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.steps.add_(1)
+        super().step()
+
+
+def test_declared_state_is_what_its_step_allocates() -> None:
+    """A declared optimizer's state per whole matrix is measured by a step on meta
+    ([Note: a declared optimizer's state, measured]): Adafactor's r + c floats, Muon's
+    momentum in the master dtype; the optimizer itself is left as it was (no state, its
+    hooks not run). One that cannot step on meta is counted by the runtime's rule."""
+    from zeroshard.engine.planner._owner_state import OwnerState
+
+    params = [torch.nn.Parameter(torch.zeros(3, 4))]
+    factored = _Counting(params, lr=0.02)
+    muon = DeclaredMuon(params, lr=0.02)
+    reads = _ReadsValues(params, lr=0.1, momentum=0.9)
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("a hook ran")
+
+    for o in (factored, muon, reads):
+        o.register_step_pre_hook(refuse)
+    sizes = OwnerState([factored, muon, reads], torch.float32)
+    assert sizes.nbytes(0, (64, 32)) == (64 + 32) * 4
+    assert OwnerState([muon], torch.bfloat16).nbytes(0, (64, 32)) == 64 * 32 * 2
+    # SGD with momentum by the rule: 1 float an element.
+    assert sizes.nbytes(2, (64, 32)) == 64 * 32 * 4
+    assert not factored.state and not muon.state and not reads.state
+    assert factored.steps.item() == 0  # the probe stepped a copy of its attributes

@@ -28,7 +28,7 @@ from tests.engine import _tp
 from tests.engine._models import muon_and_adamw
 from tests.engine.test_tensor_parallel import engine_config
 from tests.engine.test_tensor_parallel_compositions import _dp, _mesh
-from tests.engine.test_whole_matrix import DeclaredMuon
+from tests.engine.test_whole_params_compositions import factored_and_adamw
 from zeroshard.ckpt import buffer_key
 from zeroshard.comm._group import Handle
 from zeroshard.comm._inflight import _held
@@ -295,7 +295,7 @@ def _pair(
 
     def optimizers(m: Any) -> list[torch.optim.Optimizer]:
         if declared:
-            return muon_and_adamw(m, DeclaredMuon)
+            return factored_and_adamw(m)
         return muon_and_adamw(m) if muon else [_tp.make_optimizer(m)]
 
     plan = _tp.plan(
@@ -328,7 +328,11 @@ def _pair(
     whole = state.whole_params
     for name, p in ({} if whole is None else whole.owned).items():
         assert whole is not None
-        kept = sum(t.nbytes for t in opt.state[p].values() if t.dim())
+        kept = sum(
+            t.numel() * t.element_size()
+            for t in opt.state[p].values()
+            if isinstance(t, torch.Tensor) and t.dim()
+        )
         owned[int(name in whole.on_host)] += kept
     mine = int(owned.sum())
     dist.all_reduce(owned, op=dist.ReduceOp.MAX)
@@ -381,8 +385,9 @@ PAIRS: list[dict[str, Any]] = [
         "offload": {"offload_optimizer": True, "offload_params": True, "offload_ratio": 0.5},
     },
     # A declared whole-matrix optimizer under tp, part of it offloaded: its state the
-    # whole matrices', on the host for the offloaded groups; its gradients and masters
-    # joined whole over tp at the owners.
+    # whole matrices' (Adafactor's row and column of each: r + c floats of the whole
+    # r x c, not of a piece), on the host for the offloaded groups; its gradients and
+    # masters joined whole over tp at the owners.
     {
         "shape": (2, 2),
         "stage": 2,

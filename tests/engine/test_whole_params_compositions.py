@@ -205,7 +205,8 @@ def test_declared_whole_params_with_offload(tmp_path: Path) -> None:
 
 def _where_state_lives(device: str, root: str) -> None:
     """One rank, every parameter on `Factored`: offloaded, its state's tensors are on the
-    host between steps (and its whole parameters on the device its step runs on), and it
+    host between steps (pinned where the device is a GPU; its whole parameters on the
+    device its step runs on), and it
     trains as the run without offload; a checkpoint of it loads into either, its state
     where that run keeps it, and the next step follows."""
     dev = torch.device(device, torch.cuda.current_device() if device == "cuda" else None)
@@ -225,6 +226,9 @@ def _where_state_lives(device: str, root: str) -> None:
             for key, t in kept.items():
                 if isinstance(t, torch.Tensor):
                     assert t.device.type == where, (key, t.device)
+                    # On the host of a GPU pinned, so its copies up and down go at the
+                    # bus's speed (after a step and after a load alike).
+                    assert where != "cpu" or t.is_pinned() == (dev.type == "cuda"), key
                     out[f"{id(p)}.{key}"] = t.cpu()
         return out
 

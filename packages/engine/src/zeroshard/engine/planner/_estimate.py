@@ -335,7 +335,9 @@ def estimate_on_trace(
         optimizers,
         step_in_backward=step_in_backward,
     )
-    host += owner_host
+    # Pinned on a GPU's host, as offload's own buffers ([Note: whole parameters
+    # offloaded]).
+    host, pinned = host + owner_host, pinned + owner_host
     states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     states["optimizer"] += owner_state
     step = None

@@ -34,7 +34,7 @@ measured one-GPU compute (of the whole model, on the same micro-batch) is divide
 Megatron's split of every matmul (attention by heads); what it leaves whole on each rank
 (norms, the loss over the gathered logits, elementwise work) is taken as negligible, so
 the compute is an underestimate where that work is not. The tensor-parallel collectives
-of the micro-batch ([Note: tensor-parallel collectives] in _tensor_parallel.py) are on
+of the micro-batch ([Note: tensor-parallel collectives] in _tp_split.py) are on
 the critical path, torch's eager TP waiting for each: the forward's add to the forward,
 the backward's to the backward, and under activation checkpointing the forward's again
 in the backward (the recomputed forward issues them again). zeroshard's own collectives

@@ -1,34 +1,16 @@
-"""`zeroshard-plan --tp N`: what tensor parallelism splits, what zeroshard then shards over
-the data-parallel ranks, and the tensor-parallel collectives of one micro-batch.
+"""`zeroshard-plan --tp N`: zeroshard over the data-parallel ranks of a model split over
+N tensor-parallel ranks (the split and its collectives: `_tp_split.py`), and the report.
 
-The split is Megatron-LM's (torchtitan's plan; a Hugging Face model's own `tp_plan`):
-the embedding by vocabulary, attention's q/k/v (or qkv) and the MLP's up/gate colwise,
-their output projections rowwise, the head colwise with its output gathered; norms and
-rowwise biases stay whole on every tensor-parallel rank. Model states are the flat
-groups `initialize()` builds from each rank's pieces (`plan_groups` on a meta model
-whose split parameters have their local shapes), sharded over world / N ranks, or
-under hybrid sharding (a 3-D mesh, `dp_replicate` x `dp_shard` x `tp`) over the
-`dp_shard` ranks of one replica. torch's Muon prices its momentum per rank and its
-step's scratch, the matrices joined whole over tp included ([Note: the whole-matrix
-step's scratch] in _whole.py).
-
-[Note: tensor-parallel collectives]
-Priced as Megatron-LM issues them (torchtitan's plan does the same): one collective per
-region, a region being the colwise layers that read one input (attention's q, k, v; the
-MLP's gate and up) or one rowwise layer. Without sequence parallelism a colwise region
-all-reduces its input's gradient in backward, a rowwise layer all-reduces its output in
-forward. With it the activations between regions are split along the sequence: a
-colwise region all-gathers its input in forward and reduce-scatters its gradient in
-backward, a rowwise layer reduce-scatters its output in forward and all-gathers its
-gradient in backward, and each norm's weight gradient (`Partial` over tp) is all-reduced
-once per backward. Sizes are the full activation, [micro-batch, seq, width], in the
-compute dtype; times are the cluster model's ring collectives over N consecutive GPUs.
-They are on the step's critical path (torch's eager TP waits for each).
+Model states are the flat groups `initialize()` builds from each rank's pieces
+(`plan_groups` on a meta model whose split parameters have their local shapes), sharded
+over world / N ranks, or under hybrid sharding (a 3-D mesh, `dp_replicate` x `dp_shard`
+x `tp`) over the `dp_shard` ranks of one replica. torch's Muon prices its momentum per
+rank and its step's scratch, the matrices joined whole over tp included ([Note: the
+whole-matrix step's scratch] in _whole.py).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,9 +31,15 @@ from zeroshard.engine.planner._groups import (
 from zeroshard.engine.planner._step_time import (
     Compute,
     StepTime,
-    TensorParallelTime,
     check_step_in_backward,
     project_step,
+)
+from zeroshard.engine.planner._tp_split import (
+    Collective,
+    collectives,
+    localize,
+    split_styles,
+    tensor_parallel_time,
 )
 from zeroshard.engine.planner._whole import (
     WholeMatrixCost,
@@ -64,50 +52,6 @@ from zeroshard.engine.runtime.offload import steps_in_blocks
 from zeroshard.partition import DEFAULT_GROUP_LABEL
 
 GIB = 2**30
-COLWISE, ROWWISE, EMBEDDING, GATHERED = "colwise", "rowwise", "embedding", "colwise, gathered"
-# The presets' (and examples/') modules, by name: gpt and llama alike.
-PRESET_PLAN = {
-    "tok_emb": EMBEDDING,
-    "blocks.*.attn.qkv": COLWISE,
-    "blocks.*.attn.q": COLWISE,
-    "blocks.*.attn.k": COLWISE,
-    "blocks.*.attn.v": COLWISE,
-    "blocks.*.attn.kv": COLWISE,
-    "blocks.*.attn.proj": ROWWISE,
-    "blocks.*.mlp.gate": COLWISE,
-    "blocks.*.mlp.fc": COLWISE,
-    "blocks.*.mlp.up": COLWISE,
-    "blocks.*.mlp.proj": ROWWISE,
-    "head": GATHERED,
-}
-# Hugging Face's `tp_plan` styles, as priced here.
-HF_STYLES = {
-    "colwise": COLWISE,
-    "rowwise": ROWWISE,
-    "embedding_rowwise": EMBEDDING,
-    "colwise_gather_output": GATHERED,
-}
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One tensor-parallel collective of a micro-batch (see [Note: tensor-parallel
-    collectives]): where, when, which, how many times per micro-batch and its size."""
-
-    layer: str
-    phase: str  # forward / backward
-    op: str  # all-reduce / all-gather / reduce-scatter
-    count: int
-    nbytes: int  # each one's full tensor
-
-    def seconds(self, cluster: Cluster, tp: int) -> float:
-        """The ring time of all `count` of them over `tp` consecutive GPUs."""
-        time = {
-            "all-reduce": cluster.all_reduce_s,
-            "all-gather": cluster.all_gather_s,
-            "reduce-scatter": cluster.reduce_scatter_s,
-        }[self.op]
-        return self.count * time(self.nbytes, tp)
 
 
 @dataclass(frozen=True)
@@ -212,121 +156,6 @@ class TensorParallelPlan:
         return "\n".join(lines)
 
 
-def _styles(model: nn.Module) -> dict[str, str]:
-    """Module path -> how the plan splits it: the model's own `tp_plan` (Hugging Face), or
-    the presets' names."""
-    rules = getattr(model, "tp_plan", None)
-    plan = (
-        {k: HF_STYLES[v] for k, v in rules.items() if v in HF_STYLES}
-        if isinstance(rules, Mapping)
-        else PRESET_PLAN
-    )
-    patterns = [
-        (re.compile(k.replace(".", r"\.").replace("*", r"\d+")), v) for k, v in plan.items()
-    ]
-    out = {}
-    for name, _ in model.named_modules():
-        style = next((v for p, v in patterns if p.fullmatch(name)), None)
-        if style is not None:
-            out[name] = style
-    return out
-
-
-def _split_dim(style: str, param: str, ndim: int) -> int | None:
-    """The dim a parameter of a module split by `style` is cut along (None: whole)."""
-    if style == ROWWISE:
-        return 1 if param == "weight" and ndim == 2 else None
-    return 0  # colwise weight and bias, the embedding's vocabulary
-
-
-def localize(model: nn.Module, styles: Mapping[str, str], tp: int) -> dict[int, nn.Parameter]:
-    """Give `model`'s (meta) split parameters their local shapes, in place: id of each
-    split parameter -> its piece. ValueError where tp does not divide a split dim."""
-    modules = dict(model.named_modules())
-    local: dict[int, nn.Parameter] = {}
-    for path, style in styles.items():
-        module = modules[path]
-        for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) in local:  # a tied parameter: cut once
-                setattr(module, name, local[id(p)])
-                continue
-            dim = _split_dim(style, name, p.dim())
-            if dim is None:
-                continue
-            if p.shape[dim] % tp:
-                raise ValueError(
-                    f"--tp {tp} does not divide {path}.{name}'s dim {dim} ({p.shape[dim]})"
-                )
-            shape = list(p.shape)
-            shape[dim] //= tp
-            new = nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype), p.requires_grad)
-            local[id(p)] = new
-            setattr(module, name, new)
-    return local
-
-
-def _width(module: nn.Module, which: str) -> int:
-    """A layer's input or output width (a Linear's features, an Embedding's dim)."""
-    if isinstance(module, nn.Embedding):
-        return module.embedding_dim
-    features = getattr(module, f"{which}_features", None)
-    if not isinstance(features, int):
-        raise ValueError(f"cannot price tensor parallelism of a {type(module).__name__}")
-    return features
-
-
-def collectives(
-    model: nn.Module, styles: Mapping[str, str], tokens: int, itemsize: int, sp: bool
-) -> tuple[Collective, ...]:
-    """The collectives of one micro-batch of `tokens` tokens (see [Note: tensor-parallel
-    collectives]), per kind of layer (`blocks.*` for every block alike)."""
-    modules = dict(model.named_modules())
-    counts: dict[tuple[str, str, str, int], int] = {}
-
-    def add(layer: str, phase: str, op: str, width: int, rows: int = tokens) -> None:
-        key = (re.sub(r"\.\d+\.", ".*.", layer), phase, op, rows * width * itemsize)
-        counts[key] = counts.get(key, 0) + 1
-
-    regions: dict[str, int] = {}  # colwise layers reading one input: one per parent
-    for path, style in styles.items():
-        module = modules[path]
-        if style in (COLWISE, GATHERED):
-            parent = path.rpartition(".")[0] if style == COLWISE else path
-            regions.setdefault(parent, _width(module, "in"))
-            if style == GATHERED:
-                add(path, "forward", "all-gather", _width(module, "out"))
-        elif style in (ROWWISE, EMBEDDING):
-            width = _width(module, "out")
-            add(path, "forward", "reduce-scatter" if sp else "all-reduce", width)
-            if sp:
-                add(path, "backward", "all-gather", width)
-    for parent, width in regions.items():
-        if sp:
-            add(parent, "forward", "all-gather", width)
-        add(parent, "backward", "reduce-scatter" if sp else "all-reduce", width)
-    if sp:
-        for name, module in modules.items():
-            if isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                for p in module.parameters(recurse=False):
-                    add(name, "backward", "all-reduce", p.numel(), rows=1)
-    return tuple(
-        Collective(layer, phase, op, n, size) for (layer, phase, op, size), n in counts.items()
-    )
-
-
-def tensor_parallel_time(
-    ops: Sequence[Collective], cluster: Cluster, tp: int
-) -> TensorParallelTime:
-    """The seconds and count of a micro-batch's tensor-parallel collectives `ops`, forward
-    and backward."""
-    phases = {phase: [c for c in ops if c.phase == phase] for phase in ("forward", "backward")}
-    seconds = {k: sum(c.seconds(cluster, tp) for c in v) for k, v in phases.items()}
-    counts = {k: sum(c.count for c in v) for k, v in phases.items()}
-    return TensorParallelTime(
-        tp, seconds["forward"], seconds["backward"], counts["forward"], counts["backward"]
-    )
-
-
 def plan_tensor_parallel(
     model: nn.Module,
     cfg: ZeroConfig,
@@ -369,7 +198,7 @@ def plan_tensor_parallel(
         check_step_in_backward(cfg)
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence parallelism needs --seq divisible by --tp, got {seq_len}")
-    styles = _styles(model) if styles is None else styles
+    styles = split_styles(model) if styles is None else styles
     if not styles:
         raise ValueError("no layer of this model matches a tensor-parallel plan")
     per_element: int | Mapping[int, int] = optimizer_bytes_per_element
@@ -422,6 +251,7 @@ def plan_tensor_parallel(
         # A declared optimizer's state, the whole matrices' at their owners.
         states["optimizer"] += whole.owner_state_bytes
         host += whole.owner_host_state_bytes
+        pinned += whole.owner_host_state_bytes  # on a GPU's host, as offload's buffers
         snapshot += whole.owner_state_bytes + whole.owner_host_state_bytes
     step, tp_step = None, 0.0
     if compute is not None:

@@ -31,9 +31,11 @@ copy, the all-gather's buffer and the joined copies, which stay until step() ret
 for a group offload homes on the host, the device's copies of its gradient and master
 shard and the state of its matrices this rank owns, brought up for the step ([Note:
 whole parameters offloaded]): `WholeMatrixCost.held_bytes`. What its step() allocates
-beyond is its own: not counted (its state, full-shape at the owners, is:
-`WholeMatrixCost.owner_state_bytes`, and `owner_host_state_bytes` where offload keeps it
-on the host between steps; under tp it is the whole matrix's on each tp rank).
+beyond is its own: not counted (its state at the owners is, as a step of the optimizer
+on a meta matrix of each shape allocates it ([Note: a declared optimizer's state,
+measured] in _owner_state.py): `WholeMatrixCost.owner_state_bytes`, and
+`owner_host_state_bytes` where offload keeps it on the host between steps; under tp it
+is the whole matrix's on each tp rank).
 
 [Note: Newton-Schulz's memory]
 torch's `_zeropower_via_newtonschulz` on a matrix of r x c (r <= c, transposed to be so)
@@ -60,9 +62,9 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
+from zeroshard.engine.planner._owner_state import OwnerState
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
 from zeroshard.engine.runtime._home import HomeKind
-from zeroshard.engine.runtime._optimizer_state import state_floats_by_param_group
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.whole import (
     MatrixOwners,
@@ -106,9 +108,10 @@ class WholeMatrixCost:
             owned matrices allocates beyond its inputs (under tp the joining, then
             Newton-Schulz's results and iterates: [Note: Newton-Schulz's memory]).
         owner_state_bytes: the busiest rank's state of the optimizers that step whole
-            parameters with their own step(), kept full-shape at the owners on the device
-            (in the master dtype; their param groups keep none on the shards:
-            `owner_state_groups`); under tp each whole matrix's on every tp rank.
+            parameters with their own step(), kept at the owners on the device (as their
+            step allocates it on whole matrices in the master dtype: `OwnerState`; their
+            param groups keep none on the shards: `owner_state_groups`); under tp each
+            whole matrix's on every tp rank.
         owner_host_state_bytes: the same of the matrices of groups offload homes on the
             host, kept there between steps.
         held_bytes: what such an optimizer's step holds on the busiest rank beside the
@@ -256,7 +259,9 @@ def whole_matrix_cost(
     # device, on the host), and what their step holds whole beside the buffers.
     state, host_state = [0] * size, [0] * size
     held = [_Held() for _ in range(size)]
-    floats = state_floats_by_param_group(list(optimizers))
+    # A declared optimizer's state per whole matrix, measured ([Note: a declared
+    # optimizer's state, measured] in _owner_state.py).
+    owner_state = OwnerState(optimizers, cfg.precision.master_dtype)
     master = cfg.precision.master_dtype.itemsize
     exchanges = update = 0
     for g in groups:
@@ -280,14 +285,13 @@ def whole_matrix_cost(
                 h.copies += 2 * g.layout.shard_numel * master
         for s in g.layout.slots:
             o = owners.owner[s.name]
-            whole = math.prod(whole_shapes[s.name]) if tp_split and whole_shapes else s.numel
+            shape = whole_shapes[s.name] if tp_split and whole_shapes is not None else s.shape
             if not split:
-                kept = whole * floats[g.key.param_group] * master
+                kept = owner_state.nbytes(g.key.param_group, shape)
                 state[o] += 0 if on_host else kept
                 host_state[o] += kept if on_host else 0
                 held[o].state += kept if on_host else 0
             pieces = [p for p in g.layout.pieces(s) if p.numel]
-            shape = whole_shapes[s.name] if tp_split and whole_shapes is not None else s.shape
             if all(p.rank == o for p in pieces):
                 local[o] += s.numel
                 shapes[o][0].append(shape)

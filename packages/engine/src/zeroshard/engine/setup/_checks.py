@@ -82,6 +82,18 @@ def check_divide_factor(factor: object, process_groups: Mapping[str, Any]) -> No
         )
 
 
+def check_evaluation_factor(factor: float | None) -> None:
+    """Refuse `gradient_divide_factor` for a model initialized without an optimizer: such
+    a model refuses backward, so no gradient is ever reduced and the factor divides
+    nothing."""
+    if factor is not None:
+        raise ValueError(
+            f"gradient_divide_factor={factor!r} divides the reduced gradients of groups of "
+            "their own, and initialize() was given no optimizer (evaluation only: no "
+            "gradient is reduced): drop the factor, or pass the optimizer"
+        )
+
+
 def param_group_index(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """For each parameter (by id), the index of its optimizer param group; the optimizer
     must be fresh and hold only parameters of `model`."""

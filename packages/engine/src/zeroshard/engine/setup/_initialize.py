@@ -46,6 +46,7 @@ from zeroshard.engine.setup._build import GroupsPlan, build_groups, plan_groups
 from zeroshard.engine.setup._checks import (
     check_divide_factor,
     check_evaluation_config,
+    check_evaluation_factor,
     check_model,
     check_module_paths,
     param_group_index,
@@ -154,6 +155,10 @@ def initialize(
     # The factor before the model's fields, which run to each rank's own length: after
     # them, a model with an extra layer would pair it against the factor.
     check_ranks_agree(everyone, [("gradient_divide_factor", repr(factor)), *described])
+    if optimizer is None:
+        # After the agreement: a rank given no optimizer beside ranks given one is named
+        # by it on every rank, not refused here alone while the others wait for it.
+        check_evaluation_factor(factor)
     # After the agreement: a rank given no mesh (or other DTensors) would otherwise fail
     # alone while the others wait for it in the agreement's collective.
     check_mesh_inputs(model, cfg, device_mesh, group=group)
@@ -236,7 +241,7 @@ def _zero_optimizer(
     # The whole-matrix optimizers' owners and whole parameters, then every param group
     # bound once (to those, or to the masters), then the steppers built on what is bound.
     whole = (
-        WholeMatrices(optimizers, groups, tensor_parallel)
+        WholeMatrices(optimizers, groups, tensor_parallel, cfg.offload.pin_memory)
         if any(map(steps_whole, optimizers))
         else None
     )

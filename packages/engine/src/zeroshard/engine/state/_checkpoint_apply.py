@@ -30,6 +30,7 @@ from zeroshard.comm import Group, agreed
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._optimizers import class_path, stepped_by
 from zeroshard.engine.runtime._state import EngineState
+from zeroshard.engine.runtime.whole import host_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name
 from zeroshard.engine.state._user_state import Stateful
 
@@ -208,11 +209,12 @@ def apply_loaded(
         kept: dict[str, Any] = dict(saved_state.scalars)
         for key, t in loaded.param_states[name].items():
             on_device = saved_state.tensors[key][2]
-            # Offloaded state waits on the host for the step ([Note: whole parameters
-            # offloaded] in runtime/whole/_whole_step.py).
+            # Offloaded state waits on the host for the step, pinned as the step keeps it
+            # ([Note: whole parameters offloaded] in runtime/whole/_whole_step.py).
             if whole is not None and name in whole.on_host and t.dim():
-                on_device = False
-            kept[key] = t.to(p.device if on_device else "cpu", copy=True)
+                kept[key] = host_state(t, p.device, state.config.offload.pin_memory)
+            else:
+                kept[key] = t.to(p.device if on_device else "cpu", copy=True)
         whole_states.append((p, kept))
     # Every new tensor exists now (an allocation that fails has changed nothing): copy.
     _copy_weights(state, loaded, buffers)

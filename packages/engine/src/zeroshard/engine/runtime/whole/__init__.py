@@ -10,11 +10,13 @@ from zeroshard.engine.runtime.whole._build import (
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
 from zeroshard.engine.runtime.whole._exchange import WHOLE_STEP_IS_COLLECTIVE
 from zeroshard.engine.runtime.whole._owners import MatrixOwners, plan_owners
+from zeroshard.engine.runtime.whole._whole_step import host_state
 
 __all__ = [
     "WHOLE_STEP_IS_COLLECTIVE",
     "MatrixOwners",
     "WholeMatrices",
+    "host_state",
     "plan_owners",
     "split_muon",
     "steps_whole",

@@ -38,16 +38,19 @@ class WholeMatrices:
     with their own step() one empty whole parameter per matrix this rank owns (`bound`:
     what each of their param groups steps in place of the masters, for `bind_masters`;
     `params`: by name, for checkpoints). Their steppers are built on param groups bound
-    so (matrices split over `tensor_parallel` joined whole for either kind)."""
+    so (matrices split over `tensor_parallel` joined whole for either kind; the host state
+    of offloaded groups' matrices pinned if `pin_memory`, offload.pin_memory)."""
 
     def __init__(
         self,
         optimizers: Sequence[torch.optim.Optimizer],
         groups: Sequence[FlatParamGroup],
         tensor_parallel: TensorParallel | None,
+        pin_memory: bool,
     ) -> None:
         owners = plan_owners(((g.key, g.layout) for g in groups), whole_param_groups(optimizers))
         self._tensor_parallel = tensor_parallel
+        self._pin_memory = pin_memory
         self._exchanges: dict[int, MatrixExchange] = {}
         # Each whole-parameter optimizer's (by its first param group's index): by name.
         self._params: dict[int, dict[str, nn.Parameter]] = {}
@@ -94,6 +97,7 @@ class WholeMatrices:
             self._params[offset],
             offset,
             self._tensor_parallel,
+            self._pin_memory,
         )
 
 

@@ -21,6 +21,9 @@ tensors of those matrices go up before its `step()` and come back down after it 
 back down into the host shard and the home's compute shard is rewritten from it. The
 bits are the device step's: the same step on the same values. During the step the owner
 holds what it steps on the device, as without offload; between steps, nothing of it.
+On the host that state is pinned where it goes up to a GPU (`offload.pin_memory`, as
+offload's own buffers: `host_state`), so its copies up and down run at the bus's speed
+and the copies up do not wait; allocated the first time it comes down, and by a load.
 
 [Note: whole parameters under tensor parallelism]
 A matrix split over tp is a piece on each tp rank, in a flat group sharded over dp with
@@ -47,7 +50,7 @@ from zeroshard.engine.runtime._home import HomeKind, refresh_homes
 from zeroshard.engine.runtime._stepper import StepOutcome
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, split_dim
 from zeroshard.engine.runtime.whole._exchange import ExchangingStep, MatrixExchange
-from zeroshard.partition import Slot
+from zeroshard.partition import Slot, empty_host
 
 
 def whole_parameters(
@@ -62,6 +65,14 @@ def whole_parameters(
         if g.trainable
         for slot in exchanges[g.index].stepped_here()
     }
+
+
+def host_state(t: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    """A host copy of `t`, state of a matrix stepped on `device` that waits on the host
+    between steps: pinned where it goes up to a GPU and `pin_memory` (offload.pin_memory)
+    asks for it, pageable where pinning fails ([Note: whole parameters offloaded])."""
+    host, _ = empty_host(t.numel(), t.dtype, pin=pin_memory and device.type == "cuda")
+    return host.view(t.shape).copy_(t)
 
 
 def on_host(groups: Sequence[FlatParamGroup], exchanges: Mapping[int, MatrixExchange]) -> set[str]:
@@ -90,7 +101,8 @@ class WholeParamStep(ExchangingStep):
     Its param groups hold `params` (by name: one empty whole parameter per matrix this
     rank owns), bound before it is built (`WholeMatrices`, `bind_masters`); matrices split
     over `tensor_parallel` are joined whole for it ([Note: whole parameters under tensor
-    parallelism])."""
+    parallelism]); the state of offloaded groups' matrices waits on the host, pinned if
+    `pin_memory` ([Note: whole parameters offloaded])."""
 
     def __init__(
         self,
@@ -99,11 +111,13 @@ class WholeParamStep(ExchangingStep):
         exchanges: Mapping[int, MatrixExchange],
         params: Mapping[str, nn.Parameter],
         offset: int,
-        tensor_parallel: TensorParallel | None = None,
+        tensor_parallel: TensorParallel | None,
+        pin_memory: bool,
     ) -> None:
         super().__init__(optimizer, groups, exchanges, offset, tensor_parallel)
         self.params = dict(params)
         self.on_host = on_host(self.groups, self.exchanges)
+        self.pin_memory = pin_memory
         # The dim each matrix split over tp is cut along, by name.
         self.splits = {
             n: dim
@@ -217,7 +231,7 @@ class WholeParamStep(ExchangingStep):
                         continue
                     host = came.get((name, key))
                     if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                        kept[key] = value.to("cpu")
+                        kept[key] = host_state(value, p.device, self.pin_memory)
                     else:
                         kept[key] = host.copy_(value)
 
