@@ -14,11 +14,14 @@ more step gives are what the loads must give. Each expert's tp pieces are recut 
 Each load gives the saved masters and moments bit for bit, and one more step from there
 the uninterrupted run's weights (fp32, rtol 1e-5, as test_tensor_parallel_state.py's
 loads at another shape). Another number of experts (one shared by every rank) is refused
-by name on every rank.
+by name on every rank; a checkpoint without `expert_split` (written before it was) by
+`load` and `consolidate`.
 """
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from tests._dist import run_ranks
 from tests.engine._models import global_batches
 from tests.engine.test_expert_compositions import MAX_NORM, _config, _trunk
 from tests.engine.test_expert_groups import _loss
-from zeroshard.ckpt import ModelMismatchError
+from zeroshard.ckpt import CheckpointError, CheckpointMeta, ModelMismatchError, consolidate, load
 from zeroshard.comm import Group
 
 SAVED_AT = 2  # steps before the save; one more after it
@@ -146,3 +149,14 @@ def _across_sizes(root: str) -> None:
 
 def test_experts_load_at_another_tensor_parallel_size(tmp_path: Path) -> None:
     run_ranks(_across_sizes, 4, str(tmp_path))
+    # The tp checkpoint as a build from before `expert_split` wrote it: which instances
+    # are one expert's pieces is unknown, so neither a load nor consolidation guesses.
+    old = tmp_path / "unmarked"
+    shutil.copytree(tmp_path / "tp2" / f"step-{SAVED_AT}", old)
+    meta = CheckpointMeta.from_bytes((old / "metadata.json").read_bytes())
+    groups = tuple(replace(g, expert_split=None) for g in meta.groups)
+    (old / "metadata.json").write_text(replace(meta, groups=groups).to_json())
+    with pytest.raises(CheckpointError, match="without expert_split"):
+        load(old, rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="without expert_split"):
+        consolidate(old, tmp_path / "out.safetensors", instance=0)
