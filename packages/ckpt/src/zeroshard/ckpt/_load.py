@@ -137,13 +137,15 @@ def _placements(
     sources: Mapping[str, Sequence[GroupMeta]], rank: int, given: Mapping[str, GroupPlacement]
 ) -> dict[str, GroupPlacement]:
     """Every target group's placement of this rank (a group on the whole world: instance
-    0 of 1, as rank `rank`); ModelMismatchError when the numbers of instances differ."""
+    0 of 1, as rank `rank`); ModelMismatchError when the numbers of experts differ."""
     unknown = sorted(set(given) - set(sources))
     if unknown:
         raise ModelMismatchError(f"placements name groups the target layouts lack: {unknown}")
     out = {}
     for name, groups in sources.items():
         place = given.get(name, GroupPlacement(0, 1, rank))
+        if not 0 <= place.instance < place.instances or place.instances % place.pieces:
+            raise ValueError(f"group {name!r}: bad placement {place}")
         # Tensor-parallel pieces are one model at any tensor-parallel size, an expert's
         # one expert; independent instances (experts) load only as many of them.
         for g in groups:
@@ -158,8 +160,6 @@ def _placements(
                 f"group {g.name!r} was saved with {g.experts} instance(s) (sets of ranks "
                 f"holding different values, e.g. experts), this run has {place.experts}"
             )
-        if not 0 <= place.instance < place.instances:
-            raise ValueError(f"group {name!r}: bad placement {place}")
         out[name] = place
     return out
 
