@@ -24,9 +24,10 @@ once.
 Each case trains 3 steps with clipping against the reference, saves after the second,
 and a fresh engine that loads that checkpoint repeats the third step bit for bit.
 The hybrid checkpoint loads at 2 ranks without hybrid sharding and consolidates, each
-expert as its ranks held it; an expert's tp pieces are not joined yet, which
-consolidation refuses. Groups that cross tensor-parallel coordinates, or differ from
-their tp peers', are refused with a clear error on every rank.
+expert as its ranks held it; the tp checkpoints consolidate each expert whole, its tp
+pieces joined (loads at another tp size: test_expert_tensor_parallel_state.py). Groups
+that cross tensor-parallel coordinates, or differ from their tp peers', are refused with
+a clear error on every rank.
 """
 
 from __future__ import annotations

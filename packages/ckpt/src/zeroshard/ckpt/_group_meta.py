@@ -5,7 +5,7 @@ rank file's size and checksum): the parts of `CheckpointMeta`, as frozen datacla
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,8 @@ class GroupMeta:
     a full state dict then holds one tensor per name, made from every instance.
     `expert_split` (a group of its own under tensor parallelism: experts) says how its
     instances, each expert's tensor-parallel ranks, cut each expert (`TensorSplit.ranks`):
-    consolidation joins an expert's pieces; loading reads the instances as saved.
+    consolidation joins an expert's pieces, and a load at another tensor-parallel size
+    recuts them, as for `tensor_split` within each expert's run of instances.
     """
 
     name: str
@@ -174,17 +175,33 @@ class GroupMeta:
             )
         return shard if self.rank_sets is None else self.rank_sets[instance][shard]
 
+    @property
+    def pieces(self) -> int:
+        """How many pieces a split slot is cut into: one per instance (`tensor_split`), one
+        per tensor-parallel rank of an expert (`expert_split`); 1 without a split."""
+        if self.expert_split is not None:
+            return self.expert_split.ranks
+        return 1 if self.tensor_split is None else self.instances
+
+    @property
+    def experts(self) -> int:
+        """How many of the instances hold different values (experts): a tensor-parallel
+        group's instances are one model, an expert's tensor-parallel ranks one expert."""
+        return self.instances // self.pieces
+
     def split_dim(self, name: str) -> int | None:
-        """The dim slot `name` is split along over the instances (tensor parallelism), or
-        None when each instance holds it whole."""
-        return None if self.tensor_split is None else self.tensor_split.dims.get(name)
+        """The dim slot `name` is split along over the instances (tensor parallelism; an
+        expert's run of them under `expert_split`), or None when each holds it whole."""
+        split = self.tensor_split if self.expert_split is None else self.expert_split
+        return None if split is None else split.dims.get(name)
 
     def full_shape(self, slot: Slot) -> tuple[int, ...]:
-        """The shape of the whole tensor of `slot` (its pieces joined, when split)."""
+        """The shape of the whole tensor of `slot` (its pieces joined, when split; an
+        expert's whole tensor under `expert_split`)."""
         dim = self.split_dim(slot.name)
         if dim is None:
             return slot.shape
-        return tuple(n * self.instances if d == dim else n for d, n in enumerate(slot.shape))
+        return tuple(n * self.pieces if d == dim else n for d, n in enumerate(slot.shape))
 
     @property
     def value_kind(self) -> str:
@@ -227,6 +244,26 @@ class GroupMeta:
             rank_sets=None if sets is None else tuple(tuple(s) for s in sets),
             tensor_split=None if split is None else TensorSplit.from_dict(split),
             expert_split=None if experts is None else TensorSplit.from_dict(experts),
+        )
+
+
+def check_experts_marked(groups: Sequence[GroupMeta]) -> None:
+    """CheckpointError where experts of a tensor-parallel checkpoint were saved before
+    `expert_split` was recorded (the same format version): which instances are one
+    expert's pieces, and which slots are pieces, is not known."""
+    if all(g.tensor_split is None for g in groups):
+        return
+    unmarked = [
+        g.name
+        for g in groups
+        if g.instances > 1 and g.tensor_split is None and g.expert_split is None
+    ]
+    if unmarked:
+        raise CheckpointError(
+            f"groups {unmarked} hold experts under tensor parallelism without expert_split "
+            "(an older checkpoint): which instances are one expert's pieces is not "
+            "recorded; load it with the build that saved it, at the layout it was saved "
+            "at, and save it again"
         )
 
 

@@ -6,9 +6,10 @@ that range from the one or two source rank files that hold it. With target layou
 whose offsets differ (another alignment), each slot is copied on its own instead.
 A group on a process group of its own (experts) is read for the instance and the rank
 in that group that `placements` names (see `GroupMeta.rank_sets`). Tensor-parallel groups
-(`GroupMeta.tensor_split`) load at any tensor-parallel size, or none: where the target
-cuts a parameter as the checkpoint does, its instance is read as above, else its piece
-is cut from the full tensor ([Note: recutting tensor-parallel pieces] in _tensor_split).
+(`GroupMeta.tensor_split`), and experts under tensor parallelism (`expert_split`), load at
+any tensor-parallel size, or none: where the target cuts a parameter as the checkpoint
+does, its instance is read as above, else its piece is cut from the full tensor (the
+expert's) ([Note: recutting tensor-parallel pieces] in _tensor_split).
 
 [Note: names and shapes are the contract]
 Target layouts may also group the parameters differently from the checkpoint (saved at
@@ -31,7 +32,7 @@ import torch
 
 from zeroshard.ckpt._errors import CheckpointError, ModelMismatchError
 from zeroshard.ckpt._extra import RankExtra, read_extra
-from zeroshard.ckpt._group_meta import GroupMeta, TensorSplit
+from zeroshard.ckpt._group_meta import GroupMeta, TensorSplit, check_experts_marked
 from zeroshard.ckpt._keys import BUFFER_PREFIX, buffer_key, shard_key
 from zeroshard.ckpt._meta import CheckpointMeta, check_names_shapes
 from zeroshard.ckpt._reader import CheckpointReader
@@ -44,19 +45,39 @@ class GroupPlacement(NamedTuple):
     it holds instance `instance` of `instances` (e.g. its expert-parallel index), as
     rank `rank` of that group (whose size is the target layout's world size). `split`:
     the instances are tensor-parallel ranks, whose pieces of the parameters it names are
-    cut as it says (see `TensorSplit`; the target layout's slots are the pieces)."""
+    cut as it says (see `TensorSplit`; the target layout's slots are the pieces); with
+    `split.ranks` (experts under tensor parallelism, as `GroupMeta.expert_split`) they
+    come in runs of `ranks`, run e expert e's tensor-parallel ranks."""
 
     instance: int
     instances: int
     rank: int
     split: TensorSplit | None = None
 
+    @property
+    def pieces(self) -> int:
+        """How many pieces a split slot is cut into (as `GroupMeta.pieces`)."""
+        if self.split is None:
+            return 1
+        return self.split.ranks or self.instances
+
+    @property
+    def expert(self) -> int:
+        """Which of the instances holding different values (experts) this rank holds: 0
+        of a tensor-parallel group's (one model)."""
+        return self.instance // self.pieces
+
+    @property
+    def experts(self) -> int:
+        """How many of the instances hold different values (as `GroupMeta.experts`)."""
+        return self.instances // self.pieces
+
     def full_shape(self, slot: Slot) -> tuple[int, ...]:
         """The shape of the whole tensor whose piece target slot `slot` is."""
         dim = None if self.split is None else self.split.dims.get(slot.name)
         if dim is None:
             return slot.shape
-        return tuple(n * self.instances if d == dim else n for d, n in enumerate(slot.shape))
+        return tuple(n * self.pieces if d == dim else n for d, n in enumerate(slot.shape))
 
     def cut(self, slot: Slot) -> tuple[int | None, int, int]:
         """The dim target slot `slot` is cut along, and its piece's [lo, hi) of the full
@@ -64,8 +85,8 @@ class GroupPlacement(NamedTuple):
         dim = None if self.split is None else self.split.dims.get(slot.name)
         if dim is None:
             return None, 0, 0
-        n = slot.shape[dim]
-        return dim, self.instance * n, (self.instance + 1) * n
+        n, k = slot.shape[dim], self.instance % self.pieces
+        return dim, k * n, (k + 1) * n
 
 
 @dataclass(frozen=True)
@@ -116,31 +137,29 @@ def _placements(
     sources: Mapping[str, Sequence[GroupMeta]], rank: int, given: Mapping[str, GroupPlacement]
 ) -> dict[str, GroupPlacement]:
     """Every target group's placement of this rank (a group on the whole world: instance
-    0 of 1, as rank `rank`); ModelMismatchError when the numbers of instances differ."""
+    0 of 1, as rank `rank`); ModelMismatchError when the numbers of experts differ."""
     unknown = sorted(set(given) - set(sources))
     if unknown:
         raise ModelMismatchError(f"placements name groups the target layouts lack: {unknown}")
     out = {}
     for name, groups in sources.items():
         place = given.get(name, GroupPlacement(0, 1, rank))
-        # Tensor-parallel pieces are one model at any tensor-parallel size; independent
-        # instances (experts) load only as many of them.
-        independent = place.instances > 1 and place.split is None
+        if not 0 <= place.instance < place.instances or place.instances % place.pieces:
+            raise ValueError(f"group {name!r}: bad placement {place}")
+        # Tensor-parallel pieces are one model at any tensor-parallel size, an expert's
+        # one expert; independent instances (experts) load only as many of them.
         for g in groups:
-            if g.tensor_split is not None and not independent:
+            if g.experts == place.experts:
                 continue
-            if g.instances > 1 and place.split is not None:
+            if place.split is not None and not place.split.ranks:
                 raise ModelMismatchError(
-                    f"group {g.name!r} was saved with {g.instances} instances holding "
+                    f"group {g.name!r} was saved with {g.experts} instances holding "
                     "different values (e.g. experts), this run splits it by tensor parallelism"
                 )
-            if g.instances != place.instances:
-                raise ModelMismatchError(
-                    f"group {g.name!r} was saved with {g.instances} instance(s) (sets of ranks "
-                    f"holding different values, e.g. experts), this run has {place.instances}"
-                )
-        if not 0 <= place.instance < place.instances:
-            raise ValueError(f"group {name!r}: bad placement {place}")
+            raise ModelMismatchError(
+                f"group {g.name!r} was saved with {g.experts} instance(s) (sets of ranks "
+                f"holding different values, e.g. experts), this run has {place.experts}"
+            )
         out[name] = place
     return out
 
@@ -205,9 +224,15 @@ def _cut_alike(sources: Sequence[GroupMeta], dst: FlatLayout, place: GroupPlacem
     """Whether `dst`'s slots are the sources' own slots of instance `place.instance`: no
     tensor parallelism on either side, or the same on both."""
     for g in sources:
-        if g.tensor_split is None and place.split is None:
+        split = g.tensor_split if g.expert_split is None else g.expert_split
+        if split is None and place.split is None:
             continue
-        if g.tensor_split is None or place.split is None or g.instances != place.instances:
+        if (
+            split is None
+            or place.split is None
+            or g.instances != place.instances
+            or g.pieces != place.pieces
+        ):
             return False
         names = {s.name for s in g.layout.slots}
         if any(
@@ -306,6 +331,7 @@ def load(
     with CheckpointReader(path, tag=tag, step=step) as reader:
         meta = reader.meta
         reader.check_present()
+        check_experts_marked(meta.groups)
         if verify and meta.buffers:
             # Rank 0's file holds the buffers, whose shapes `expected` is checked against:
             # its header is read only once the file is known intact.
@@ -343,7 +369,7 @@ def load(
                 needed.update(
                     g.file_rank(i, r)
                     for g in groups
-                    for i in range(g.instances)
+                    for i in range(place.expert * g.pieces, (place.expert + 1) * g.pieces)
                     for r in range(g.layout.world_size)
                 )
             first = groups[0]
@@ -360,8 +386,8 @@ def load(
             out = torch.zeros(targets[name].shard_numel, dtype=first.shards[kind])
             for g, lo, hi, at in copies:
                 reader.read_flat(g, kind, lo, hi, out[at : at + hi - lo], places[name].instance)
-            for g, src, (dim, a, b), start, n, at in recuts:
-                region = read_region(reader, g, kind, src, dim, a, b)
+            for g, src, cut, start, n, at in recuts:
+                region = read_region(reader, g, kind, src, cut, places[name].expert)
                 out[at : at + n] = region.reshape(-1)[start : start + n]
             return out
 

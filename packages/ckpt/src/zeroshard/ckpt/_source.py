@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.ckpt._errors import CheckpointError
-from zeroshard.ckpt._group_meta import GroupMeta
+from zeroshard.ckpt._group_meta import GroupMeta, check_experts_marked
 from zeroshard.ckpt._keys import buffer_key
 from zeroshard.ckpt._reader import CheckpointReader
 from zeroshard.ckpt._spec import TensorSpec
@@ -31,10 +31,8 @@ def slot_spec(
     tensor (pieces joined under tensor parallelism), read from the rank files; of a group
     with several instances, instance `instance`'s (expert `instance`'s, under tensor
     parallelism)."""
-    if group.tensor_split is not None:
-        return _split_spec(reader, group, slot, kind)
-    if group.expert_split is not None:
-        return _split_spec(reader, group, slot, kind, instance)
+    if group.tensor_split is not None or group.expert_split is not None:
+        return _split_spec(reader, group, slot, kind, instance if group.experts > 1 else 0)
 
     def read_range(start: int, out: torch.Tensor) -> None:
         lo = slot.offset + start
@@ -47,7 +45,7 @@ def slot_spec(
 
 
 def _split_spec(
-    reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str, expert: int | None = None
+    reader: CheckpointReader, group: GroupMeta, slot: Slot, kind: str, expert: int
 ) -> RangeSpec:
     def read_range(start: int, out: torch.Tensor) -> None:
         read_full_range(reader, group, kind, slot, start, out, expert)
@@ -55,12 +53,7 @@ def _split_spec(
     def read(out: torch.Tensor) -> None:
         read_range(0, out)
 
-    shape = group.full_shape(slot)
-    split = group.expert_split
-    if expert is not None and split is not None and slot.name in split.dims:
-        dim = split.dims[slot.name]
-        shape = tuple(n * split.ranks if d == dim else n for d, n in enumerate(slot.shape))
-    return RangeSpec(slot.name, shape, group.shards[kind], read, read_range)
+    return RangeSpec(slot.name, group.full_shape(slot), group.shards[kind], read, read_range)
 
 
 def _buffer_spec(reader: CheckpointReader, name: str) -> RangeSpec:
@@ -85,28 +78,14 @@ def checkpoint_specs(
     meta = reader.meta
     # Instances per group that are different values: experts (each expert's run of
     # tensor-parallel ranks one instance, under tensor parallelism).
-    several = {
-        g.name: g.instances // (g.expert_split.ranks if g.expert_split else 1)
-        for g in meta.groups
-        if g.tensor_split is None
-    }
-    several = {name: n for name, n in several.items() if n > 1}
+    several = {g.name: g.experts for g in meta.groups if g.experts > 1}
     if several and instance is None:
         raise CheckpointError(
             f"groups {sorted(several)} hold {max(several.values())} instances each (parameters "
             "on a process group of their own, e.g. experts, with different values on "
             "different ranks): consolidate one instance at a time (instance=k, --instance k)"
         )
-    if any(g.tensor_split is not None for g in meta.groups) and any(
-        g.instances > 1 and g.tensor_split is None and g.expert_split is None for g in meta.groups
-    ):
-        # Experts of a tensor-parallel checkpoint saved before `expert_split` was written:
-        # which instances are one expert's pieces is not recorded.
-        raise CheckpointError(
-            f"groups {sorted(several)} hold experts under tensor parallelism without "
-            "expert_split (an older checkpoint): which instances are one expert's pieces is "
-            "not recorded (load the checkpoint at the layout it was saved at)"
-        )
+    check_experts_marked(meta.groups)
     count = max(several.values(), default=1)
     if instance is not None and not 0 <= instance < count:
         raise CheckpointError(f"instance {instance} out of range: the checkpoint has {count}")

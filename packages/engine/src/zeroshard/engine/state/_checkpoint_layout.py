@@ -14,7 +14,8 @@ group, sharded over the mesh's `dp` ranks: instance k is tensor-parallel rank k,
 its `tensor_split` names the parameters whose pieces it holds (their dims), so the
 checkpoint consolidates to the whole model and loads at another tensor-parallel size.
 A group of its own there has an instance per expert and tp rank: its `expert_split`
-names its split parameters and the tp size, so each expert consolidates whole.
+names its split parameters and the tp size, so each expert consolidates whole and loads
+at another tensor-parallel size (recut within the expert).
 
 Under hybrid sharding the first replica writes the checkpoint, numbered over its ranks,
 unless groups of their own cross the replicas (`EngineState.own_crosses_replicas`):
@@ -132,12 +133,10 @@ def expert_split(state: EngineState, g: FlatParamGroup) -> TensorSplit | None:
 
 def full_shapes(state: EngineState) -> dict[str, tuple[int, ...]]:
     """Every flat group's parameter name -> the shape of its whole tensor (a DTensor's
-    global shape, not the local piece its slot holds, unless its group's pieces are not
-    joined: `tensor_split`)."""
+    global shape, not the local piece its slot holds; an expert's whole tensor)."""
     return {
-        n: tuple(int(d) for d in (p.shape if joined and split_dim(p) is not None else slot.shape))
+        n: tuple(int(d) for d in (p.shape if split_dim(p) is not None else slot.shape))
         for g in state.groups
-        for joined in (tensor_split(state, g) is not None,)
         for n, p, slot in zip(g.names, g.params, g.layout.slots, strict=True)
     }
 
@@ -158,8 +157,9 @@ def placements(state: EngineState) -> dict[str, GroupPlacement]:
             peer = state.replicate.global_rank(0)
             at = peer if files.pg is None else dist.get_group_rank(files.pg, peer)
         (instance,) = [i for i, ranks in enumerate(sets) if at in ranks]
+        split = tensor_split(state, g) or expert_split(state, g)
         out[checkpoint_group_name(g)] = GroupPlacement(
-            instance, len(sets), g.process_group.rank, tensor_split(state, g)
+            instance, len(sets), g.process_group.rank, split
         )
     return out
 
