@@ -20,8 +20,15 @@ import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, seeded
-from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from tests.engine._models import (
+    global_batches,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    muon_and_adamw,
+)
 from tests.engine.test_snapshots import _state
+from tests.engine.test_whole_params_compositions import factored_and_adamw
 from zeroshard.engine.recovery import Snapshots
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
 
@@ -31,7 +38,13 @@ MAX_NORM = 0.05
 
 def _optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
     """`kind` "sgd+adamw": SGD with momentum on the matrices, AdamW on the rest (several
-    optimizers, each stepping its own flat groups); else make_optimizer's."""
+    optimizers, each stepping its own flat groups); "muon": torch's Muon on the hidden
+    matrices, AdamW on the rest; "factored": a user's whole-matrix optimizer (declaring
+    `zeroshard_whole_params`) on the matrices, AdamW on the rest; else make_optimizer's."""
+    if kind == "muon":
+        return muon_and_adamw(model)
+    if kind == "factored":
+        return factored_and_adamw(model)
     if kind != "sgd+adamw":
         return [make_optimizer(model, kind)]
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -216,6 +229,11 @@ CASES: list[tuple[int, str, dict[str, object], bool]] = [
     # averaged).
     (2, "sgd+adamw", {}, False),
     (3, "adamw", {"shard_group_size": 1}, False),
+    # Whole-matrix optimizers: the replay's exchanges, every rank stepping its entries
+    # together; with offload (Muon's elementwise parts on the host).
+    (2, "muon", {}, False),
+    (3, "muon", {"offload_optimizer": True}, False),
+    (3, "factored", {}, False),
 ]
 
 

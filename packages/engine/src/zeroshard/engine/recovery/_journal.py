@@ -26,10 +26,16 @@ writes its gradients) is no longer what the step read: that step gets a full sna
 So does a step `take` is not called after exactly once (the journal holds one step per
 entry).
 
+A replay is collective as the steps it repeats were: every rank replays the same entries
+in the same order (the plan is the same on every rank), so a stepper's own collectives
+(a whole-matrix optimizer's exchanges with the matrices' owners, Muon's joins over tensor
+parallelism) meet as they met in training. What a publish derives from the masters (the
+fp8 gather's scales, in its wire) is derived again by the replay's one publish after its
+last entry; nothing of it is journaled.
+
 Not journaled (refused by name): steps in backward (`step_in_backward`), whose groups step
 before the stepper sees them; `offload.delay_param_update`, whose step in flight and
-lagging parameters a replay does not give back; whole-matrix optimizers (Muon), whose
-exchanges are not replayed here yet.
+lagging parameters a replay does not give back.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineState
-from zeroshard.engine.runtime._stepper import AfterBackward, StepEach, StepOutcome, Stepper
+from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 from zeroshard.engine.state._checkpoint_apply import restore_user_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, module_buffers
 from zeroshard.engine.state._user_state import (
@@ -68,10 +74,6 @@ def journal_refusal(state: EngineState) -> str:
             "offload.delay_param_update: the step in flight and the parameters lagging "
             "behind the masters are not replayed"
         )
-    opt = state.optimizer
-    steppers = opt.stepper.steppers if isinstance(opt.stepper, StepEach) else [opt.stepper]  # type: ignore[union-attr]
-    if any(isinstance(s, AfterBackward) for s in steppers):
-        return "a whole-matrix optimizer (Muon): its exchanges are not replayed"
     return ""
 
 
