@@ -20,8 +20,15 @@ import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests._dist import run_each, run_ranks, seeded
-from tests.engine._models import global_batches, loss_fn, make_model, make_optimizer
+from tests.engine._models import (
+    global_batches,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    muon_and_adamw,
+)
 from tests.engine.test_snapshots import _state
+from tests.engine.test_whole_params_compositions import factored_and_adamw
 from zeroshard.engine.recovery import Snapshots
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
 
@@ -31,7 +38,13 @@ MAX_NORM = 0.05
 
 def _optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
     """`kind` "sgd+adamw": SGD with momentum on the matrices, AdamW on the rest (several
-    optimizers, each stepping its own flat groups); else make_optimizer's."""
+    optimizers, each stepping its own flat groups); "muon": torch's Muon on the hidden
+    matrices, AdamW on the rest; "factored": a user's whole-matrix optimizer (declaring
+    `zeroshard_whole_params`) on the matrices, AdamW on the rest; else make_optimizer's."""
+    if kind == "muon":
+        return muon_and_adamw(model)
+    if kind == "factored":
+        return factored_and_adamw(model)
     if kind != "sgd+adamw":
         return [make_optimizer(model, kind)]
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -102,6 +115,12 @@ def _journal(folder: str, stage: int, kind: str, extra: dict[str, object], damag
                 pairs = ((rank, ENTRY), (1 - rank, ENTRY_REPLICA))
                 entries = {(s, r, k) for s in (6, 7) for r, k in pairs}
                 assert held == {(5, rank, OWN), (5, 1 - rank, REPLICA), *entries}, held
+                # The peer's entries are kept in a ring of K slots as the rank's own are
+                # (5 entries so far: the one of step 7 in the slot of step 2's), each
+                # linked in under its step's name.
+                ring = list((snaps.store.folder / "slots").glob(f"rank{rank:05d}-*-replica*"))
+                assert len(ring) == 4, ring
+                assert snaps.store.path(7, 1 - rank, 2, ENTRY_REPLICA).stat().st_nlink == 2
                 # The planner's count of an entry is its gradient shards (less its header,
                 # padded to 64 KiB, and the buffers and user state).
                 with seeded(0), torch.device("meta"):  # the run's RNG left as it was
@@ -134,7 +153,8 @@ def _journal(folder: str, stage: int, kind: str, extra: dict[str, object], damag
             else:
                 assert texts == []
         _equal(_state(model, opt), states[want])
-        # The steps after it are the uninterrupted run's, with a full snapshot next.
+        # The steps after it are the uninterrupted run's; the journal goes on from the
+        # full snapshot restored (step 5): the next take is an entry.
         for s in range(want, STEPS + 2):
             assert _step(model, opt, sched, s) == losses[s], s
             data["next_step"] = s + 1
@@ -142,7 +162,8 @@ def _journal(folder: str, stage: int, kind: str, extra: dict[str, object], damag
             if s == want:
                 snaps.take(s + 1)
         snaps.wait()
-        assert {h.step for h in snaps.store.held()} == {want + 1}
+        held = {(h.step, h.kind) for h in snaps.store.held() if h.rank == rank}
+        assert held == {(5, OWN), *((s, ENTRY) for s in range(6, want + 2))}, held
     finally:
         snaps.close()
     assert not snaps.store.folder.exists()
@@ -183,6 +204,55 @@ def _falls_back_to_full(folder: str) -> None:
         snaps.close()
 
 
+def _nodes_lost_in_turn(folder: str) -> None:
+    """Rank 1's node loses its memory between two full snapshots (its snapshots dropped, as
+    a node replaced comes up empty): the restore fetches its full snapshot and entries
+    from the replicas rank 0 keeps, replays them, and puts them back in place, replicated
+    again. Then rank 0's node loses its memory before any new snapshot (a second failure
+    in the same block): the restore finds the same step whole on rank 1's node alone
+    (its own files written back, rank 0's replicated there), bit for bit. The journal
+    goes on from there: the next take is an entry, the one after the full snapshot due."""
+    rank = dist.get_rank()
+    torch.manual_seed(7 + rank)
+    model, opt, sched = _build(2, "adamw")
+    data = {"next_step": 0}
+    client = {"sched": sched, "data": data}
+    mine = {"rng": zs.RNGState()}
+    snaps = Snapshots(
+        model, opt, every=1, full_every=4, client_state=client, rank_state=mine, root=folder
+    )
+    try:
+        states, losses = {}, {}
+        for s in range(5):
+            losses[s] = _step(model, opt, sched, s)
+            data["next_step"] = s + 1
+            states[s + 1] = _state(model, opt)
+            if s < 3:
+                assert snaps.take(s + 1)  # a full snapshot at 1, entries at 2 and 3
+        for lost in (1, 0):
+            snaps.wait()  # the snapshots (and a restore's republishing) are complete
+            if rank == lost:
+                snaps.store.drop()
+            dist.barrier()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert snaps.resume(f"{folder}/ckpt") == 3, lost
+            assert not [w for w in caught if "resume" in str(w.message)], lost
+            assert snaps.last_resume is not None and snaps.last_resume.source == "memory"
+            assert (snaps.last_resume.fetched_bytes > 0) == (rank == lost), lost
+            _equal(_state(model, opt), states[3])
+        for s in range(3, 5):
+            assert _step(model, opt, sched, s) == losses[s], s
+            data["next_step"] = s + 1
+            _equal(_state(model, opt), states[s + 1])
+            assert snaps.take(s + 1)
+        snaps.wait()
+        kinds = {h.step: h.kind for h in snaps.store.held() if h.rank == rank}
+        assert kinds == {5: OWN}, kinds  # 4 an entry, then 5 full: 1 to 4 dropped
+    finally:
+        snaps.close()
+
+
 def _refusals(folder: str) -> None:
     model, opt, _ = _build(2, "adamw")
     with pytest.raises(ValueError, match="full_every=4 needs every=1"):
@@ -203,19 +273,30 @@ def _refusals(folder: str) -> None:
         Snapshots(model, opt, every=1, full_every=4, root=folder)
 
 
+BF16 = {"compute_dtype": "bf16", "master_dtype": "bf16"}
+SCALE = {"initial_loss_scale": 2.0**22}
 CASES: list[tuple[int, str, dict[str, object], bool]] = [
     (2, "adamw", {}, False),
     (3, "sgd", {}, False),
     (2, "adamw", {}, True),
     (1, "adamw", {"offload_optimizer": True}, False),
-    (2, "adamw", {"compute_dtype": "bf16", "master_dtype": "bf16"}, False),
+    (2, "adamw", BF16, False),
+    # Offloaded gradients narrower than fp32 keep their clipping and unscaling factors
+    # pending until the step reads them: an entry holds them as the step read them.
+    (2, "adamw", {"offload_optimizer": True, **BF16}, False),
     # A first loss scale that overflows until 2**16: steps 0-5 are skipped (journaled so:
-    # the entry of step 6 replays a skip), step 6 on are stepped.
-    (3, "adamw", {"compute_dtype": "fp16", "initial_loss_scale": 2.0**22}, False),
+    # the entry of step 6 replays a skip), step 6 on are stepped (offloaded, unscaled as
+    # the host step reads them).
+    (3, "adamw", {"offload_optimizer": True, "compute_dtype": "fp16", **SCALE}, False),
     # Several optimizers; hybrid sharding (each rank a shard group, the two replicas
     # averaged).
     (2, "sgd+adamw", {}, False),
     (3, "adamw", {"shard_group_size": 1}, False),
+    # Whole-matrix optimizers: the replay's exchanges, every rank stepping its entries
+    # together; with offload (Muon's elementwise parts on the host).
+    (2, "muon", {}, False),
+    (3, "muon", {"offload_optimizer": True, "compute_dtype": "bf16"}, False),
+    (3, "factored", {}, False),
 ]
 
 
@@ -228,6 +309,7 @@ def _cases(folder: str) -> None:
         _journal,
     )
     _falls_back_to_full(f"{folder}/fallback")
+    _nodes_lost_in_turn(f"{folder}/lost")
     _refusals(f"{folder}/refusals")
 
 
@@ -235,9 +317,13 @@ def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
     """Stage 2 with AdamW and stage 3 with SGD (momentum), restored at step 7 from the
     full snapshot of step 5 and the entries of 6 and 7; stage 2 with rank 1's entry of
     step 6 damaged in both copies, restored at step 5 with one warning; stage 1 with
-    offload_optimizer (gradients on the host), bf16 masters, fp16 with skipped steps,
-    several optimizers, hybrid sharding.
-    A step's gradients zeroed in place before `take`, or two steps between takes: a full
-    snapshot, one warning. Refused: every > 1, step_in_backward, delay_param_update, a
-    journal larger than the shared memory free."""
+    offload_optimizer (gradients on the host), bf16 masters (offloaded too: their
+    clipping factors pending on the host), fp16 with skipped steps (offloaded), several
+    optimizers, hybrid sharding, Muon (offloaded too, with bf16 gradients), a declared
+    whole-matrix optimizer. The peer's entries kept in a ring of slots; the journal going
+    on after a restore. A step's gradients zeroed in place before `take`, or two steps
+    between takes: a full snapshot, one warning. Each node's memory lost in turn within
+    one block: both restores from memory (the first one's files put back and replicated
+    again). Refused: every > 1, step_in_backward, delay_param_update, a journal larger
+    than the shared memory free."""
     run_ranks(_cases, 2, str(tmp_path))

@@ -132,13 +132,16 @@ def test_journal_restarts_from_memory(
     tmp_path: Path, reference: tuple[dict[str, torch.Tensor], dict]
 ) -> None:
     """`--snapshot-full-every 4` (a gradient journal between full snapshots): full
-    snapshots at steps 1 and 4 (the first take after a resume is a full one), entries
-    between. Rank 1 killed mid-step 3 (between full snapshots: the full one of step 1 and
-    the entries of 2 and 3 replayed), then as its entry of step 7 is put in place (7 not
-    complete: 4's full snapshot and the entries of 5 and 6). Bit-identical."""
+    snapshots at steps 1 and 5, entries between (the journal goes on after a resume).
+    Rank 1 killed mid-step 3 (between full snapshots: the full one of step 1 and the
+    entries of 2 and 3 replayed); then, in the same block, rank 0 killed in the first
+    step after that restore, before any new snapshot (two failures in a row: the replay's
+    entries, put back and replicated again, are restored once more); then rank 1 killed
+    as its entry of step 7 is put in place (7 not complete: 5's full snapshot and the
+    entry of 6). Bit-identical."""
     journal = (*FAULTY, "--snapshot-full-every", "4")
-    out = _torchrun(tmp_path, "step:3,entry:7", *journal)
-    assert _resumes(out) == [(3, "memory"), (6, "memory")], out[-6000:]
+    out = _torchrun(tmp_path, "step:3,first,entry:7", *journal)
+    assert _resumes(out) == [(3, "memory"), (3, "memory"), (6, "memory")], out[-6000:]
     _check(tmp_path, reference)
 
 

@@ -61,6 +61,7 @@ class Recipe:
     step_in_backward: bool = False
     deepspeed: bool = False
     snapshots: bool = False
+    journal: bool = False  # snapshots with their gradient journal (full_every > 1)
 
     def with_config(self, **entries: Any) -> Recipe:
         return dataclasses.replace(self, config={**self.config, **entries})
@@ -104,6 +105,7 @@ FEATURES: dict[str, Callable[[Recipe], Recipe]] = {
     ),
     "DeepSpeed checkpoints": lambda r: dataclasses.replace(r, deepspeed=True),
     "snapshots": lambda r: dataclasses.replace(r, snapshots=True),
+    "gradient journal": lambda r: dataclasses.replace(r, snapshots=True, journal=True),
 }
 
 
@@ -150,8 +152,9 @@ def read_table() -> dict[frozenset[str], Cell]:
 
 
 def _pairs() -> list[tuple[str, str]]:
-    stages = {"stage 1", "stage 2", "stage 3"}
-    return [(a, b) for a, b in combinations(FEATURES, 2) if not {a, b} <= stages]
+    # The gradient journal is a way of taking snapshots, not a feature beside them.
+    apart = [{"stage 1", "stage 2", "stage 3"}, {"snapshots", "gradient journal"}]
+    return [(a, b) for a, b in combinations(FEATURES, 2) if not any({a, b} <= x for x in apart)]
 
 
 def test_table_lists_every_pair() -> None:
@@ -363,7 +366,7 @@ def realize(r: Recipe, own: Any, folder: Path, moe_checkpoint: str) -> None:
     whatever the engine refuses raises."""
     built = build(r, own, moe_checkpoint)
     if r.snapshots:
-        _round_trip(built, folder)
+        _round_trip(built, folder, r.journal)
     else:
         built.step()
     if r.compiled and built.runner.eager:
@@ -390,24 +393,33 @@ def equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _round_trip(built: Built, folder: Path) -> None:
-    """A snapshot after one step, restored after the next: RuntimeError unless the state
-    restored is the one snapshotted and the step after it repeats the uninterrupted one
-    (its loss and the state it leaves), bit for bit."""
+def _round_trip(built: Built, folder: Path, journal: bool = False) -> None:
+    """A snapshot after one step (with the `journal`, a full snapshot and then an entry of
+    the second step), restored after the next: RuntimeError unless the state restored is
+    the one snapshotted (the entry replayed) and the step after it repeats the
+    uninterrupted one (its loss and the state it leaves), bit for bit."""
     import copy
 
     import zeroshard.engine as zs
+    from zeroshard.engine.recovery._store import ENTRY
 
     model, opt, step = built.model, built.opt, built.step
-    snaps = zs.Snapshots(model, opt, every=1, root=folder / "shm")
+    taken = 2 if journal else 1
+    snaps = zs.Snapshots(model, opt, every=1, full_every=taken, root=folder / "shm")
     try:
-        step()
-        snaps.take(1)
+        for s in range(taken):
+            step()
+            snaps.take(s + 1)
+        snaps.wait()
+        if journal and ENTRY not in {h.kind for h in snaps.store.held() if h.step == 2}:
+            raise RuntimeError("snapshots: step 2 was snapshotted in full, not journaled")
         saved = copy.deepcopy(state_of(model, opt))
         loss = step()
         after = copy.deepcopy(state_of(model, opt))
-        if snaps.resume(folder / "ckpt") != 1 or snaps.last_resume.source != "memory":
-            raise RuntimeError(f"snapshots: resumed {snaps.last_resume}, not step 1 from memory")
+        if snaps.resume(folder / "ckpt") != taken or snaps.last_resume.source != "memory":
+            raise RuntimeError(
+                f"snapshots: resumed {snaps.last_resume}, not step {taken} from memory"
+            )
         if not equal(state_of(model, opt), saved):
             raise RuntimeError("snapshots: the state restored is not the state snapshotted")
         again = step()

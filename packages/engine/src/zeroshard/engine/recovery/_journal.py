@@ -15,21 +15,30 @@ so the masters and optimizer state are those of step S bit for bit; the last ent
 hyperparameters, loss scale, buffers and user state follow.
 
 Recording: `JournalStep` stands in for the optimizer's stepper and keeps a reference to
-each gradient shard as `step()` hands it over (an offloaded group's, in host memory kept
-for the next window, is copied at once). `take` writes the entry. A shard the optimizer
-dropped (`zero_grad()`, set_to_none: the default) is only referenced by the journal, so
-its copy to host memory runs on a side stream beside the next forward, costing the
-training stream nothing; a shard still held by the optimizer at `take` is cloned first
-on the training stream (the next backward writes it). A shard written after the step
-(its version moved: `zero_grad(set_to_none=False)` before `take`, or an optimizer that
-writes its gradients) is no longer what the step read: that step gets a full snapshot.
-So does a step `take` is not called after exactly once (the journal holds one step per
-entry).
+each gradient shard as `step()` hands it over. An offloaded group's is copied at once: its
+host memory is the next window's, and a gradient narrower than fp32 there still has its
+clipping and unscaling factors pending, applied as the step reads it; the copy is what
+the step reads (`read`, every factor applied, in the master's dtype, as every host step
+and a whole-matrix step on the host take it), so a replay puts it back with no factor.
+`take` writes the entry. A shard the optimizer dropped (`zero_grad()`, set_to_none: the
+default) is only referenced by the journal, so its copy to host memory runs on a side
+stream beside the next forward, costing the training stream nothing; a shard still held
+by the optimizer at `take` is cloned first on the training stream (the next backward
+writes it). A shard written after the step (its version moved:
+`zero_grad(set_to_none=False)` before `take`, or an optimizer that writes its gradients)
+is no longer what the step read: that step gets a full snapshot. So does a step `take`
+is not called after exactly once (the journal holds one step per entry).
+
+A replay is collective as the steps it repeats were: every rank replays the same entries
+in the same order (the plan is the same on every rank), so a stepper's own collectives
+(a whole-matrix optimizer's exchanges with the matrices' owners, Muon's joins over tensor
+parallelism) meet as they met in training. What a publish derives from the masters (the
+fp8 gather's scales, in its wire) is derived again by the replay's one publish after its
+last entry; nothing of it is journaled.
 
 Not journaled (refused by name): steps in backward (`step_in_backward`), whose groups step
 before the stepper sees them; `offload.delay_param_update`, whose step in flight and
-lagging parameters a replay does not give back; whole-matrix optimizers (Muon), whose
-exchanges are not replayed here yet.
+lagging parameters a replay does not give back.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from zeroshard.engine.runtime._flat_group import FlatParamGroup
 from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineState
-from zeroshard.engine.runtime._stepper import AfterBackward, StepEach, StepOutcome, Stepper
+from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 from zeroshard.engine.state._checkpoint_apply import restore_user_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, module_buffers
 from zeroshard.engine.state._user_state import (
@@ -68,10 +77,6 @@ def journal_refusal(state: EngineState) -> str:
             "offload.delay_param_update: the step in flight and the parameters lagging "
             "behind the masters are not replayed"
         )
-    opt = state.optimizer
-    steppers = opt.stepper.steppers if isinstance(opt.stepper, StepEach) else [opt.stepper]  # type: ignore[union-attr]
-    if any(isinstance(s, AfterBackward) for s in steppers):
-        return "a whole-matrix optimizer (Muon): its exchanges are not replayed"
     return ""
 
 
@@ -106,6 +111,15 @@ class _Step(NamedTuple):
     hyper: list[dict[str, Any]]
 
 
+def _as_stepped(g: FlatParamGroup) -> torch.Tensor:
+    """An offloaded group's gradient as its step reads it: every factor applied, in the
+    master's dtype, a copy (see [Note: the gradient journal])."""
+    out = torch.empty_like(g.master.detach())
+    for start, block in g.grads.read(g):
+        out[start : start + block.numel()].copy_(block)
+    return out
+
+
 class JournalStep:
     """The optimizer's stepper, recording what each `step()` consumes for the journal."""
 
@@ -121,8 +135,8 @@ class JournalStep:
         for g in self._opt.flat_groups:
             if g.trainable:
                 shard = g.home.ensure_grad_shard()
-                if g.home.kind is HomeKind.HOST:  # its memory is the next window's
-                    shard = shard.clone()
+                if g.home.kind is HomeKind.HOST:
+                    shard = _as_stepped(g)
                 grads[checkpoint_group_name(g)] = (g, shard, shard._version)
         self.taken = _Step(grads, hyperparameters(self._opt))
 
@@ -252,7 +266,11 @@ def replay(
             continue
         set_hyperparameters(opt, e.record["consumed"])
         for g in trainable:
-            g.home.ensure_grad_shard().copy_(e.grads[g.index])
+            grad, shard = e.grads[g.index], g.home.ensure_grad_shard()
+            if shard.dtype == grad.dtype:
+                shard.copy_(grad)
+            else:  # offloaded, the reduce dtype narrower: as gradient accumulation holds it
+                g.home.grad_shard = grad.clone()
         stepper.step()
         opt.zero_grad()
     last = entries[-1]

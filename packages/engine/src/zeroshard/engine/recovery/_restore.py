@@ -15,9 +15,12 @@
    the plan is made again (the other copy may be whole), else
 4. every rank puts its state back (`apply_snapshot`, the checkpoint's own phases) and
    replays the entries (`replay`), each node keeps steps F..S only, and the background
-   thread writes each rank's own copy of F where it was fetched from another node and
-   replicates every rank's F again, so a second failure before the next snapshot finds
-   F whole (the entries are where they were; the next `take` is a full snapshot).
+   thread, for F and then each entry in turn, writes each rank's own copy where it was
+   fetched from another node and replicates every rank's again (an entry's replica into
+   its place in the ring: [Note: the replicas' ring] in _replicas.py), so a second
+   failure before the next snapshot, even of the other node, finds F..S whole. The
+   journal goes on from F: the entries are the ring's first, and the next `take` is an
+   entry unless a full snapshot is due.
    Where a damaged file made it restore an older step than the newest held, one
    warning says which and how many steps that costs.
 5. When no step is covered, the snapshots are dropped and `resume_checkpoint` loads
@@ -179,24 +182,34 @@ def _outcomes(snaps: Snapshots, problem: tuple[str, int] | None) -> list[tuple[s
     return everyone
 
 
-Republish = tuple[int, Callable[[], torch.Tensor]]
+class Republish(NamedTuple):
+    """A file of a restore for the background thread to put back in place, in the plan's
+    order: its `step`, what writes this rank's own copy to its node where it came from
+    elsewhere (and returns its bytes), and for a journal entry its place in the plan's
+    entries (None: the full snapshot), the place of its replica in the ring."""
+
+    step: int
+    own: Callable[[], torch.Tensor]
+    entry: int | None
 
 
-def _republisher(snaps: Snapshots, step: int, src: Source, buf: torch.Tensor) -> Republish:
-    """What the background thread runs first after a restore: this rank's own copy of
-    `step` written to its node where it came from elsewhere; its bytes returned."""
+def _republisher(
+    snaps: Snapshots, step: int, src: Source, buf: torch.Tensor, entry: int | None
+) -> Republish:
+    """See `Republish`."""
+    kind = OWN if entry is None else ENTRY
 
     def own() -> torch.Tensor:
-        if src.node == snaps.placement.nodes[snaps.rank] and src.held.kind == OWN:
+        if src.node == snaps.placement.nodes[snaps.rank] and src.held.kind == kind:
             return buf
-        final = snaps.store.path(step, snaps.rank, snaps.world_size, OWN)
+        final = snaps.store.path(step, snaps.rank, snaps.world_size, kind)
         temp = snaps.store.temp(final)
         copy = _file.mapped(temp, buf.numel())
         copy.copy_(buf)
         snaps.store.commit(temp, final)
         return copy
 
-    return step, own
+    return Republish(step, own, entry)
 
 
 def _read(
@@ -248,8 +261,9 @@ def _check_identity(snaps: Snapshots, snap: Snapshot, step: int, where: str) -> 
 
 
 @torch.no_grad()
-def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Republish | None]:
-    """See [Note: restoring from memory]; the republish to start in the background."""
+def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, list[Republish]]:
+    """See [Note: restoring from memory]; what to republish in the background (the full
+    snapshot, then each entry)."""
     state, model = snaps._state, snaps._model
     me = snaps.rank
     t0 = time.perf_counter()
@@ -286,11 +300,15 @@ def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Republish | None
                 f"{plan.step}, {newest - plan.step} step(s) behind the newest snapshot "
                 f"(step {newest}), which are redone"
             )
-        src = plan.sources[me]
         files = [plan.sources, *(sources for _, sources in plan.entries)]
         got = sum(b.numel() for b, f in zip(bufs, files, strict=True) if f[me].server != me)
         done = Resumed(plan.step, "memory", fetch_s, time.perf_counter() - t1, got)
-        return done, _republisher(snaps, plan.full, src, bufs[0])
+        steps = [plan.full, *(step for step, _ in plan.entries)]
+        places = [None, *range(len(plan.entries))]
+        return done, [
+            _republisher(snaps, step, f[me], buf, i)
+            for step, f, buf, i in zip(steps, files, bufs, places, strict=True)
+        ]
     _keep_only(snaps, None)
     t1 = time.perf_counter()
     disk = resume_checkpoint(
@@ -313,7 +331,7 @@ def resume(snaps: Snapshots, directory: Path) -> tuple[Resumed, Republish | None
             "which are redone"
         )
     source = "fresh" if disk is None else "disk"
-    return Resumed(disk, source, t1 - t0, time.perf_counter() - t1, 0), None
+    return Resumed(disk, source, t1 - t0, time.perf_counter() - t1, 0), []
 
 
 def _keep_only(snaps: Snapshots, first: int | None, last: int | None = None) -> None:

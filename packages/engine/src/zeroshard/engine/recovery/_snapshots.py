@@ -22,8 +22,9 @@ another node, to restart from after a worker or a node is lost.
 A node thus holds at most two steps: the newest complete one and the one in flight.
 With `full_every=K` the steps between full snapshots take journal entries instead
 ([Note: the gradient journal] in _journal.py): written, sealed and replicated the same
-way into a ring of K slots of their own, and removed only once a newer full snapshot is
-complete; every rank agrees at each `take` whether it is an entry or a full snapshot.
+way into a ring of K slots of their own (their replicas too: [Note: the replicas' ring]
+in _replicas.py), and removed only once a newer full snapshot is complete; every rank
+agrees at each `take` whether it is an entry or a full snapshot.
 An entry's slot is free once the full snapshot after its old entry is complete: with K
 slots, an entry waits for the full snapshot before it only from the second entry after
 it, so the full snapshot's background work overlaps the next steps.
@@ -48,9 +49,10 @@ from zeroshard.engine.recovery._contents import rank_contents
 from zeroshard.engine.recovery._host_copy import HostCopy, Ready
 from zeroshard.engine.recovery._journal import JournalStep, entry_contents, journal_refusal
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
+from zeroshard.engine.recovery._replicas import Replicas
 from zeroshard.engine.recovery._restore import Resumed, resume
 from zeroshard.engine.recovery._slots import Slots
-from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA, NodeStore
+from zeroshard.engine.recovery._store import ENTRY, OWN, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
 
@@ -131,6 +133,9 @@ class Snapshots:
         # The step each entry slot holds, and the entries taken (the next one's slot).
         self._ring: list[int | None] = [None] * full_every
         self._entry_no = 0
+        self._replicas = Replicas(
+            self.store, self.rank, self.placement.wards(self.rank), full_every
+        )
         # The last entry's device copy: its gradients' memory is held until it is done.
         self._entry_copy: Ready | None = None
         self._hook = engine_optimizer.register_step_pre_hook(lambda *_: self._before_step())
@@ -245,14 +250,21 @@ class Snapshots:
             self.store.link(slot.path, final)
             return buf
 
-        self._start(step, own, entry=True)
+        self._start(step, own, entry=True, ring=k)
         return True
 
-    def _start(self, step: int, own: Callable[[], torch.Tensor], entry: bool = False) -> None:
-        self._work.start(step, own, lambda buf: self._replicate(step, buf, entry))
+    def _start(
+        self,
+        step: int,
+        own: Callable[[], torch.Tensor],
+        entry: bool = False,
+        ring: int | None = None,
+    ) -> None:
+        self._work.start(step, own, lambda buf: self._replicate(step, buf, entry, ring))
 
-    def _replicate(self, step: int, buf: torch.Tensor, entry: bool) -> None:
-        """Send this rank's snapshot (or journal `entry`) to its buddy, keep its wards';
+    def _replicate(self, step: int, buf: torch.Tensor, entry: bool, ring: int | None) -> None:
+        """Send this rank's snapshot (or journal `entry`, at place `ring` of the entries'
+        ring) to its buddy, keep its wards' ([Note: the replicas' ring] in _replicas.py);
         then agree the step is complete and, after a full snapshot, drop the older steps
         (see [Note: snapshot lifecycle])."""
         pg, buddy = self._pg, self.placement.buddy[self.rank]
@@ -273,16 +285,13 @@ class Snapshots:
                     f"snapshots: rank {w} sent step {their_step} while this rank took step "
                     f"{step}: call take() with the same steps on every rank"
                 )
-            kind = ENTRY_REPLICA if entry else REPLICA
-            final = self.store.path(step, w, self.world_size, kind)
-            temp = self.store.temp(final)
-            out = _file.mapped(temp, size)
+            out, put = self._replicas.place(step, w, self.world_size, size, entry, ring)
             works += _wire.recv_bytes(pg, out, w)
-            received.append((out, temp, final, w))
+            received.append((out, put, w))
         _wire.wait(works)
-        for out, temp, final, w in received:
+        for out, put, w in received:
             _file.trailer_crc(out, f"the replica of rank {w} at step {step}")
-            self.store.commit(temp, final)
+            put()
         del received, buf
         dist.all_reduce(torch.ones(1), group=pg)  # every rank's copy and replica are in
         if not entry:  # entries since the full snapshot before are what this one covers
@@ -304,15 +313,24 @@ class Snapshots:
         self._work.reset()
         # Fresh slots: the restored step may be linked to one of the old ones.
         self._slots.close()
+        self._replicas.close()
         if self._journal is not None:
             self._entries.close()
             self._journal.taken, self._journal.steps = None, 0
-            self._ring = [None] * self.full_every
-        # The next snapshot is a full one (the journal restarts from it).
+        self._ring, self._entry_no = [None] * self.full_every, 0
         self._full = self._last = None
         self.last_resume, republish = resume(self, Path(directory))
-        if republish is not None:
-            self._start(*republish)
+        # The journal goes on from the full snapshot restored, its entries the ring's
+        # first (where this run's ring holds them all; else the next take is a full one).
+        entries = [r for r in republish if r.entry is not None]
+        goes_on = self._journal is not None and len(entries) < self.full_every
+        for r in republish:  # back in place, replicated again: [Note: restoring from memory]
+            self._start(r.step, r.own, r.entry is not None, r.entry if goes_on else None)
+        if republish and goes_on:
+            self._full, self._last = republish[0].step, republish[-1].step
+            for k, r in enumerate(entries):
+                self._ring[k] = r.step
+            self._entry_no = len(entries)
         return self.last_resume.step
 
     def close(self) -> None:
@@ -323,6 +341,7 @@ class Snapshots:
         finally:
             self._hook.remove()
             self._slots.close()
+            self._replicas.close()
             if self._journal is not None:
                 self._entries.close()
                 self._state.needs_optimizer("Snapshots.close").stepper = self._journal.inner
