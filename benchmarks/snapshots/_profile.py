@@ -91,9 +91,9 @@ class Profile:
             if self._now is not None:
                 self._now.slot_wait_s += time.perf_counter() - t
 
-        def timed_start(sources: Mapping[str, torch.Tensor], places: Any) -> Any:
+        def timed_start(sources: Mapping[str, torch.Tensor], places: Any, **how: bool) -> Any:
             record = self._now
-            ready = start(sources, places)
+            ready = start(sources, places, **how)
             if record is None:  # a resume's republish: not a take
                 return ready
             record.bytes += sum(p.nbytes for p in places.values())

@@ -237,7 +237,7 @@ class Snapshots:
         slot = self._entries.at(k, planned.size)
         buf = slot.buf
         _file.fill_header(buf, planned)
-        finish = self._copy.start(items, _file.slots(buf, planned))
+        finish = self._copy.start(items, _file.slots(buf, planned), before_step=False)
         del items, tensors  # the side stream's copy keeps what it reads (record_stream)
         self._entry_copy = finish
 
