@@ -66,7 +66,6 @@ class Profile:
     def __init__(self, snaps: Snapshots) -> None:
         self.block = Block()
         self._now: Take | None = None  # the take running on the main thread
-        self._lock = threading.Lock()
         work, copy, store = snaps._work, snaps._copy, snaps.store
         take, wait_complete, start = snaps.take, work.wait_complete, copy.start
         link, replicate, before = store.link, snaps._replicate, copy.wait_before_step
@@ -77,8 +76,10 @@ class Profile:
                 record.copy_events = (_event(), _event())
                 record.copy_events[0].record()
             self._now = record
-            took = take(step)
-            self._now = None
+            try:
+                took = take(step)
+            finally:
+                self._now = None
             record.host_s = time.perf_counter() - record.start
             if took:
                 record.kind = "full" if snaps._full == step else "entry"
