@@ -111,7 +111,8 @@ def plan(
     text = json.dumps(doc, separators=(",", ":")).encode()
     least = 8 + len(text) + at + _TRAILER.size
     least += -(8 + len(text)) % _ALIGN  # the tensors' alignment
-    if room is not None and least <= room <= least + _SLACK:
+    aligned = room is not None and (room - at - _TRAILER.size) % _ALIGN == 0
+    if room is not None and aligned and least <= room <= least + _SLACK:
         text += b" " * (room - 8 - at - _TRAILER.size - len(text))
     else:
         text += b" " * _SPARE
@@ -218,16 +219,8 @@ def mapped(path: Path, size: int | None = None) -> torch.Tensor:
         length = os.fstat(fd).st_size
         if length == 0:
             return torch.empty(0, dtype=torch.uint8)
-        if size is None:
-            mem = mmap.mmap(fd, length, access=mmap.ACCESS_COPY)
-        else:
-            # Its pages mapped now, in one call, not faulted in one by one by the first
-            # copy into them (a slot's, a received replica's): cudaHostRegister would map
-            # them too, but without CUDA the first take would pay them.
-            populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux's
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
-            mem = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | populate, prot=prot)
+        access = mmap.ACCESS_WRITE if size is not None else mmap.ACCESS_COPY
         # The tensor keeps the map alive; the memory goes when the last view does.
-        return torch.frombuffer(mem, dtype=torch.uint8)
+        return torch.frombuffer(mmap.mmap(fd, length, access=access), dtype=torch.uint8)
     finally:
         os.close(fd)
