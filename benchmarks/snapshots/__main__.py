@@ -11,7 +11,10 @@ how long a restart from them takes.
 nothing saved, with `Snapshots.take` every N-th step, and with torch DCP's `async_save`
 of the same tensors every N-th step into shared memory, and `take` every step with a
 gradient journal (`journal`: a full snapshot every K steps, entries between), in
-alternating rounds. `recovery`
+alternating rounds; each snapshots row's first block (its slots' first takes) apart from
+the later ones, and where its time went (`_profile.py`: host time in `take` and its
+waits, the device copy and the optimizer step's stall on it, the background's checksum,
+link and replication, bytes a step). `recovery`
 (`_recovery.py`): two torchrun agents stand for two nodes; one is SIGKILLed with its
 workers and replaced by a new one with empty memory; the time from the kill to the first
 new step, split into rendezvous, setup, fetch and load, against a fresh start of the
@@ -74,7 +77,7 @@ def _overhead_part(a: argparse.Namespace) -> None:
             micro_batch=1 if a.smoke else a.micro_batch,
             steps=4 if a.smoke else a.steps,
             warmup=1 if a.smoke else 3,
-            rounds=1 if a.smoke else a.rounds,
+            rounds=2 if a.smoke else a.rounds,
             every=(1, 2) if a.smoke else every,
             modes=tuple(a.modes.split(",")),
             full_every=2 if a.smoke else a.full_every,

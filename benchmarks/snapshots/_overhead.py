@@ -8,11 +8,13 @@ holds) into a folder in shared memory (`--shm`), each save first waiting for the
 before (`dcp-async`, as torchtitan does), and `take` every step of a second `Snapshots`
 with a gradient journal (`journal`: every=1, full_every=K; a block's first take is a
 full snapshot, then one every K steps, entries between: with blocks of a multiple of K
-steps its mean step is the amortized one at K). Two snapshots, two DCP saves and K+1
-journal takes run untimed first (mapping and pinning the slots). A block's time runs
-from its first step to the end of its last save (the background work waited for), so its
-mean step includes any wait a save caused; `take` (or `async_save`) alone is timed too.
-Rounds alternate the order of the modes; each mode's figure is its median block.
+steps its mean step is the amortized one at K). Two DCP saves run untimed first; the
+snapshots' first takes do not: each row's first block (the process's first takes: their
+slots mapped and pinned) is reported apart, its figure is the median of the later blocks.
+A block's time runs from its first step to the end of its last save (the background work
+waited for), so its mean step includes any wait a save caused; `take` (or `async_save`)
+alone is timed too, and `_profile` splits each snapshot's time (host, device, background).
+Rounds alternate the order of the modes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 
 import zeroshard.engine as zs
 from benchmarks._common import adamw, bench_model, sync
+from benchmarks.snapshots._profile import Profile, crc_rate, profile_line
 from zeroshard.engine import engine_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_contents
 
@@ -59,7 +62,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Row:
-    """One mode's result: mean step (median of its blocks) and its save call's mean."""
+    """One mode's result: mean step (median of its blocks after the first) and its save
+    call's mean (over those blocks)."""
 
     mode: str
     every: int
@@ -71,6 +75,8 @@ class Row:
     # entries; the entry's bytes.
     journal_ms: tuple[float, float, float] | None = None
     entry_bytes: int = 0
+    # Snapshots' rows: `_profile`'s summary of each block (the first one first).
+    profile: tuple[dict[str, Any], ...] = ()
 
 
 def run(rank: int, world: int, s: Settings) -> None:
@@ -101,6 +107,8 @@ def run(rank: int, world: int, s: Settings) -> None:
     journal = None
     if "journal" in s.modes:
         journal = zs.Snapshots(model, opt, every=1, full_every=s.full_every, root=shm / "jrnl")
+    # Wrapped before any take: the profile sees every one (journal_take calls the wrapper).
+    profiles = {name: Profile(x) for name, x in (("snapshot", snaps), ("journal", journal)) if x}
     state = engine_state(model)
     entry = sum(g.master.nbytes for g in state.groups if g.trainable)
     calls: dict[str, list[float]] = {}
@@ -143,6 +151,7 @@ def run(rank: int, world: int, s: Settings) -> None:
     if journal is not None:
         modes.append(("journal", s.full_every, journal_take, journal.wait))
     blocks: dict[tuple[str, int], list[float]] = {}
+    profiled: dict[tuple[str, int], list[dict[str, Any]]] = {}
     n = 0
     try:
         for _ in range(s.warmup):
@@ -152,31 +161,24 @@ def run(rank: int, world: int, s: Settings) -> None:
         _, tensors = checkpoint_contents(model, state)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
-        # Untimed: the first two snapshots map (and pin) the two slots, DCP warms up, the
-        # journal maps its slots: two rounds of K steps and a full snapshot, because on
-        # one H100 the first timed journal block still took ~2 s a step after one round
-        # (docs/benchmarks.md, snapshots_overhead).
+        # Untimed: DCP's first saves (its own set-up is not what this run compares). The
+        # snapshots' first takes are in their rows' first blocks, reported apart.
         for n in (1, 2):
-            if snaps is not None:
-                snaps.take(n)
             if "dcp-async" in s.modes:
                 dcp_save(n)
-        if journal is not None:
-            for n in range(3, 3 + 2 * s.full_every + 1):
-                step()
-                journal.take(n)
-            journal.wait()
-        if snaps is not None:
-            snaps.wait()
         dcp_wait()
-        places.update(full=[], after=[], entry=[])
         print(
             f"[snapshots] set up; a snapshot is {size / 2**30:.1f} GiB, a journal entry "
-            f"{entry / 2**30:.1f} GiB",
+            f"{entry / 2**30:.1f} GiB; crc32 {crc_rate():.1f} GB/s on one host thread",
             flush=True,
         )
         for r in range(s.rounds):
             for mode, e, save, finish in modes if r % 2 == 0 else modes[::-1]:
+                prof = profiles.get(mode)
+                if prof is not None:
+                    prof.begin()
+                if mode == "journal" and r == 1:  # `places` counts warm takes only
+                    places.update(full=[], after=[], entry=[])
                 sync(device)
                 start = time.perf_counter()
                 for _ in range(s.steps):
@@ -184,14 +186,18 @@ def run(rank: int, world: int, s: Settings) -> None:
                     n += 1
                     t = time.perf_counter()
                     save(n)
-                    calls.setdefault(f"{mode}-{e}", []).append(time.perf_counter() - t)
+                    if r > 0 or s.rounds == 1:
+                        calls.setdefault(f"{mode}-{e}", []).append(time.perf_counter() - t)
                 finish()
                 sync(device)
                 blocks.setdefault((mode, e), []).append((time.perf_counter() - start) / s.steps)
+                if prof is not None:
+                    profiled.setdefault((mode, e), []).append(prof.end(s.steps))
                 # Each block as it ends: a run cut short by a time limit keeps these.
                 print(
                     f"[snapshots] round {r + 1}, {mode} every {e}: "
-                    f"{blocks[(mode, e)][-1] * 1e3:.1f} ms a step",
+                    f"{blocks[(mode, e)][-1] * 1e3:.1f} ms a step"
+                    + ("" if prof is None else f"; {profile_line(profiled[(mode, e)][-1])}"),
                     flush=True,
                 )
     finally:
@@ -203,12 +209,13 @@ def run(rank: int, world: int, s: Settings) -> None:
         Row(
             mode,
             e,
-            statistics.median(b) * 1e3,
+            statistics.median(b[1:] or b) * 1e3,
             tuple(x * 1e3 for x in b),
             statistics.mean(calls[f"{mode}-{e}"]) * 1e3,
             size,
             None if mode != "journal" else _places_ms(places),
             entry,
+            tuple(profiled.get((mode, e), ())),
         )
         for (mode, e), b in blocks.items()
     ]

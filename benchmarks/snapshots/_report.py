@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks._common import markdown_table
+from benchmarks.snapshots._profile import COLUMNS, ms
 
 
 def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
@@ -41,12 +42,67 @@ def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
     return (
         f"{shape}. Each rank's snapshot: {size:,.0f} MiB (masters and optimizer state). "
         "Mean step over a block (its saves' background work waited for at its end), the "
-        "median of the blocks; the save call alone (`take` or DCP's `async_save`, which "
-        "first waits for the save before it), its mean over every step of the block.\n\n"
+        "median of the blocks after the first (a process's first takes map and pin their "
+        "slots: the first block is listed first in `blocks ms`); the save call alone "
+        "(`take` or DCP's `async_save`, which first waits for the save before it), its "
+        "mean over every step of those blocks.\n\n"
         + markdown_table(
             ["mode", "every N steps", "step ms", "vs none", "save call ms", "blocks ms"], table
         )
         + journal
+        + _profile_table(rows)
+    )
+
+
+def _profile_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Where the snapshots' time went: each row's first block and the median of the
+    others, by kind of take."""
+    table = []
+    for r in rows:
+        blocks = r.get("profile") or ()
+        for which, chosen in (("first", blocks[:1]), ("later", blocks[1:])):
+            for kind in ("full", "entry"):
+                per = [b[kind] for b in chosen if kind in b]
+                if not per:
+                    continue
+                med = {k: statistics.median(b[k] for b in per) for k, _ in COLUMNS}
+                table.append(
+                    (
+                        f"{r['mode']} every {r['every']}",
+                        which,
+                        kind,
+                        sum(b["n"] for b in per),
+                        f"{per[0]['mib']:,.0f}",
+                        *(ms(med[k]) for k, _ in COLUMNS),
+                        f"{statistics.median(b['stall_ms_per_step'] for b in chosen):.1f}",
+                        f"{statistics.median(b['gib_per_step'] for b in chosen):.2f}",
+                    )
+                )
+    if not table:
+        return ""
+    return (
+        "\n\nWhere the snapshots' time goes (`benchmarks/snapshots/_profile.py`; the "
+        "medians of a block's takes of each kind, then of the blocks): `take` is host ms in "
+        "it, of which `slot wait` waiting for the snapshot that frees its slot and `copy "
+        "wait` for the entry before's device copy; `copy (device)` runs from the end of "
+        "the step snapshotted to the copy's end on the device (none on the CPU: host "
+        "tensors are copied inside `take`); `sealed`, `linked` and `complete` are ms from "
+        "the take's start to the checksum's end, the link and the replicas agreed; "
+        "`stall` is ms per step the optimizer step's stream waited for a copy; GiB per "
+        "step copied.\n\n"
+        + markdown_table(
+            [
+                "row",
+                "blocks",
+                "take kind",
+                "takes",
+                "MiB",
+                *(label for _, label in COLUMNS),
+                "stall ms/step",
+                "GiB/step",
+            ],
+            table,
+        )
     )
 
 

@@ -225,3 +225,37 @@ def test_plan_replays_journal_entries_up_to_the_first_gap() -> None:
     inv["b"] += [held(8, 1, OWN)]
     plan = plan_restore(2, nodes, inv, set())
     assert plan is not None and (plan.full, plan.step) == (8, 8)
+
+
+def _slots_kept(folder: str) -> None:
+    model, opt, sched = _build(2, "cpu")
+    # A header that grows at each step (the user's state, and StepLR's halving lr printed
+    # longer): the sizes must still fit the slots the first takes mapped.
+    data = {"log": ""}
+    snaps = Snapshots(model, opt, every=1, full_every=3, client_state={"data": data}, root=folder)
+    try:
+        seen: dict[str, tuple[int, int]] = {}
+        for s in range(8):
+            _step(model, opt, sched, s)
+            data["log"] += "x" * 40
+            snaps.take(s + 1)
+            rings = {"full": snaps._slots._slots, "entry": snaps._entries._slots}
+            for name, ring in rings.items():
+                if s == 0 and name == "entry":
+                    assert ring == [None] * 3  # no entry size known yet
+                    continue
+                # The first take of each kind mapped its every slot; none is mapped again.
+                assert all(slot is not None for slot in ring), (s, name)
+                for k, slot in enumerate(ring):
+                    key = (slot.path.stat().st_ino, slot.buf.data_ptr())  # type: ignore[union-attr]
+                    assert seen.setdefault(f"{name}{k}", key) == key, (s, name, k)
+        snaps.wait()
+    finally:
+        snaps.close()
+
+
+def test_first_takes_map_every_slot_and_later_ones_reuse_them(tmp_path: Path) -> None:
+    """A process's first full snapshot maps both slots, its first entry the journal's
+    whole ring (later takes pay no mapping: [Note: slots]), and a header that grows a
+    little from step to step is padded into the same slots."""
+    run_ranks(_slots_kept, 1, str(tmp_path))

@@ -5,7 +5,8 @@ metadata, tensors and user state), laid out for a copy into memory, with a check
 8 bytes, the header's length n (little-endian); n bytes of JSON: the step, the rank, the
 world size, the checkpoint metadata's own JSON (`CheckpointMeta.to_json`; none in a
 journal entry, which has its `journal` record instead: [Note: the gradient journal]),
-the user state's (`RankExtra.text`) and each tensor's key, dtype, shape and offset; then the
+the user state's (`RankExtra.text`) and each tensor's key, dtype, shape and offset,
+padded with spaces (so that the file fills its slot: [Note: slots]); then the
 tensors' bytes, each at a multiple of 64; then a 16-byte trailer: `zsnap001`, the
 payload's length and its crc32 (the checkpoints' checksum). Bytes whose trailer is
 missing or whose crc32 differs are no snapshot (a killed write, a flipped bit): `check`
@@ -38,6 +39,11 @@ from zeroshard.engine.recovery._crc import crc32
 _MAGIC = b"zsnap001"
 _TRAILER = struct.Struct("<8sQI4x")
 _ALIGN = 64
+# A header's room to grow in its slot (the hyperparameters a scheduler changes, printed
+# longer; the user's state), and the most padding a slot's size may add to a snapshot
+# (a state that shrank gets a smaller slot).
+_SPARE = 1024
+_SLACK = 1 << 20
 _EXTRA = "extra."
 
 
@@ -81,10 +87,13 @@ def plan(
     extra_text: str | None,
     journal: Mapping[str, Any] | None = None,
     pad: int = _ALIGN,
+    room: int | None = None,
 ) -> Planned:
     """The layout of a snapshot of `items` (`file_tensors`): see [Note: the snapshot file].
-    The header is padded to a multiple of `pad` bytes (a journal's: a size that stays the
-    same from step to step, so its slot is reused)."""
+    The header is padded so that the size stays the same from step to step and the slot
+    is reused ([Note: slots]): to `room` bytes in all (the slot's size) where they hold the
+    snapshot with at most `_SLACK` to spare, else with `_SPARE` bytes to grow into and to a
+    multiple of `pad` (a journal's: 64 KiB)."""
     entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
     at = 0
     for key, t in items.items():
@@ -100,7 +109,14 @@ def plan(
         "tensors": {k: [safetensors_dtype_code(d), list(s), o] for k, (d, s, o) in entries.items()},
     }
     text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % pad)
+    least = 8 + len(text) + at + _TRAILER.size
+    least += -(8 + len(text)) % _ALIGN  # the tensors' alignment
+    aligned = room is not None and (room - at - _TRAILER.size) % _ALIGN == 0
+    if room is not None and aligned and least <= room <= least + _SLACK:
+        text += b" " * (room - 8 - at - _TRAILER.size - len(text))
+    else:
+        text += b" " * _SPARE
+        text += b" " * (-(8 + len(text)) % pad)
     head = struct.pack("<Q", len(text)) + text
     shifted = {k: (d, s, o + len(head)) for k, (d, s, o) in entries.items()}
     return Planned(head, shifted, len(head) + at + _TRAILER.size)

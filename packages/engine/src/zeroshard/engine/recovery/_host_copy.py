@@ -7,9 +7,13 @@ Device tensors are copied straight into it (the slot is pinned: [Note: slots]) o
 stream that first waits for the work that produced them; nothing in forward or backward
 writes a master or an optimizer state, so the copy overlaps them, and the next optimizer
 step waits for it on the device (`wait_before_step`, an optimizer pre-step hook), never
-on the host. The background thread checksums the bytes as they arrive: each piece once
-the copies into it are done (an event after each tensor's copy), so the checksum
-overlaps the copy instead of following it.
+on the host. A journal entry's copy is not waited for (`before_step=False`): it reads
+gradient shards only the journal still references (their memory is not reused before
+the copy: `record_stream`) and clones, which no step writes, so a full snapshot's long
+copy ahead of it on the side stream does not stall the steps after the next. The
+background thread checksums the bytes as they arrive: each piece once the copies into
+it are done (an event after each tensor's copy), so the checksum overlaps the copy
+instead of following it.
 """
 
 from __future__ import annotations
@@ -35,10 +39,15 @@ class HostCopy:
         self._copied: torch.cuda.Event | None = None
 
     def start(
-        self, sources: Mapping[str, torch.Tensor], places: Mapping[str, torch.Tensor]
+        self,
+        sources: Mapping[str, torch.Tensor],
+        places: Mapping[str, torch.Tensor],
+        *,
+        before_step: bool = True,
     ) -> Ready:
         """Copy host sources into `places` now and device sources on a side stream;
-        return what waits for the device's copies (those below an address, or all)."""
+        return what waits for the device's copies (those below an address, or all).
+        `before_step`: the next optimizer step writes the sources, so it waits for them."""
         device = {k: t for k, t in sources.items() if t.device.type != "cpu"}
         for key, t in sources.items():
             if key not in device:
@@ -61,7 +70,8 @@ class HostCopy:
                 event.record(stream)
                 starts.append(places[key].data_ptr())
                 events.append(event)
-        self._copied = events[-1]
+        if before_step:
+            self._copied = events[-1]
 
         def ready(upto: int | None = None) -> None:
             # The last copy starting below `upto` (the stream runs them in order).

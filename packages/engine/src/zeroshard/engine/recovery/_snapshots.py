@@ -192,9 +192,9 @@ class Snapshots:
             self._model, self._state, step, self.client_state, self.rank_state
         )
         items = _file.file_tensors(tensors, extra)
-        planned = _file.plan(
-            step, self.rank, self.world_size, meta, items, None if extra is None else extra.text
-        )
+        text = None if extra is None else extra.text
+        room = self._slots.room()
+        planned = _file.plan(step, self.rank, self.world_size, meta, items, text, room=room)
         final = self.store.path(step, self.rank, self.world_size, OWN)
         slot = self._slots.next(planned.size)
         buf = slot.buf
@@ -229,11 +229,12 @@ class Snapshots:
         record, tensors, extra = contents
         items = _file.file_tensors(tensors, extra)
         text = None if extra is None else extra.text
+        k, self._entry_no = self._entry_no % self.full_every, self._entry_no + 1
+        room = self._entries.room(k)
         planned = _file.plan(
-            step, self.rank, self.world_size, None, items, text, record, pad=1 << 16
+            step, self.rank, self.world_size, None, items, text, record, pad=1 << 16, room=room
         )
         final = self.store.path(step, self.rank, self.world_size, ENTRY)
-        k, self._entry_no = self._entry_no % self.full_every, self._entry_no + 1
         old = self._ring[k]
         if old is not None:
             self._work.wait_complete(old + 1)  # a full snapshot after it: it is unneeded
@@ -241,7 +242,7 @@ class Snapshots:
         slot = self._entries.at(k, planned.size)
         buf = slot.buf
         _file.fill_header(buf, planned)
-        finish = self._copy.start(items, _file.slots(buf, planned))
+        finish = self._copy.start(items, _file.slots(buf, planned), before_step=False)
         del items, tensors  # the side stream's copy keeps what it reads (record_stream)
         self._entry_copy = finish
 
