@@ -154,7 +154,11 @@ def goals(results: dict[str, dict[str, Any]]) -> str:
         "doing the same work (every group offloaded or a share, clipped or not), whatever "
         "its mode. A row marked (one-step lag) uses delay_param_update: another "
         "algorithm (the forward and backward use the weights one step behind), which "
-        "DeepSpeed's rows do not run (its ZeRO-Offload has no such mode)."
+        "DeepSpeed's rows do not run (its ZeRO-Offload has no such mode). A row that "
+        "holds its gradients until the step (every mode but step_in_backward's, "
+        "`zs-overlap` and `zs-ratio`) holds them in the reduce dtype in both precisions "
+        "(bf16: 2 bytes a parameter beside 6 and 12), so its host share stays above one "
+        "half by them; step_in_backward holds none."
         + _precisions(results)
         + "\n\n"
         + markdown_table(["goal", "bf16 row", "against", "figure", "target", "status"], rows)

@@ -30,6 +30,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import zeroshard.engine as zs
+import zeroshard.engine.runtime.offload._compiled_step as compiled_module
 import zeroshard.engine.runtime.offload._host_offload as offload_module
 from tests._dist import run_each, run_ranks, world_fits
 from tests.engine._offload_train import train_and_collect
@@ -115,18 +116,20 @@ def _compiled_config() -> dict[str, Any]:
     }
 
 
-def _compiles_at_initialize(device: str) -> None:
+def _compiles_at_initialize(device: str, master_dtype: str) -> None:
     if device == "cuda":
         # More threads than the harness's one, so the stepping thread gets a share of its
         # own ([Note: host step threads]): Dynamo guards the thread count.
         torch.set_num_threads(4)
     torch.manual_seed(0)
     model = Wide().to(device)
-    model, opt = zs.initialize(model, _optimizer(model, "adamw"), _compiled_config())
+    cfg = _compiled_config() | {"master_dtype": master_dtype}
+    model, opt = zs.initialize(model, _optimizer(model, "adamw"), cfg)
     compiled = counters["stats"]["unique_graphs"]
     assert compiled > 0, "initialize compiled nothing"
     # Gradients in bf16 and, accumulated, in fp32; stepped on the main thread and on the
-    # stepping thread (step_in_backward), in pieces of many lengths and offsets.
+    # stepping thread (step_in_backward), in pieces of many lengths and offsets; with bf16
+    # masters the bf16 ones read as they are, the accumulated ones scaled and rounded.
     with mock.patch.object(offload_module, "step_piece", wraps=step_piece) as calls:
         for accum, early in ((1, False), (2, True), (1, True)):
             train_and_collect(
@@ -139,9 +142,11 @@ def _compiles_at_initialize(device: str) -> None:
 
 
 @pytest.mark.gpu
-def test_compiled_step_compiles_at_initialize(device: str) -> None:
+@pytest.mark.parametrize("master_dtype", ["fp32", "bf16"])
+def test_compiled_step_compiles_at_initialize(device: str, master_dtype: str) -> None:
     """The kernels compile in initialize: the steps after it compile nothing."""
-    run_ranks(_compiles_at_initialize, 2 if device == "cpu" else 1, device, device=device)
+    world = 2 if device == "cpu" else 1
+    run_ranks(_compiles_at_initialize, world, device, master_dtype, device=device)
 
 
 def _cast_where_it_goes(device: str, offload_params: bool) -> None:
@@ -349,6 +354,37 @@ def test_kernel_is_torchs_step_to_the_last_bits(kind: str, grad_dtype: torch.dty
             bound = 4 * torch.finfo(torch.float32).eps * (b.abs() + t)
             assert bool(((a - b).abs() <= bound).all()), f"step {k} {name}"
         assert torch.equal(out, ours[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "amsgrad", "maximize"])
+def test_bf16_gradient_with_no_factor_is_read_as_it_is(kind: str) -> None:
+    """bf16 masters, a bf16 gradient and no factor pending: the loop that reads it as it is
+    ([Note: bf16 masters in the compiled step]) gives the bits of the loop that scales it
+    by 1 and rounds it to bf16, over three steps from the same state; and it is that
+    loop, not the scaled one, that runs."""
+    torch.manual_seed(0)
+    n = 4099  # not a multiple of any vector width
+    bf16 = torch.bfloat16
+    adam = FusedAdam(
+        torch._fused_adamw_, LR, 0.9, 0.95, 0.1, 1e-8, kind == "amsgrad", kind == "maximize"
+    )
+    start = [(torch.randn(n) * 0.05).to(bf16)] + [torch.zeros(n, dtype=bf16) for _ in range(3)]
+    runs = {}
+    for scaled in (False, True):
+        state, out = [t.clone() for t in start], torch.empty(n, dtype=bf16)
+        with mock.patch.object(compiled_module, "_kernel", wraps=compiled_module._kernel) as k:
+            for step in range(1, 4):
+                grad = (torch.randn(n, generator=torch.Generator().manual_seed(step))).to(bf16)
+                grad = grad * torch.logspace(-10, 0, n, dtype=bf16)
+                scale = scale_of([1.0]) if scaled else scale_of(())
+                moments = state[1:4] if adam.amsgrad else state[1:3]
+                step_piece(
+                    adam, coefficients(adam, float(step)), scale, state[0], grad, moments, out
+                )
+        assert {c.args[3] for c in k.call_args_list} == {scaled}
+        runs[scaled] = state
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq", "max"), *runs.values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adam", "amsgrad", "maximize"])

@@ -169,7 +169,12 @@ def host_bytes(
         if g.home is HomeKind.HOST and g.trainable
     )
     offload = plan.offload
-    return offload.host_bytes(grads_held=held) + state, offload.pinned_bytes(grads_held=held)
+    # Gradients stepped as they land pass through the staging slots; without it none does.
+    staged = step_in_backward
+    return (
+        offload.host_bytes(grads_held=held, staged=staged) + state,
+        offload.pinned_bytes(grads_held=held, staged=staged),
+    )
 
 
 def snapshot_bytes(

@@ -111,9 +111,10 @@ def build_host_storage(
     state = sum(size * floats[g.key.param_group] * g.layout.shard_numel for g in trainable)
     names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
     per_element = sorted(set(floats.values()))
-    # The gradients held until step() are checked when they are first needed: under
-    # step_in_backward without accumulation they never are ([Note: offload host memory]).
-    host = sizes.host_bytes(grads_held=False)
+    # The gradients held until step() and the staging slots are checked when they are
+    # first needed: under step_in_backward without accumulation the first never are, else
+    # without accumulation the second never are ([Note: offload host memory]).
+    host = sizes.host_bytes(grads_held=False, staged=False)
     what = (
         f"the offloaded state: {host:,} bytes of masters and staging "
         f"and {state:,} of {names} state ({'/'.join(map(str, per_element))} "

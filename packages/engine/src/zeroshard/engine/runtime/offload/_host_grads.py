@@ -91,10 +91,10 @@ class HostGrads:
         # Clipping / unscaling factors not yet applied to a narrower-than-fp32 gradient.
         self._factors: dict[int, list[torch.Tensor | float]] = {}
         self._down = SideStream(device)
-        staging = [
-            memory.alloc(sizes.staging_numel, sizes.reduce_dtype, pin) for _ in range(GRAD_STAGING)
-        ]
-        self._free_staging = staging
+        # The staging slots, made when the first gradient that passes through one arrives
+        # (none without step_in_backward or accumulation: see the Note).
+        self._staging_made = False
+        self._free_staging: list[torch.Tensor] = []
         self._pending: deque[tuple[Future[None], torch.Tensor | None]] = deque()
         # Gradients stepped in backward from a staging slot: each one's step, slot, group
         # and gradient (the slot's part the group holds until it is stepped).
@@ -170,8 +170,21 @@ class HostGrads:
             self._passing.append(_Passing(step, passing, g, dst))
 
     def _slot(self) -> torch.Tensor:
-        """A free staging slot, waiting for the oldest add or step in backward that holds
-        one to finish."""
+        """A free staging slot (made on first use), waiting for the oldest add or step in
+        backward that holds one to finish."""
+        if not self._staging_made:
+            nbytes = GRAD_STAGING * self._largest * self._reduce_dtype.itemsize
+            what = (
+                f"the {GRAD_STAGING} pinned staging slots a gradient stepped as it lands "
+                "(step_in_backward) or accumulated passes through, each of the largest "
+                "offloaded shard"
+            )
+            self._check(nbytes, what)
+            self._free_staging = [
+                self._memory.alloc(self._largest, self._reduce_dtype, self._pin)
+                for _ in range(GRAD_STAGING)
+            ]
+            self._staging_made = True
         while not self._free_staging:
             if self._passing:
                 self._retire_passing()

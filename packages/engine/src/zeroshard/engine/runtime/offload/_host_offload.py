@@ -19,7 +19,9 @@ only where something reads them then: they are allocated (after the same host-me
 check as `initialize`'s, on every rank) when the first gradient that needs holding
 arrives. Under `step_in_backward` a group that the stepping thread steps as its
 gradient lands needs none: its fresh gradient lands in one of the `GRAD_STAGING` pinned
-slots, is stepped from there, and the group then holds no gradient (`full_grad` gives
+slots (made, after the same check, when the first gradient that passes through one
+arrives: without step_in_backward or accumulation none is), is stepped from there, and
+the group then holds no gradient (`full_grad` gives
 None, as torch's optimizer-in-backward drops `.grad`; clipping after such a backward is
 refused anyway: the global norm needs every gradient before any step). A receive that
 finds no slot free waits for the oldest step, which bounds how far the CPU step may fall

@@ -19,8 +19,9 @@ from zeroshard.partition import ChunkLayout
 # Pinned slots, each of the largest shard, that a gradient coming down passes through
 # rather than lands in: staged under gradient accumulation until its add, or stepped in
 # backward until its step (`step_in_backward` without accumulation, where no gradient is
-# held until `step()`); two, so that one can fill while the other drains (see [Note:
-# offload stream order] and [Note: offload host memory] in _host_offload.py).
+# held until `step()`); two, so that one can fill while the other drains; made when the
+# first gradient that passes through one arrives (see [Note: offload stream order] and
+# [Note: offload host memory] in _host_offload.py).
 GRAD_STAGING = 2
 
 
@@ -58,15 +59,17 @@ class OffloadSizes:
     in a chunk space of `chunks`, a master in `master_dtype` (pinned where it goes up to the
     device or is the compute shard; else pageable), the compute-dtype shards (with
     offload_params pinned on the host, the masters themselves where they are in the compute
-    dtype; else on the device, cast there from a staging chunk of masters), the gradient
-    staging slots (pinned), the step's fp32 upcast (pageable: one block where the
-    optimizer steps in blocks, else one shard) and its cast to bf16 masters' dtype, and
-    the gradients held until `step()` (`grads_held`): one per chunk in the reduce dtype
-    (pinned), allocated when the first gradient that needs it arrives; under
-    `step_in_backward` without accumulation none is, each passes through a staging slot.
+    dtype; else on the device, cast there from a staging chunk of masters), the step's
+    fp32 upcast (pageable: one block where the optimizer steps in blocks, else one shard)
+    and its cast to bf16 masters' dtype, and two kinds made when the first gradient that
+    needs them arrives: the gradients held until `step()` (`grads_held`), one per chunk
+    in the reduce dtype (pinned), and the gradient staging slots (`staged`: pinned), which
+    a gradient stepped as it lands passes through (`step_in_backward`, whose groups hold
+    none without accumulation) and nothing else without accumulation.
 
     Not counted: gradient accumulation in a reduce dtype other than fp32 adds an fp32
-    gradient per chunk (4 bytes per element) on the first accumulated micro-step."""
+    gradient per chunk (4 bytes per element) on the first accumulated micro-step, and
+    its later micro-steps pass through the staging slots."""
 
     shard_numels: tuple[int, ...]  # each offloaded shard's elements, in chunk-space order
     offsets: tuple[int, ...]  # each shard's start in the chunk space, in the given order
@@ -107,27 +110,33 @@ class OffloadSizes:
         """The gradients held until `step()`: one per chunk in the reduce dtype (pinned)."""
         return self.chunk_space_numel * self.reduce_dtype.itemsize
 
-    def pinned_bytes(self, *, grads_held: bool) -> int:
+    @property
+    def staging_bytes(self) -> int:
+        """The gradient staging slots (pinned)."""
+        return GRAD_STAGING * self.staging_numel * self.reduce_dtype.itemsize
+
+    def pinned_bytes(self, *, grads_held: bool, staged: bool) -> int:
         """Host bytes that are pinned (when pinning succeeds: on a GPU); `grads_held`: with
         the gradients held until `step()` (every way of stepping but `step_in_backward`
-        without accumulation)."""
-        staging = GRAD_STAGING * self.staging_numel * self.reduce_dtype.itemsize
+        without accumulation); `staged`: with the staging slots (groups stepped as their
+        gradients land: `step_in_backward`)."""
+        staging = self.staging_bytes if staged else 0
         held = self.grads_held_bytes if grads_held else 0
         # What goes up: the compute shards with offload_params (the masters themselves
         # where they share a dtype), else the masters, cast on the device.
         up = self.compute_dtype if self.offload_params else self.master_dtype
         return staging + held + self.chunk_space_numel * up.itemsize
 
-    def host_bytes(self, *, grads_held: bool) -> int:
-        """All host bytes (`grads_held` as `pinned_bytes` takes it): the pinned ones, the
-        masters that are not, and the step's fp32 upcast (and its cast to bf16 masters'
-        dtype)."""
+    def host_bytes(self, *, grads_held: bool, staged: bool) -> int:
+        """All host bytes (`grads_held` and `staged` as `pinned_bytes` takes them): the
+        pinned ones, the masters that are not, and the step's fp32 upcast (and its cast to
+        bf16 masters' dtype)."""
         pageable = self.offload_params and not self.masters_are_shards
         master = self.master_dtype.itemsize
         masters = self.chunk_space_numel * master if pageable else 0
         narrow = 0 if self.master_dtype == torch.float32 else self.upcast_numel * master
         upcast = self.upcast_numel * 4 + narrow
-        return masters + upcast + self.pinned_bytes(grads_held=grads_held)
+        return masters + upcast + self.pinned_bytes(grads_held=grads_held, staged=staged)
 
     @property
     def device_bytes(self) -> int:
