@@ -14,7 +14,8 @@ and with offload_params under step_in_backward (the masters are the host's compu
 each gradient stepped as it lands and dropped); on CUDA (`--device cuda -m gpu`) the
 host's CPU kernel and the reference's CUDA kernel round their fp32 results in their own
 ways, which flips a bf16 rounding near a boundary: there the state is held to within
-two bf16 steps (rtol 2**-7). Within the two-rank tolerances, fully and
+one bf16 step (rtol 2**-7 is one step of a value's binade at its bottom: two steps of any
+value above 1e-3 or so exceed it). Within the two-rank tolerances, fully and
 partially offloaded, and a checkpoint resumes bit for bit (with offload_params too).
 """
 
