@@ -120,8 +120,8 @@ class Profile:
                 record.sealed_s = t - record.start
                 record.linked_s = time.perf_counter() - record.start
 
-        def timed_replicate(step: int, buf: torch.Tensor, entry: bool) -> None:
-            replicate(step, buf, entry)
+        def timed_replicate(step: int, buf: torch.Tensor, entry: bool, ring: int | None) -> None:
+            replicate(step, buf, entry, ring)
             record = self.block.takes.get(step)
             if record is not None:
                 record.done_s = time.perf_counter() - record.start
