@@ -45,8 +45,15 @@ parallelism) meet as they met in training. What a publish derives from the maste
 fp8 gather's scales, in its wire) is derived again by the replay's one publish after its
 last entry; nothing of it is journaled.
 
-Not journaled (refused by name): `offload.delay_param_update`, whose step in flight and
-lagging parameters a replay does not give back.
+Under `offload.delay_param_update` `step()` S publishes the masters of step S - 1 and
+starts step S on the stepping thread; `take(S)` waits for it (`settle`), so the state at
+S is the masters and optimizer state of every step so far, with forward computing at
+the masters of S - 1 ([Note: a snapshot of a lagging run] in _contents.py). An entry
+records the gradient at `step()`, as the delayed step reads it (its host copy taken
+before the thread starts); the replay steps each entry through the same delayed step
+and waits for it (`settle`), publishes the masters of S - 1 before the last entry as
+`step()` S did, and leaves them published after it (`restore_lag`): the next `step()`
+publishes the masters of S first, as in the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -78,16 +85,6 @@ from zeroshard.engine.state._user_state import (
 )
 
 _GRAD = "grad."
-
-
-def journal_refusal(state: EngineState) -> str:
-    """Why this engine's steps cannot be journaled ('' where they can)."""
-    if state.config.offload.delay_param_update:
-        return (
-            "offload.delay_param_update: the step in flight and the parameters lagging "
-            "behind the masters are not replayed"
-        )
-    return ""
 
 
 def _hyper_value(value: Any) -> Any:
@@ -294,12 +291,19 @@ def replay(
     rank_state: MutableMapping[str, Any] | None,
 ) -> None:
     """Step `entries` in order on the state a full snapshot put back, then put back the
-    last one's hyperparameters, loss scale, buffers and user state; publish the masters.
+    last one's hyperparameters, loss scale, buffers and user state; publish the masters
+    (under delay_param_update those of the step before the last, as training did).
     Collective (the stepper's own collectives, the publish)."""
     opt = state.needs_optimizer("Snapshots.resume")
     stepper = opt.stepper.inner if isinstance(opt.stepper, JournalStep) else opt.stepper
     trainable = [g for g in state.groups if g.trainable]
-    for e in entries:
+    # Whether forward computes one step behind the masters (delay_param_update: [Note:
+    # the gradient journal]), as `ZeroOptimizer.step` tracks it.
+    lagging = opt.lagging
+    for i, e in enumerate(entries):
+        if lagging and i == len(entries) - 1:
+            opt.republish()  # what step() S published first: the masters of step S - 1
+            lagging = False
         if not e.record["stepped"]:
             continue
         set_hyperparameters(opt, e.record["consumed"])
@@ -312,7 +316,8 @@ def replay(
                 g.home.grad_shard = grad.clone()
             else:
                 g.home.ensure_grad_shard().copy_(grad)
-        stepper.step()
+        lagging = stepper.step() is StepOutcome.DEFERRED
+        stepper.settle()
         opt.zero_grad()
     last = entries[-1]
     set_hyperparameters(opt, last.record["after"])
@@ -324,4 +329,8 @@ def replay(
     if client_state is not None or rank_state is not None:
         pairs = [(last.glob, client_state or {}), (last.mine, rank_state or {})]
         restore_user_state(everyone, label, pairs)
-    opt.republish()
+    if lagging:
+        # The masters of step S - 1 published above stay what forward computes with.
+        opt.restore_lag({g.index: g.param_buffer[slice(*g.shard_range)].clone() for g in trainable})
+    else:
+        opt.republish()
