@@ -28,6 +28,15 @@ writes it). A shard written after the step (its version moved:
 `zero_grad(set_to_none=False)` before `take`, or an optimizer that writes its gradients)
 is no longer what the step read: that step gets a full snapshot. So does a step `take`
 is not called after exactly once (the journal holds one step per entry).
+Under `step_in_backward` the offloaded groups step on the stepping thread as their
+gradients land, from staging slots reused once they stepped: the stepping thread records
+each one's gradient just before its step reads it (`StepThread.before_each`, the same
+copy, every factor applied), and `step()` records the rest (the groups on the device, a
+whole-matrix optimizer's, stepped then). Stepping a group in backward and at `step()`
+run the same function on the same gradient (`_step_group` in runtime/offload/_step.py,
+for torch's per-element optimizers, the only ones stepped in backward), so a replay
+steps the entry at `step()`; a replayed host gradient is put back in memory of its own,
+not the gradients held between steps, which a run stepping in backward never allocates.
 
 A replay is collective as the steps it repeats were: every rank replays the same entries
 in the same order (the plan is the same on every rank), so a stepper's own collectives
@@ -36,15 +45,21 @@ parallelism) meet as they met in training. What a publish derives from the maste
 fp8 gather's scales, in its wire) is derived again by the replay's one publish after its
 last entry; nothing of it is journaled.
 
-Not journaled (refused by name): steps in backward (`step_in_backward`), whose groups step
-before the stepper sees them; `offload.delay_param_update`, whose step in flight and
-lagging parameters a replay does not give back.
+Under `offload.delay_param_update` `step()` S publishes the masters of step S - 1 and
+starts step S on the stepping thread; `take(S)` waits for it (`settle`), so the state at
+S is the masters and optimizer state of every step so far, with forward computing at
+the masters of S - 1 ([Note: a snapshot of a lagging run] in _contents.py). An entry
+records the gradient at `step()`, as the delayed step reads it (its host copy taken
+before the thread starts); the replay steps each entry through the same delayed step
+and waits for it (`settle`), publishes the masters of S - 1 before the last entry as
+`step()` S did, and leaves them published after it (`restore_lag`): the next `step()`
+publishes the masters of S first, as in the uninterrupted run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
-from contextlib import AbstractContextManager
+import contextlib
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -59,6 +74,8 @@ from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
+from zeroshard.engine.runtime.offload._host_offload import HostOffload
+from zeroshard.engine.runtime.offload._step_thread import StepThread
 from zeroshard.engine.state._checkpoint_apply import restore_user_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, module_buffers
 from zeroshard.engine.state._user_state import (
@@ -68,16 +85,6 @@ from zeroshard.engine.state._user_state import (
 )
 
 _GRAD = "grad."
-
-
-def journal_refusal(state: EngineState) -> str:
-    """Why this engine's steps cannot be journaled ('' where they can)."""
-    if state.config.offload.delay_param_update:
-        return (
-            "offload.delay_param_update: the step in flight and the parameters lagging "
-            "behind the masters are not replayed"
-        )
-    return ""
 
 
 def _hyper_value(value: Any) -> Any:
@@ -128,15 +135,21 @@ class JournalStep:
         self._opt = opt
         self.taken: _Step | None = None
         self.steps = 0  # step() calls since the last entry (skipped ones too)
+        # Under step_in_backward: each group stepped in backward, its gradient as its step
+        # read it (recorded on the stepping thread), by group index.
+        self._early: dict[int, torch.Tensor] = {}
 
     def record(self) -> None:
         """Keep this step's gradients and hyperparameters (see [Note: the gradient journal])."""
         grads = {}
+        early, self._early = self._early, {}
         for g in self._opt.flat_groups:
             if g.trainable:
-                shard = g.home.ensure_grad_shard()
-                if g.home.kind is HomeKind.HOST:
-                    shard = _as_stepped(g)
+                shard = early.get(g.index)
+                if shard is None:
+                    shard = g.home.ensure_grad_shard()
+                    if g.home.kind is HomeKind.HOST:
+                        shard = _as_stepped(g)
                 grads[checkpoint_group_name(g)] = (g, shard, shard._version)
         self.taken = _Step(grads, hyperparameters(self._opt))
 
@@ -149,16 +162,38 @@ class JournalStep:
         """The stepper's."""
         self.inner.settle()
 
-    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> AbstractContextManager[None]:
-        """Refused: groups stepped in backward are stepped before the journal sees them."""
-        raise ValueError(
-            "step_in_backward(): not with Snapshots(full_every > 1): the gradient journal "
-            "records what step() hands the stepper"
-        )
+    @contextlib.contextmanager
+    def step_in_backward(self, *, stage: int, loss_scaled: bool) -> Iterator[None]:
+        """The stepper's, each group it steps in backward recorded just before its step
+        reads the gradient (on the stepping thread: [Note: the gradient journal])."""
+        threads = {id(t): t for t in _step_threads(self._opt)}.values()
+        self._early = {}
+        with self.inner.step_in_backward(stage=stage, loss_scaled=loss_scaled):
+            for t in threads:
+                t.before_each = self._record_early
+            try:
+                yield
+            finally:
+                for t in threads:
+                    t.before_each = None
+
+    def _record_early(self, g: FlatParamGroup) -> None:
+        self._early[g.index] = _as_stepped(g)
 
     def clip_refusal(self) -> str:
         """The stepper's."""
         return self.inner.clip_refusal()
+
+
+def _step_threads(opt: ZeroOptimizer) -> list[StepThread]:
+    """The threads that step offloaded groups as their gradients land (one per host
+    store)."""
+    threads = []
+    for g in opt.flat_groups:
+        store = g.home.store
+        if g.home.kind is HomeKind.HOST and isinstance(store, HostOffload):
+            threads.append(store.step_thread)
+    return threads
 
 
 def entry_contents(
@@ -256,22 +291,33 @@ def replay(
     rank_state: MutableMapping[str, Any] | None,
 ) -> None:
     """Step `entries` in order on the state a full snapshot put back, then put back the
-    last one's hyperparameters, loss scale, buffers and user state; publish the masters.
+    last one's hyperparameters, loss scale, buffers and user state; publish the masters
+    (under delay_param_update those of the step before the last, as training did).
     Collective (the stepper's own collectives, the publish)."""
     opt = state.needs_optimizer("Snapshots.resume")
     stepper = opt.stepper.inner if isinstance(opt.stepper, JournalStep) else opt.stepper
     trainable = [g for g in state.groups if g.trainable]
-    for e in entries:
+    # Whether forward computes one step behind the masters (delay_param_update: [Note:
+    # the gradient journal]), as `ZeroOptimizer.step` tracks it.
+    lagging = opt.lagging
+    for i, e in enumerate(entries):
+        if lagging and i == len(entries) - 1:
+            opt.republish()  # what step() S published first: the masters of step S - 1
+            lagging = False
         if not e.record["stepped"]:
             continue
         set_hyperparameters(opt, e.record["consumed"])
         for g in trainable:
-            grad, shard = e.grads[g.index], g.home.ensure_grad_shard()
-            if shard.dtype == grad.dtype:
-                shard.copy_(grad)
-            else:  # offloaded, the reduce dtype narrower: as gradient accumulation holds it
+            grad = e.grads[g.index]
+            if g.home.kind is HomeKind.HOST:
+                # As the step read it (the host step reads any dtype), in no memory held
+                # between steps: a run stepping in backward holds none ([Note: offload
+                # host memory] in runtime/offload/_host_offload.py).
                 g.home.grad_shard = grad.clone()
-        stepper.step()
+            else:
+                g.home.ensure_grad_shard().copy_(grad)
+        lagging = stepper.step() is StepOutcome.DEFERRED
+        stepper.settle()
         opt.zero_grad()
     last = entries[-1]
     set_hyperparameters(opt, last.record["after"])
@@ -283,4 +329,8 @@ def replay(
     if client_state is not None or rank_state is not None:
         pairs = [(last.glob, client_state or {}), (last.mine, rank_state or {})]
         restore_user_state(everyone, label, pairs)
-    opt.republish()
+    if lagging:
+        # The masters of step S - 1 published above stay what forward computes with.
+        opt.restore_lag({g.index: g.param_buffer[slice(*g.shard_range)].clone() for g in trainable})
+    else:
+        opt.republish()

@@ -47,7 +47,7 @@ from zeroshard.engine.recovery import _file, _wire
 from zeroshard.engine.recovery._background import Background
 from zeroshard.engine.recovery._contents import rank_contents
 from zeroshard.engine.recovery._host_copy import HostCopy, Ready
-from zeroshard.engine.recovery._journal import JournalStep, entry_contents, journal_refusal
+from zeroshard.engine.recovery._journal import JournalStep, entry_contents
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._replicas import Replicas
 from zeroshard.engine.recovery._restore import Resumed, resume
@@ -96,8 +96,6 @@ class Snapshots:
                 f"full_every={full_every} needs every=1 (got every={every}): a journal entry "
                 "holds one step, and a restore replays every step since the full snapshot"
             )
-        if full_every > 1 and (why := journal_refusal(self._state)):
-            raise ValueError(f"Snapshots(full_every={full_every}): not with {why}")
         self.every = every
         self.full_every = full_every
         self.client_state = client_state
@@ -180,7 +178,8 @@ class Snapshots:
             self._entry_copy(None)
             self._entry_copy = None
         # A delayed step in flight is part of this step; the parameters behind it are
-        # kept too ([Note: a snapshot of a lagging run] in _contents.py).
+        # kept too ([Note: a snapshot of a lagging run] in _contents.py), or, after an
+        # entry, made again by the replay ([Note: the gradient journal] in _journal.py).
         self._state.settle()
         last, self._last = self._last, step
         if self._journal is not None and self._take_entry(step, last):

@@ -9,6 +9,7 @@ host step threads] in _threads.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,9 @@ class StepThread:
         self._main_threads: int | None = None
         # step_in_backward: the step of each group stepped as its gradient lands, by index.
         self._step_now: Mapping[int, Callable[[], None]] = {}
+        # Called here with each group so stepped just before its step reads the gradient
+        # (the gradient journal's record: [Note: the gradient journal] in recovery/_journal.py).
+        self.before_each: Callable[[FlatParamGroup], None] | None = None
         self._steps: deque[Future[None]] = deque()
         # delay_param_update: the step of each group in flight, and what runs after them.
         self._delayed: dict[int, Future[None]] = {}
@@ -60,7 +64,8 @@ class StepThread:
         step_one = self._step_now.get(g.index)
         if step_one is None:
             return None
-        step = self._executor().submit(_after, copy, step_one)
+        before = None if self.before_each is None else functools.partial(self.before_each, g)
+        step = self._executor().submit(_after, copy, step_one, before)
         self._steps.append(step)
         return step
 
@@ -130,7 +135,11 @@ class StepThread:
             self._main_threads = None
 
 
-def _after(landed: Future[None], step_one: Callable[[], None]) -> None:
+def _after(
+    landed: Future[None], step_one: Callable[[], None], before: Callable[[], None] | None
+) -> None:
     """On the stepping thread: step a group once its gradient landed (and was added)."""
     landed.result()
+    if before is not None:
+        before()
     step_one()
