@@ -379,3 +379,47 @@ def test_journal_replays_the_offload_schedules(tmp_path: Path, schedule: str) ->
     delay_param_update: the replay ends with the masters of step 7 and forward computing
     at those of step 6, as the uninterrupted run at `take(7)`."""
     run_ranks(_schedule_cases, 2, str(tmp_path), schedule)
+
+
+def _windows_run(folder: str | None, stage: int) -> tuple[dict[str, torch.Tensor], object]:
+    """Three steps, the second a `step()` with no backward before it (a window whose batch
+    the loop skipped), AdamW with weight decay; with `folder`, journaled (a full
+    snapshot at 1, entries at 2 and 3): the state after."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, zopt = zs.initialize(model, opt, {"stage": stage, "min_unit_params": 1})
+    snaps = None if folder is None else Snapshots(model, zopt, every=1, full_every=4, root=folder)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for s in range(3):
+        if s != 1:
+            model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+        if snaps is not None:
+            assert snaps.take(s + 1)
+    return _state(model, zopt), (model, zopt, snaps)
+
+
+def _unused_group_cases(folder: str) -> None:
+    for stage in (2, 3):
+        plain, _ = _windows_run(None, stage)
+        journaled, (model, opt, snaps) = _windows_run(f"{folder}/{stage}", stage)
+        assert isinstance(snaps, Snapshots)
+        try:
+            # Journaling changes nothing: no group is stepped where it took no gradient.
+            _equal(journaled, plain)
+            assert snaps.resume(f"{folder}/{stage}/ckpt") == 3
+            assert snaps.last_resume is not None and snaps.last_resume.source == "memory"
+            _equal(_state(model, opt), journaled)
+        finally:
+            snaps.close()
+
+
+def test_journal_leaves_a_group_without_gradient_unstepped(tmp_path: Path) -> None:
+    """A flat group that took no gradient in a step's window (reduced gradients of unused
+    parameters are zeros, so this is a window with no backward) is not stepped, and the
+    journal neither records it nor steps it on replay: the journaled run equals the
+    plain one, and the replay of entries 2 (no gradient) and 3 lands on it, bit for bit,
+    at stages 2 and 3."""
+    run_ranks(_unused_group_cases, 2, str(tmp_path))

@@ -116,6 +116,7 @@ class _Step(NamedTuple):
 
     grads: dict[str, tuple[FlatParamGroup, torch.Tensor, int]]
     hyper: list[dict[str, Any]]
+    no_grad: list[str]  # the trainable groups that took no gradient: not stepped
 
 
 def _as_stepped(g: FlatParamGroup) -> torch.Tensor:
@@ -147,11 +148,21 @@ class JournalStep:
             if g.trainable:
                 shard = early.get(g.index)
                 if shard is None:
-                    shard = g.home.ensure_grad_shard()
+                    if g.home.grad_shard is None:
+                        # No gradient in this window (an expert no token reached): the
+                        # step skips the group, and so will the replay; a zero gradient
+                        # here would step it (AdamW's decay and moments would move).
+                        continue
+                    shard = g.home.grad_shard
                     if g.home.kind is HomeKind.HOST:
                         shard = _as_stepped(g)
                 grads[checkpoint_group_name(g)] = (g, shard, shard._version)
-        self.taken = _Step(grads, hyperparameters(self._opt))
+        no_grad = [
+            checkpoint_group_name(g)
+            for g in self._opt.flat_groups
+            if g.trainable and checkpoint_group_name(g) not in grads
+        ]
+        self.taken = _Step(grads, hyperparameters(self._opt), no_grad)
 
     def step(self) -> StepOutcome:
         """Record, then step as the stepper does."""
@@ -226,6 +237,7 @@ def entry_contents(
         tensors[buffer_key(k)] = v.detach().clone() if v.device.type != "cpu" else v.detach()
     record = {
         "stepped": taken is not None,
+        "no_grad": [] if taken is None else taken.no_grad,
         "consumed": None if taken is None else taken.hyper,
         "after": hyperparameters(opt),
         "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -259,8 +271,10 @@ def check_entry(
         raise CheckpointError(f"{where} is not a journal entry")
     grads = {}
     if record["stepped"]:
+        # The groups that took no gradient in the entry's window (older entries: none).
+        absent = set(record.get("no_grad", ()))
         for g in state.groups:
-            if not g.trainable:
+            if not g.trainable or checkpoint_group_name(g) in absent:
                 continue
             t = snap.tensors.get(_GRAD + checkpoint_group_name(g))
             if t is None or t.dtype != g.master.dtype or t.shape != g.master.shape:
@@ -308,7 +322,9 @@ def replay(
             continue
         set_hyperparameters(opt, e.record["consumed"])
         for g in trainable:
-            grad = e.grads[g.index]
+            grad = e.grads.get(g.index)
+            if grad is None:
+                continue  # no gradient in that window: the step skips it, as it did
             if g.home.kind is HomeKind.HOST:
                 # As the step read it (the host step reads any dtype), in no memory held
                 # between steps: a run stepping in backward holds none ([Note: offload
