@@ -27,7 +27,10 @@ by the optimizer at `take` is cloned first on the training stream (the next back
 writes it). A shard written after the step (its version moved:
 `zero_grad(set_to_none=False)` before `take`, or an optimizer that writes its gradients)
 is no longer what the step read: that step gets a full snapshot. So does a step `take`
-is not called after exactly once (the journal holds one step per entry).
+is not called after exactly once (the journal holds one step per entry). A group that
+took no gradient in the window (no backward ran; unused parameters' reduced gradients
+are zeros, so otherwise every group has one) is not stepped by the step: the entry lists
+it and the replay leaves it unstepped too.
 Under `step_in_backward` the offloaded groups step on the stepping thread as their
 gradients land, from staging slots reused once they stepped: the stepping thread records
 each one's gradient just before its step reads it (`StepThread.before_each`, the same
