@@ -167,9 +167,10 @@ def run(rank: int, world: int, s: Settings) -> None:
             if "dcp-async" in s.modes:
                 dcp_save(n)
         dcp_wait()
+        crc, rate = crc_rate()
         print(
             f"[snapshots] set up; a snapshot is {size / 2**30:.1f} GiB, a journal entry "
-            f"{entry / 2**30:.1f} GiB; crc32 {crc_rate():.1f} GB/s on one host thread",
+            f"{entry / 2**30:.1f} GiB; {crc} {rate:.1f} GB/s on one host thread",
             flush=True,
         )
         for r in range(s.rounds):

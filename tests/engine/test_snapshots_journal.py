@@ -169,7 +169,7 @@ def _journal(
         assert client["data"] == {"next_step": want}
         if rank == 0:
             if damage:
-                assert len(texts) == 1 and "crc32" in texts[0], texts
+                assert len(texts) == 1 and "crc32c is" in texts[0], texts
                 assert "2 step(s) behind the newest snapshot (step 7)" in texts[0], texts
             else:
                 assert texts == []

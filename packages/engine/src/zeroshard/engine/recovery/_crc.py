@@ -1,9 +1,11 @@
-"""crc32 of large buffers on several threads: the checksum checkpoints use, the same
-value `zlib.crc32` gives, computed in pieces and combined.
+"""Checksums of large buffers on several threads, computed in pieces and combined:
+crc32c (Castagnoli's polynomial, in hardware: SSE4.2, ARMv8's CRC32), the snapshots',
+and zlib's crc32, the checkpoints', which snapshots written before crc32c hold.
 
-zlib releases the GIL on large inputs, so pieces run in parallel; their crc32s are
+Both release the GIL on large inputs, so pieces run in parallel; their checksums are
 joined with zlib's `crc32_combine` arithmetic (multiplying by the matrix that appends
-n zero bytes, over GF(2)), whose matrix for the pieces' common length is built once.
+n zero bytes, over GF(2), for the checksum's polynomial), whose matrix for the pieces'
+common length is built once.
 """
 
 from __future__ import annotations
@@ -13,10 +15,25 @@ import os
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import crc32c as _crc32c
 
 _PIECE = 32 * 1024 * 1024
-_POLY = 0xEDB88320
 Matrix = tuple[int, ...]  # 32 columns of a 32x32 matrix over GF(2)
+
+
+class Checksum(NamedTuple):
+    """A reflected 32-bit CRC (initial and final value all ones): its name, its
+    polynomial (bit-reversed) and a function computing it on a whole buffer."""
+
+    name: str
+    poly: int
+    of: Callable[[memoryview], int]
+
+
+CRC32 = Checksum("crc32", 0xEDB88320, zlib.crc32)
+CRC32C = Checksum("crc32c", 0x82F63B78, _crc32c.crc32c)
 
 
 def _times(mat: Matrix, vec: int) -> int:
@@ -40,9 +57,10 @@ def _product(a: Matrix, b: Matrix) -> Matrix:
 
 
 @functools.cache
-def _zeros(n: int) -> Matrix:
-    """The matrix that takes a crc32 to the crc32 of its data followed by `n` zero bytes."""
-    one_bit: Matrix = (_POLY, *(1 << k for k in range(31)))  # one zero bit appended
+def _zeros(n: int, poly: int) -> Matrix:
+    """The matrix that takes a CRC of polynomial `poly` to the CRC of its data followed
+    by `n` zero bytes."""
+    one_bit: Matrix = (poly, *(1 << k for k in range(31)))  # one zero bit appended
     power = _square(_square(_square(one_bit)))  # one zero byte
     out: Matrix = tuple(1 << k for k in range(32))  # identity
     while n:
@@ -53,16 +71,16 @@ def _zeros(n: int) -> Matrix:
     return out
 
 
-def combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32 of A + B from crc32(A), crc32(B) and len(B)."""
-    return _times(_zeros(len2), crc1) ^ crc2
+def combine(crc1: int, crc2: int, len2: int, kind: Checksum) -> int:
+    """The checksum `kind` of A + B from its values on A and on B and len(B)."""
+    return _times(_zeros(len2, kind.poly), crc1) ^ crc2
 
 
 _pool = ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) // 2)), "zeroshard-crc")
 
 
-def crc32(data: memoryview, ready: Callable[[int], None] | None = None) -> int:
-    """`zlib.crc32(data)`, its pieces on several threads; each piece once `ready(end)`
+def checksum(data: memoryview, kind: Checksum, ready: Callable[[int], None] | None = None) -> int:
+    """`kind.of(data)`, its pieces on several threads; each piece once `ready(end)`
     returned, `end` its end's offset (bytes still arriving: [Note: the copy and the next
     step] in _host_copy.py)."""
     pieces = [data[i : i + _PIECE] for i in range(0, len(data), _PIECE)]
@@ -70,9 +88,9 @@ def crc32(data: memoryview, ready: Callable[[int], None] | None = None) -> int:
     def one(k: int) -> int:
         if ready is not None:
             ready(k * _PIECE + len(pieces[k]))
-        return zlib.crc32(pieces[k])
+        return kind.of(pieces[k])
 
     crc = 0
     for piece, part in zip(pieces, _pool.map(one, range(len(pieces))), strict=True):
-        crc = combine(crc, part, len(piece))
+        crc = combine(crc, part, len(piece), kind)
     return crc

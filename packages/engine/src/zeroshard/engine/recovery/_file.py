@@ -7,10 +7,14 @@ world size, the checkpoint metadata's own JSON (`CheckpointMeta.to_json`; none i
 journal entry, which has its `journal` record instead: [Note: the gradient journal]),
 the user state's (`RankExtra.text`) and each tensor's key, dtype, shape and offset,
 padded with spaces (so that the file fills its slot: [Note: slots]); then the
-tensors' bytes, each at a multiple of 64; then a 16-byte trailer: `zsnap001`, the
-payload's length and its crc32 (the checkpoints' checksum). Bytes whose trailer is
-missing or whose crc32 differs are no snapshot (a killed write, a flipped bit): `check`
-raises `ChecksumError`, as a damaged checkpoint file does.
+tensors' bytes, each at a multiple of 64; then a 24-byte trailer: `zsnap001`, the
+payload's length, its checksum and which checksum that is (4 bytes, little-endian):
+1, crc32c (in hardware, several times zlib's speed: the host checksums every byte a
+step copies), or 0, zlib's crc32 (the checkpoints'), as files written before crc32c
+hold in what were 4 zero bytes of padding. Bytes whose trailer is missing, names a
+checksum this version does not know, or whose checksum differs are no snapshot (a
+killed write, a newer writer, a flipped bit): `check` raises `ChecksumError`, as a
+damaged checkpoint file does.
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ from zeroshard.ckpt import (
     safetensors_dtype,
     safetensors_dtype_code,
 )
-from zeroshard.engine.recovery._crc import crc32
+from zeroshard.engine.recovery._crc import CRC32, CRC32C, Checksum, checksum
 
 _MAGIC = b"zsnap001"
-_TRAILER = struct.Struct("<8sQI4x")
+_TRAILER = struct.Struct("<8sQII")
+CHECKSUM = CRC32C  # the checksum `seal` writes
+# By the code the trailer's last field holds ([Note: the snapshot file]).
+_CHECKSUMS = (CRC32, CRC32C)
 _ALIGN = 64
 # A header's room to grow in its slot (the hyperparameters a scheduler changes, printed
 # longer; the user's state), and the most padding a slot's size may add to a snapshot
@@ -140,39 +147,52 @@ def slots(buf: torch.Tensor, planned: Planned) -> dict[str, torch.Tensor]:
     return {key: _view(buf, d, s, at) for key, (d, s, at) in planned.entries.items()}
 
 
-def _crc(buf: torch.Tensor, end: int, ready: Callable[[int], None] | None = None) -> int:
-    return crc32(buf.numpy().data[:end], ready)
+def _crc(
+    buf: torch.Tensor, end: int, kind: Checksum, ready: Callable[[int], None] | None = None
+) -> int:
+    return checksum(buf.numpy().data[:end], kind, ready)
 
 
 def seal(buf: torch.Tensor, ready: Callable[[int | None], None] | None = None) -> int:
-    """Write the trailer (the crc32 of everything before it); return the crc32. `ready`
+    """Write the trailer (the `CHECKSUM` of everything before it); return it. `ready`
     (`HostCopy.start`'s): the bytes below an address may still be arriving."""
     end = buf.numel() - _TRAILER.size
     base = buf.data_ptr()
-    crc = _crc(buf, end, None if ready is None else lambda at: ready(base + at))
+    crc = _crc(buf, end, CHECKSUM, None if ready is None else lambda at: ready(base + at))
     if ready is not None:
         ready(None)
-    tail = _TRAILER.pack(_MAGIC, end, crc)
+    tail = _TRAILER.pack(_MAGIC, end, crc, _CHECKSUMS.index(CHECKSUM))
     buf[end:].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
     return crc
 
 
-def trailer_crc(buf: torch.Tensor, where: str) -> int:
-    """The crc32 the trailer records; ChecksumError when there is no trailer."""
+def _trailer(buf: torch.Tensor, where: str) -> tuple[Checksum, int]:
     if buf.numel() < _TRAILER.size:
         raise ChecksumError(f"{where}: {buf.numel()} bytes, too short for a snapshot")
-    magic, end, crc = _TRAILER.unpack(bytes(buf[-_TRAILER.size :].numpy()))
+    magic, end, crc, code = _TRAILER.unpack(bytes(buf[-_TRAILER.size :].numpy()))
     if magic != _MAGIC or end != buf.numel() - _TRAILER.size:
         raise ChecksumError(f"{where}: no intact snapshot trailer (a write that did not end?)")
-    return int(crc)
+    if code >= len(_CHECKSUMS):
+        known = ", ".join(f"{c} ({k.name})" for c, k in enumerate(_CHECKSUMS))
+        raise ChecksumError(
+            f"{where}: the trailer records checksum {code}, unknown to this version of "
+            f"zeroshard (it knows {known}): written by a newer one?"
+        )
+    return _CHECKSUMS[code], int(crc)
+
+
+def trailer_crc(buf: torch.Tensor, where: str) -> int:
+    """The checksum the trailer records; ChecksumError when there is no trailer or it
+    names a checksum this version does not know."""
+    return _trailer(buf, where)[1]
 
 
 def check(buf: torch.Tensor, where: str) -> None:
-    """ChecksumError unless the bytes are a whole snapshot with the crc32 it records."""
-    want = trailer_crc(buf, where)
-    got = _crc(buf, buf.numel() - _TRAILER.size)
+    """ChecksumError unless the bytes are a whole snapshot with the checksum it records."""
+    kind, want = _trailer(buf, where)
+    got = _crc(buf, buf.numel() - _TRAILER.size, kind)
     if got != want:
-        raise ChecksumError(f"{where}: crc32 is {got:08x}, the snapshot records {want:08x}")
+        raise ChecksumError(f"{where}: {kind.name} is {got:08x}, the snapshot records {want:08x}")
 
 
 def parse(buf: torch.Tensor, where: str) -> Snapshot:

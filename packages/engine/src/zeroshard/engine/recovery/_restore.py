@@ -9,7 +9,7 @@
    journal entries F+1..S of every rank ([Note: the gradient journal] in _journal.py);
    each rank's source of each file is its own node's if there is one (read from shared
    memory), else the first node's that holds one (its first rank sends it).
-3. Fetch and check: every rank reads or receives its file and checks its crc32, that it
+3. Fetch and check: every rank reads or receives its file and checks its checksum, that it
    is its own state at S, and that it fits this engine (`check_snapshot`). The ranks
    then share their outcomes: if any file failed, it is marked bad on every rank and
    the plan is made again (the other copy may be whole), else

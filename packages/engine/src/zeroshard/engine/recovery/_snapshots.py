@@ -11,7 +11,7 @@ another node, to restart from after a worker or a node is lost.
    start their copy on a side stream ([Note: the copy and the next step]). Training
    goes on. (The next `take` waits for an entry's copy: the device memory of the
    gradients it reads is held until then.)
-3. A background thread seals the bytes (crc32, as the copy arrives) and links them into
+3. A background thread seals the bytes (crc32c, as the copy arrives) and links them into
    place: the rank's own copy. Then, after the snapshots before ([Note: snapshots in
    the background]), it sends the bytes to the rank's buddy and receives its wards'
    ([Note: the snapshots' process group]), each sealed file renamed into place: the
