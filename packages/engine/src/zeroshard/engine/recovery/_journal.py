@@ -77,8 +77,7 @@ from zeroshard.engine.runtime._home import HomeKind
 from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
-from zeroshard.engine.runtime.offload._host_offload import HostOffload
-from zeroshard.engine.runtime.offload._step_thread import StepThread
+from zeroshard.engine.runtime.offload import HostOffload, StepThread
 from zeroshard.engine.state._checkpoint_apply import restore_user_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, module_buffers
 from zeroshard.engine.state._user_state import (

@@ -13,11 +13,13 @@ from zeroshard.engine.runtime.offload._build import (
 from zeroshard.engine.runtime.offload._fused_adam import steps_in_blocks
 from zeroshard.engine.runtime.offload._host_offload import HostOffload, OffloadBytes
 from zeroshard.engine.runtime.offload._plan import OffloadSizes, place_offloaded
+from zeroshard.engine.runtime.offload._step_thread import StepThread
 
 __all__ = [
     "HostOffload",
     "OffloadBytes",
     "OffloadSizes",
+    "StepThread",
     "build_host_storage",
     "check_offload",
     "compile_host_step",
