@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import zeroshard.engine as zs
 from tests._dist import run_ranks
 from tests.integration.test_composition import (
     FEATURES,
+    Built,
     Recipe,
     _model,
     _optimizers,
@@ -71,17 +73,36 @@ def _restore_from_replica(features: tuple[str, ...], folder: Path, own: Group) -
         if dist.get_rank() == 1:
             snaps.store.path(2, 1, dist.get_world_size(), OWN).unlink()
         dist.barrier()
-        assert snaps.resume(folder / "ckpt") == 2, features
-        assert snaps.last_resume is not None and snaps.last_resume.source == "memory"
-        assert equal(state_of(model, opt), states[1]), f"{features}: not the state of step 2"
-        for s in (2, 3):
-            loss = step()
-            assert equal(loss, losses[s]), f"{features}: step {s + 1}'s loss differs"
-            assert equal(state_of(model, opt), states[s]), f"{features}: step {s + 1} differs"
-        if built.runner is not model:
-            assert not built.runner.eager, f"{features}: compile fell back to eager"
+        resumes_and_repeats(features, built, snaps, folder, 2, losses, states)
     finally:
         snaps.close()
+
+
+def resumes_and_repeats(
+    features: tuple[str, ...],
+    built: Built,
+    snaps: zs.Snapshots,
+    folder: Path,
+    at: int,
+    losses: list[Any],
+    states: list[Any],
+) -> None:
+    """`snaps.resume` restores step `at` from memory (the state the uninterrupted run had
+    there), and the next two steps repeat that run's losses and states; a compiled runner
+    stayed compiled."""
+    assert snaps.resume(folder / "ckpt") == at, features
+    assert snaps.last_resume is not None and snaps.last_resume.source == "memory"
+    assert equal(state_of(built.model, built.opt), states[at - 1]), (
+        f"{features}: not the state of step {at}"
+    )
+    for s in (at, at + 1):
+        loss = built.step()
+        assert equal(loss, losses[s]), f"{features}: step {s + 1}'s loss differs"
+        assert equal(state_of(built.model, built.opt), states[s]), (
+            f"{features}: step {s + 1} differs"
+        )
+    if built.runner is not built.model:
+        assert not built.runner.eager, f"{features}: compile fell back to eager"
 
 
 def _cases(cases: list[tuple[str, ...]], folder: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,6 +72,21 @@ def _build(
     return model, opt, sched
 
 
+def _journaled(
+    stage: int, kind: str, extra: dict[str, object] | None, root: str
+) -> tuple[torch.nn.Module, zs.ZeroOptimizer, Any, dict[str, int], Snapshots]:
+    """`_build`'s engine journaled (full_every=4) with the scheduler and the data position
+    as global state and an RNG as each rank's: model, optimizer, scheduler, data, snapshots."""
+    model, opt, sched = _build(stage, kind, extra)
+    data = {"next_step": 0}
+    client = {"sched": sched, "data": data}
+    mine = {"rng": zs.RNGState()}
+    snaps = Snapshots(
+        model, opt, every=1, full_every=4, client_state=client, rank_state=mine, root=root
+    )
+    return model, opt, sched, data, snaps
+
+
 def _step(
     model: torch.nn.Module, opt: zs.ZeroOptimizer, sched: object, step: int, schedule: str = ""
 ) -> float:
@@ -112,13 +128,7 @@ def _journal(
     rank = dist.get_rank()
     torch.manual_seed(7 + rank)
     random.seed(rank)
-    model, opt, sched = _build(stage, kind, extra)
-    data = {"next_step": 0}
-    client = {"sched": sched, "data": data}
-    mine = {"rng": zs.RNGState()}
-    snaps = Snapshots(
-        model, opt, every=1, full_every=4, client_state=client, rank_state=mine, root=root
-    )
+    model, opt, sched, data, snaps = _journaled(stage, kind, extra, root)
     try:
         assert snaps.resume(disk) is None
         states, losses = {}, {}
@@ -159,14 +169,14 @@ def _journal(
                     data_[len(data_) // 2] ^= 0x10
                     path.write_bytes(data_)
         dist.barrier()
-        client["data"] = {"next_step": -1}
+        snaps.client_state["data"] = {"next_step": -1}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = snaps.resume(disk)
         texts = [str(w.message) for w in caught if "resume" in str(w.message)]
         want = 5 if damage else STEPS
         assert step == want and snaps.last_resume.source == "memory"
-        assert client["data"] == {"next_step": want}
+        assert snaps.client_state["data"] == {"next_step": want}
         if rank == 0:
             if damage:
                 assert len(texts) == 1 and "crc32c is" in texts[0], texts
@@ -235,13 +245,7 @@ def _nodes_lost_in_turn(folder: str) -> None:
     goes on from there: the next take is an entry, the one after the full snapshot due."""
     rank = dist.get_rank()
     torch.manual_seed(7 + rank)
-    model, opt, sched = _build(2, "adamw")
-    data = {"next_step": 0}
-    client = {"sched": sched, "data": data}
-    mine = {"rng": zs.RNGState()}
-    snaps = Snapshots(
-        model, opt, every=1, full_every=4, client_state=client, rank_state=mine, root=folder
-    )
+    model, opt, sched, data, snaps = _journaled(2, "adamw", None, folder)
     try:
         states, losses = {}, {}
         for s in range(5):

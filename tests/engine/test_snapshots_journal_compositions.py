@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import zeroshard.engine as zs
 from tests._dist import run_ranks
-from tests.engine.test_snapshots_compositions import recipe
-from tests.integration.test_composition import build, equal, state_of
+from tests.engine.test_snapshots_compositions import recipe, resumes_and_repeats
+from tests.integration.test_composition import build, state_of
 from zeroshard.comm import Group
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
 from zeroshard.engine.runtime._wire import WireKind
@@ -61,15 +61,7 @@ def _replays(features: tuple[str, ...], folder: Path, own: Group) -> None:
         if rank == 1:
             snaps.store.path(3, 1, world, ENTRY).unlink()
         dist.barrier()
-        assert snaps.resume(folder / "ckpt") == 3, features
-        assert snaps.last_resume is not None and snaps.last_resume.source == "memory"
-        assert equal(state_of(model, opt), states[2]), f"{features}: not the state of step 3"
-        for s in (3, 4):
-            loss = step()
-            assert equal(loss, losses[s]), f"{features}: step {s + 1}'s loss differs"
-            assert equal(state_of(model, opt), states[s]), f"{features}: step {s + 1} differs"
-        if built.runner is not model:
-            assert not built.runner.eager, f"{features}: compile fell back to eager"
+        resumes_and_repeats(features, built, snaps, folder, 3, losses, states)
     finally:
         snaps.close()
 
