@@ -158,6 +158,12 @@ class Profile:
         out: dict[str, Any] = {
             "stall_ms_per_step": stall / steps * 1e3,
             "gib_per_step": sum(t.bytes for t in b.takes.values()) / steps / 2**30,
+            # Each take in step order: medians hide the slow ones (a ring place's first
+            # use, a slot waiting for the snapshot before).
+            "each": [
+                (step, t.kind, t.host_s * 1e3, t.slot_wait_s * 1e3, t.sealed_s * 1e3)
+                for step, t in sorted(b.takes.items())
+            ],
         }
         for kind in ("full", "entry"):
             takes = [t for t in b.takes.values() if t.kind == kind]
@@ -223,4 +229,9 @@ def profile_line(block: Mapping[str, Any]) -> str:
             k = block[kind]
             times = ", ".join(f"{label} {ms(k[name])}" for name, label in COLUMNS)
             parts.append(f"{kind} x{k['n']} ({k['mib']:,.0f} MiB): {times} ms")
+    each = " ".join(
+        f"{step}{kind[0]}:{host:.0f}/{wait:.0f}/{ms(sealed)}"
+        for step, kind, host, wait, sealed in block.get("each", ())
+    )
+    parts.append(f"each take (step, f/e: take/slot wait/sealed ms): {each}")
     return "; ".join(parts)

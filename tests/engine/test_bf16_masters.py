@@ -125,7 +125,7 @@ def _bf16_run(
     `host_step`: AdamW steps a CPU copy of the parameters on the gradients brought down,
     as an offloaded step does, and the results go back up."""
     ref = _bf16_copy(model).to(device)
-    host = _bf16_copy(model) if host_step else ref
+    host = _bf16_copy(model).cpu() if host_step else ref
     opt = make_optimizer(host)
     losses = []
     for step in batches:
