@@ -117,3 +117,14 @@ def test_cli_prices_the_overlap_in_the_estimate_and_the_recommendation(
     # Every candidate was estimated, offloaded ones with the overlap where allowed.
     for out in outs.values():
         assert " * stage" in out and "stage 3, shard 8, offload on" in out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pinned_host_bytes_follow_offload_pin_memory(stage: int) -> None:
+    """offload_pin_memory off: the runtime pins none of offload's buffers, so the plan's
+    pinned share is none of its host bytes (which stay the same)."""
+    flat = {"stage": stage, "offload_params": stage == 3}
+    pinned = _estimate(flat, 1.0)
+    pageable = _estimate({**flat, "offload_pin_memory": False}, 1.0)
+    assert 0 < pinned.pinned <= pinned.host
+    assert pageable.pinned == 0 and pageable.host == pinned.host

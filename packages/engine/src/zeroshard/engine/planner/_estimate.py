@@ -337,7 +337,8 @@ def estimate_on_trace(
     )
     # Pinned on a GPU's host, as offload's own buffers ([Note: whole parameters
     # offloaded]).
-    host, pinned = host + owner_host, pinned + owner_host
+    host = host + owner_host
+    pinned += owner_host if cfg.offload.pin_memory else 0
     states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
     states["optimizer"] += owner_state
     step = None

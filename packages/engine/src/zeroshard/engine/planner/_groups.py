@@ -171,10 +171,9 @@ def host_bytes(
     offload = plan.offload
     # Gradients stepped as they land pass through the staging slots; without it none does.
     staged = step_in_backward
-    return (
-        offload.host_bytes(grads_held=held, staged=staged) + state,
-        offload.pinned_bytes(grads_held=held, staged=staged),
-    )
+    # offload.pin_memory off: every buffer is pageable (the runtime pins none).
+    pinned = offload.pinned_bytes(grads_held=held, staged=staged) if cfg.offload.pin_memory else 0
+    return offload.host_bytes(grads_held=held, staged=staged) + state, pinned
 
 
 def snapshot_bytes(

@@ -251,7 +251,8 @@ def plan_tensor_parallel(
         # A declared optimizer's state, the whole matrices' at their owners.
         states["optimizer"] += whole.owner_state_bytes
         host += whole.owner_host_state_bytes
-        pinned += whole.owner_host_state_bytes  # on a GPU's host, as offload's buffers
+        if cfg.offload.pin_memory:  # on a GPU's host, as offload's buffers
+            pinned += whole.owner_host_state_bytes
         snapshot += whole.owner_state_bytes + whole.owner_host_state_bytes
     step, tp_step = None, 0.0
     if compute is not None:

@@ -103,6 +103,13 @@ class ShardUpload:
             if compute_dtype != master.dtype:
                 self._stage = torch.empty(s, dtype=master.dtype, device=device)
         self._stream = SideStream(device)
+        if self._stream.stream is not None:
+            # Allocated on the current stream, written on the upload stream as long as they
+            # live: when freed (the engine dropped), their memory waits for that stream's
+            # last copy before the allocator hands it out again.
+            for t in (self.compute_dev, self._stage):
+                if t is not None:
+                    t.record_stream(self._stream.stream)
         self._ready: list[torch.cuda.Event | None] = [None] * n
         # The event of the copy queued last: every copy before it is on the same stream.
         self._last_copy: torch.cuda.Event | None = None
