@@ -11,14 +11,22 @@ metadata (`Scalars.defer`: a string whose JSON is longer than any `.item()`'s ca
 so the header planned with it has room for the value); their values as of `take` are
 taken on the training stream (one `torch.stack` per dtype: later in-place writes, the
 next step's, do not reach it) and copied to pinned host memory on the snapshot's side
-stream, ahead of its tensors' copies (`HostCopy.fetch`). The background thread waits for
+stream, ahead of its tensors' copies (`HostCopy.fetch`). The stack, not the live tensors
+read by the side stream: a scheduler writes a tensor learning rate in place outside the
+optimizer step, and no step waits for an entry's copy. The background thread waits for
 that copy, writes the header again with the values (`Scalars.resolve`: the values
 `.item()` would give, ints as ints, floats as floats), padded with spaces to the planned
 length, so offsets and the file's size stay as planned, and only then seals the bytes
-(the checksum reads the header first). The file is the one a `.item()` would have
-written, but for spaces in its JSON, so a restore reads it as it reads any. On the CPU
-the same path runs (the values are taken at `take`, the header written in the
-background), so tests exercise it.
+(the checksum reads the header first). Rendered again, not patched where the
+placeholders were: the metadata's text carries its own crc32 ([Note: the metadata's own
+checksum] in zeroshard.ckpt), which `to_json` computes over the values. The file is the
+one a `.item()` would have written, but for spaces in its JSON, so a restore reads it as
+it reads any. The journal keeps the hyperparameters a step consumed the same way (a
+tensor's copy at `step()`, its value read by the entry's `take`). On the CPU the same
+path runs (the values are taken at `take`, the header written in the background), so
+tests exercise it. Still synchronizing under NCCL: `checkpoint_contents`' object
+gathers over the file group (`rank_sets`: groups of their own; `param_states`: a
+whole-matrix optimizer's), which `all_gather_object` stages through the device.
 """
 
 from __future__ import annotations
