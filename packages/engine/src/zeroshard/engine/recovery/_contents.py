@@ -48,9 +48,11 @@ from zeroshard.engine.state._checkpoint_apply import (
     restore_user_state,
 )
 from zeroshard.engine.state._checkpoint_layout import (
+    Scalar,
     checkpoint_contents,
     checkpoint_group_name,
     file_group,
+    item,
     module_buffers,
 )
 from zeroshard.engine.state._user_state import (
@@ -71,10 +73,12 @@ def rank_contents(
     step: int,
     client_state: Mapping[str, Any] | None,
     rank_state: Mapping[str, Any] | None,
+    scalar: Scalar = item,
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], RankExtra | None]:
-    """This rank's metadata, tensors (live, not copied) and user state at `step`
+    """This rank's metadata (its tensor scalars as `scalar` makes them: their values,
+    or a snapshot's placeholders), tensors (live, not copied) and user state at `step`
     (collective where `checkpoint_contents` is)."""
-    meta, tensors = checkpoint_contents(model, state, every_shard=True)
+    meta, tensors = checkpoint_contents(model, state, every_shard=True, scalar=scalar)
     buffers = module_buffers(model)
     tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     meta = meta.with_files(step, {}, {k: tuple(v.shape) for k, v in buffers.items()})

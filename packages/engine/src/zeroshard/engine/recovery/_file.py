@@ -60,6 +60,7 @@ class Planned(NamedTuple):
     header: bytes
     entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], int]]
     size: int
+    doc: Mapping[str, Any]  # the header's JSON document, before it is padded
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def plan(
         "extra": extra_text,
         "tensors": {k: [safetensors_dtype_code(d), list(s), o] for k, (d, s, o) in entries.items()},
     }
-    text = json.dumps(doc, separators=(",", ":")).encode()
+    text = _text(doc)
     least = 8 + len(text) + at + _TRAILER.size
     least += -(8 + len(text)) % _ALIGN  # the tensors' alignment
     aligned = room is not None and (room - at - _TRAILER.size) % _ALIGN == 0
@@ -126,7 +127,28 @@ def plan(
         text += b" " * (-(8 + len(text)) % pad)
     head = struct.pack("<Q", len(text)) + text
     shifted = {k: (d, s, o + len(head)) for k, (d, s, o) in entries.items()}
-    return Planned(head, shifted, len(head) + at + _TRAILER.size)
+    return Planned(head, shifted, len(head) + at + _TRAILER.size, doc)
+
+
+def _text(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def resolved(
+    planned: Planned, meta: CheckpointMeta | None, journal: Mapping[str, Any] | None
+) -> Planned:
+    """`planned` with `meta` and `journal` in its header for those it was planned with,
+    padded to the same length (their deferred scalars' values: [Note: scalars without a
+    sync] in _scalars.py); ValueError if they do not fit."""
+    doc = dict(planned.doc)
+    doc["meta"] = None if meta is None else meta.to_json()
+    doc["journal"] = journal
+    text = _text(doc)
+    room = len(planned.header) - 8
+    if len(text) > room:
+        raise ValueError(f"a snapshot's header grew to {len(text)} bytes, {room} were planned")
+    head = planned.header[:8] + text + b" " * (room - len(text))
+    return planned._replace(header=head, doc=doc)
 
 
 def _view(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], at: int) -> torch.Tensor:

@@ -13,13 +13,16 @@ the copy: `record_stream`) and clones, which no step writes, so a full snapshot'
 copy ahead of it on the side stream does not stall the steps after the next. The
 background thread checksums the bytes as they arrive: each piece once the copies into
 it are done (an event after each tensor's copy), so the checksum overlaps the copy
-instead of following it.
+instead of following it. The snapshot's scalars held as tensors go first
+(`fetch`: [Note: scalars without a sync] in _scalars.py): the header they complete is
+the first piece the checksum reads.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +41,48 @@ class HostCopy:
         self._stream: torch.cuda.Stream | None = None
         self._copied: torch.cuda.Event | None = None
 
+    def _side(self) -> torch.cuda.Stream:
+        """The side stream, once it waits for the work queued on the current one."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
+    def fetch(self, scalars: Sequence[torch.Tensor]) -> Callable[[], list[Any]]:
+        """The values `.item()` gives of the one-element `scalars` as they are now, with
+        no wait for the device: taken now (a copy per device and dtype; later writes do
+        not reach it), those on the device copied to pinned host memory on the side
+        stream, ahead of the copies `start` issues next. The function returned waits for
+        that copy ([Note: scalars without a sync] in _scalars.py)."""
+        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(scalars):
+            kinds.setdefault((t.device, t.dtype), []).append(i)
+        taken: list[tuple[list[int], torch.Tensor]] = []
+        copied: torch.cuda.Event | None = None
+        for (device, dtype), where in kinds.items():
+            now = torch.stack([scalars[i].reshape(()) for i in where])
+            if device.type != "cpu":
+                stream = self._side()
+                with torch.cuda.stream(stream):
+                    host = torch.empty(now.shape, dtype=dtype, pin_memory=True)
+                    host.copy_(now, non_blocking=True)
+                    now.record_stream(stream)
+                    copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    copied.record(stream)
+                now = host
+            taken.append((where, now))
+
+        def values() -> list[Any]:
+            if copied is not None:
+                copied.synchronize()  # the last of the copies (the stream runs in order)
+            out: list[Any] = [None] * len(scalars)
+            for where, host in taken:
+                for i, v in zip(where, host.tolist(), strict=True):
+                    out[i] = v
+            return out
+
+        return values
+
     def start(
         self,
         sources: Mapping[str, torch.Tensor],
@@ -54,10 +99,7 @@ class HostCopy:
                 places[key].copy_(t)
         if not device:
             return _copied
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = self._side()
         starts: list[int] = []
         events: list[torch.cuda.Event] = []
         with torch.cuda.stream(stream):

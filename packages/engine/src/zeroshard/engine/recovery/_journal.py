@@ -79,7 +79,11 @@ from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 from zeroshard.engine.runtime.offload import HostOffload, StepThread
 from zeroshard.engine.state._checkpoint_apply import restore_user_state
-from zeroshard.engine.state._checkpoint_layout import checkpoint_group_name, module_buffers
+from zeroshard.engine.state._checkpoint_layout import (
+    Scalar,
+    checkpoint_group_name,
+    module_buffers,
+)
 from zeroshard.engine.state._user_state import (
     GLOBAL,
     PER_RANK,
@@ -89,17 +93,27 @@ from zeroshard.engine.state._user_state import (
 _GRAD = "grad."
 
 
-def _hyper_value(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_hyper_value(v) for v in value]
+def _hyper_value(value: Any, scalar: Scalar) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_hyper_value(v, scalar) for v in value]
     if isinstance(value, torch.Tensor):
-        return value.item()
+        return scalar(value)
     return value
 
 
-def hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:
-    """Every param group's hyperparameters, as JSON values (a checkpoint's encoding)."""
-    return [{k: _hyper_value(v) for k, v in pg.items() if k != "params"} for pg in opt.param_groups]
+def hyperparameters(opt: ZeroOptimizer, scalar: Scalar) -> list[dict[str, Any]]:
+    """Every param group's hyperparameters, as JSON values (a checkpoint's encoding), a
+    tensor's as `scalar` makes it."""
+    return [
+        {k: _hyper_value(v, scalar) for k, v in pg.items() if k != "params"}
+        for pg in opt.param_groups
+    ]
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A tensor hyperparameter as it is now, with no sync: a scheduler may change it in
+    place before `take` reads it ([Note: scalars without a sync] in _scalars.py)."""
+    return t.detach().clone()
 
 
 def set_hyperparameters(opt: ZeroOptimizer, saved: Sequence[Mapping[str, Any]]) -> None:
@@ -117,7 +131,7 @@ class _Step(NamedTuple):
     """What one `step()` handed its stepper: each group's gradient and its version then."""
 
     grads: dict[str, tuple[FlatParamGroup, torch.Tensor, int]]
-    hyper: list[dict[str, Any]]
+    hyper: list[dict[str, Any]]  # a tensor's a copy (`_kept`)
     no_grad: list[str]  # the trainable groups that took no gradient: not stepped
 
 
@@ -164,7 +178,7 @@ class JournalStep:
             for g in self._opt.flat_groups
             if g.trainable and checkpoint_group_name(g) not in grads
         ]
-        self.taken = _Step(grads, hyperparameters(self._opt), no_grad)
+        self.taken = _Step(grads, hyperparameters(self._opt, _kept), no_grad)
 
     def step(self) -> StepOutcome:
         """Record, then step as the stepper does."""
@@ -217,10 +231,12 @@ def entry_contents(
     rank_state: Mapping[str, Any] | None,
     *,
     skip: bool = False,
+    scalar: Scalar,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], RankExtra | None] | str:
-    """This step's journal entry (its record, tensors and user state), or why this step
-    cannot have one (a full snapshot then; `skip`: one is due anyway): see [Note: the
-    gradient journal]. Resets the journal for the next step."""
+    """This step's journal entry (its record, a tensor hyperparameter's value as `scalar`
+    makes it; tensors and user state), or why this step cannot have one (a full snapshot
+    then; `skip`: one is due anyway): see [Note: the gradient journal]. Resets the journal
+    for the next step."""
     taken, steps = journal.taken, journal.steps
     journal.taken, journal.steps = None, 0
     if skip:
@@ -237,11 +253,14 @@ def entry_contents(
     for k, v in module_buffers(model).items():
         # Forward may write a buffer while the copy runs: a copy of its own.
         tensors[buffer_key(k)] = v.detach().clone() if v.device.type != "cpu" else v.detach()
+    consumed = None
+    if taken is not None:
+        consumed = [{k: _hyper_value(v, scalar) for k, v in pg.items()} for pg in taken.hyper]
     record = {
         "stepped": taken is not None,
         "no_grad": [] if taken is None else taken.no_grad,
-        "consumed": None if taken is None else taken.hyper,
-        "after": hyperparameters(opt),
+        "consumed": consumed,
+        "after": hyperparameters(opt, scalar),
         "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict(),
     }
     extra = encode_state({GLOBAL: client_state, PER_RANK: rank_state})

@@ -8,17 +8,18 @@ another node, to restart from after a worker or a node is lost.
    complete (the one before that is then unneeded); a background error is raised here.
 2. On the calling thread: the rank's contents (`rank_contents`: what a checkpoint
    holds) laid out in that slot; host tensors are copied into it now, device tensors
-   start their copy on a side stream ([Note: the copy and the next step]). Training
-   goes on. (The next `take` waits for an entry's copy: the device memory of the
-   gradients it reads is held until then.)
-3. A background thread seals the bytes (crc32c, as the copy arrives) and links them into
-   place: the rank's own copy. Then, after the snapshots before ([Note: snapshots in
-   the background]), it sends the bytes to the rank's buddy and receives its wards'
-   ([Note: the snapshots' process group]), each sealed file renamed into place: the
-   replicas. An all-reduce then says every rank's copy and replica of step S are in
-   place: S is complete, and each rank removes the older steps of its node (a rank
-   removes only once every rank finished S, so a step is held until a newer one is
-   complete).
+   start their copy on a side stream ([Note: the copy and the next step]); the host
+   never waits for the device to drain (nor for the scalars held as tensors: [Note:
+   scalars without a sync] in _scalars.py). Training goes on. (The next `take` waits
+   for an entry's copy: the device memory of the gradients it reads is held until then.)
+3. A background thread writes the header (once those scalars are on the host), seals
+   the bytes (crc32c, as the copy arrives) and links them into place: the rank's own
+   copy. Then, after the snapshots before ([Note: snapshots in the background]), it
+   sends the bytes to the rank's buddy and receives its wards' ([Note: the snapshots'
+   process group]), each sealed file renamed into place: the replicas. An all-reduce
+   then says every rank's copy and replica of step S are in place: S is complete, and
+   each rank removes the older steps of its node (a rank removes only once every rank
+   finished S, so a step is held until a newer one is complete).
 A node thus holds at most two steps: the newest complete one and the one in flight.
 With `full_every=K` the steps between full snapshots take journal entries instead
 ([Note: the gradient journal] in _journal.py): written, sealed and replicated the same
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.ckpt import CheckpointMeta
 from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.recovery import _file, _wire
 from zeroshard.engine.recovery._background import Background
@@ -51,7 +53,8 @@ from zeroshard.engine.recovery._journal import JournalStep, entry_contents
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._replicas import Replicas
 from zeroshard.engine.recovery._restore import Resumed, resume
-from zeroshard.engine.recovery._slots import Slots
+from zeroshard.engine.recovery._scalars import Scalars
+from zeroshard.engine.recovery._slots import Slot, Slots
 from zeroshard.engine.recovery._store import ENTRY, OWN, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
 
@@ -187,8 +190,9 @@ class Snapshots:
         if self._full is not None:
             self._work.wait_complete(self._full)  # the other slot's step is then unneeded
         self._full = step
+        scalars = Scalars()  # [Note: scalars without a sync] in _scalars.py
         meta, tensors, extra = rank_contents(
-            self._model, self._state, step, self.client_state, self.rank_state
+            self._model, self._state, step, self.client_state, self.rank_state, scalars.defer
         )
         items = _file.file_tensors(tensors, extra)
         text = None if extra is None else extra.text
@@ -196,25 +200,59 @@ class Snapshots:
         planned = _file.plan(step, self.rank, self.world_size, meta, items, text, room=room)
         final = self.store.path(step, self.rank, self.world_size, OWN)
         slot = self._slots.next(planned.size)
+        self._write(step, slot, planned, items, scalars, meta, None, final)
+        return True
+
+    def _write(
+        self,
+        step: int,
+        slot: Slot,
+        planned: _file.Planned,
+        items: dict[str, torch.Tensor],
+        scalars: Scalars,
+        meta: CheckpointMeta | None,
+        record: dict[str, Any] | None,
+        final: Path,
+        ring: int | None = None,
+    ) -> None:
+        """Copy a snapshot (`meta`) or journal entry (`record`, at place `ring` of the
+        ring) into `slot`; in the background write its header once its deferred scalars
+        are on the host, seal it, link it in place as `final`, and replicate it."""
         buf = slot.buf
-        _file.fill_header(buf, planned)
-        finish = self._copy.start(items, _file.slots(buf, planned))
+        values = self._copy.fetch(scalars.tensors)  # ahead of the tensors' copies
+        entry = record is not None
+        finish = self._copy.start(items, _file.slots(buf, planned), before_step=not entry)
+        if entry:
+            self._entry_copy = finish
 
         def own() -> torch.Tensor:
+            header = planned
+            if scalars.tensors:
+                got = values()
+                header = _file.resolved(
+                    planned, scalars.resolve(meta, got), scalars.resolve(record, got)
+                )
+            _file.fill_header(buf, header)
             _file.seal(buf, finish)
             self.store.link(slot.path, final)
             return buf
 
-        self._start(step, own)
-        return True
+        self._start(step, own, entry, ring)
 
     def _take_entry(self, step: int, last: int | None) -> bool:
         """Take a journal entry of `step` if every rank can; return whether they did."""
         assert self._journal is not None
         opt = self._state.needs_optimizer("Snapshots.take")
         due = self._full is None or last != step - 1 or step - self._full >= self.full_every
+        scalars = Scalars()
         contents = entry_contents(
-            self._journal, self._model, opt, self.client_state, self.rank_state, skip=due
+            self._journal,
+            self._model,
+            opt,
+            self.client_state,
+            self.rank_state,
+            skip=due,
+            scalar=scalars.defer,
         )
         able = torch.tensor([0 if due or isinstance(contents, str) else 1])
         if self.world_size > 1:
@@ -239,18 +277,8 @@ class Snapshots:
             self._work.wait_complete(old + 1)  # a full snapshot after it: it is unneeded
         self._ring[k] = step
         slot = self._entries.at(k, planned.size)
-        buf = slot.buf
-        _file.fill_header(buf, planned)
-        finish = self._copy.start(items, _file.slots(buf, planned), before_step=False)
-        del items, tensors  # the side stream's copy keeps what it reads (record_stream)
-        self._entry_copy = finish
-
-        def own() -> torch.Tensor:
-            _file.seal(buf, finish)
-            self.store.link(slot.path, final)
-            return buf
-
-        self._start(step, own, entry=True, ring=k)
+        # The side stream's copy keeps the gradients it reads (record_stream).
+        self._write(step, slot, planned, items, scalars, None, record, final, k)
         return True
 
     def _start(

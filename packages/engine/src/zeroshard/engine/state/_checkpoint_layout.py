@@ -26,7 +26,7 @@ groups are one set of the first replica's ranks, whose files alone hold them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -164,25 +164,36 @@ def placements(state: EngineState) -> dict[str, GroupPlacement]:
     return out
 
 
-def _json_value(value: Any) -> Any:
+# What a scalar held as a tensor becomes in the metadata: its value (a snapshot defers it
+# instead: [Note: scalars without a sync] in recovery/_scalars.py).
+Scalar = Callable[[torch.Tensor], Any]
+
+
+def item(t: torch.Tensor) -> Any:
+    """The value of a one-element tensor (a host-device synchronization on CUDA)."""
+    return t.item()
+
+
+def _json_value(value: Any, scalar: Scalar) -> Any:
     if isinstance(value, tuple):
-        return [_json_value(v) for v in value]
+        return [_json_value(v, scalar) for v in value]
     if isinstance(value, torch.Tensor):
-        return value.item()
+        return scalar(value)
     return value
 
 
 def _split_state(
-    g: FlatParamGroup, opt_state: Mapping[str, Any]
+    g: FlatParamGroup, opt_state: Mapping[str, Any], scalar: Scalar
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The optimizer state of a master shard: shard-shaped tensors, and scalars."""
+    """The optimizer state of a master shard: shard-shaped tensors, and scalars (a
+    tensor's as `scalar` makes it)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for key, value in opt_state.items():
         if isinstance(value, torch.Tensor) and value.shape == g.master.shape:
             tensors[key] = value.detach()
         elif isinstance(value, torch.Tensor) and value.numel() == 1:
-            scalars[key] = value.item()
+            scalars[key] = scalar(value)
         elif isinstance(value, (int, float, bool)):
             scalars[key] = value
         else:
@@ -265,12 +276,13 @@ def module_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_contents(
-    model: nn.Module, state: EngineState, *, every_shard: bool = False
+    model: nn.Module, state: EngineState, *, every_shard: bool = False, scalar: Scalar = item
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     """This rank's checkpoint of the engine: the metadata and the tensors of its file
     (collective over the file group when there are groups on their own process group).
     `every_shard`: every group's shards this rank holds, those it does not write too (a
-    snapshot holds the rank's whole state)."""
+    snapshot holds the rank's whole state); `scalar`: what an optimizer scalar or
+    hyperparameter held as a tensor becomes in the metadata (its value)."""
     optimizer = state.needs_optimizer("save_checkpoint")
     inner = optimizer.inner
     groups: list[GroupMeta] = []
@@ -278,7 +290,7 @@ def checkpoint_contents(
     sets = rank_sets(state)
     for g in state.groups:
         name = checkpoint_group_name(g)
-        shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}))
+        shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}), scalar)
         kinds = {MASTER: g.master.dtype}
         mine = {MASTER: g.master.detach()}
         for key, t in shard_tensors.items():
@@ -312,7 +324,8 @@ def checkpoint_contents(
         stage=state.config.stage,
         compute_dtype=state.config.precision.compute_dtype,
         param_groups=tuple(
-            {k: _json_value(v) for k, v in pg.items() if k != "params"} for pg in inner.param_groups
+            {k: _json_value(v, scalar) for k, v in pg.items() if k != "params"}
+            for pg in inner.param_groups
         ),
         tied=aliases(model, state),
         buffers=tuple(buffers),
