@@ -94,14 +94,15 @@ def _no_sync(device: str) -> Iterator[None]:
 
 
 def _state(model: torch.nn.Module, opt: zs.ZeroOptimizer) -> dict[str, torch.Tensor]:
-    """Masters, optimizer state (the step too) and learning rates (by value: a restore
-    puts a float back where a tensor was, as a checkpoint's load does)."""
+    """Masters, optimizer state (the step too) and learning rates (tensors: a restore
+    fills them in place, so a scheduler goes on rounding as the uninterrupted run)."""
     out = {f"p.{k}": v.clone() for k, v in zs.full_state_dict(model).items()}
     for i, g in enumerate(opt.param_groups):
         for j, p in enumerate(g["params"]):
             for k, v in opt.state.get(p, {}).items():
                 out[f"o.{i}.{j}.{k}"] = torch.as_tensor(v).detach().cpu().clone()
-        out[f"lr.{i}"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
+        assert isinstance(g["lr"], torch.Tensor), f"param group {i}'s lr is {g['lr']!r}"
+        out[f"lr.{i}"] = g["lr"].detach().cpu().clone()
     return out
 
 

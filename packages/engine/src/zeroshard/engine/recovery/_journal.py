@@ -78,7 +78,7 @@ from zeroshard.engine.runtime._optimizer import ZeroOptimizer
 from zeroshard.engine.runtime._state import EngineState
 from zeroshard.engine.runtime._stepper import StepOutcome, Stepper
 from zeroshard.engine.runtime.offload import HostOffload, StepThread
-from zeroshard.engine.state._checkpoint_apply import restore_user_state
+from zeroshard.engine.state._checkpoint_apply import put_hyperparameters, restore_user_state
 from zeroshard.engine.state._checkpoint_layout import (
     Scalar,
     checkpoint_group_name,
@@ -114,17 +114,6 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
     """A tensor hyperparameter as it is now, with no sync: a scheduler may change it in
     place before `take` reads it ([Note: scalars without a sync] in _scalars.py)."""
     return t.detach().clone()
-
-
-def set_hyperparameters(opt: ZeroOptimizer, saved: Sequence[Mapping[str, Any]]) -> None:
-    """Put `hyperparameters()` output back, each value in its present type."""
-    for pg, values in zip(opt.param_groups, saved, strict=True):
-        for key, value in values.items():
-            here = pg.get(key)
-            if isinstance(here, torch.Tensor):
-                here.fill_(value)
-            else:
-                pg[key] = tuple(value) if isinstance(here, tuple) else value
 
 
 class _Step(NamedTuple):
@@ -341,7 +330,7 @@ def replay(
             lagging = False
         if not e.record["stepped"]:
             continue
-        set_hyperparameters(opt, e.record["consumed"])
+        put_hyperparameters(opt.param_groups, e.record["consumed"])
         for g in trainable:
             grad = e.grads.get(g.index)
             if grad is None:
@@ -357,7 +346,7 @@ def replay(
         stepper.settle()
         opt.zero_grad()
     last = entries[-1]
-    set_hyperparameters(opt, last.record["after"])
+    put_hyperparameters(opt.param_groups, last.record["after"])
     if opt.scaler is not None and last.record["loss_scaler"] is not None:
         opt.scaler.load_state_dict(last.record["loss_scaler"])
     live = module_buffers(model)

@@ -222,9 +222,7 @@ def apply_loaded(
         inner.state[g.master] = opt_state
     for p, kept in whole_states:
         inner.state[p] = kept
-    for pg, saved in zip(inner.param_groups, meta.param_groups, strict=True):
-        for key, value in saved.items():
-            pg[key] = tuple(value) if isinstance(pg.get(key), tuple) else value
+    put_hyperparameters(inner.param_groups, meta.param_groups)
     scaler_state = meta.extra.get("loss_scaler")
     if optimizer.scaler is not None and scaler_state is not None:
         optimizer.scaler.load_state_dict(scaler_state)
@@ -239,3 +237,18 @@ def _copy_weights(
         g.master.copy_(loaded.shard(checkpoint_group_name(g), MASTER))
     for name, value in loaded.buffers.items():
         buffers[name].copy_(value)
+
+
+def put_hyperparameters(
+    param_groups: Sequence[MutableMapping[str, Any]], saved: Sequence[Mapping[str, Any]]
+) -> None:
+    """Put saved hyperparameters (JSON values) back, each in its present type: a tensor
+    (a learning rate a scheduler keeps as one) filled in place, so the steps after keep
+    its dtype's rounding as the uninterrupted run's; a tuple as a tuple."""
+    for pg, values in zip(param_groups, saved, strict=True):
+        for key, value in values.items():
+            here = pg.get(key)
+            if isinstance(here, torch.Tensor):
+                here.fill_(value)
+            else:
+                pg[key] = tuple(value) if isinstance(here, tuple) else value
