@@ -287,6 +287,10 @@ def _refusals(folder: str) -> None:
         Snapshots(model, opt, every=2, full_every=4, root=folder)
     with pytest.raises(ValueError, match=r"the journal needs .* GiB \(.* bytes\) of shared memory"):
         Snapshots(model, opt, every=1, full_every=10**12, root=folder)
+    # A journal on one rank only (its room check a collective the other never joined;
+    # the other's restore then read its answer: a hang or a TypeError on one rank).
+    with pytest.raises(ValueError, match=r"ranks disagree at Snapshots on full_every"):
+        Snapshots(model, opt, every=1, full_every=4 if dist.get_rank() == 0 else 1, root=folder)
 
 
 def _node_entry_bytes(snaps: Snapshots, step: int) -> int:
@@ -405,7 +409,8 @@ def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
     on after a restore. A step's gradients zeroed in place before `take`, or two steps
     between takes: a full snapshot, one warning. Each node's memory lost in turn within
     one block: both restores from memory (the first one's files put back and replicated
-    again). Refused: every > 1, a journal larger than the shared memory free."""
+    again). Refused: every > 1, a journal larger than the shared memory free, full_every
+    differing between ranks."""
     run_ranks(_cases, 2, str(tmp_path))
 
 

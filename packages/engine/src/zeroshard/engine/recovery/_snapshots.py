@@ -54,12 +54,14 @@ from zeroshard.engine.recovery._restore import Resumed, resume
 from zeroshard.engine.recovery._slots import Slots
 from zeroshard.engine.recovery._store import ENTRY, OWN, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
+from zeroshard.engine.state._checkpoint import check_same_call, every_rank
 
 
 class Snapshots:
     """Snapshots of every rank's state in host memory, replicated to another node.
 
-    Call on every rank after `initialize`; `resume(directory)` instead of
+    Call on every rank after `initialize`, with the same `every` and `full_every`
+    (collective: a difference is a ValueError on every rank); `resume(directory)` instead of
     `resume_checkpoint` on start, `take(step)` where a checkpoint would be saved (after
     the step, the scheduler and the data position), `close()` at the end.
     `every`: `take` snapshots the steps it divides. `full_every` (with `every=1`): a
@@ -85,6 +87,10 @@ class Snapshots:
         self._model = engine_module(model)
         self._state = engine_state(self._model)
         engine_optimizer = self._state.needs_optimizer("Snapshots")
+        # First: a journal on some ranks only would meet the others' collectives with
+        # its own (the room check against the restore's inventory), each misread.
+        fields = [("every", repr(every)), ("full_every", repr(full_every))]
+        check_same_call(every_rank(self._state), "Snapshots", "Snapshots", fields)
         if optimizer is not engine_optimizer:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
