@@ -1,12 +1,13 @@
 """Restarts from snapshots in memory end where an uninterrupted run ends.
 
 examples/train_gpt.py (stage 3, gloo, `--snapshot-every 1`, checkpoints every 4 steps
-as the fallback; stage 2 with `--offload delayed` in one test) is SIGKILLed at the
-points tests/faults/_snapshot_job.py describes, one per attempt, under real `torchrun
---max-restarts` with c10d rendezvous. Each restart
-resumes from the newest step the snapshots in shared memory cover (or, where they cover
-none, from disk with one warning saying how many steps that costs), and the final fp32
-weights and every logged loss are bit-identical to a run without faults, snapshots or
+as the fallback; stage 2 with `--offload delayed` in one test; the gradient journal,
+`--snapshot-full-every K`, in the journal test and the node test's second case) is
+SIGKILLed at the points tests/faults/_snapshot_job.py describes, one per attempt, under
+real `torchrun --max-restarts` with c10d rendezvous. Each restart resumes from the
+newest step the snapshots in shared memory cover (or, where they cover none, from disk
+with one warning saying how many steps that costs), and the final fp32 weights and
+every logged loss are bit-identical to a run without faults, snapshots or
 checkpoints. Two torchrun agents stand for two nodes (`--nnodes=2`, 2 workers each);
 one is SIGKILLed with its workers and replaced by a new agent with empty memory. Every
 job's shared memory is gone at its normal end; the tests remove it whatever happens.
