@@ -337,7 +337,10 @@ def _room(folder: str) -> None:
         node_a, node_b = held[0], held[2]
         assert node_a and node_b and held[1] == 0  # 3 entries each: own ones, replicas
         stat = os.statvfs(folder)
-        free = stat.f_bavail * stat.f_frsize
+        # Rank 0's reading on every rank: every rank must pass the same full_every.
+        free_at = [stat.f_bavail * stat.f_frsize]
+        dist.broadcast_object_list(free_at, src=0)
+        free = free_at[0]
         # Room for 4/5 of the free space: each node holds 3 entries a step; counting 2 per
         # rank (one ward each) would make node a's 4, over the free space.
         fits = int(0.8 * free / max(node_a, node_b))
