@@ -10,6 +10,7 @@ that costs."""
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from pathlib import Path
@@ -31,6 +32,8 @@ from tests.engine._models import (
 from tests.engine.test_snapshots import _state
 from tests.engine.test_whole_params_compositions import factored_and_adamw
 from zeroshard.engine.recovery import Snapshots
+from zeroshard.engine.recovery._file import mapped, parse
+from zeroshard.engine.recovery._places import RUN_ID
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
 
 STEPS = 7  # full snapshots at 1 and 5, entries at 2-4 and 6-7 (full_every=4)
@@ -282,8 +285,80 @@ def _refusals(folder: str) -> None:
     model, opt, _ = _build(2, "adamw")
     with pytest.raises(ValueError, match="full_every=4 needs every=1"):
         Snapshots(model, opt, every=2, full_every=4, root=folder)
-    with pytest.raises(ValueError, match=r"the journal needs .* GiB of shared memory"):
+    with pytest.raises(ValueError, match=r"the journal needs .* GiB \(.* bytes\) of shared memory"):
         Snapshots(model, opt, every=1, full_every=10**12, root=folder)
+    # A journal on one rank only (its room check a collective the other never joined;
+    # the other's restore then read its answer: a hang or a TypeError on one rank).
+    with pytest.raises(ValueError, match=r"ranks disagree at Snapshots on full_every"):
+        Snapshots(model, opt, every=1, full_every=4 if dist.get_rank() == 0 else 1, root=folder)
+
+
+def _node_entry_bytes(snaps: Snapshots, step: int) -> int:
+    """The gradient bytes of the journal entries of `step` this rank's node holds (its
+    ranks' own and the replicas they keep), read from the files (0 on a node's later
+    ranks)."""
+    here = snaps.placement.node_ranks(snaps.placement.nodes[snaps.rank])
+    if here[0] != snaps.rank:
+        return 0
+    total = 0
+    for h in snaps.store.held():
+        if h.step == step:
+            assert h.kind in (ENTRY, ENTRY_REPLICA), h
+            path = snaps.store.path(h.step, h.rank, h.world_size, h.kind)
+            snap = parse(mapped(path), str(path))
+            grads = [t for k, t in snap.tensors.items() if k.startswith("grad.")]
+            total += sum(t.numel() * t.element_size() for t in grads)
+    return total
+
+
+def _room(folder: str) -> None:
+    """Ranks 0 and 1 one node (two workers of one torchrun agent: the same parent and
+    rendezvous id), rank 2 another: rank 2 keeps the replicas of both, rank 0 of rank 2,
+    rank 1 none. Each node's journal need, as the refusal says it, is K times the entry
+    bytes the node really holds (read from the entries of a journaled step); on the
+    filesystem of `folder` a K whose need is twice the free space is refused on every
+    rank, one needing 4/5 of it is not."""
+    rank = dist.get_rank()
+    if rank < 2:
+        os.environ[RUN_ID] = "room"
+    try:
+        model, opt, sched = _build(2, "adamw")
+        snaps = Snapshots(model, opt, every=1, full_every=3, root=folder)
+        try:
+            assert snaps.placement.buddy == (2, 2, 0)
+            for s in range(2):  # a full snapshot of step 1, an entry of step 2
+                _step(model, opt, sched, s)
+                assert snaps.take(s + 1)
+            snaps.wait()
+            held: list[int | None] = [None] * 3
+            dist.all_gather_object(held, _node_entry_bytes(snaps, 2))
+        finally:
+            snaps.close()
+        node_a, node_b = held[0], held[2]
+        assert node_a and node_b and held[1] == 0  # 3 entries each: own ones, replicas
+        stat = os.statvfs(folder)
+        # Rank 0's reading on every rank: every rank must pass the same full_every.
+        free_at = [stat.f_bavail * stat.f_frsize]
+        dist.broadcast_object_list(free_at, src=0)
+        free = free_at[0]
+        # Room for 4/5 of the free space: each node holds 3 entries a step; counting 2 per
+        # rank (one ward each) would make node a's 4, over the free space.
+        fits = int(0.8 * free / max(node_a, node_b))
+        Snapshots(model, opt, every=1, full_every=fits, root=folder).close()
+        k = 2 * free // node_a
+        with pytest.raises(ValueError) as refused:
+            Snapshots(model, opt, every=1, full_every=k, root=folder)
+        # Rank 0's node is the first short one; the figure is what it would hold.
+        assert f"({k * node_a:,} bytes) of shared memory on rank 0's node" in str(refused.value)
+    finally:
+        os.environ.pop(RUN_ID, None)
+
+
+def test_journal_room_counts_what_each_node_holds(tmp_path: Path) -> None:
+    """`Snapshots(full_every=K)` prices each node's journal by the entries its ranks
+    keep, their own and their wards' (a rank may keep several or none), against the free
+    space of the node's `root` (here the filesystem of the test's folder)."""
+    run_ranks(_room, 3, str(tmp_path))
 
 
 BF16 = {"compute_dtype": "bf16", "master_dtype": "bf16"}
@@ -337,7 +412,8 @@ def test_journal_replays_to_the_uninterrupted_run(tmp_path: Path) -> None:
     on after a restore. A step's gradients zeroed in place before `take`, or two steps
     between takes: a full snapshot, one warning. Each node's memory lost in turn within
     one block: both restores from memory (the first one's files put back and replicated
-    again). Refused: every > 1, a journal larger than the shared memory free."""
+    again). Refused: every > 1, a journal larger than the shared memory free, full_every
+    differing between ranks."""
     run_ranks(_cases, 2, str(tmp_path))
 
 

@@ -10,8 +10,11 @@ FAULTS is a comma-separated list ('-' for none); the i-th is injected in attempt
                place (`--snapshot-full-every`): step S is not complete;
 - `replica:S`  rank 0 is SIGKILLed as the replica of rank 1's step S it received is
                renamed into place: mid-replication;
-- `flip:S`     once step S is complete, one bit of rank 1's own snapshot is flipped and
-               rank 1 SIGKILLed;
+- `send:S`     rank 1 is SIGKILLed once it has started sending its bytes of step S (a
+               snapshot or a journal entry) to the rank keeping its replica, before the
+               send is waited for: mid-replication, the bytes in flight;
+- `flip:S`     once step S is complete, one bit of rank 1's own snapshot (or journal
+               entry) is flipped and rank 1 SIGKILLed;
 - `flipall:S`  the same, rank 1's replica flipped too: memory covers no step;
 - `pause:S:NAME` (node tests) every worker of this agent, in the forward of step S,
                writes its pid to NAME-{LOCAL_RANK}.pid and sleeps: the test SIGKILLs
@@ -37,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard.engine as zs
-from zeroshard.engine.recovery._store import ENTRY, OWN, REPLICA
+from zeroshard.engine.recovery import _wire
+from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, REPLICA
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -93,9 +97,29 @@ def _at_rename(kind: str, step: int, rank: int) -> None:
     os.rename = rename  # type: ignore[assignment]
 
 
+def _mid_send(step: int) -> None:
+    """SIGKILL rank 1 once it has started sending its bytes of `step` to its buddy."""
+    real_header, real_bytes = _wire.send_header, _wire.send_bytes
+    sending = [-1]  # the step of the header sent last
+
+    def send_header(pg: Any, values: Any, dst: int) -> _wire.Works:
+        sending[0] = values[0]
+        return real_header(pg, values, dst)
+
+    def send_bytes(pg: Any, buf: torch.Tensor, dst: int) -> _wire.Works:
+        works = real_bytes(pg, buf, dst)
+        if sending[0] == step and dist.get_rank() == 1:
+            _die()
+        return works
+
+    _wire.send_header = send_header  # type: ignore[assignment]
+    _wire.send_bytes = send_bytes  # type: ignore[assignment]
+
+
 def _flip_after(step: int, kinds: tuple[str, ...]) -> None:
-    """Once snapshot `step` is complete, flip a bit of rank 1's files of `kinds` (each
-    on the rank whose node holds it) and SIGKILL rank 1."""
+    """Once snapshot `step` is complete, flip a bit of rank 1's files of `kinds` (its
+    own copy, a snapshot's or an entry's, on rank 1; a replica on rank 0, whose node
+    holds it) and SIGKILL rank 1."""
     real = zs.Snapshots.take
 
     def take(self: zs.Snapshots, at: int) -> bool:
@@ -105,7 +129,7 @@ def _flip_after(step: int, kinds: tuple[str, ...]) -> None:
             dist.barrier()
             for kind in kinds:
                 path = self.store.path(step, 1, 2, kind)
-                if path.exists() and (kind == OWN) == (dist.get_rank() == 1):
+                if path.exists() and (kind in (OWN, ENTRY)) == (dist.get_rank() == 1):
                     data = bytearray(path.read_bytes())
                     data[len(data) // 2] ^= 0x04
                     path.write_bytes(data)
@@ -143,10 +167,12 @@ def main() -> None:
             _at_rename(ENTRY, int(at[0]), 1)
         elif kind == "replica":
             _at_rename(REPLICA, int(at[0]), 0)
+        elif kind == "send":
+            _mid_send(int(at[0]))
         elif kind == "flip":
-            _flip_after(int(at[0]), (OWN,))
+            _flip_after(int(at[0]), (OWN, ENTRY))
         elif kind == "flipall":
-            _flip_after(int(at[0]), (OWN, REPLICA))
+            _flip_after(int(at[0]), (OWN, REPLICA, ENTRY, ENTRY_REPLICA))
         elif kind == "pause":
             _pause(int(at[0]), at[1])
         elif kind == "first":

@@ -57,12 +57,14 @@ from zeroshard.engine.recovery._scalars import Scalars
 from zeroshard.engine.recovery._slots import Slot, Slots
 from zeroshard.engine.recovery._store import ENTRY, OWN, NodeStore
 from zeroshard.engine.runtime._state import EngineModel, engine_module, engine_state
+from zeroshard.engine.state._checkpoint import check_same_call, every_rank
 
 
 class Snapshots:
     """Snapshots of every rank's state in host memory, replicated to another node.
 
-    Call on every rank after `initialize`; `resume(directory)` instead of
+    Call on every rank after `initialize`, with the same `every` and `full_every`
+    (collective: a difference is a ValueError on every rank); `resume(directory)` instead of
     `resume_checkpoint` on start, `take(step)` where a checkpoint would be saved (after
     the step, the scheduler and the data position), `close()` at the end.
     `every`: `take` snapshots the steps it divides. `full_every` (with `every=1`): a
@@ -88,6 +90,10 @@ class Snapshots:
         self._model = engine_module(model)
         self._state = engine_state(self._model)
         engine_optimizer = self._state.needs_optimizer("Snapshots")
+        # First: a journal on some ranks only would meet the others' collectives with
+        # its own (the room check against the restore's inventory), each misread.
+        fields = [("every", repr(every)), ("full_every", repr(full_every))]
+        check_same_call(every_rank(self._state), "Snapshots", "Snapshots", fields)
         if optimizer is not engine_optimizer:
             raise ValueError("pass the optimizer returned by zeroshard.engine.initialize()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -144,25 +150,31 @@ class Snapshots:
         self.last_resume: Resumed | None = None
 
     def _check_room(self, root: Path, full_every: int) -> None:
-        """ValueError on every rank unless each node's shared memory has room for its
-        ranks' journal: K entry slots and K replicas (docs/reliability.md)."""
+        """ValueError on every rank unless each node's free space under `root` holds what
+        its ranks' journals put there: K entries of each of its ranks and K replicas of
+        each of their wards' ([Note: the replica's rank]: a rank may keep several wards'
+        or none), each rank's entry its own trainable shards (docs/reliability.md)."""
         entry = sum(g.master.nbytes for g in self._state.groups if g.trainable)
-        need = full_every * entry * (1 if self.world_size == 1 else 2)
         at = root if root.exists() else root.parent
         stat = os.statvfs(at)
-        here = len(self.placement.node_ranks(self.placement.nodes[self.rank]))
-        everyone: list[tuple[int, int] | None] = [None] * self.world_size
-        dist.all_gather_object(everyone, (need * here, stat.f_bavail * stat.f_frsize), self._pg)
-        short = [(r, n, f) for r, (n, f) in enumerate(everyone) if n > f]  # type: ignore[misc]
-        if short:
-            r, n, f = short[0]
-            raise ValueError(
-                f"Snapshots(full_every={full_every}): the journal needs {n / 2**30:.2f} GiB "
-                f"of shared memory on rank {r}'s node ({full_every} entries of "
-                f"{entry / 2**30:.2f} GiB per rank, and as many replicas), {f / 2**30:.2f} "
-                f"GiB are free in {at}: a smaller full_every (zeroshard-plan --snapshots "
-                "--full-every prices it)"
-            )
+        everyone: list[Any] = [None] * self.world_size  # (entry, free) of every rank
+        dist.all_gather_object(everyone, (entry, stat.f_bavail * stat.f_frsize), self._pg)
+        entries = [e for e, _ in everyone]
+        for node in dict.fromkeys(self.placement.nodes):  # in the order of their first rank
+            ranks = self.placement.node_ranks(node)
+            wards = [w for r in ranks for w in self.placement.wards(r)]
+            need = full_every * sum(entries[r] for r in ranks + wards)
+            free = everyone[ranks[0]][1]
+            if need > free:
+                raise ValueError(
+                    f"Snapshots(full_every={full_every}): the journal needs "
+                    f"{need / 2**30:.2f} GiB ({need:,} bytes) of shared memory on rank "
+                    f"{ranks[0]}'s node ({full_every} entries of each of its ranks {ranks} "
+                    f"and as many of each rank whose replicas they keep {wards}, an entry "
+                    f"{max(entries) / 2**30:.2f} GiB at most), {free / 2**30:.2f} GiB are "
+                    f"free in {at}: a smaller full_every (zeroshard-plan --snapshots "
+                    "--full-every prices it)"
+                )
 
     def _before_step(self) -> None:
         self._copy.wait_before_step()
