@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,7 +117,10 @@ def _tensor_scalars(folder: str, device: str) -> None:
     per param group, changed in place by a scheduler at every step; a full snapshot at 1
     and 4, entries at 2, 3 and 5 (full_every=3). The headers hold the values of `take`
     time; the restore of step 5 (4's full snapshot, 5's entry replayed) is bit for bit."""
-    root, disk = f"{folder}/shm", f"{folder}/ckpt"
+    # On CUDA the slots are pinned, which Linux allows for shared file mappings in tmpfs
+    # only: /dev/shm, as Snapshots' default root (a pageable fallback would wait).
+    shm = Path("/dev/shm") if device == "cuda" else Path(folder)
+    root, disk = tempfile.mkdtemp(prefix="zeroshard-test-", dir=shm), f"{folder}/ckpt"
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(7)
     random.seed(rank)
@@ -162,6 +167,7 @@ def _tensor_scalars(folder: str, device: str) -> None:
             assert torch.equal(got[k], v), k
     finally:
         snaps.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_tensor_scalars_restore_bit_for_bit(tmp_path: Path) -> None:

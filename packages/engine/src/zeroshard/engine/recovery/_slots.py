@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.comm import warn_tagged
 from zeroshard.engine.recovery._file import mapped
 from zeroshard.engine.recovery._store import NodeStore, alive
 
@@ -41,11 +42,10 @@ class Slot:
     pinned: bool
 
 
-def _pin(buf: torch.Tensor) -> None:
+def _pin(buf: torch.Tensor) -> int:
+    """Register `buf` with CUDA as pinned; the CUDA error (0: registered)."""
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    err = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
-    if err != 0:
-        raise RuntimeError(f"snapshots: registering {buf.numel()} bytes as pinned failed ({err})")
+    return int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
 
 
 def _unpin(slot: Slot) -> None:
@@ -110,9 +110,18 @@ class Slots:
                 f"snapshots: no room for a snapshot of {size:,} bytes in {self._folder} "
                 f"({e.strerror or e}): see zeroshard-plan --snapshots for what they need"
             ) from e
-        if self._pin:
-            _pin(buf)  # which faults every page in
-        else:
+        err = _pin(buf) if self._pin else 0  # which faults every page in
+        if self._pin and err:
+            # Linux (6.5 on) page-locks a writable shared file mapping for good only in
+            # tmpfs (/dev/shm) or hugetlbfs: elsewhere CUDA refuses (invalid value). The
+            # slot then stays pageable, and each device copy into it waits on the host.
+            warn_tagged(
+                f"snapshots: {self._folder} cannot be pinned for the GPU's copies (CUDA "
+                f"error {err}; pinning needs a tmpfs such as /dev/shm): snapshots copy "
+                "through pageable memory and take() waits for the device"
+            )
+            self._pin = False
+        if not self._pin:
             # Fault every page in now, not in the take that first copies into the slot
             # ([Note: slots]); faults on first write measured cheaper than MAP_POPULATE
             # here (1.4 against 1.75 s a GiB on a CPU host, the kernel's zeroing included).
