@@ -164,42 +164,47 @@ RECIPES: dict[str, Any] = {
 OFFLOADED = {"stage": 2, "compute_dtype": "bf16", "offload_optimizer": True}
 
 
-def _counted(root: str, recipe: str) -> tuple[int, int]:
+def _counted(root: str, recipe: str) -> tuple[int, int, int]:
     """What initialize counts on this rank for `recipe` with offload: the bytes of masters
-    and staging, and of the optimizer state (read from its refusal on a 1 MiB host)."""
+    and staging, of the optimizer state, and of the recipe's first optimizer's state
+    (read from its refusal on a 1 MiB host)."""
     _host_memory.PROC_MEMINFO = _meminfo(Path(root) / str(dist.get_rank()), 1024)
     model = make_model(seed=1)
+    opts = RECIPES[recipe](model)
     with pytest.raises(MemoryError) as err:
-        zs.initialize(model, RECIPES[recipe](model), OFFLOADED)
+        zs.initialize(model, opts, OFFLOADED)
     message = str(err.value)
     found = re.search(r"([\d,]+) bytes of masters and staging and ([\d,]+) of", message)
-    assert found is not None, message
+    first = re.search(rf"\({type(opts[0]).__name__} ([\d,]+):", message)
+    assert found is not None and first is not None, message
     host, state = (int(n.replace(",", "")) for n in found.groups())
-    return host, state
+    return host, state, int(first.group(1).replace(",", ""))
+
+
+# What the whole-parameter optimizers keep of a matrix: Factored r + c fp32 floats, three
+# moments 3 an element.
+KEPT: dict[str, Any] = {"factored": lambda p: 4 * sum(p.shape), "moments": lambda p: 12 * p.numel()}
 
 
 def _counts_as_planned(root: str, recipe: str) -> None:
     _host_memory.PROC_SELF_CGROUP = Path(root) / "absent"
-    host, state = _counted(root, recipe)
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
+    host, state, first = _counted(root, recipe)
+    counted: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counted, (state, first))
+    states = [s for s, _ in counted]
     # The planner's figure for the same model and optimizers: the busiest rank's.
     with torch.device("meta"):
         meta = make_model(seed=1)
-    est = zs.estimate(meta, OFFLOADED, 2, 2, 5, optimizer=RECIPES[recipe](meta))
+    opts = RECIPES[recipe](meta)
+    est = zs.estimate(meta, OFFLOADED, 2, 2, 5, optimizer=opts)
     assert max(states) == est.host_state, (states, est.host_state)
-    matrices = sum(p.numel() for p in meta.parameters() if p.dim() == 2)
-    if recipe == "factored":
-        # r + c floats a matrix, at its owner only (the tied embedding is AdamW's).
-        weights = [p for p in meta.parameters() if p.dim() == 2][1:]
-        assert est.whole_matrix is not None
-        owned = sum(4 * sum(p.shape) for p in weights)
-        assert 0 < est.whole_matrix.owner_host_state_bytes < owned
-        assert est.host_state < 8 * matrices // 2
+    if recipe in KEPT:
+        # Each trained matrix's state once, on its owner's host, and none per element.
+        params = [p for pg in opts[0].param_groups for p in pg["params"] if p.requires_grad]
+        kept = sum(KEPT[recipe](p) for p in params)
+        assert sum(f for _, f in counted) == kept, (counted, kept)
     if recipe == "moments":
-        # Every element's three moments, kept by one rank or the other.
-        assert sum(states) == 12 * sum(p.numel() for p in meta.parameters() if p.requires_grad)
-        # A host that holds what this rank counts takes it; a byte less, refused.
+        # A host that holds what this rank counts takes it; a KiB less, refused.
         rank = dist.get_rank()
         need_kib = -(-2 * (host + state) // 1024)
         _host_memory.PROC_MEMINFO = _meminfo(Path(root) / str(rank), need_kib)
@@ -215,7 +220,8 @@ def _counts_as_planned(root: str, recipe: str) -> None:
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_offloaded_state_is_counted_as_planned(tmp_path: Path, recipe: str) -> None:
     """initialize's host check counts each optimizer's state as `zs.estimate` prices it
-    (the busiest rank's equal to `Estimate.host_state`): Factored's r + c floats a matrix
-    and Muon's momentum at the owners, three moments an element where an optimizer keeps
-    them, whose host is refused a KiB short of what it counts."""
+    (the busiest rank's equal to `Estimate.host_state`): Muon's momentum per element,
+    and a whole-parameter optimizer's state once per matrix, at its owner (over the
+    ranks: Factored's r + c floats a matrix, three moments an element), whose host is
+    refused a KiB short of what it counts and takes it at that."""
     run_ranks(_counts_as_planned, 2, str(tmp_path), recipe)
