@@ -336,7 +336,7 @@ def test_declared_state_is_what_its_step_allocates() -> None:
     ([Note: a declared optimizer's state, measured]): Adafactor's r + c floats, Muon's
     momentum in the master dtype; the optimizer itself is left as it was (no state, its
     hooks not run). One that cannot step on meta is counted by the runtime's rule."""
-    from zeroshard.engine.planner._owner_state import OwnerState
+    from zeroshard.engine.runtime._owner_state import OwnerState
 
     params = [torch.nn.Parameter(torch.zeros(3, 4))]
     factored = _Counting(params, lr=0.02)

@@ -32,6 +32,7 @@ from zeroshard.engine.planner._groups import (
     GroupPlan,
     grad_shard_bytes,
     host_bytes,
+    host_state_bytes,
     plan_groups,
     snapshot_bytes,
     snapshot_host_bytes,
@@ -81,6 +82,9 @@ class Estimate:
     # Whole-matrix optimizers (Muon): owners, Newton-Schulz FLOPs, bytes exchanged.
     whole_matrix: WholeMatrixCost | None = None
     snapshot: int = 0  # one rank's snapshot (zeroshard.engine.Snapshots)
+    # Offload: of `host`, the busiest rank's optimizer state (as initialize's host check
+    # counts it: whole-parameter optimizers' measured at the matrices each rank owns).
+    host_state: int = 0
 
     @property
     def snapshot_host(self) -> tuple[int, int]:
@@ -339,7 +343,9 @@ def estimate_on_trace(
     # offloaded]).
     host = host + owner_host
     pinned += owner_host if cfg.offload.pin_memory else 0
-    states = state_bytes(plan, cfg, state_per_element or optimizer_bytes_per_element)
+    per_element = state_per_element or optimizer_bytes_per_element
+    host_state = 0 if plan.offload is None else host_state_bytes(plan, cfg, per_element)
+    states = state_bytes(plan, cfg, per_element)
     states["optimizer"] += owner_state
     step = None
     if compute is not None:
@@ -369,4 +375,5 @@ def estimate_on_trace(
         float8=sum(g.layout.numel for g in plan.groups if g.wire is WireKind.FLOAT8),
         whole_matrix=whole,
         snapshot=snapshot_bytes(plan, cfg, state_per_element) + owner_state + owner_host,
+        host_state=host_state + owner_host,
     )

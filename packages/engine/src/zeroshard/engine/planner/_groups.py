@@ -154,9 +154,23 @@ def host_bytes(
         g.home is HomeKind.HOST and g.trainable and g.key.param_group in after_backward
         for g in plan.groups
     )
+    state = host_state_bytes(plan, cfg, optimizer_bytes_per_element)
+    offload = plan.offload
+    # Gradients stepped as they land pass through the staging slots; without it none does.
+    staged = step_in_backward
+    # offload.pin_memory off: every buffer is pageable (the runtime pins none).
+    pinned = offload.pinned_bytes(grads_held=held, staged=staged) if cfg.offload.pin_memory else 0
+    return offload.host_bytes(grads_held=held, staged=staged) + state, pinned
+
+
+def host_state_bytes(
+    plan: GroupPlan, cfg: ZeroConfig, optimizer_bytes_per_element: int | Mapping[int, int]
+) -> int:
+    """The optimizer state per element of the groups on the host (`optimizer_bytes_per_element`
+    as `state_bytes` takes it); whole-parameter optimizers' state at their owners aside."""
     # torch's optimizers keep their state in the master's dtype.
     master = cfg.precision.master_dtype.itemsize
-    state = sum(
+    return sum(
         g.layout.shard_numel
         * (
             optimizer_bytes_per_element.get(g.key.param_group, 8)
@@ -168,12 +182,6 @@ def host_bytes(
         for g in plan.groups
         if g.home is HomeKind.HOST and g.trainable
     )
-    offload = plan.offload
-    # Gradients stepped as they land pass through the staging slots; without it none does.
-    staged = step_in_backward
-    # offload.pin_memory off: every buffer is pageable (the runtime pins none).
-    pinned = offload.pinned_bytes(grads_held=held, staged=staged) if cfg.offload.pin_memory else 0
-    return offload.host_bytes(grads_held=held, staged=staged) + state, pinned
 
 
 def snapshot_bytes(

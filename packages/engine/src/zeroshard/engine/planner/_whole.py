@@ -33,7 +33,7 @@ shard and the state of its matrices this rank owns, brought up for the step ([No
 whole parameters offloaded]): `WholeMatrixCost.held_bytes`. What its step() allocates
 beyond is its own: not counted (its state at the owners is, as a step of the optimizer
 on a meta matrix of each shape allocates it ([Note: a declared optimizer's state,
-measured] in _owner_state.py): `WholeMatrixCost.owner_state_bytes`, and
+measured] in runtime/_owner_state.py): `WholeMatrixCost.owner_state_bytes`, and
 `owner_host_state_bytes` where offload keeps it on the host between steps; under tp it
 is the whole matrix's on each tp rank).
 
@@ -62,9 +62,9 @@ import torch
 from torch import nn
 
 from zeroshard.engine.config._config import ZeroConfig
-from zeroshard.engine.planner._owner_state import OwnerState
 from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
 from zeroshard.engine.runtime._home import HomeKind
+from zeroshard.engine.runtime._owner_state import OwnerState
 from zeroshard.engine.runtime._tensor_parallel import SPLIT_LABEL
 from zeroshard.engine.runtime.whole import (
     MatrixOwners,
@@ -260,7 +260,7 @@ def whole_matrix_cost(
     state, host_state = [0] * size, [0] * size
     held = [_Held() for _ in range(size)]
     # A declared optimizer's state per whole matrix, measured ([Note: a declared
-    # optimizer's state, measured] in _owner_state.py).
+    # optimizer's state, measured] in runtime/_owner_state.py).
     owner_state = OwnerState(optimizers, cfg.precision.master_dtype)
     master = cfg.precision.master_dtype.itemsize
     exchanges = update = 0

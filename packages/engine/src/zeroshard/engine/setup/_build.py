@@ -72,7 +72,7 @@ def plan_groups(
     plan, sizes = plan_offload(plan, cfg, shard_group.size, optimizers)
     host = None
     if sizes is not None:
-        host = build_host_storage(plan, sizes, cfg, everyone, optimizers, shard_group.device)
+        host = build_host_storage(plan, sizes, cfg, everyone, optimizers, shard_group)
     compute = cfg.precision.compute_dtype
     wires: dict[WireKind, WireBuilder] = {WireKind.COMPUTE: ComputeCasts(compute)}
     if any(g.wire is WireKind.FLOAT8 for g in plan.groups):

@@ -25,6 +25,7 @@ from zeroshard.engine.runtime.offload._plan import OffloadSizes, place_offloaded
 from zeroshard.engine.runtime.offload._step import blocked_step_refusal, delayed_step_refusal
 from zeroshard.engine.runtime.offload._steppers import DelayedHostStep, HostStep
 from zeroshard.engine.runtime.offload._threads import stepping_threads
+from zeroshard.engine.runtime.whole import owned_host_state
 
 log = logging.getLogger("zeroshard.engine")
 
@@ -99,32 +100,49 @@ def build_host_storage(
     cfg: ZeroConfig,
     world: Group,
     optimizers: Sequence[torch.optim.Optimizer],
-    device: torch.device,
+    shard_group: Group,
 ) -> HostOffload:
-    """The host storage of `plan`'s offloaded groups, once every host is known to hold it
-    (the same error on every rank otherwise, before anything is allocated)."""
-    floats = state_floats_by_param_group(list(optimizers))
+    """The host storage of `plan`'s offloaded groups (sharded over `shard_group`), once
+    every host is known to hold it with the optimizers' state (the same error on every
+    rank otherwise, before anything is allocated)."""
     on_host = [g for g in plan.groups if g.home is HomeKind.HOST]
-    # torch's optimizers keep their state in the master's dtype.
-    size = cfg.precision.master_dtype.itemsize
-    trainable = [g for g in on_host if g.trainable]
-    state = sum(size * floats[g.key.param_group] * g.layout.shard_numel for g in trainable)
-    names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
-    per_element = sorted(set(floats.values()))
+    # torch's optimizers keep their state in the master's dtype; a whole-parameter one
+    # keeps none on the shards, but that of the matrices this rank owns, as the planner
+    # measures it ([Note: a declared optimizer's state, measured]).
+    dtype = cfg.precision.master_dtype
+    owned = owned_host_state(plan.groups, optimizers, dtype, shard_group.rank)
+    floats = state_floats_by_param_group(list(optimizers))
+    # Each param group's optimizer (by its index in `optimizers`).
+    which = [i for i, o in enumerate(optimizers) for _ in o.param_groups]
+    state = [0] * len(optimizers)
+    for k, n in owned.items():
+        state[which[k]] += n
+    for g in (g for g in on_host if g.trainable and g.key.param_group not in owned):
+        k = g.key.param_group
+        state[which[k]] += dtype.itemsize * floats[k] * g.layout.shard_numel
+    precision = "fp32" if dtype.itemsize == 4 else "bf16"
+    kinds = []
+    for i, o in enumerate(optimizers):
+        ks = [k for k, j in enumerate(which) if j == i]
+        if any(k in owned for k in ks):
+            how = "measured on the matrices this rank owns"
+        else:
+            how = "/".join(str(n) for n in sorted({floats[k] for k in ks})) + " per element"
+            how += f" in {precision}"
+        kinds.append(f"{type(o).__name__} {state[i]:,}: {how}")
     # The gradients held until step() and the staging slots are checked when they are
     # first needed: under step_in_backward without accumulation the first never are, else
     # without accumulation the second never are ([Note: offload host memory]).
     host = sizes.host_bytes(grads_held=False, staged=False)
     what = (
         f"the offloaded state: {host:,} bytes of masters and staging "
-        f"and {state:,} of {names} state ({'/'.join(map(str, per_element))} "
-        f"{'fp32' if size == 4 else 'bf16'} per element)"
+        f"and {sum(state):,} of optimizer state ({'; '.join(kinds)})"
     )
-    check_host_memory(world, host + state, what)
+    check_host_memory(world, host + sum(state), what)
     storage = HostOffload(
         sizes,
         [g.index for g in on_host],
-        device=device,
+        device=shard_group.device,
         pin=cfg.offload.pin_memory,
         check=functools.partial(check_host_memory, world),
         compiled_step=cfg.offload.compiled_step,

@@ -5,6 +5,7 @@ the core through the `Stepper` seam."""
 
 from zeroshard.engine.runtime.whole._build import (
     WholeMatrices,
+    owned_host_state,
     whole_param_groups,
 )
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole, torch_muon
@@ -17,6 +18,7 @@ __all__ = [
     "MatrixOwners",
     "WholeMatrices",
     "host_state",
+    "owned_host_state",
     "plan_owners",
     "split_muon",
     "steps_whole",

@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 from zeroshard.engine.runtime._flat_group import FlatParamGroup
+from zeroshard.engine.runtime._group_plan import PlannedFlatGroup
+from zeroshard.engine.runtime._home import HomeKind
+from zeroshard.engine.runtime._owner_state import OwnerState
 from zeroshard.engine.runtime._stepper import Stepper, WholeParams
 from zeroshard.engine.runtime._tensor_parallel import TensorParallel, own_path
 from zeroshard.engine.runtime.whole._declare import split_muon, steps_whole
@@ -28,6 +31,37 @@ def whole_param_groups(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int,
             if steps_whole(o):
                 out[k] = int(pg.get("ns_steps", DEFAULT_NS_STEPS))
             k += 1
+    return out
+
+
+def owned_host_state(
+    groups: Sequence[PlannedFlatGroup],
+    optimizers: Sequence[torch.optim.Optimizer],
+    dtype: torch.dtype,
+    rank: int,
+) -> dict[int, int]:
+    """The bytes of state that `optimizers`' whole-parameter ones keep on rank `rank`'s
+    host between steps (its rank in the groups' process group), by param group (index
+    among all optimizers' in turn): that of the matrices it owns among the planned
+    `groups` offload homes there ([Note: whole parameters offloaded]), each the whole
+    matrix's (under tp too) in `dtype`, the masters', as `OwnerState` measures it for
+    the planner."""
+    kinds = [o for o in optimizers for _ in o.param_groups]
+    declared = {k for k, o in enumerate(kinds) if steps_whole(o) and not split_muon(o)}
+    owners = plan_owners(((g.key, g.layout) for g in groups), whole_param_groups(optimizers))
+    state = OwnerState(optimizers, dtype)
+    out = dict.fromkeys(sorted(declared), 0)
+    for g in groups:
+        if g.home is not HomeKind.HOST or not g.trainable or g.key.param_group not in declared:
+            continue
+        # A DTensor's shape is the whole matrix's, which every tp rank of its owner steps.
+        shapes = {n: tuple(p.shape) for n, p in g.named}
+        owner = owners[g.key.process_group].owner
+        out[g.key.param_group] += sum(
+            state.nbytes(g.key.param_group, shapes[s.name])
+            for s in g.layout.slots
+            if s.numel and owner[s.name] == rank
+        )
     return out
 
 

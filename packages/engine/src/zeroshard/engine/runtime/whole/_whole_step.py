@@ -24,6 +24,9 @@ holds what it steps on the device, as without offload; between steps, nothing of
 On the host that state is pinned where it goes up to a GPU (`offload.pin_memory`, as
 offload's own buffers: `host_state`), so its copies up and down run at the bus's speed
 and the copies up do not wait; allocated the first time it comes down, and by a load.
+Offload's host-memory check counts it before then, as the planner does: the state a step
+allocates on each whole matrix this rank owns (`owned_host_state`, measured by
+`OwnerState`), and none per element of the shards.
 
 [Note: whole parameters under tensor parallelism]
 A matrix split over tp is a piece on each tp rank, in a flat group sharded over dp with

@@ -1,20 +1,22 @@
 """What an optimizer that steps whole parameters with its own step() keeps per matrix at
-the matrix's owner ([Note: whole parameters] in runtime/whole/_whole_step.py).
+the matrix's owner ([Note: whole parameters] in runtime/whole/_whole_step.py): the one
+measurement the planner prices it with and offload's host-memory check counts it with.
 
 [Note: a declared optimizer's state, measured]
 Such an optimizer's state need not be shaped like the parameter: Adafactor keeps a row
 and a column vector per matrix, Shampoo a preconditioner per side, so no count per
-element prices it. The planner asks the optimizer itself: a probe of it (its class, a
-copy of its attributes, one of its param groups' hyperparameters, no state, no hooks:
-the optimizer is left as it was) steps once a meta matrix of the shape and the master
-dtype the owner steps, with a meta gradient, and its state's tensors of one dim or more
-are what the owner keeps of that matrix (the engine moves those between the host and
-the device: a 0-dim step count is a few bytes per matrix). Meta tensors cost no memory
-and give the state's true shapes and dtypes, so this is exact for a state allocated at
-the first step. Once per param group and shape. A step that cannot run on meta (one
-that reads a value: `.item()`, a comparison turned into a bool) falls back to the
-runtime's count per element (`state_floats`: torch's classes by name, 2 floats for an
-unknown one).
+element prices it. The planner, and offload's host-memory check before anything is
+allocated (`owned_host_state` in runtime/whole/: [Note: whole parameters offloaded]),
+ask the optimizer itself: a probe of it (its class, a copy of its attributes, one of its
+param groups' hyperparameters, no state, no hooks: the optimizer is left as it was)
+steps once a meta matrix of the shape and the master dtype the owner steps, with a meta
+gradient, and its state's tensors of one dim or more are what the owner keeps of that
+matrix (the engine moves those between the host and the device: a 0-dim step count is a
+few bytes per matrix). Meta tensors cost no memory and give the state's true shapes and
+dtypes, so this is exact for a state allocated at the first step. Once per param group
+and shape. A step that cannot run on meta (one that reads a value: `.item()`, a
+comparison turned into a bool) falls back to the runtime's count per element
+(`state_floats`: torch's classes by name, 2 floats for an unknown one).
 """
 
 from __future__ import annotations
