@@ -5,17 +5,23 @@ beside the journal, at construction (a full snapshot's masters) and at the first
 (its exact size, the optimizer's state in it), before a slot is made; a slot or replica
 for which tmpfs has no room is a named RuntimeError, not a SIGBUS.
 
-No filesystem small enough to mount is at hand, so the refusals are met honestly on the
-test folder's own filesystem: `full_every` makes the journal take all but a few snapshots'
-worth of the free space that `os.statvfs` reads, and the full snapshots tip it over (the
-journal alone fits: the check before full snapshots were counted let it through). The
-slot's refusal is a real `posix_fallocate` larger than the whole tmpfs of /dev/shm,
-which tmpfs refuses at once with ENOSPC, reserving nothing."""
+Three ways to meet a full tmpfs for real, no `os.statvfs` mocked:
+- on the test folder's own filesystem (any machine): `full_every` makes the journal take
+  all but a few snapshots' worth of the free space `os.statvfs` reads, and the full
+  snapshots tip it over (the journal alone fits: the check that counted only the journal
+  let it through, and the take made its slots);
+- a real `posix_fallocate` larger than the whole tmpfs of /dev/shm, which tmpfs refuses
+  at once with ENOSPC, reserving nothing;
+- a tmpfs of Docker's default 64 MiB, mounted in a user and mount namespace of the
+  test's own (`unshare -Urm`, where the machine allows it): refused at the first take,
+  then filled after the check so that a replica finds no room."""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +158,79 @@ def test_a_slot_without_room_is_a_named_error(tmp_path: Path) -> None:
         assert not list((folder / "step-3").iterdir())
     finally:
         NodeStore(folder).remove()
+
+
+SMALL_WIDTH = 512  # 1 MiB of masters per rank, a full snapshot of AdamW's about 3 MiB
+TMPFS_MIB = 64  # Docker's default /dev/shm
+
+
+def _ballast(root: Path, leave: int) -> None:
+    """Fill the filesystem of `root` but `leave` bytes (a file of reserved pages)."""
+    stat = os.statvfs(root)
+    size = stat.f_bavail * stat.f_frsize - leave
+    fd = os.open(root / "ballast", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def _small_tmpfs(folder: str) -> None:
+    """On a real tmpfs of 64 MiB shared by both ranks' "nodes": refused at the first take
+    when 10 MiB are left (each node's 12 MiB do not fit; the masters' 4 MiB did at
+    construction); taken when there is room, then, the tmpfs filled after the check, the
+    next snapshot's replica is a named RuntimeError on every rank, not a SIGBUS."""
+    root = Path(folder)
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Linear(SMALL_WIDTH, SMALL_WIDTH, bias=False),
+        nn.Linear(SMALL_WIDTH, SMALL_WIDTH, bias=False),
+    )
+    model, opt = zs.initialize(plain, torch.optim.AdamW(plain.parameters()), {"stage": 2})
+    model(torch.randn(4, SMALL_WIDTH)).square().mean().backward()
+    opt.step()
+    if dist.get_rank() == 0:
+        _ballast(root, 10 << 20)
+    dist.barrier()
+    message = _refused(model, opt, 1, folder)
+    assert "as the first snapshot lays it out" in message and f"free in {folder}" in message
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "ballast").unlink()
+    dist.barrier()
+    snaps = Snapshots(model, opt, every=1, root=folder)
+    assert snaps.take(1)
+    snaps.wait()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _ballast(root, 1 << 20)  # less than a replica
+    dist.barrier()
+    with pytest.raises(RuntimeError, match=r"no room for rank \d's replica of step 2 .*--shm"):
+        assert snaps.take(2)
+        snaps.wait()
+    snaps.close()  # the files are removed
+    assert [p.name for p in root.iterdir()] == ["ballast"]
+
+
+def _namespaces() -> bool:
+    """Whether this user may make a user and mount namespace (to mount a tmpfs)."""
+    try:
+        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _namespaces(), reason="needs unshare -Urm (to mount a small tmpfs)")
+def test_a_small_tmpfs_is_refused_or_named(tmp_path: Path) -> None:
+    """`_small_tmpfs` in a user and mount namespace of its own (`unshare -Urm`), where a
+    tmpfs of Docker's default size is mounted: real `statvfs`, real ENOSPC."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    body = f"from tests.engine.test_snapshots_room import _run_small; _run_small({str(shm)!r})"
+    script = f"mount -t tmpfs -o size={TMPFS_MIB}m tmpfs {shm} && exec {sys.executable} -c {body!r}"
+    done = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _run_small(folder: str) -> None:
+    run_ranks(_small_tmpfs, 2, folder)
