@@ -45,13 +45,14 @@ class Need(NamedTuple):
     free: int
 
 
-def free_bytes(root: Path) -> tuple[Path, int]:
-    """The folder whose filesystem holds `root`, and its free bytes (`os.statvfs`)."""
+def free_bytes(root: Path) -> int:
+    """The free bytes of the filesystem that holds `root` (or would: a folder not made
+    yet is its nearest existing parent's), as `os.statvfs` reads them."""
     at = root
     while not at.exists() and at != at.parent:
         at = at.parent
     stat = os.statvfs(at)
-    return at, stat.f_bavail * stat.f_frsize
+    return stat.f_bavail * stat.f_frsize
 
 
 def _gib(n: int) -> str:
@@ -108,7 +109,7 @@ def made(path: Path, size: int, what: str) -> torch.Tensor:
         path.unlink(missing_ok=True)
         if e.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
-        _, free = free_bytes(path.parent)
+        free = free_bytes(path.parent)
         raise RuntimeError(
             f"snapshots: no room for {what} of {_gib(size)} in {path.parent} "
             f"({e.strerror or e}; {_gib(free)} free now: the free space shrank after "

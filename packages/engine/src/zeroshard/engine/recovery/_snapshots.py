@@ -164,7 +164,7 @@ class Snapshots:
             full = sum(g.master.nbytes for g in groups)
             full += sum(b.nbytes for b in self._model.buffers())
             when = "its masters and buffers: the optimizer's state counted at the first snapshot"
-        _, free = free_bytes(self._root)
+        free = free_bytes(self._root)
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, Need(full, entry, free), self._agree_pg)
         needs = [Need(*n) for n in everyone]
