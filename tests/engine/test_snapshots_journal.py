@@ -294,9 +294,9 @@ def _refusals(folder: str) -> None:
 
 
 def _node_entry_bytes(snaps: Snapshots, step: int) -> int:
-    """The gradient bytes of the journal entries of `step` this rank's node holds (its
-    ranks' own and the replicas they keep), read from the files (0 on a node's later
-    ranks)."""
+    """The gradient and buffer bytes of the journal entries of `step` this rank's node
+    holds (its ranks' own and the replicas they keep), read from the files (0 on a node's
+    later ranks)."""
     here = snaps.placement.node_ranks(snaps.placement.nodes[snaps.rank])
     if here[0] != snaps.rank:
         return 0
@@ -306,8 +306,7 @@ def _node_entry_bytes(snaps: Snapshots, step: int) -> int:
             assert h.kind in (ENTRY, ENTRY_REPLICA), h
             path = snaps.store.path(h.step, h.rank, h.world_size, h.kind)
             snap = parse(mapped(path), str(path))
-            grads = [t for k, t in snap.tensors.items() if k.startswith("grad.")]
-            total += sum(t.numel() * t.element_size() for t in grads)
+            total += sum(t.numel() * t.element_size() for t in snap.tensors.values())
     return total
 
 

@@ -62,12 +62,18 @@ def _free(folder: str) -> int:
     return int(free[0])
 
 
-def _refused(model: nn.Module, opt: zs.ZeroOptimizer, k: int, folder: str) -> str:
+def _refused(
+    model: nn.Module,
+    opt: zs.ZeroOptimizer,
+    k: int,
+    folder: str,
+    rank_state: dict[str, torch.Tensor] | None = None,
+) -> str:
     """The ValueError of `Snapshots(full_every=k)`'s first take (or of its construction),
     the same on every rank."""
     snaps = None
     with pytest.raises(ValueError) as refused:
-        snaps = Snapshots(model, opt, every=1, full_every=k, root=folder)
+        snaps = Snapshots(model, opt, every=1, full_every=k, rank_state=rank_state, root=folder)
         try:
             snaps.take(1)
         finally:
@@ -88,7 +94,8 @@ def _figure(message: str, what: str) -> int:
 def _room(folder: str) -> None:
     """2 ranks, each its own node keeping the other's replica: a node holds 2 slots of
     its rank's full snapshot and 2 replicas of the other's, M bytes each at construction
-    (the masters), 3M at the first take (AdamW's moments), and K entries of each, M each."""
+    (the masters), 3M at the first take (AdamW's moments), and K entries of each, M each
+    (their gradients)."""
     model, opt = _engine()
     masters = sum(g.master.nbytes for g in engine_state(engine_module(model)).groups)
     m = _everyone(masters)
@@ -115,11 +122,21 @@ def _room(folder: str) -> None:
     message = _refused(model, opt, k, folder)
     assert "as the first snapshot lays it out" in message
     assert _figure(message, "full snapshots") > 6 * entries
+    # The journal leaves 18M to 20M: room for the full snapshots, with a rank's state of
+    # M bytes in them (16M), as construction priced the entries (M each); at the first
+    # take the entries hold that state too, and the journal is twice that.
+    k = (free - 18 * m[0]) // entries
+    mine = {"state": torch.zeros(WIDTH * WIDTH)}
+    message = _refused(model, opt, k, folder, mine)
+    assert _figure(message, "the journal") > 2 * k * entries
     # A journal that leaves room for them is taken.
-    k = (free - 16 * m[0]) // entries
-    snaps = Snapshots(model, opt, every=1, full_every=k, root=folder)
+    snaps = Snapshots(model, opt, every=1, full_every=2, rank_state=mine, root=folder)
     try:
         assert snaps.take(1)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert snaps.take(2)  # an entry
         snaps.wait()
     finally:
         snaps.close()
@@ -127,8 +144,9 @@ def _room(folder: str) -> None:
 
 def test_snapshots_refuse_a_node_without_room(tmp_path: Path) -> None:
     """The full snapshots beside the journal: refused at construction and at the first
-    take, on every rank with the same message naming the node, the figures, the free
-    space, the folder and the ways out; taken where they fit."""
+    take (the optimizer's state; a rank's state in every entry), on every rank with the
+    same message naming the node, the figures, the free space, the folder and the ways
+    out; taken where they fit."""
     run_ranks(_room, 2, str(tmp_path))
 
 

@@ -153,20 +153,23 @@ class Snapshots:
         self._work = Background()
         self.last_resume: Resumed | None = None
 
-    def _check_room(self, full: int | None = None) -> None:
+    def _check_room(self, full: int | None = None, more: int = 0) -> None:
         """ValueError on every rank unless each node's shared memory holds its snapshots
         ([Note: room in shared memory] in _room.py), a full snapshot this rank's `full`
-        bytes (None: its masters and buffers, a bound from below). Collective."""
+        bytes (None: a bound from below, its masters and buffers), a journal entry its
+        trainable masters, buffers and `more` bytes. Collective."""
         groups = self._state.groups
-        entry = sum(g.master.nbytes for g in groups if g.trainable) if self.full_every > 1 else 0
+        buffers = sum(b.nbytes for b in self._model.buffers())
         when = "as the first snapshot lays it out"
         if full is None:
-            full = sum(g.master.nbytes for g in groups)
-            full += sum(b.nbytes for b in self._model.buffers())
+            full = sum(g.master.nbytes for g in groups) + buffers
             when = "its masters and buffers: the optimizer's state counted at the first snapshot"
-        free = free_bytes(self._root)
+        entry = 0
+        if self.full_every > 1:
+            entry = sum(g.master.nbytes for g in groups if g.trainable) + buffers + more
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, Need(full, entry, free), self._agree_pg)
+        need = Need(full, entry, free_bytes(self._root))
+        dist.all_gather_object(everyone, need, self._agree_pg)
         needs = [Need(*n) for n in everyone]
         check_room(self.placement, needs, self.full_every, self._root, when)
 
@@ -205,7 +208,9 @@ class Snapshots:
         room = self._slots.room()
         planned = _file.plan(step, self.rank, self.world_size, meta, items, text, room=room)
         if room is None:  # the first since the start or a resume, on every rank alike
-            self._check_room(planned.size)
+            # An entry holds the user's state and buffers too, and a header of 64 KiB.
+            user = 0 if extra is None else sum(t.nbytes for t in extra.tensors.values())
+            self._check_room(planned.size, user + (1 << 16))
         final = self.store.path(step, self.rank, self.world_size, OWN)
         slot = self._slots.next(planned.size)
         self._write(step, slot, planned, items, scalars, meta, None, final)
