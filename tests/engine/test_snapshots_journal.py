@@ -285,7 +285,7 @@ def _refusals(folder: str) -> None:
     model, opt, _ = _build(2, "adamw")
     with pytest.raises(ValueError, match="full_every=4 needs every=1"):
         Snapshots(model, opt, every=2, full_every=4, root=folder)
-    with pytest.raises(ValueError, match=r"the journal needs .* GiB \(.* bytes\) of shared memory"):
+    with pytest.raises(ValueError, match=r"needs .* GiB \(.* bytes\) of shared memory.* journal"):
         Snapshots(model, opt, every=1, full_every=10**12, root=folder)
     # A journal on one rank only (its room check a collective the other never joined;
     # the other's restore then read its answer: a hang or a TypeError on one rank).
@@ -294,9 +294,9 @@ def _refusals(folder: str) -> None:
 
 
 def _node_entry_bytes(snaps: Snapshots, step: int) -> int:
-    """The gradient bytes of the journal entries of `step` this rank's node holds (its
-    ranks' own and the replicas they keep), read from the files (0 on a node's later
-    ranks)."""
+    """The gradient and buffer bytes of the journal entries of `step` this rank's node
+    holds (its ranks' own and the replicas they keep), read from the files (0 on a node's
+    later ranks)."""
     here = snaps.placement.node_ranks(snaps.placement.nodes[snaps.rank])
     if here[0] != snaps.rank:
         return 0
@@ -306,8 +306,7 @@ def _node_entry_bytes(snaps: Snapshots, step: int) -> int:
             assert h.kind in (ENTRY, ENTRY_REPLICA), h
             path = snaps.store.path(h.step, h.rank, h.world_size, h.kind)
             snap = parse(mapped(path), str(path))
-            grads = [t for k, t in snap.tensors.items() if k.startswith("grad.")]
-            total += sum(t.numel() * t.element_size() for t in grads)
+            total += sum(t.numel() * t.element_size() for t in snap.tensors.values())
     return total
 
 
@@ -349,7 +348,8 @@ def _room(folder: str) -> None:
         with pytest.raises(ValueError) as refused:
             Snapshots(model, opt, every=1, full_every=k, root=folder)
         # Rank 0's node is the first short one; the figure is what it would hold.
-        assert f"({k * node_a:,} bytes) of shared memory on rank 0's node" in str(refused.value)
+        assert f"({k * node_a:,} bytes) for the journal" in str(refused.value)
+        assert str(refused.value).startswith(f"Snapshots(full_every={k}): rank 0's node ")
     finally:
         os.environ.pop(RUN_ID, None)
 

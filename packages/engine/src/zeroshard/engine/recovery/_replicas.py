@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from zeroshard.engine.recovery._file import mapped
+from zeroshard.engine.recovery._room import made
 from zeroshard.engine.recovery._slots import Slots
 from zeroshard.engine.recovery._store import ENTRY_REPLICA, REPLICA, NodeStore
 
@@ -49,7 +49,8 @@ class Replicas:
             slot = self._rings[ward].at(ring, size)
             return slot.buf, lambda: self._store.link(slot.path, final)
         temp = self._store.temp(final)
-        return mapped(temp, size), lambda: self._store.commit(temp, final)
+        what = f"rank {ward}'s replica of step {step}"
+        return made(temp, size, what), lambda: self._store.commit(temp, final)
 
     def close(self) -> None:
         """Drop the rings' mappings (their files go with the node's folder)."""

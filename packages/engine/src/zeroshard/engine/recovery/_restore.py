@@ -44,6 +44,7 @@ from zeroshard.engine.recovery import _file, _wire
 from zeroshard.engine.recovery._contents import Checked, apply_snapshot, check_snapshot
 from zeroshard.engine.recovery._file import Snapshot
 from zeroshard.engine.recovery._journal import Entry, check_entry, replay
+from zeroshard.engine.recovery._room import made
 from zeroshard.engine.recovery._store import ENTRY, ENTRY_REPLICA, OWN, Held
 from zeroshard.engine.state._checkpoint import every_rank
 from zeroshard.engine.state._resume import resume_checkpoint
@@ -204,7 +205,7 @@ def _republisher(
             return buf
         final = snaps.store.path(step, snaps.rank, snaps.world_size, kind)
         temp = snaps.store.temp(final)
-        copy = _file.mapped(temp, buf.numel())
+        copy = made(temp, buf.numel(), f"rank {snaps.rank}'s copy of step {step}")
         copy.copy_(buf)
         snaps.store.commit(temp, final)
         return copy

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from zeroshard.comm import warn_tagged
-from zeroshard.engine.recovery._file import mapped
+from zeroshard.engine.recovery._room import made
 from zeroshard.engine.recovery._store import NodeStore, alive
 
 
@@ -103,13 +103,8 @@ class Slots:
         # A new file, not the old one resized: a step may still link the old bytes.
         path = self._folder / f"rank{self._rank:05d}-{os.getpid()}-{self._tag}{k}.buf"
         path.unlink(missing_ok=True)
-        try:
-            buf = mapped(path, size)
-        except OSError as e:
-            raise RuntimeError(
-                f"snapshots: no room for a snapshot of {size:,} bytes in {self._folder} "
-                f"({e.strerror or e}): see zeroshard-plan --snapshots for what they need"
-            ) from e
+        what = f"rank {self._rank}'s {'journal entry' if self._tag else 'snapshot'} slot"
+        buf = made(path, size, what)  # pages reserved: [Note: room in shared memory]
         err = _pin(buf) if self._pin else 0  # which faults every page in
         if self._pin and err:
             # Linux (6.5 on) page-locks a writable shared file mapping for good only in

@@ -53,6 +53,7 @@ from zeroshard.engine.recovery._journal import JournalStep, entry_contents
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
 from zeroshard.engine.recovery._replicas import Replicas
 from zeroshard.engine.recovery._restore import Resumed, resume
+from zeroshard.engine.recovery._room import Need, check_room, free_bytes
 from zeroshard.engine.recovery._scalars import Scalars
 from zeroshard.engine.recovery._slots import Slot, Slots
 from zeroshard.engine.recovery._store import ENTRY, OWN, NodeStore
@@ -73,7 +74,9 @@ class Snapshots:
     full snapshots only. `client_state` / `rank_state` are
     the mappings `save_checkpoint` takes, read at each snapshot. `root`: where the
     shared memory is (`/dev/shm`; the job's folder goes under it). Host memory per
-    rank: docs/reliability.md, "Recovery from memory"; `zeroshard-plan --snapshots`.
+    rank: docs/reliability.md, "Recovery from memory"; `zeroshard-plan --snapshots`. A
+    node whose shared memory cannot hold its snapshots is a ValueError on every rank,
+    here or at the first `take` ([Note: room in shared memory] in _room.py).
     """
 
     def __init__(
@@ -125,6 +128,8 @@ class Snapshots:
                 "snapshots: one node only, so replicas live on the same node: they cover a "
                 "worker's crash, not the node's loss (the disk checkpoint does)"
             )
+        self._root = Path(root)
+        self._check_room()  # before any file is made
         self._copy = HostCopy()
         on_device = self._state.shard_group.device.type == "cuda"
         self._slots = Slots(self.store, self.rank, pin=on_device)
@@ -133,7 +138,6 @@ class Snapshots:
         self._full: int | None = None
         self._last: int | None = None
         if full_every > 1:
-            self._check_room(Path(root), full_every)
             self._journal = JournalStep(engine_optimizer.stepper, engine_optimizer)
             engine_optimizer.stepper = self._journal
             self._entries = Slots(self.store, self.rank, on_device, full_every, "e")
@@ -149,32 +153,25 @@ class Snapshots:
         self._work = Background()
         self.last_resume: Resumed | None = None
 
-    def _check_room(self, root: Path, full_every: int) -> None:
-        """ValueError on every rank unless each node's free space under `root` holds what
-        its ranks' journals put there: K entries of each of its ranks and K replicas of
-        each of their wards' ([Note: the replica's rank]: a rank may keep several wards'
-        or none), each rank's entry its own trainable shards (docs/reliability.md)."""
-        entry = sum(g.master.nbytes for g in self._state.groups if g.trainable)
-        at = root if root.exists() else root.parent
-        stat = os.statvfs(at)
-        everyone: list[Any] = [None] * self.world_size  # (entry, free) of every rank
-        dist.all_gather_object(everyone, (entry, stat.f_bavail * stat.f_frsize), self._pg)
-        entries = [e for e, _ in everyone]
-        for node in dict.fromkeys(self.placement.nodes):  # in the order of their first rank
-            ranks = self.placement.node_ranks(node)
-            wards = [w for r in ranks for w in self.placement.wards(r)]
-            need = full_every * sum(entries[r] for r in ranks + wards)
-            free = everyone[ranks[0]][1]
-            if need > free:
-                raise ValueError(
-                    f"Snapshots(full_every={full_every}): the journal needs "
-                    f"{need / 2**30:.2f} GiB ({need:,} bytes) of shared memory on rank "
-                    f"{ranks[0]}'s node ({full_every} entries of each of its ranks {ranks} "
-                    f"and as many of each rank whose replicas they keep {wards}, an entry "
-                    f"{max(entries) / 2**30:.2f} GiB at most), {free / 2**30:.2f} GiB are "
-                    f"free in {at}: a smaller full_every (zeroshard-plan --snapshots "
-                    "--full-every prices it)"
-                )
+    def _check_room(self, full: int | None = None, more: int = 0) -> None:
+        """ValueError on every rank unless each node's shared memory holds its snapshots
+        ([Note: room in shared memory] in _room.py), a full snapshot this rank's `full`
+        bytes (None: a bound from below, its masters and buffers), a journal entry its
+        trainable masters, buffers and `more` bytes. Collective."""
+        groups = self._state.groups
+        buffers = sum(b.nbytes for b in self._model.buffers())
+        when = "as the first snapshot lays it out"
+        if full is None:
+            full = sum(g.master.nbytes for g in groups) + buffers
+            when = "its masters and buffers: the optimizer's state counted at the first snapshot"
+        entry = 0
+        if self.full_every > 1:
+            entry = sum(g.master.nbytes for g in groups if g.trainable) + buffers + more
+        everyone: list[Any] = [None] * self.world_size
+        need = Need(full, entry, free_bytes(self._root))
+        dist.all_gather_object(everyone, need, self._agree_pg)
+        needs = [Need(*n) for n in everyone]
+        check_room(self.placement, needs, self.full_every, self._root, when)
 
     def _before_step(self) -> None:
         self._copy.wait_before_step()
@@ -210,6 +207,10 @@ class Snapshots:
         text = None if extra is None else extra.text
         room = self._slots.room()
         planned = _file.plan(step, self.rank, self.world_size, meta, items, text, room=room)
+        if room is None:  # the first since the start or a resume, on every rank alike
+            # An entry holds the user's state and buffers too, and a header of 64 KiB.
+            user = 0 if extra is None else sum(t.nbytes for t in extra.tensors.values())
+            self._check_room(planned.size, user + (1 << 16))
         final = self.store.path(step, self.rank, self.world_size, OWN)
         slot = self._slots.next(planned.size)
         self._write(step, slot, planned, items, scalars, meta, None, final)
