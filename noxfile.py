@@ -43,7 +43,7 @@ def tests(session: nox.Session) -> None:
     _install(session, *TEST_DEPS, *HF_DEPS, LIGHTNING)
     session.install(TORCHAO)
     session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
-    session.run("pytest", *(session.posargs or ["-q"]))
+    session.run("pytest", *(session.posargs or ["-q", "--durations=25"]))
 
 
 def _readme_install() -> str:

@@ -11,9 +11,12 @@ full snapshot, then one every K steps, entries between: with blocks of a multipl
 steps its mean step is the amortized one at K). Two DCP saves run untimed first; the
 snapshots' first takes do not: each row's first block (the process's first takes: their
 slots mapped and pinned) is reported apart, its figure is the median of the later blocks.
-A block's time runs from its first step to the end of its last save (the background work
-waited for), so its mean step includes any wait a save caused; `take` (or `async_save`)
-alone is timed too, and `_profile` splits each snapshot's time (host, device, background).
+A block's time runs from its first step to its last step's end on the training stream: a
+step's wait for an earlier save (a slot, a copy, DCP's save before) is in it, the last
+save's copy on its side stream and background work are not (in a run they overlap the
+next steps, as the earlier saves' did). That drain is then waited for and timed apart,
+and the mean step with it is reported too. `take` (or `async_save`) alone is timed, and
+`_profile` splits each snapshot's time (host, device, background).
 Rounds alternate the order of the modes.
 """
 
@@ -67,8 +70,11 @@ class Row:
 
     mode: str
     every: int
+    steps: int  # a block's
     step_ms: float
     blocks_ms: tuple[float, ...]
+    # The wait for the block's last save after its last step (ms; the blocks in order).
+    drains_ms: tuple[float, ...]
     call_ms: float
     snapshot_bytes: int
     # journal: the mean take at a full snapshot, at the entry after one and at the other
@@ -151,6 +157,7 @@ def run(rank: int, world: int, s: Settings) -> None:
     if journal is not None:
         modes.append(("journal", s.full_every, journal_take, journal.wait))
     blocks: dict[tuple[str, int], list[float]] = {}
+    drains: dict[tuple[str, int], list[float]] = {}
     profiled: dict[tuple[str, int], list[dict[str, Any]]] = {}
     n = 0
     try:
@@ -189,15 +196,19 @@ def run(rank: int, world: int, s: Settings) -> None:
                     save(n)
                     if r > 0 or s.rounds == 1:
                         calls.setdefault(f"{mode}-{e}", []).append(time.perf_counter() - t)
+                steps_done(device)
+                blocks.setdefault((mode, e), []).append((time.perf_counter() - start) / s.steps)
+                drained = time.perf_counter()
                 finish()
                 sync(device)
-                blocks.setdefault((mode, e), []).append((time.perf_counter() - start) / s.steps)
+                drains.setdefault((mode, e), []).append(time.perf_counter() - drained)
                 if prof is not None:
                     profiled.setdefault((mode, e), []).append(prof.end(s.steps))
                 # Each block as it ends: a run cut short by a time limit keeps these.
                 print(
                     f"[snapshots] round {r + 1}, {mode} every {e}: "
-                    f"{blocks[(mode, e)][-1] * 1e3:.1f} ms a step"
+                    f"{blocks[(mode, e)][-1] * 1e3:.1f} ms a step, then a drain of "
+                    f"{drains[(mode, e)][-1] * 1e3:.1f} ms"
                     + ("" if prof is None else f"; {profile_line(profiled[(mode, e)][-1])}"),
                     flush=True,
                 )
@@ -210,8 +221,10 @@ def run(rank: int, world: int, s: Settings) -> None:
         Row(
             mode,
             e,
+            s.steps,
             statistics.median(b[1:] or b) * 1e3,
             tuple(x * 1e3 for x in b),
+            tuple(x * 1e3 for x in drains[(mode, e)]),
             statistics.mean(calls[f"{mode}-{e}"]) * 1e3,
             size,
             None if mode != "journal" else _places_ms(places),
@@ -221,6 +234,13 @@ def run(rank: int, world: int, s: Settings) -> None:
         for (mode, e), b in blocks.items()
     ]
     Path(s.out).write_text(json.dumps([asdict(r) for r in rows]))
+
+
+def steps_done(device: torch.device) -> None:
+    """Wait for the steps queued on the training stream, not for a snapshot's copy on its
+    side stream: in a run that copy overlaps the next step, as the block's earlier ones did."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _places_ms(places: dict[str, list[float]]) -> tuple[float, float, float]:

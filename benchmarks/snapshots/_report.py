@@ -13,17 +13,28 @@ from benchmarks.snapshots._profile import COLUMNS, ms
 def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
     """The overhead table: each mode's mean step against no saving."""
     base = next((r["step_ms"] for r in rows if r["mode"] == "none"), float("nan"))
-    table = [
-        (
-            r["mode"],
-            "-" if r["mode"] == "none" else r["every"],
-            f"{r['step_ms']:.1f}",
-            "-" if r["mode"] == "none" else f"{100 * (r['step_ms'] / base - 1):+.1f}%",
-            "-" if r["mode"] == "none" else f"{r['call_ms']:.1f}",
-            " ".join(f"{b:.1f}" for b in r["blocks_ms"]),
+
+    def vs_none(step_ms: float) -> str:
+        return f"{100 * (step_ms / base - 1):+.1f}%"
+
+    table = []
+    for r in sorted(rows, key=lambda r: (r["mode"] != "none", r["every"], r["mode"])):
+        none = r["mode"] == "none"
+        # The mean step with the block's drain: the blocks after the first, as step ms.
+        later = list(zip(r["blocks_ms"], r["drains_ms"], strict=True))[1:]
+        drained = statistics.median(b + d / r["steps"] for b, d in later) if later else r["step_ms"]
+        table.append(
+            (
+                r["mode"],
+                "-" if none else r["every"],
+                f"{r['step_ms']:.1f}",
+                "-" if none else vs_none(r["step_ms"]),
+                "-" if none else f"{r['call_ms']:.1f}",
+                " ".join(f"{b:.1f}" for b in r["blocks_ms"]),
+                " ".join(f"{d:.0f}" for d in r["drains_ms"]),
+                "-" if none else f"{drained:.1f} ({vs_none(drained)})",
+            )
         )
-        for r in sorted(rows, key=lambda r: (r["mode"] != "none", r["every"], r["mode"]))
-    ]
     size = rows[0]["snapshot_bytes"] / 2**20
     journal = ""
     for r in rows:
@@ -41,13 +52,29 @@ def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
             )
     return (
         f"{shape}. Each rank's snapshot: {size:,.0f} MiB (masters and optimizer state). "
-        "Mean step over a block (its saves' background work waited for at its end), the "
-        "median of the blocks after the first (a process's first takes map and pin their "
-        "slots: the first block is listed first in `blocks ms`); the save call alone "
-        "(`take` or DCP's `async_save`, which first waits for the save before it), its "
-        "mean over every step of those blocks.\n\n"
+        "Mean step over a block of "
+        f"{rows[0]['steps']} steps, from its first step to its last step's end on the training "
+        "stream (a wait for an earlier save, a slot or a copy, is in it; the last save's "
+        "copy on its side stream and its background work are not: in a run they overlap "
+        "the next steps, as the earlier saves' did), the median of "
+        "the blocks after the first (a process's first takes map and pin their slots: the "
+        "first block is listed first in `blocks ms`); the save call alone (`take` or DCP's "
+        "`async_save`, which first waits for the save before it), its mean over every step "
+        "of those blocks. `drain ms`: the wait for the block's last save after it, each "
+        "block's; `with drain`: the mean step had each block waited for it (the median of "
+        "the later blocks), the bound a run of one block would see.\n\n"
         + markdown_table(
-            ["mode", "every N steps", "step ms", "vs none", "save call ms", "blocks ms"], table
+            [
+                "mode",
+                "every N steps",
+                "step ms",
+                "vs none",
+                "save call ms",
+                "blocks ms",
+                "drain ms",
+                "with drain ms",
+            ],
+            table,
         )
         + journal
         + _profile_table(rows)
