@@ -1,0 +1,148 @@
+"""Where the offloaded step's time goes on the host: the compiled AdamW kernel in the step
+and alone (issue 73's bf16-masters goal, docs/benchmarks.md `offload-bf16-masters`).
+
+    python -m benchmarks.offload.host_profile bf16      # the 7B step, bf16 masters (one GPU)
+    python -m benchmarks.offload.host_profile fp32      # the same with fp32 masters
+    python -m benchmarks.offload.host_profile alone     # the kernel alone, both precisions
+    python -m benchmarks.offload.host_profile bf16 --smoke   # tiny model on the CPU
+
+`bf16`/`fp32`: the `train-zs-dpu-compiled[-bf16]` row's model and config (GPT 7b width,
+34 blocks, seq 2048, micro-batch 4, activation checkpointing, stage 2,
+offload_delay_param_update, offload_compiled_step); per step after 2 warmup: its wall
+time, the stepping thread's time inside the compiled kernel (`step_piece`, summed over
+its pieces), when its last piece ends, and the main thread's wait for the delayed step
+(`StepThread.settle`). `alone`: the same kernel over 2^30 elements in pieces of 2^24 on
+as many threads as the stepping thread gets (the cores less `MAIN_KEEP`), nothing beside
+it, and its rate by bytes moved. Prints; writes no section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.offload import _worker
+from zeroshard.engine.runtime.offload import _host_offload, _step_thread
+from zeroshard.engine.runtime.offload._compiled_step import _kernel
+from zeroshard.engine.runtime.offload._threads import stepping_threads
+
+
+def in_step(precision: str, smoke: bool) -> None:
+    """Time the kernel's pieces and the main thread's waits in the offloaded step."""
+    spans: list[tuple[str, float, float]] = []
+    piece, settle = getattr(_host_offload, "step_piece"), _step_thread.StepThread.settle  # noqa: B009
+
+    def timed_piece(*args: Any) -> None:
+        start = time.perf_counter()
+        piece(*args)
+        spans.append(("kernel", start, time.perf_counter()))
+
+    def timed_settle(self: _step_thread.StepThread) -> None:
+        start = time.perf_counter()
+        settle(self)
+        spans.append(("settle", start, time.perf_counter()))
+
+    # What the step calls, timed (the names are looked up at each call).
+    setattr(_host_offload, "step_piece", timed_piece)  # noqa: B010
+    setattr(_step_thread.StepThread, "settle", timed_settle)  # noqa: B010
+    a = {
+        "smoke": smoke,
+        "preset": "tiny" if smoke else "7b",
+        "layers": 2 if smoke else 34,
+        "seq_len": 128 if smoke else 2048,
+        "micro_batch": 4,
+        "activation_checkpointing": True,
+        "stage": 2,
+        "offload_params": False,
+        "offload_ratio": 1.0,
+    }
+    device = _worker._join_alone(smoke)
+    torch.manual_seed(0)
+    model, cfg = _worker._gpt(a, device)
+    engine = "zs-dpu-compiled" + ("-bf16" if precision == "bf16" else "")
+    step, _ = _worker._setup_zs(model, a, engine)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), device=device)
+    y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), device=device)
+    for _ in range(2):
+        step(x, y)
+    _worker._sync(device)
+    rows = []
+    for i in range(4):
+        spans.clear()
+        start = time.perf_counter()
+        step(x, y)
+        _worker._sync(device)
+        wall = time.perf_counter() - start
+        kernel = [s for s in spans if s[0] == "kernel"]
+        busy = sum(end - begin for _, begin, end in kernel)
+        last = max((end for _, _, end in kernel), default=start) - start
+        wait = sum(end - begin for kind, begin, end in spans if kind == "settle")
+        rows.append((wall, busy, last, wait))
+        print(
+            f"{precision} step {i}: wall {wall:.3f} s; kernel {busy:.3f} s over {len(kernel)} "
+            f"pieces, the last ending at {last:.3f} s; settle waited {wait:.3f} s",
+            flush=True,
+        )
+    wall, busy, last, wait = (statistics.median(r[j] for r in rows) for j in range(4))
+    print(f"| {precision} in the step | {wall:.3f} | {busy:.3f} | {last:.3f} | {wait:.3f} |")
+
+
+def alone(smoke: bool) -> None:
+    """The compiled kernel alone, bf16 and fp32 masters (bf16 gradients), by bytes moved."""
+    n, piece = (1 << 16, 1 << 12) if smoke else (1 << 30, 1 << 24)
+    torch.set_num_threads(stepping_threads(torch.get_num_threads()))
+    coef = torch.tensor([0.99, 0.1, 0.95, 0.05, 0.5, 1e-8, -1e-4], dtype=torch.float32)
+    for name, dtype, scale in (
+        ("bf16 masters", torch.bfloat16, None),
+        ("fp32 masters", torch.float32, torch.ones((), dtype=torch.float32)),
+    ):
+        kernel = _kernel(True, False, False, scale is not None)
+        tensors = [torch.rand(n, dtype=dtype) for _ in range(3)]
+        grad = torch.rand(n, dtype=torch.bfloat16)
+        _pieces(kernel, tensors[0], grad, tensors[1:], coef, scale, piece)  # compiles
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            _pieces(kernel, tensors[0], grad, tensors[1:], coef, scale, piece)
+            times.append(time.perf_counter() - start)
+        seconds = min(times)
+        moved = 6 * dtype.itemsize + grad.element_size()  # read 3 + the gradient, write 3
+        print(
+            f"| {name} alone, {torch.get_num_threads()} threads | {seconds / n * 7.06e9:.3f} s "
+            f"at 7.06B | {moved * n / seconds / 1e9:.1f} GB/s ({moved} B an element) |",
+            flush=True,
+        )
+
+
+def _pieces(
+    kernel: Any,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    moments: list[torch.Tensor],
+    coef: torch.Tensor,
+    scale: torch.Tensor | None,
+    piece: int,
+) -> None:
+    """One step of the kernel over `master` in pieces, as the host step cuts a group."""
+    for lo in range(0, master.numel(), piece):
+        hi = lo + piece
+        kernel(master[lo:hi], grad[lo:hi], *(m[lo:hi] for m in moments), None, None, coef, scale)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("bf16", "fp32", "alone"))
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    a = p.parse_args()
+    if a.what == "alone":
+        alone(a.smoke)
+    else:
+        in_step(a.what, a.smoke)
+
+
+if __name__ == "__main__":
+    main()
