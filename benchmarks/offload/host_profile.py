@@ -4,6 +4,7 @@ and alone (issue 73's bf16-masters goal, docs/benchmarks.md `offload-bf16-master
     python -m benchmarks.offload.host_profile bf16      # the 7B step, bf16 masters (one GPU)
     python -m benchmarks.offload.host_profile fp32      # the same with fp32 masters
     python -m benchmarks.offload.host_profile alone     # the kernel alone, both precisions
+    python -m benchmarks.offload.host_profile bf16 --threads 12   # the stepping team at 12
     python -m benchmarks.offload.host_profile bf16 --smoke   # tiny model on the CPU
 
 `bf16`/`fp32`: the `train-zs-dpu-compiled[-bf16]` row's model and config (GPT 7b width,
@@ -13,7 +14,9 @@ time, the stepping thread's time inside the compiled kernel (`step_piece`, summe
 its pieces), when its last piece ends, and the main thread's wait for the delayed step
 (`StepThread.settle`). `alone`: the same kernel over 2^30 elements in pieces of 2^24 on
 as many threads as the stepping thread gets (the cores less `MAIN_KEEP`), nothing beside
-it, and its rate by bytes moved. Prints; writes no section.
+it, and its rate by bytes moved. `--threads N`: the stepping thread's team (and the
+kernel alone's) at N threads instead of the cores less `MAIN_KEEP`, to see whether the
+kernel is slower in the step for sharing the cores. Prints; writes no section.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from typing import Any
 import torch
 
 from benchmarks.offload import _worker
-from zeroshard.engine.runtime.offload import _host_offload, _step_thread
+from zeroshard.engine.runtime.offload import _build, _host_offload, _step_thread
 from zeroshard.engine.runtime.offload._compiled_step import _kernel
 from zeroshard.engine.runtime.offload._threads import stepping_threads
 
 
-def in_step(precision: str, smoke: bool) -> None:
+def in_step(precision: str, smoke: bool, threads: int | None) -> None:
     """Time the kernel's pieces and the main thread's waits in the offloaded step."""
     spans: list[tuple[str, float, float]] = []
     piece, settle = getattr(_host_offload, "step_piece"), _step_thread.StepThread.settle  # noqa: B009
@@ -49,6 +52,13 @@ def in_step(precision: str, smoke: bool) -> None:
     # What the step calls, timed (the names are looked up at each call).
     setattr(_host_offload, "step_piece", timed_piece)  # noqa: B010
     setattr(_step_thread.StepThread, "settle", timed_settle)  # noqa: B010
+    if threads is not None:  # the team the kernels compile for and step with
+
+        def team(_: int) -> int:
+            return threads
+
+        for module in (_build, _step_thread):
+            setattr(module, "stepping_threads", team)  # noqa: B010
     a = {
         "smoke": smoke,
         "preset": "tiny" if smoke else "7b",
@@ -88,13 +98,14 @@ def in_step(precision: str, smoke: bool) -> None:
             flush=True,
         )
     wall, busy, last, wait = (statistics.median(r[j] for r in rows) for j in range(4))
-    print(f"| {precision} in the step | {wall:.3f} | {busy:.3f} | {last:.3f} | {wait:.3f} |")
+    label = "" if threads is None else f", {threads} stepping threads"
+    print(f"| {precision} in the step{label} | {wall:.3f} | {busy:.3f} | {last:.3f} | {wait:.3f} |")
 
 
-def alone(smoke: bool) -> None:
+def alone(smoke: bool, threads: int | None) -> None:
     """The compiled kernel alone, bf16 and fp32 masters (bf16 gradients), by bytes moved."""
     n, piece = (1 << 16, 1 << 12) if smoke else (1 << 30, 1 << 24)
-    torch.set_num_threads(stepping_threads(torch.get_num_threads()))
+    torch.set_num_threads(threads or stepping_threads(torch.get_num_threads()))
     coef = torch.tensor([0.99, 0.1, 0.95, 0.05, 0.5, 1e-8, -1e-4], dtype=torch.float32)
     for name, dtype, scale in (
         ("bf16 masters", torch.bfloat16, None),
@@ -137,11 +148,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("bf16", "fp32", "alone"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    p.add_argument("--threads", type=int, help="the stepping team's threads")
     a = p.parse_args()
     if a.what == "alone":
-        alone(a.smoke)
+        alone(a.smoke, a.threads)
     else:
-        in_step(a.what, a.smoke)
+        in_step(a.what, a.smoke, a.threads)
 
 
 if __name__ == "__main__":
