@@ -87,8 +87,8 @@ from benchmarks.offload._rounds import (
 WORKER = "benchmarks.offload._worker"  # run with -m from the repository root
 
 
-def parse_args() -> argparse.Namespace:
-    """Command-line options."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (`argv`, else the command line's)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     p.add_argument(
@@ -134,7 +134,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=1, help="runs of each train part, in alternating order"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.rounds > 1 and args.search_layers:

@@ -7,15 +7,15 @@ and alone (issue 73's bf16-masters goal, docs/benchmarks.md `offload-bf16-master
     python -m benchmarks.offload.host_profile bf16 --threads 12   # the stepping team at 12
     python -m benchmarks.offload.host_profile bf16 --smoke   # tiny model on the CPU
 
-`bf16`/`fp32`: the `train-zs-dpu-compiled[-bf16]` row's model and config (GPT 7b width,
-34 blocks, seq 2048, micro-batch 4, activation checkpointing, stage 2,
-offload_delay_param_update, offload_compiled_step); per step after 2 warmup: its wall
-time, the stepping thread's time inside the compiled kernel (`step_piece`, summed over
-its pieces), when its last piece ends, and the main thread's wait for the delayed step
-(`StepThread.settle`). `alone`: the same kernel over 2^30 elements in pieces of 2^24 on
-as many threads as the stepping thread gets (the cores less `MAIN_KEEP`), nothing beside
-it, and its rate by bytes moved. `--threads N`: the stepping thread's team (and the
-kernel alone's) at N threads instead of the cores less `MAIN_KEEP`, to see whether the
+`bf16`/`fp32`: the `train-zs-dpu-compiled[-bf16]` row's model and config at the offload
+benchmark's defaults (GPT 7b width, 34 blocks, seq 2048, micro-batch 4, activation
+checkpointing, stage 2; offload_delay_param_update, offload_compiled_step); per step
+after 2 warmup: its wall time, the stepping thread's time inside the compiled kernel
+(`step_piece`, summed over its pieces), when its last piece ends, and the main thread's
+wait for the delayed step (`StepThread.settle`). `alone`: the same kernel over 2^30
+elements in pieces of 2^24 on as many threads as the stepping thread gets (the cores
+less `MAIN_KEEP`), nothing beside it, and its rate by bytes moved. `--threads N`: the
+stepping thread's team (and the kernel alone's) at N threads instead, to see whether the
 kernel is slower in the step for sharing the cores. Prints; writes no section.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.offload import _worker
+from benchmarks.offload.__main__ import parse_args
 from zeroshard.engine.runtime.offload import _build, _host_offload, _step_thread
 from zeroshard.engine.runtime.offload._compiled_step import _kernel
 from zeroshard.engine.runtime.offload._threads import stepping_threads
@@ -59,24 +60,16 @@ def in_step(precision: str, smoke: bool, threads: int | None) -> None:
 
         for module in (_build, _step_thread):
             setattr(module, "stepping_threads", team)  # noqa: B010
-    a = {
-        "smoke": smoke,
-        "preset": "tiny" if smoke else "7b",
-        "layers": 2 if smoke else 34,
-        "seq_len": 128 if smoke else 2048,
-        "micro_batch": 4,
-        "activation_checkpointing": True,
-        "stage": 2,
-        "offload_params": False,
-        "offload_ratio": 1.0,
-    }
+    # The offload benchmark's model and config, from its own defaults.
+    a = vars(parse_args(["--smoke"] if smoke else []))
     device = _worker._join_alone(smoke)
     torch.manual_seed(0)
     model, cfg = _worker._gpt(a, device)
     engine = "zs-dpu-compiled" + ("-bf16" if precision == "bf16" else "")
     step, _ = _worker._setup_zs(model, a, engine)
-    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), device=device)
-    y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), device=device)
+    shape = (a["micro_batch"], cfg.seq_len)
+    x = torch.randint(0, cfg.vocab_size, shape, device=device)
+    y = torch.randint(0, cfg.vocab_size, shape, device=device)
     for _ in range(2):
         step(x, y)
     _worker._sync(device)

@@ -388,3 +388,19 @@ def test_smoke_search_beside_the_planner(tmp_path: Path) -> None:
         assert r["plan"]["params"] == r["params"]
     assert "| engine's host bytes, planned / measured |" in out
     assert "| parameters / the previous largest (9.28B, fp32) |" in out
+
+
+def test_host_profile_times_the_kernel_inside_the_step() -> None:
+    """`benchmarks.offload.host_profile` wraps the step's own functions by name: a smoke
+    step must reach the compiled kernel through the wrapper (a renamed function would
+    leave it timing nothing)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.offload.host_profile", "bf16", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pieces = re.findall(r"^bf16 step \d: .* over (\d+) pieces", proc.stdout, re.M)
+    assert len(pieces) == 4 and all(int(n) > 0 for n in pieces), proc.stdout[-3000:]
