@@ -17,11 +17,16 @@ save's copy on its side stream and background work are not (in a run they overla
 next steps, as the earlier saves' did). That drain is then waited for and timed apart,
 and the mean step with it is reported too. `take` (or `async_save`) alone is timed, and
 `_profile` splits each snapshot's time (host, device, background).
-Rounds alternate the order of the modes.
+Rounds alternate the order of the modes. Before each block the process collects its
+garbage, waits for the device and, on a GPU, idles `SETTLE_S`: the block before's
+leftovers (DCP's staging memory freed, its writer's threads ending) are not timed in the
+next mode's block (a journal block right after DCP's ran 100 ms a step slower, with
+nothing in its own profile to show for it).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import statistics
@@ -42,6 +47,9 @@ from benchmarks._common import adamw, bench_model, sync
 from benchmarks.snapshots._profile import Profile, crc_rate, profile_line
 from zeroshard.engine import engine_state
 from zeroshard.engine.state._checkpoint_layout import checkpoint_contents
+
+# Seconds the GPU run idles before each block (the module docstring says why).
+SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,10 @@ def run(rank: int, world: int, s: Settings) -> None:
                     prof.begin()
                 if mode == "journal" and r == 1:  # `places` counts warm takes only
                     places.update(full=[], after=[], entry=[])
+                gc.collect()
                 sync(device)
+                if s.on_gpu:
+                    time.sleep(SETTLE_S)
                 start = time.perf_counter()
                 for _ in range(s.steps):
                     step()

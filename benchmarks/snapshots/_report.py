@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks._common import markdown_table
+from benchmarks.snapshots._overhead import SETTLE_S
 from benchmarks.snapshots._profile import COLUMNS, ms
 
 
@@ -62,7 +63,10 @@ def overhead(rows: Sequence[Mapping[str, Any]], shape: str) -> str:
         "`async_save`, which first waits for the save before it), its mean over every step "
         "of those blocks. `drain ms`: the wait for the block's last save after it, each "
         "block's; `with drain`: the mean step had each block waited for it (the median of "
-        "the later blocks), the bound a run of one block would see.\n\n"
+        "the later blocks), the bound a run of one block would see. Modes alternate "
+        "their order by round; before each block the process collects its garbage and, on a "
+        f"GPU, idles {SETTLE_S:g} s, so that what the block before left running is not "
+        "timed in it.\n\n"
         + markdown_table(
             [
                 "mode",
