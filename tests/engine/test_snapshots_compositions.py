@@ -34,6 +34,7 @@ from zeroshard.comm import Group
 from zeroshard.engine.recovery._contents import check_snapshot, rank_contents
 from zeroshard.engine.recovery._file import Snapshot
 from zeroshard.engine.recovery._store import OWN
+from zeroshard.engine.state._checkpoint_layout import file_group
 
 # Each a user's recipe of several features at once; the pairs are the table's.
 TWO_RANKS = [
@@ -63,6 +64,12 @@ def _restore_from_replica(features: tuple[str, ...], folder: Path, own: Group) -
     model, opt, step = built.model, built.opt, built.step
     snaps = zs.Snapshots(model, opt, every=2, root=folder / "shm")
     try:
+        # `take` gathers the metadata's objects over gloo, numbered as the file group is.
+        files, objects = file_group(zs.engine_state(model)), snaps._objects
+        assert objects.backend == "gloo", features
+        assert [objects.global_rank(r) for r in range(objects.size)] == [
+            files.global_rank(r) for r in range(files.size)
+        ], features
         losses, states = [], []
         for s in range(4):
             losses.append(step())

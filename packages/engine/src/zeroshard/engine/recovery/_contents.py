@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.ckpt import (
@@ -74,11 +75,14 @@ def rank_contents(
     client_state: Mapping[str, Any] | None,
     rank_state: Mapping[str, Any] | None,
     scalar: Scalar = item,
+    objects: Group | None = None,
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], RankExtra | None]:
     """This rank's metadata (its tensor scalars as `scalar` makes them: their values,
     or a snapshot's placeholders), tensors (live, not copied) and user state at `step`
-    (collective where `checkpoint_contents` is)."""
-    meta, tensors = checkpoint_contents(model, state, every_shard=True, scalar=scalar)
+    (collective where `checkpoint_contents` is, its objects gathered over `objects`)."""
+    meta, tensors = checkpoint_contents(
+        model, state, every_shard=True, scalar=scalar, objects=objects
+    )
     buffers = module_buffers(model)
     tensors.update({buffer_key(k): v.detach() for k, v in buffers.items()})
     meta = meta.with_files(step, {}, {k: tuple(v.shape) for k, v in buffers.items()})
@@ -88,6 +92,31 @@ def rank_contents(
             tensors[_BEHIND + checkpoint_group_name(groups[index])] = shard
     extra = encode_state({GLOBAL: client_state, PER_RANK: rank_state})
     return meta, tensors, extra
+
+
+def object_group(state: EngineState, world: dist.ProcessGroup) -> Group:
+    """A gloo group of the file group's ranks (`file_group`), numbered alike, for the
+    object gathers of `checkpoint_contents` at `take`: over NCCL `all_gather_object`
+    stages its bytes through the device and waits for it, which would cost `take` the
+    host's lead ([Note: scalars without a sync] in _scalars.py). `world`: a gloo group of
+    every rank, itself the twin where the file group is every rank. The file group
+    itself where torch would number a twin's ranks otherwise (a new group numbers them
+    by global rank). Collective over every rank."""
+    files = file_group(state)
+    mine = tuple(files.global_rank(r) for r in range(files.size))
+    if mine == tuple(range(dist.get_world_size())):
+        return Group(world, timeout=files.timeout)
+    everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=world)
+    twin = None
+    # Every rank makes every group, in the same order (`new_group` is collective).
+    for ranks in sorted({r for r in everyone if r is not None}):
+        pg = dist.new_group(list(ranks), backend="gloo", timeout=files.timeout)
+        if ranks == mine:
+            twin = pg
+    if twin is None or list(mine) != sorted(mine):
+        return files
+    return Group(twin, timeout=files.timeout)
 
 
 def _behind(state: EngineState, snap: Snapshot, where: str) -> dict[int, torch.Tensor]:

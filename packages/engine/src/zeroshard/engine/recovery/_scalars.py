@@ -24,9 +24,10 @@ one a `.item()` would have written, but for spaces in its JSON, so a restore rea
 it reads any. The journal keeps the hyperparameters a step consumed the same way (a
 tensor's copy at `step()`, its value read by the entry's `take`). On the CPU the same
 path runs (the values are taken at `take`, the header written in the background), so
-tests exercise it. Still synchronizing under NCCL: `checkpoint_contents`' object
-gathers over the file group (`rank_sets`: groups of their own; `param_states`: a
-whole-matrix optimizer's), which `all_gather_object` stages through the device.
+tests exercise it. `checkpoint_contents`' object gathers (`rank_sets`: groups of their
+own; `param_states`: a whole-matrix optimizer's), which over NCCL `all_gather_object`
+stages through the device, go over a gloo twin of the file group at `take`
+(`object_group` in _contents.py).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from zeroshard.ckpt import CheckpointMeta
 from zeroshard.comm import warn_on_rank0
 from zeroshard.engine.recovery import _file, _wire
 from zeroshard.engine.recovery._background import Background
-from zeroshard.engine.recovery._contents import rank_contents
+from zeroshard.engine.recovery._contents import object_group, rank_contents
 from zeroshard.engine.recovery._host_copy import HostCopy, Ready
 from zeroshard.engine.recovery._journal import JournalStep, entry_contents
 from zeroshard.engine.recovery._places import Placement, job_folder, node_key
@@ -118,6 +118,9 @@ class Snapshots:
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
         # Where `take` agrees on an entry or a full snapshot while the threads use `_pg`.
         self._agree_pg = dist.new_group(backend="gloo", timeout=timeout)
+        # Where `take` gathers the metadata's objects (groups of their own, a whole-matrix
+        # optimizer's state) without waiting for the device, whatever training's backend.
+        self._objects = object_group(self._state, self._agree_pg)
         nodes: list[str | None] = [None] * self.world_size
         me = node_key()
         dist.all_gather_object(nodes, me, group=self._pg)
@@ -201,7 +204,13 @@ class Snapshots:
         self._full = step
         scalars = Scalars()  # [Note: scalars without a sync] in _scalars.py
         meta, tensors, extra = rank_contents(
-            self._model, self._state, step, self.client_state, self.rank_state, scalars.defer
+            self._model,
+            self._state,
+            step,
+            self.client_state,
+            self.rank_state,
+            scalars.defer,
+            self._objects,
         )
         items = _file.file_tensors(tensors, extra)
         text = None if extra is None else extra.text

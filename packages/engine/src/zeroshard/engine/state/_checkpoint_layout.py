@@ -83,11 +83,12 @@ def _first_replica(state: EngineState) -> bool:
     return not crossing or (state.replicate is not None and state.replicate.rank == 0)
 
 
-def rank_sets(state: EngineState) -> dict[int, RankSets]:
+def rank_sets(state: EngineState, objects: Group | None = None) -> dict[int, RankSets]:
     """For each flat group not on the file group (`file_group`): the ranks (the
     checkpoint's numbering) of every instance of it, ordered by first rank; under
     hybrid sharding beside groups of their own, the first replica's only. Collective
-    over the file group when there are such groups."""
+    over the file group when there are such groups (its objects gathered over `objects`:
+    `checkpoint_contents`)."""
     files = file_group(state)
     own = [g for g in state.groups if g.process_group.pg is not files.pg]
     if not own:
@@ -105,7 +106,7 @@ def rank_sets(state: EngineState) -> dict[int, RankSets]:
         if writes(state, g)
     }
     everyone: list[dict[int, tuple[int, ...]] | None] = [None] * files.size
-    dist.all_gather_object(everyone, mine, group=files_pg)
+    dist.all_gather_object(everyone, mine, group=(objects or files).pg)
     return {
         g.index: tuple(sorted({m[g.index] for m in everyone if m and g.index in m})) for g in own
     }
@@ -205,13 +206,13 @@ def _split_state(
 
 
 def param_states(
-    state: EngineState, *, every_shard: bool = False
+    state: EngineState, *, every_shard: bool = False, objects: Group | None = None
 ) -> tuple[dict[str, ParamState], dict[str, torch.Tensor]]:
     """The whole-parameter optimizer state of every parameter a whole-matrix optimizer
     keeps it for (`EngineState.whole_params`): by name, each at the rank that owns it, and
     this rank's tensors of it; `every_shard`: this rank's own wherever it sits (a snapshot
     holds what its rank holds), recorded at this rank. Collective over the file group
-    when there are any."""
+    when there are any (its objects gathered over `objects`: `checkpoint_contents`)."""
     whole = state.whole_params
     if whole is None:
         return {}, {}
@@ -244,7 +245,7 @@ def param_states(
                 )
         mine[name] = kept
     everyone: list[dict[str, dict[str, Any]] | None] = [None] * files.size
-    dist.all_gather_object(everyone, mine, group=files.pg)
+    dist.all_gather_object(everyone, mine, group=(objects or files).pg)
     states = {
         name: ParamState(rank, kept["tensors"], kept["scalars"])
         for rank, owned in enumerate(everyone)
@@ -276,18 +277,26 @@ def module_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_contents(
-    model: nn.Module, state: EngineState, *, every_shard: bool = False, scalar: Scalar = item
+    model: nn.Module,
+    state: EngineState,
+    *,
+    every_shard: bool = False,
+    scalar: Scalar = item,
+    objects: Group | None = None,
 ) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     """This rank's checkpoint of the engine: the metadata and the tensors of its file
-    (collective over the file group when there are groups on their own process group).
-    `every_shard`: every group's shards this rank holds, those it does not write too (a
-    snapshot holds the rank's whole state); `scalar`: what an optimizer scalar or
-    hyperparameter held as a tensor becomes in the metadata (its value)."""
+    (collective over the file group when there are groups on their own process group or
+    a whole-matrix optimizer's state). `every_shard`: every group's shards this rank
+    holds, those it does not write too (a snapshot holds the rank's whole state);
+    `scalar`: what an optimizer scalar or hyperparameter held as a tensor becomes in the
+    metadata (its value); `objects`: where the metadata's object gathers go, the file
+    group's ranks in its order (None: the file group itself; a gloo twin under NCCL, whose
+    `all_gather_object` would wait for the device: `recovery._contents.object_group`)."""
     optimizer = state.needs_optimizer("save_checkpoint")
     inner = optimizer.inner
     groups: list[GroupMeta] = []
     tensors: dict[str, torch.Tensor] = {}
-    sets = rank_sets(state)
+    sets = rank_sets(state, objects)
     for g in state.groups:
         name = checkpoint_group_name(g)
         shard_tensors, scalars = _split_state(g, inner.state.get(g.master, {}), scalar)
@@ -311,7 +320,7 @@ def checkpoint_contents(
                 expert_split=expert_split(state, g),
             )
         )
-    whole, whole_tensors = param_states(state, every_shard=every_shard)
+    whole, whole_tensors = param_states(state, every_shard=every_shard, objects=objects)
     tensors.update(whole_tensors)
     buffers = module_buffers(model)
     files = file_group(state)
