@@ -5,6 +5,7 @@ and alone (issue 73's bf16-masters goal, docs/benchmarks.md `offload-bf16-master
     python -m benchmarks.offload.host_profile fp32      # the same with fp32 masters
     python -m benchmarks.offload.host_profile alone     # the kernel alone, both precisions
     python -m benchmarks.offload.host_profile bf16 --threads 12   # the stepping team at 12
+    python -m benchmarks.offload.host_profile bf16 --waits   # spinning against blocking waits
     python -m benchmarks.offload.host_profile bf16 --smoke   # tiny model on the CPU
 
 `bf16`/`fp32`: the `train-zs-dpu-compiled[-bf16]` row's model and config at the offload
@@ -16,7 +17,12 @@ wait for the delayed step (`StepThread.settle`). `alone`: the same kernel over 2
 elements in pieces of 2^24 on as many threads as the stepping thread gets (the cores
 less `MAIN_KEEP`), nothing beside it, and its rate by bytes moved. `--threads N`: the
 stepping thread's team (and the kernel alone's) at N threads instead, to see whether the
-kernel is slower in the step for sharing the cores. Prints; writes no section.
+kernel is slower in the step for sharing the cores. `--waits`: the step's CUDA waits as
+torch makes them (an event's or a stream's synchronize spins a core while it waits: the
+main thread's, the gradient worker's, the stepping thread's) and blocking (events made
+with `blocking=True`, a stream's synchronize through one), alternated in one process, 2
+steps of each in 3 rounds (each after an untimed step): whether threads spinning beside
+the stepping team slow its kernel. Prints; writes no section.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from zeroshard.engine.runtime.offload._compiled_step import _kernel
 from zeroshard.engine.runtime.offload._threads import stepping_threads
 
 
-def in_step(precision: str, smoke: bool, threads: int | None) -> None:
-    """Time the kernel's pieces and the main thread's waits in the offloaded step."""
+def in_step(precision: str, smoke: bool, threads: int | None, waits: bool) -> None:
+    """Time the kernel's pieces and the main thread's waits in the offloaded step (with
+    `waits`, spinning CUDA waits against blocking ones)."""
     spans: list[tuple[str, float, float]] = []
     piece, settle = getattr(_host_offload, "step_piece"), _step_thread.StepThread.settle  # noqa: B009
 
@@ -73,8 +80,18 @@ def in_step(precision: str, smoke: bool, threads: int | None) -> None:
     for _ in range(2):
         step(x, y)
     _worker._sync(device)
-    rows = []
-    for i in range(4):
+    # (label, whether CUDA waits block) of each timed step; an untimed step opens a round.
+    plan = [("", False, False)] * 4
+    if waits:
+        rounds = [("spinning", False), ("blocking", True), ("spinning", False)] * 2
+        plan = [(f" {w}", b, first) for w, b in rounds for first in (True, False, False)]
+    rows: dict[str, list[tuple[float, float, float, float]]] = {}
+    for i, (label, blocking, untimed) in enumerate(plan):
+        _cuda_waits(blocking)
+        if untimed:
+            step(x, y)
+            _worker._sync(device)
+            continue
         spans.clear()
         start = time.perf_counter()
         step(x, y)
@@ -84,15 +101,46 @@ def in_step(precision: str, smoke: bool, threads: int | None) -> None:
         busy = sum(end - begin for _, begin, end in kernel)
         last = max((end for _, _, end in kernel), default=start) - start
         wait = sum(end - begin for kind, begin, end in spans if kind == "settle")
-        rows.append((wall, busy, last, wait))
+        rows.setdefault(label, []).append((wall, busy, last, wait))
         print(
-            f"{precision} step {i}: wall {wall:.3f} s; kernel {busy:.3f} s over {len(kernel)} "
-            f"pieces, the last ending at {last:.3f} s; settle waited {wait:.3f} s",
+            f"{precision}{label} step {i}: wall {wall:.3f} s; kernel {busy:.3f} s over "
+            f"{len(kernel)} pieces, the last ending at {last:.3f} s; settle waited {wait:.3f} s",
             flush=True,
         )
-    wall, busy, last, wait = (statistics.median(r[j] for r in rows) for j in range(4))
-    label = "" if threads is None else f", {threads} stepping threads"
-    print(f"| {precision} in the step{label} | {wall:.3f} | {busy:.3f} | {last:.3f} | {wait:.3f} |")
+    team = "" if threads is None else f", {threads} stepping threads"
+    for label, timed in rows.items():
+        wall, busy, last, wait = (statistics.median(r[j] for r in timed) for j in range(4))
+        print(
+            f"| {precision} in the step{team}{label} | {wall:.3f} | {busy:.3f} | {last:.3f} "
+            f"| {wait:.3f} |"
+        )
+
+
+_SPINNING_EVENT, _SPINNING_SYNC = torch.cuda.Event, torch.cuda.Stream.synchronize
+
+
+class _BlockingEvent(torch.cuda.Event):
+    """A CUDA event whose synchronize sleeps on the host instead of spinning."""
+
+    def __new__(
+        cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> Any:
+        return super().__new__(cls, enable_timing, True, interprocess)
+
+
+def _blocking_sync(stream: torch.cuda.Stream) -> None:
+    """A stream's synchronize that sleeps: through a blocking event recorded on it."""
+    event = _BlockingEvent()
+    event.record(stream)
+    event.synchronize()
+
+
+def _cuda_waits(blocking: bool) -> None:
+    """Make the events the step creates from now on, and its streams' synchronize,
+    blocking or (torch's default) spinning."""
+    event = _BlockingEvent if blocking else _SPINNING_EVENT
+    torch.cuda.Event = torch.cuda.streams.Event = event
+    torch.cuda.Stream.synchronize = _blocking_sync if blocking else _SPINNING_SYNC
 
 
 def alone(smoke: bool, threads: int | None) -> None:
@@ -142,11 +190,12 @@ def main() -> None:
     p.add_argument("what", choices=("bf16", "fp32", "alone"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     p.add_argument("--threads", type=int, help="the stepping team's threads")
+    p.add_argument("--waits", action="store_true", help="spinning against blocking waits")
     a = p.parse_args()
     if a.what == "alone":
         alone(a.smoke, a.threads)
     else:
-        in_step(a.what, a.smoke, a.threads)
+        in_step(a.what, a.smoke, a.threads, a.waits)
 
 
 if __name__ == "__main__":
