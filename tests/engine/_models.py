@@ -75,6 +75,19 @@ def make_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), foreach=True)
 
 
+def parity_atol(name: str, want: torch.Tensor) -> float:
+    """The absolute tolerance of parameter `name`, trained by `muon_and_adamw`, against a
+    single-process reference that sums the same gradients in another order (shards,
+    replicas, tp). Muon's matrices (2-D but the embedding): torch's Muon orthogonalizes in
+    bf16, so a gradient whose last fp32 bits differ may round to another bf16 value, and
+    Newton-Schulz spreads that over the matrix (on an AVX-512 host: 2.1e-4 at lr 0.02,
+    1.3e-3 on a matrix joined from its tp pieces; a wrong piece or owner is off by the
+    update itself, ~4e-3 an element a step). AdamW's: an element whose gradient sums to
+    nearly zero moves by a good part of its lr whatever the gradient's size (a few 1e-6
+    apart, seen there)."""
+    return 2e-3 if want.dim() == 2 and not name.startswith("emb.") else 1e-5
+
+
 def muon_and_adamw(
     model: nn.Module, muon: type[torch.optim.Optimizer] | None = None
 ) -> list[torch.optim.Optimizer]:
