@@ -87,7 +87,8 @@ def in_step(precision: str, smoke: bool, threads: int | None, waits: bool) -> No
         plan = [(f" {w}", b, first) for w, b in rounds for first in (True, False, False)]
     rows: dict[str, list[tuple[float, float, float, float]]] = {}
     for i, (label, blocking, untimed) in enumerate(plan):
-        _cuda_waits(blocking)
+        if waits:
+            _cuda_waits(blocking)
         if untimed:
             step(x, y)
             _worker._sync(device)

@@ -8,6 +8,7 @@ its report against the figures each run printed as it finished.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -390,17 +391,25 @@ def test_smoke_search_beside_the_planner(tmp_path: Path) -> None:
     assert "| parameters / the previous largest (9.28B, fp32) |" in out
 
 
-def test_host_profile_times_the_kernel_inside_the_step() -> None:
+@pytest.mark.parametrize(
+    ("waits", "labels"), [([], {"": 4}), (["--waits"], {" spinning": 8, " blocking": 4})]
+)
+def test_host_profile_times_the_kernel_inside_the_step(
+    waits: list[str], labels: dict[str, int]
+) -> None:
     """`benchmarks.offload.host_profile` wraps the step's own functions by name: a smoke
     step must reach the compiled kernel through the wrapper (a renamed function would
-    leave it timing nothing)."""
+    leave it timing nothing); `--waits` times each kind of wait's steps apart."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.offload.host_profile", "bf16", "--smoke"],
+        [sys.executable, "-m", "benchmarks.offload.host_profile", "bf16", "--smoke", *waits],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pieces = re.findall(r"^bf16 step \d: .* over (\d+) pieces", proc.stdout, re.M)
-    assert len(pieces) == 4 and all(int(n) > 0 for n in pieces), proc.stdout[-3000:]
+    steps = re.findall(r"^bf16( \w+)? step \d+: .* over (\d+) pieces", proc.stdout, re.M)
+    assert all(int(n) > 0 for _, n in steps), proc.stdout[-3000:]
+    assert collections.Counter(label for label, _ in steps) == labels, proc.stdout[-3000:]
+    for label in labels:
+        assert f"| bf16 in the step{label} |" in proc.stdout, proc.stdout[-3000:]
